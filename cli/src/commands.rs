@@ -1,0 +1,339 @@
+//! The subcommands. Each is a thin layer over the server or client library.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::json;
+use starckpt_client::{
+    CheckpointInfo, CheckpointState, Client, ClientConfig, CommitState, RestoreOptions, SavePart, TargetState,
+};
+use starckpt_server::target::{EngineKind, TargetConfig};
+use tokio::net::TcpListener;
+
+use crate::output::{self, Output};
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => {}
+    }
+    tracing::info!("shutting down");
+}
+
+pub async fn server(listen: &str, db: &str) -> anyhow::Result<()> {
+    let store = starckpt_server::control::open_store(db).await?;
+    let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
+    starckpt_server::control::run(listener, store, Default::default(), shutdown_signal()).await
+}
+
+pub async fn target(
+    dir: PathBuf,
+    listen: &str,
+    advertise: Option<SocketAddr>,
+    engine: EngineKind,
+    server: &str,
+) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
+    let mut config = TargetConfig::new(dir, server.to_owned());
+    config.advertise = advertise;
+    config.engine = engine;
+    // The address line is for scripts and tests that start targets on port 0.
+    println!("target data plane listening on {}", listener.local_addr()?);
+    starckpt_server::target::run(config, listener, shutdown_signal()).await
+}
+
+pub async fn dev(data: &Path, targets: usize, listen: &str, engine: EngineKind) -> anyhow::Result<()> {
+    if targets == 0 {
+        bail!("--targets must be at least 1");
+    }
+    let mut cluster = starckpt_server::dev::DevCluster::start(data, listen, targets, engine).await?;
+    println!(
+        "starckpt dev cluster: control plane on {}, {} targets, data in {}",
+        cluster.control_address,
+        targets,
+        data.display()
+    );
+    for (index, address) in cluster.target_addresses.iter().enumerate() {
+        println!("  target-{index}: {address}");
+    }
+    println!("\nUse it from another shell:\n  export STARCKPT_SERVER={}", cluster.control_address);
+    tokio::select! {
+        _ = shutdown_signal() => cluster.shutdown().await,
+        error = cluster.failed() => Err(error),
+    }
+}
+
+pub struct SaveArgs {
+    pub job: String,
+    pub step: u64,
+    pub rank: u32,
+    pub world_size: u32,
+    pub attempt: Option<String>,
+    pub chunk_size: Option<usize>,
+    pub paths: Vec<PathBuf>,
+}
+
+async fn connect(server: &str, chunk_size: Option<usize>) -> anyhow::Result<Client> {
+    let mut config = ClientConfig::new(server);
+    if let Some(size) = chunk_size {
+        config.chunk_size_bytes = size;
+    }
+    Ok(Client::connect(config).await?)
+}
+
+pub async fn save(server: &str, args: SaveArgs, out: &Output) -> anyhow::Result<()> {
+    let client = connect(server, args.chunk_size).await?;
+    let items = starckpt_client::items_from_paths(&args.paths)?;
+    let mut part = SavePart::new(&args.job, args.step).items(items);
+    part.rank = args.rank;
+    part.world_size = args.world_size;
+    part.attempt_id = args.attempt;
+    let started = Instant::now();
+    let handle = client.save(part).await?;
+    let staged = started.elapsed();
+    let total = handle.total_bytes;
+    let bar = output::progress_bar(total, "saving");
+    let progress = Arc::clone(handle.progress());
+    let ticker = {
+        let bar = bar.clone();
+        tokio::spawn(async move {
+            loop {
+                bar.set_position(progress.done_bytes());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let result = handle.wait().await;
+    ticker.abort();
+    bar.finish_and_clear();
+    let outcome = result?;
+    let elapsed = started.elapsed();
+    if out.json {
+        out.json(json!({
+            "job": outcome.job, "step": outcome.step, "checkpoint_id": outcome.checkpoint_id,
+            "committed": outcome.committed(), "bytes": outcome.total_bytes, "chunks": outcome.chunks,
+            "deduplicated_chunks": outcome.deduplicated_chunks, "uploaded_bytes": outcome.uploaded_bytes,
+            "staged_seconds": staged.as_secs_f64(), "seconds": elapsed.as_secs_f64(),
+        }));
+        return Ok(());
+    }
+    let state = match outcome.state {
+        CommitState::Committed => "committed".to_string(),
+        CommitState::WaitingForRanks { parts_committed, world_size } => {
+            format!("part committed, waiting for ranks ({parts_committed}/{world_size})")
+        }
+    };
+    println!(
+        "{} step {}: {} ({}, {} chunks, {} deduplicated) in {:.2?} ({}), staged in {:.2?}",
+        outcome.job,
+        outcome.step,
+        state,
+        output::bytes(outcome.total_bytes),
+        outcome.chunks,
+        outcome.deduplicated_chunks,
+        elapsed,
+        output::rate(outcome.total_bytes, elapsed),
+        staged
+    );
+    Ok(())
+}
+
+fn state_name(state: i32) -> &'static str {
+    match CheckpointState::try_from(state) {
+        Ok(CheckpointState::Pending) => "pending",
+        Ok(CheckpointState::Committed) => "committed",
+        Ok(CheckpointState::Aborted) => "aborted",
+        Ok(CheckpointState::Deleted) => "deleted",
+        _ => "unknown",
+    }
+}
+
+fn checkpoint_json(c: &CheckpointInfo) -> serde_json::Value {
+    json!({
+        "job": c.job, "step": c.step, "state": state_name(c.state), "checkpoint_id": c.checkpoint_id,
+        "world_size": c.world_size, "parts_committed": c.parts_committed, "bytes": c.total_bytes,
+        "files": c.file_count, "created_at_ms": c.created_at_ms,
+        "committed_at_ms": if c.committed_at_ms == 0 { None } else { Some(c.committed_at_ms) },
+    })
+}
+
+pub async fn ls(server: &str, job: Option<String>, all: bool, out: &Output) -> anyhow::Result<()> {
+    let client = connect(server, None).await?;
+    match job {
+        None => {
+            let jobs = client.list_jobs().await?;
+            if out.json {
+                out.json(json!(
+                    jobs.iter()
+                        .map(|j| json!({
+                            "job": j.job, "committed_checkpoints": j.committed_checkpoints,
+                            "latest_step": j.latest_step, "committed_bytes": j.committed_bytes,
+                        }))
+                        .collect::<Vec<_>>()
+                ));
+                return Ok(());
+            }
+            println!("{:<32} {:>12} {:>12} {:>12}", "JOB", "CHECKPOINTS", "LATEST", "SIZE");
+            for j in jobs {
+                let latest = j.latest_step.map(|s| s.to_string()).unwrap_or_else(|| "-".into());
+                println!(
+                    "{:<32} {:>12} {:>12} {:>12}",
+                    j.job,
+                    j.committed_checkpoints,
+                    latest,
+                    output::bytes(j.committed_bytes)
+                );
+            }
+        }
+        Some(job) => {
+            let checkpoints = client.list_checkpoints(&job, all).await?;
+            if out.json {
+                out.json(json!(checkpoints.iter().map(checkpoint_json).collect::<Vec<_>>()));
+                return Ok(());
+            }
+            println!("{:>12} {:<10} {:>7} {:>12} {:>8} {:>16}", "STEP", "STATE", "RANKS", "SIZE", "FILES", "CREATED");
+            for c in checkpoints {
+                println!(
+                    "{:>12} {:<10} {:>7} {:>12} {:>8} {:>16}",
+                    c.step,
+                    state_name(c.state),
+                    format!("{}/{}", c.parts_committed, c.world_size),
+                    output::bytes(c.total_bytes),
+                    c.file_count,
+                    output::age(c.created_at_ms)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+pub async fn show(server: &str, job: &str, step: u64, out: &Output) -> anyhow::Result<()> {
+    let client = connect(server, None).await?;
+    let manifest = client.manifest(job, Some(step)).await?;
+    if out.json {
+        out.json(json!({
+            "checkpoint": checkpoint_json(&manifest.info),
+            "files": manifest.files.iter().map(|f| json!({
+                "path": f.path.as_str(), "bytes": f.size_bytes, "mode": f.mode, "chunks": f.chunks.len(),
+            })).collect::<Vec<_>>(),
+            "directories": manifest.directories.iter().map(|d| d.as_str()).collect::<Vec<_>>(),
+            "metadata": manifest.metadata.iter().map(|(rank, m)| json!({"rank": rank, "metadata": m})).collect::<Vec<_>>(),
+        }));
+        return Ok(());
+    }
+    let info = &manifest.info;
+    println!(
+        "{} step {}: {}, {} ranks, {} in {} files, committed {}",
+        info.job,
+        info.step,
+        state_name(info.state),
+        info.world_size,
+        output::bytes(info.total_bytes),
+        info.file_count,
+        output::age(info.committed_at_ms)
+    );
+    for file in &manifest.files {
+        println!("  {:>12}  {:>5} chunks  {}", output::bytes(file.size_bytes), file.chunks.len(), file.path);
+    }
+    for dir in &manifest.directories {
+        println!("  {:>12}  {:>12}  {}/", "dir", "", dir);
+    }
+    Ok(())
+}
+
+pub async fn restore(
+    server: &str,
+    job: &str,
+    step: Option<u64>,
+    to: &Path,
+    force: bool,
+    out: &Output,
+) -> anyhow::Result<()> {
+    let client = connect(server, None).await?;
+    let manifest = client.manifest(job, step).await?;
+    let total = manifest.total_bytes();
+    let bar = output::progress_bar(total, "restoring");
+    let progress = Arc::new(starckpt_client::RestoreProgress::default());
+    let ticker = {
+        let (bar, progress) = (bar.clone(), Arc::clone(&progress));
+        tokio::spawn(async move {
+            loop {
+                bar.set_position(progress.verified_bytes.load(std::sync::atomic::Ordering::Relaxed));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let started = Instant::now();
+    let result = client.restore_with_progress(&manifest, to, RestoreOptions { force }, progress).await;
+    ticker.abort();
+    bar.finish_and_clear();
+    let outcome = result.with_context(|| format!("restore {job} step {} to {}", manifest.info.step, to.display()))?;
+    let elapsed = started.elapsed();
+    if out.json {
+        out.json(json!({
+            "job": job, "step": manifest.info.step, "to": to, "files": outcome.files, "bytes": outcome.bytes,
+            "seconds": elapsed.as_secs_f64(),
+        }));
+    } else {
+        println!(
+            "restored {job} step {} to {}: {} files, {} in {:.2?} ({}), every chunk verified",
+            manifest.info.step,
+            to.display(),
+            outcome.files,
+            output::bytes(outcome.bytes),
+            elapsed,
+            output::rate(outcome.bytes, elapsed)
+        );
+    }
+    Ok(())
+}
+
+pub async fn rm(server: &str, job: &str, step: u64) -> anyhow::Result<()> {
+    let client = connect(server, None).await?;
+    client.delete(job, step).await?;
+    println!("deleted {job} step {step}");
+    Ok(())
+}
+
+pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
+    let client = connect(server, None).await?;
+    let targets = client.targets().await?;
+    if out.json {
+        out.json(json!({
+            "server": server,
+            "targets": targets.iter().map(|t| json!({
+                "target_id": t.target_id, "data_address": t.data_address,
+                "state": if t.state == TargetState::Alive as i32 { "alive" } else { "dead" },
+                "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "chunks": t.chunk_count,
+                "heartbeat_age_ms": t.heartbeat_age_ms, "transport": "tcp",
+            })).collect::<Vec<_>>(),
+        }));
+        return Ok(());
+    }
+    let alive = targets.iter().filter(|t| t.state == TargetState::Alive as i32).count();
+    println!("control plane {server}: {} targets, {alive} alive", targets.len());
+    println!(
+        "{:<38} {:<22} {:<6} {:>10} {:>10} {:>9} {:>10}",
+        "TARGET", "ADDRESS", "STATE", "USED", "CAPACITY", "CHUNKS", "HEARTBEAT"
+    );
+    for t in &targets {
+        let state = if t.state == TargetState::Alive as i32 { "alive" } else { "dead" };
+        println!(
+            "{:<38} {:<22} {:<6} {:>10} {:>10} {:>9} {:>10}",
+            t.target_id,
+            t.data_address,
+            state,
+            output::bytes(t.used_bytes),
+            output::bytes(t.capacity_bytes),
+            t.chunk_count,
+            format!("{:.1}s ago", t.heartbeat_age_ms as f64 / 1000.0)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,170 @@
+//! `starckpt`: the one binary. Parses flags, sets up logging, and calls into the libraries.
+
+mod commands;
+mod demo;
+mod output;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use starckpt_server::target::EngineKind;
+
+#[derive(Parser)]
+#[command(name = "starckpt", version, about = "Checkpoint storage for large-model training")]
+struct Cli {
+    /// Control-plane address.
+    #[arg(long, global = true, env = "STARCKPT_SERVER", default_value = "127.0.0.1:7070")]
+    server: String,
+    /// Machine-readable output (listing commands).
+    #[arg(long, global = true)]
+    json: bool,
+    /// More logging (-v info, -vv debug). RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Clone)]
+struct JobArg {
+    /// Job name.
+    #[arg(long, env = "STARCKPT_JOB")]
+    job: String,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the control plane.
+    Server {
+        #[arg(long, default_value = "127.0.0.1:7070")]
+        listen: String,
+        /// Metadata store: a SQLite file path or sqlite:// URL.
+        #[arg(long, default_value = "starckpt-meta.db")]
+        db: String,
+    },
+    /// Run a storage target on one device or directory.
+    Target {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: String,
+        /// Address clients should dial (default: the listen address).
+        #[arg(long)]
+        advertise: Option<SocketAddr>,
+        /// I/O engine: uring (io_uring + O_DIRECT) or std (blocking O_DIRECT, for containers
+        /// whose seccomp profile blocks io_uring).
+        #[arg(long, default_value = "uring")]
+        io_engine: EngineKind,
+    },
+    /// Run a control plane and N targets in one process, data kept in DIR across restarts.
+    Dev {
+        #[arg(long, default_value = "starckpt-dev")]
+        data: PathBuf,
+        #[arg(long, default_value_t = 3)]
+        targets: usize,
+        #[arg(long, default_value = "127.0.0.1:7070")]
+        listen: String,
+        #[arg(long, default_value = "uring")]
+        io_engine: EngineKind,
+    },
+    /// Save files or directory trees as (a rank's part of) a checkpoint.
+    Save {
+        #[command(flatten)]
+        job: JobArg,
+        #[arg(long)]
+        step: u64,
+        /// This process's rank, for multi-rank checkpoints.
+        #[arg(long, default_value_t = 0)]
+        rank: u32,
+        #[arg(long, default_value_t = 1)]
+        world_size: u32,
+        /// Attempt id shared by all ranks of this save (required when world size > 1).
+        #[arg(long, env = "STARCKPT_ATTEMPT_ID")]
+        attempt: Option<String>,
+        /// Chunk size in bytes.
+        #[arg(long)]
+        chunk_size: Option<usize>,
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+    /// List jobs, or the checkpoints of JOB.
+    Ls {
+        job: Option<String>,
+        /// Include aborted and deleted checkpoints.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Show a checkpoint's files.
+    Show { job: String, step: u64 },
+    /// Restore a checkpoint into a directory.
+    Restore {
+        #[command(flatten)]
+        job: JobArg,
+        #[arg(long, conflicts_with = "step", required_unless_present = "step")]
+        latest: bool,
+        #[arg(long)]
+        step: Option<u64>,
+        #[arg(long)]
+        to: PathBuf,
+        /// Replace a non-empty destination.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Delete a checkpoint.
+    Rm { job: String, step: u64 },
+    /// Targets, their capacity and health.
+    Status,
+    /// Start a throwaway cluster, save a multi-GB synthetic state at a few steps, simulate a
+    /// preemption, restore the latest, verify it, and print timings against raw disk and memory.
+    Demo(demo::DemoArgs),
+}
+
+fn init_logging(verbose: u8, default: &str) {
+    let level = match verbose {
+        0 => default,
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let daemon = matches!(cli.command, Command::Server { .. } | Command::Target { .. } | Command::Dev { .. });
+    init_logging(cli.verbose, if daemon { "info" } else { "warn" });
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let out = output::Output { json: cli.json };
+    match cli.command {
+        Command::Server { listen, db } => commands::server(&listen, &db).await,
+        Command::Target { dir, listen, advertise, io_engine } => {
+            commands::target(dir, &listen, advertise, io_engine, &cli.server).await
+        }
+        Command::Dev { data, targets, listen, io_engine } => commands::dev(&data, targets, &listen, io_engine).await,
+        Command::Save { job, step, rank, world_size, attempt, chunk_size, paths } => {
+            let args = commands::SaveArgs { job: job.job, step, rank, world_size, attempt, chunk_size, paths };
+            commands::save(&cli.server, args, &out).await
+        }
+        Command::Ls { job, all } => commands::ls(&cli.server, job, all, &out).await,
+        Command::Show { job, step } => commands::show(&cli.server, &job, step, &out).await,
+        Command::Restore { job, latest: _, step, to, force } => {
+            commands::restore(&cli.server, &job.job, step, &to, force, &out).await
+        }
+        Command::Rm { job, step } => commands::rm(&cli.server, &job, step).await,
+        Command::Status => commands::status(&cli.server, &out).await,
+        Command::Demo(args) => demo::run(args).await,
+    }
+}

@@ -1,0 +1,48 @@
+//! Human and JSON output helpers.
+
+use std::time::Duration;
+
+use indicatif::{HumanBytes, HumanDuration, ProgressBar, ProgressStyle};
+
+pub struct Output {
+    pub json: bool,
+}
+
+impl Output {
+    pub fn json(&self, value: serde_json::Value) {
+        println!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
+    }
+}
+
+/// Bytes per second as a human string.
+pub fn rate(bytes: u64, elapsed: Duration) -> String {
+    let secs = elapsed.as_secs_f64().max(1e-9);
+    format!("{}/s", HumanBytes((bytes as f64 / secs) as u64))
+}
+
+pub fn bytes(n: u64) -> String {
+    HumanBytes(n).to_string()
+}
+
+/// "3 minutes ago" for a Unix-milliseconds timestamp.
+pub fn age(unix_ms: u64) -> String {
+    if unix_ms == 0 {
+        return "-".into();
+    }
+    let now =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    format!("{} ago", HumanDuration(Duration::from_millis(now.saturating_sub(unix_ms))))
+}
+
+/// Progress bars are drawn only for transfers over this size (and only on a terminal).
+pub const PROGRESS_MIN_BYTES: u64 = 8 << 20;
+
+pub fn progress_bar(total: u64, verb: &str) -> ProgressBar {
+    if total < PROGRESS_MIN_BYTES {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    let template = format!("{verb} {{bar:40}} {{bytes}}/{{total_bytes}} {{binary_bytes_per_sec}} eta {{eta}}");
+    bar.set_style(ProgressStyle::with_template(&template).unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar
+}

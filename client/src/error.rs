@@ -1,0 +1,71 @@
+//! Errors of the client SDK. Each names what failed: the job and step, the file, the chunk, the
+//! target and its address.
+
+use std::path::PathBuf;
+
+use starckpt_proto::{ChunkHash, ModelError};
+use thiserror::Error;
+
+use crate::transport::TransportError;
+
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error("control plane at {address} is unreachable: {message}")]
+    Unreachable { address: String, message: String },
+    #[error("{op}: {message}")]
+    NotFound { op: &'static str, message: String },
+    #[error("{op}: {message}")]
+    AlreadyExists { op: &'static str, message: String },
+    #[error("{op}: {message}")]
+    Rejected { op: &'static str, message: String },
+    #[error("{op} failed at the control plane: {status}")]
+    Control { op: &'static str, status: Box<tonic::Status> },
+    #[error("target {target_id} ({address}): {source}")]
+    Target { target_id: String, address: String, source: TransportError },
+    #[error("chunk {hash} from target {target_id} ({address}) failed its BLAKE3 check (got {actual})")]
+    Checksum { hash: ChunkHash, actual: ChunkHash, target_id: String, address: String },
+    #[error("no replica of chunk {hash} could be read: {last}")]
+    ChunkUnavailable { hash: ChunkHash, last: Box<Error> },
+    #[error("no storage target accepted chunk {hash}: {last}")]
+    NoTarget { hash: ChunkHash, last: Box<Error> },
+    /// A name, path or manifest failed validation.
+    #[error("{0}")]
+    Invalid(#[from] ModelError),
+    #[error("{op} {path}: {source}")]
+    Io { op: &'static str, path: PathBuf, source: std::io::Error },
+    #[error("{0}")]
+    InvalidInput(String),
+    #[error("save was cancelled: {0}")]
+    Cancelled(String),
+}
+
+impl Error {
+    pub(crate) fn from_status(op: &'static str, address: &str, status: tonic::Status) -> Error {
+        use tonic::Code;
+        let message = status.message().to_owned();
+        match status.code() {
+            Code::NotFound => Error::NotFound { op, message },
+            Code::AlreadyExists => Error::AlreadyExists { op, message },
+            Code::InvalidArgument | Code::FailedPrecondition => Error::Rejected { op, message },
+            Code::Unavailable if message.contains("no live storage targets") => Error::Rejected { op, message },
+            Code::Unavailable | Code::DeadlineExceeded => Error::Unreachable { address: address.to_owned(), message },
+            _ => Error::Control { op, status: Box::new(status) },
+        }
+    }
+
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
+        let path = path.into();
+        move |source| Error::Io { op, path, source }
+    }
+
+    /// True for a checksum failure anywhere in the chain (for callers that branch on corruption).
+    pub fn is_checksum(&self) -> bool {
+        match self {
+            Error::Checksum { .. } => true,
+            Error::ChunkUnavailable { last, .. } => last.is_checksum(),
+            _ => false,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,239 @@
+//! The starckpt client SDK.
+//!
+//! A trainer saves a checkpoint part asynchronously (the call returns once the bytes are staged in
+//! SDK-owned buffers; chunking, hashing, deduplication and upload continue in the background),
+//! finds the latest committed checkpoint after a preemption in one call, and restores it with
+//! every chunk verified against its BLAKE3 hash.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), starckpt_client::Error> {
+//! use starckpt_client::{Client, ClientConfig, SavePart};
+//!
+//! let client = Client::connect(ClientConfig::new("127.0.0.1:7070")).await?;
+//! let part = SavePart::new("llama", 100)
+//!     .buffer("model/weights.bin", bytes::Bytes::from(vec![0u8; 1 << 20]))?;
+//! let handle = client.save(part).await?;      // returns once staged
+//! let outcome = handle.wait().await?;         // committed
+//! assert!(outcome.committed());
+//!
+//! let latest = client.latest("llama").await?.expect("one checkpoint");
+//! let manifest = client.manifest("llama", Some(latest.step)).await?;
+//! let weights = client.read_file(&manifest, "model/weights.bin").await?;
+//! client.restore(&manifest, std::path::Path::new("/tmp/llama-100"), Default::default()).await?;
+//! # Ok(()) }
+//! ```
+
+mod error;
+pub mod placement;
+mod restore;
+mod save;
+pub mod transport;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use starckpt_proto::JobName;
+use starckpt_proto::buf::BufPool;
+use starckpt_proto::control::control_client::ControlClient;
+use starckpt_proto::control::{self as pb};
+use tonic::transport::Channel;
+
+pub use error::{Error, Result};
+pub use restore::{CheckpointManifest, RestoreOptions, RestoreOutcome, RestoreProgress};
+pub use save::{CommitState, SaveHandle, SaveItem, SaveOutcome, SavePart, SaveProgress, items_from_paths};
+pub use starckpt_proto::control::{CheckpointInfo, CheckpointState, JobInfo, TargetInfo, TargetState};
+use transport::{ChunkTransport, TcpConfig, TcpTransport};
+
+/// Client configuration. Every field has a default chosen for one trainer process on a host with
+/// tens of GB of memory; see each field.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// Control-plane address, `host:port` or URL.
+    pub server: String,
+    /// Chunk size. Default 4 MiB: per-chunk costs (a round trip, a device sync, ~100 bytes of
+    /// manifest) stay under ~5% of transfer time, and one tensor file still spreads over targets.
+    pub chunk_size_bytes: usize,
+    /// Staging memory: the most bytes a save holds in SDK buffers at once. Default 1 GiB. A save
+    /// larger than this returns once its last byte is staged, which waits for earlier chunks to
+    /// upload; memory never grows past it.
+    pub staging_bytes: usize,
+    /// Chunks uploading at once per save. Default 16 (64 MiB in flight at 4 MiB chunks): enough to
+    /// keep several targets at queue depth 4+.
+    pub upload_concurrency: usize,
+    /// Chunks fetched at once per restore. Default 16.
+    pub restore_concurrency: usize,
+    /// Deadline of each control-plane call. Default 30 s.
+    pub rpc_timeout: Duration,
+    pub tcp: TcpConfig,
+}
+
+impl ClientConfig {
+    pub fn new(server: impl Into<String>) -> ClientConfig {
+        ClientConfig {
+            server: server.into(),
+            chunk_size_bytes: 4 << 20,
+            staging_bytes: 1 << 30,
+            upload_concurrency: 16,
+            restore_concurrency: 16,
+            rpc_timeout: Duration::from_secs(30),
+            tcp: TcpConfig::default(),
+        }
+    }
+}
+
+/// Data-plane transports by target id, rebuilt when a target's address changes.
+/// A target's current data address and the transport dialled to it.
+type KnownTarget = (String, Arc<dyn ChunkTransport>);
+
+#[derive(Default)]
+struct Targets {
+    by_id: Mutex<HashMap<String, KnownTarget>>,
+}
+
+impl Targets {
+    fn transport(&self, target_id: &str, address: &str, config: &TcpConfig) -> Result<Arc<dyn ChunkTransport>> {
+        let mut map = self.by_id.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((known, transport)) = map.get(target_id)
+            && known == address
+        {
+            return Ok(Arc::clone(transport));
+        }
+        let socket: SocketAddr = address
+            .parse()
+            .map_err(|_| Error::InvalidInput(format!("target {target_id} advertises a bad address {address:?}")))?;
+        let transport: Arc<dyn ChunkTransport> = Arc::new(TcpTransport::new(socket, config.clone()));
+        map.insert(target_id.to_owned(), (address.to_owned(), Arc::clone(&transport)));
+        Ok(transport)
+    }
+}
+
+struct Inner {
+    config: ClientConfig,
+    control: ControlClient<Channel>,
+    staging: BufPool,
+    targets: Targets,
+}
+
+/// A connection to a starckpt cluster. Cheap to clone; clones share connections and the staging
+/// pool.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl Client {
+    /// Connects to the control plane (failing fast if it is unreachable).
+    pub async fn connect(config: ClientConfig) -> Result<Client> {
+        if config.chunk_size_bytes == 0 || config.chunk_size_bytes > starckpt_proto::frame::MAX_PAYLOAD_BYTES as usize {
+            return Err(Error::InvalidInput(format!(
+                "chunk size {} is outside 1..={}",
+                config.chunk_size_bytes,
+                starckpt_proto::frame::MAX_PAYLOAD_BYTES
+            )));
+        }
+        let url = starckpt_proto::control_url(&config.server);
+        let endpoint = tonic::transport::Endpoint::from_shared(url.clone())
+            .map_err(|e| Error::InvalidInput(format!("bad control-plane address {:?}: {e}", config.server)))?
+            .connect_timeout(Duration::from_secs(5))
+            .timeout(config.rpc_timeout);
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| Error::Unreachable { address: config.server.clone(), message: error_chain(&e) })?;
+        let control =
+            ControlClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
+        let buffers = (config.staging_bytes / config.chunk_size_bytes).max(1);
+        let staging = BufPool::new(config.chunk_size_bytes, buffers);
+        Ok(Client { inner: Arc::new(Inner { config, control, staging, targets: Targets::default() }) })
+    }
+
+    pub fn config(&self) -> &ClientConfig {
+        &self.inner.config
+    }
+
+    fn control(&self) -> ControlClient<Channel> {
+        self.inner.control.clone()
+    }
+
+    fn status(&self, op: &'static str) -> impl FnOnce(tonic::Status) -> Error + '_ {
+        move |status| Error::from_status(op, &self.inner.config.server, status)
+    }
+
+    pub(crate) fn transport(&self, target_id: &str, address: &str) -> Result<Arc<dyn ChunkTransport>> {
+        self.inner.targets.transport(target_id, address, &self.inner.config.tcp)
+    }
+
+    /// The highest committed checkpoint of `job`, if any.
+    pub async fn latest(&self, job: &str) -> Result<Option<CheckpointInfo>> {
+        let job = JobName::try_from(job)?;
+        let response =
+            self.control().latest(pb::LatestRequest { job: job.to_string() }).await.map_err(self.status("latest"))?;
+        Ok(response.into_inner().checkpoint)
+    }
+
+    pub async fn list_jobs(&self) -> Result<Vec<JobInfo>> {
+        let response = self.control().list_jobs(pb::ListJobsRequest {}).await.map_err(self.status("list jobs"))?;
+        Ok(response.into_inner().jobs)
+    }
+
+    /// Checkpoints of `job` by step; with `include_inactive`, aborted and deleted ones too.
+    pub async fn list_checkpoints(&self, job: &str, include_inactive: bool) -> Result<Vec<CheckpointInfo>> {
+        let job = JobName::try_from(job)?;
+        let response = self
+            .control()
+            .list_checkpoints(pb::ListCheckpointsRequest { job: job.to_string(), include_inactive })
+            .await
+            .map_err(self.status("list checkpoints"))?;
+        Ok(response.into_inner().checkpoints)
+    }
+
+    pub async fn delete(&self, job: &str, step: u64) -> Result<()> {
+        let job = JobName::try_from(job)?;
+        self.control()
+            .delete_checkpoint(pb::DeleteCheckpointRequest { job: job.to_string(), step })
+            .await
+            .map_err(self.status("delete checkpoint"))?;
+        Ok(())
+    }
+
+    pub async fn targets(&self) -> Result<Vec<TargetInfo>> {
+        let response =
+            self.control().list_targets(pb::ListTargetsRequest {}).await.map_err(self.status("list targets"))?;
+        Ok(response.into_inner().targets)
+    }
+
+    /// Asks a target for its own view of its store (over the data plane).
+    pub async fn target_stat(&self, target: &TargetInfo) -> Result<transport::TargetStat> {
+        let transport = self.transport(&target.target_id, &target.data_address)?;
+        transport.stat().await.map_err(|source| Error::Target {
+            target_id: target.target_id.clone(),
+            address: target.data_address.clone(),
+            source,
+        })
+    }
+}
+
+/// The error and its sources on one line (tonic's connect errors hide the cause in the chain).
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+impl Client {
+    /// Allocates and pre-faults up to `bytes` of staging buffers now, so the first save does not
+    /// pay for first-touch page faults (0.38 GB/s on these VMs against 13.5 GB/s into touched
+    /// memory). Bounded by [`ClientConfig::staging_bytes`].
+    pub fn warm_staging(&self, bytes: usize) {
+        let staging = &self.inner.staging;
+        let wanted = bytes.min(self.inner.config.staging_bytes).div_ceil(staging.buf_bytes());
+        staging.prefill(wanted);
+    }
+}

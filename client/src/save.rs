@@ -1,0 +1,561 @@
+//! The asynchronous save pipeline.
+//!
+//! ```text
+//!  caller ──stage──► staging pool buffers ──channel──► upload workers ──► targets
+//!  (save() returns        (bounded: ClientConfig      hash (BLAKE3), rendezvous placement,
+//!   when the last byte     ::staging_bytes)           HAS (dedup), PUT; buffer back to pool
+//!   is staged)                                                   │
+//!                                          all chunks acked ──► CommitPart at the control plane
+//! ```
+//!
+//! Memory is bounded by the staging pool: staging waits for a free buffer, and a buffer returns to
+//! the pool only when its chunk is durable on a target (or found there already). A failed upload
+//! stops staging, and the part is never committed: the checkpoint stays pending until a new
+//! attempt of the same step aborts it.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use starckpt_proto::buf::PooledBuf;
+use starckpt_proto::control as pb;
+use starckpt_proto::model::{ChunkRef, Codec, FileEntry, Manifest};
+use starckpt_proto::{ChunkHash, JobName, RelPath};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::placement::rank_targets;
+use crate::transport::{ChunkTransport, TransportError};
+use crate::{Client, Error, Result};
+
+/// One entry of a checkpoint part.
+#[derive(Clone, Debug)]
+pub enum SaveItem {
+    /// A file on local disk, read at staging time.
+    File { path: RelPath, source: PathBuf, mode: u32 },
+    /// Bytes in memory, copied into staging buffers (the caller may drop them once `save` returns).
+    Buffer { path: RelPath, data: Bytes },
+    /// A directory to recreate on restore even if empty.
+    Directory { path: RelPath },
+}
+
+impl SaveItem {
+    fn path(&self) -> &RelPath {
+        match self {
+            SaveItem::File { path, .. } | SaveItem::Buffer { path, .. } | SaveItem::Directory { path } => path,
+        }
+    }
+}
+
+/// One rank's part of checkpoint (job, step).
+#[derive(Clone, Debug)]
+pub struct SavePart {
+    pub job: String,
+    pub step: u64,
+    pub rank: u32,
+    pub world_size: u32,
+    /// Shared by all ranks of one save; required when `world_size > 1` (see `BeginCheckpointRequest`
+    /// in control.proto). A single rank gets a fresh one.
+    pub attempt_id: Option<String>,
+    pub items: Vec<SaveItem>,
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl SavePart {
+    pub fn new(job: impl Into<String>, step: u64) -> SavePart {
+        SavePart {
+            job: job.into(),
+            step,
+            rank: 0,
+            world_size: 1,
+            attempt_id: None,
+            items: Vec::new(),
+            metadata: BTreeMap::new(),
+        }
+    }
+
+    pub fn rank(mut self, rank: u32, world_size: u32, attempt_id: impl Into<String>) -> SavePart {
+        self.rank = rank;
+        self.world_size = world_size;
+        self.attempt_id = Some(attempt_id.into());
+        self
+    }
+
+    pub fn buffer(mut self, path: &str, data: Bytes) -> Result<SavePart> {
+        self.items.push(SaveItem::Buffer { path: RelPath::try_from(path)?, data });
+        Ok(self)
+    }
+
+    pub fn file(mut self, path: &str, source: impl Into<PathBuf>) -> Result<SavePart> {
+        self.items.push(SaveItem::File { path: RelPath::try_from(path)?, source: source.into(), mode: 0 });
+        Ok(self)
+    }
+
+    pub fn directory(mut self, path: &str) -> Result<SavePart> {
+        self.items.push(SaveItem::Directory { path: RelPath::try_from(path)? });
+        Ok(self)
+    }
+
+    pub fn items(mut self, items: Vec<SaveItem>) -> SavePart {
+        self.items.extend(items);
+        self
+    }
+}
+
+/// Items for local paths: a file becomes one item named by its file name; a directory contributes
+/// its whole tree with paths relative to it (empty directories included). Symlinks and special
+/// files are refused rather than silently skipped. Names must be unique across `paths`.
+pub fn items_from_paths(paths: &[PathBuf]) -> Result<Vec<SaveItem>> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut items = Vec::new();
+    for root in paths {
+        let meta = std::fs::symlink_metadata(root).map_err(Error::io("stat", root))?;
+        if meta.is_file() {
+            let name = root
+                .file_name()
+                .and_then(|n| n.to_str())
+                .ok_or_else(|| Error::InvalidInput(format!("{} has no UTF-8 file name", root.display())))?;
+            items.push(SaveItem::File {
+                path: RelPath::try_from(name)?,
+                source: root.clone(),
+                mode: meta.permissions().mode() & 0o7777,
+            });
+        } else if meta.is_dir() {
+            walk(root, root, &mut items)?;
+        } else {
+            return Err(Error::InvalidInput(format!("{} is not a regular file or directory", root.display())));
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    for item in &items {
+        if !seen.insert(item.path().clone()) {
+            return Err(Error::InvalidInput(format!("two inputs would both be saved as {}", item.path())));
+        }
+    }
+    Ok(items)
+}
+
+fn walk(root: &Path, dir: &Path, items: &mut Vec<SaveItem>) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .map_err(Error::io("list", dir))?
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(Error::io("list", dir))?;
+    entries.sort_by_key(|e| e.file_name());
+    if entries.is_empty() && dir != root {
+        items.push(SaveItem::Directory { path: relative(root, dir)? });
+    }
+    for entry in entries {
+        let path = entry.path();
+        let meta = std::fs::symlink_metadata(&path).map_err(Error::io("stat", &path))?;
+        if meta.is_dir() {
+            walk(root, &path, items)?;
+        } else if meta.is_file() {
+            items.push(SaveItem::File {
+                path: relative(root, &path)?,
+                source: path,
+                mode: meta.permissions().mode() & 0o7777,
+            });
+        } else {
+            return Err(Error::InvalidInput(format!(
+                "{} is a symlink or special file; only regular files and directories can be saved",
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn relative(root: &Path, path: &Path) -> Result<RelPath> {
+    let rel =
+        path.strip_prefix(root).map_err(|_| Error::InvalidInput(format!("{} escapes its root", path.display())))?;
+    let text = rel.to_str().ok_or_else(|| Error::InvalidInput(format!("{} is not UTF-8", path.display())))?;
+    Ok(RelPath::try_from(text)?)
+}
+
+/// Live counters of a save, updated by the pipeline.
+#[derive(Debug, Default)]
+pub struct SaveProgress {
+    pub staged_bytes: AtomicU64,
+    pub uploaded_bytes: AtomicU64,
+    pub deduplicated_bytes: AtomicU64,
+    pub chunks: AtomicU64,
+    pub deduplicated_chunks: AtomicU64,
+}
+
+impl SaveProgress {
+    /// Bytes whose chunk is durable on a target, uploaded now or found there already.
+    pub fn done_bytes(&self) -> u64 {
+        self.uploaded_bytes.load(Ordering::Relaxed) + self.deduplicated_bytes.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitState {
+    /// Every rank's part is in: the checkpoint is complete and visible to `latest`.
+    Committed,
+    /// This part is in; other ranks have not committed yet.
+    WaitingForRanks { parts_committed: u32, world_size: u32 },
+}
+
+#[derive(Clone, Debug)]
+pub struct SaveOutcome {
+    pub checkpoint_id: u64,
+    pub job: String,
+    pub step: u64,
+    pub state: CommitState,
+    pub total_bytes: u64,
+    pub chunks: u64,
+    pub deduplicated_chunks: u64,
+    pub uploaded_bytes: u64,
+}
+
+impl SaveOutcome {
+    pub fn committed(&self) -> bool {
+        self.state == CommitState::Committed
+    }
+}
+
+/// A save whose bytes are staged; resolves when the part is committed.
+pub struct SaveHandle {
+    pub checkpoint_id: u64,
+    pub total_bytes: u64,
+    progress: Arc<SaveProgress>,
+    task: JoinHandle<Result<SaveOutcome>>,
+}
+
+impl SaveHandle {
+    pub fn progress(&self) -> &Arc<SaveProgress> {
+        &self.progress
+    }
+
+    /// True once the upload and commit have finished (successfully or not).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    pub async fn wait(self) -> Result<SaveOutcome> {
+        self.task.await.map_err(|e| Error::Cancelled(e.to_string()))?
+    }
+}
+
+struct StagedChunk {
+    file: usize,
+    index: usize,
+    buf: PooledBuf,
+}
+
+#[derive(Clone)]
+struct Placement {
+    ids: Vec<String>,
+    transports: Vec<Arc<dyn ChunkTransport>>,
+    addresses: Vec<String>,
+}
+
+impl Client {
+    /// Starts saving a part. Returns once every byte is copied into staging buffers; the returned
+    /// handle resolves when the part is committed (and says whether that completed the checkpoint).
+    pub async fn save(&self, part: SavePart) -> Result<SaveHandle> {
+        let job = JobName::try_from(part.job.as_str())?;
+        let attempt_id = match (&part.attempt_id, part.world_size) {
+            (Some(id), _) => id.clone(),
+            (None, 1) => uuid::Uuid::new_v4().to_string(),
+            (None, _) => {
+                return Err(Error::InvalidInput(
+                    "a save with several ranks needs an attempt id shared by all ranks (--attempt / STARCKPT_ATTEMPT_ID)"
+                        .into(),
+                ));
+            }
+        };
+        if part.rank >= part.world_size {
+            return Err(Error::InvalidInput(format!("rank {} is outside world size {}", part.rank, part.world_size)));
+        }
+        let begin = self
+            .control()
+            .begin_checkpoint(pb::BeginCheckpointRequest {
+                job: job.to_string(),
+                step: part.step,
+                world_size: part.world_size,
+                attempt_id,
+            })
+            .await
+            .map_err(self.status("begin checkpoint"))?
+            .into_inner();
+        let mut placement = Placement { ids: vec![], transports: vec![], addresses: vec![] };
+        for target in &begin.placement {
+            placement.transports.push(self.transport(&target.target_id, &target.data_address)?);
+            placement.ids.push(target.target_id.clone());
+            placement.addresses.push(target.data_address.clone());
+        }
+
+        let progress = Arc::new(SaveProgress::default());
+        let (chunks, receiver) = mpsc::channel::<StagedChunk>(64);
+        let uploads = tokio::spawn(upload_all(
+            receiver,
+            placement,
+            Arc::clone(&progress),
+            self.inner.config.upload_concurrency.max(1),
+        ));
+        let staged = self.stage(&part.items, &chunks, &progress).await;
+        drop(chunks);
+        let files = match staged {
+            Ok(files) => files,
+            Err(stage_error) => {
+                // An upload failure closes the channel and is the real cause; prefer it.
+                return Err(match uploads.await {
+                    Ok(Err(upload_error)) => upload_error,
+                    _ => stage_error,
+                });
+            }
+        };
+        let total_bytes = files.iter().map(|f| f.size).sum();
+        let client = self.clone();
+        let task_progress = Arc::clone(&progress);
+        let checkpoint_id = begin.checkpoint_id;
+        let task = tokio::spawn(async move {
+            let mut chunk_refs = uploads.await.map_err(|e| Error::Cancelled(e.to_string()))??;
+            let mut manifest = Manifest { metadata: part.metadata.clone(), ..Default::default() };
+            for (file_index, file) in files.into_iter().enumerate() {
+                match file.kind {
+                    StagedKind::Directory => manifest.directories.push(file.path),
+                    StagedKind::File { mode } => {
+                        let chunks = (0..file.chunks)
+                            .map(|index| {
+                                chunk_refs.remove(&(file_index, index)).ok_or_else(|| {
+                                    Error::Cancelled(format!("chunk {index} of {} was never uploaded", file.path))
+                                })
+                            })
+                            .collect::<Result<Vec<_>>>()?;
+                        manifest.files.push(FileEntry { path: file.path, size_bytes: file.size, mode, chunks });
+                    }
+                }
+            }
+            let response = client
+                .control()
+                .commit_part(pb::CommitPartRequest {
+                    checkpoint_id,
+                    rank: part.rank,
+                    manifest: Some(pb::Manifest::from(&manifest)),
+                })
+                .await
+                .map_err(client.status("commit part"))?
+                .into_inner();
+            let state = if response.state == pb::CheckpointState::Committed as i32 {
+                CommitState::Committed
+            } else {
+                CommitState::WaitingForRanks {
+                    parts_committed: response.parts_committed,
+                    world_size: response.world_size,
+                }
+            };
+            Ok(SaveOutcome {
+                checkpoint_id,
+                job: part.job,
+                step: part.step,
+                state,
+                total_bytes,
+                chunks: task_progress.chunks.load(Ordering::Relaxed),
+                deduplicated_chunks: task_progress.deduplicated_chunks.load(Ordering::Relaxed),
+                uploaded_bytes: task_progress.uploaded_bytes.load(Ordering::Relaxed),
+            })
+        });
+        Ok(SaveHandle { checkpoint_id, total_bytes, progress, task })
+    }
+
+    /// Copies every item into staging buffers and hands them to the uploaders.
+    async fn stage(
+        &self,
+        items: &[SaveItem],
+        chunks: &mpsc::Sender<StagedChunk>,
+        progress: &SaveProgress,
+    ) -> Result<Vec<StagedFile>> {
+        let pool = &self.inner.staging;
+        let chunk_size = self.inner.config.chunk_size_bytes;
+        let closed = || Error::Cancelled("upload stopped".into());
+        let mut files = Vec::with_capacity(items.len());
+        for (file_index, item) in items.iter().enumerate() {
+            match item {
+                SaveItem::Directory { path } => {
+                    files.push(StagedFile { path: path.clone(), size: 0, chunks: 0, kind: StagedKind::Directory })
+                }
+                SaveItem::Buffer { path, data } => {
+                    let mut index = 0;
+                    for piece in data.chunks(chunk_size) {
+                        let mut buf = pool.acquire().await;
+                        buf.buf_mut().full_mut()[..piece.len()].copy_from_slice(piece);
+                        buf.buf_mut().set_len(piece.len());
+                        progress.staged_bytes.fetch_add(piece.len() as u64, Ordering::Relaxed);
+                        chunks.send(StagedChunk { file: file_index, index, buf }).await.map_err(|_| closed())?;
+                        index += 1;
+                    }
+                    let size = data.len() as u64;
+                    files.push(StagedFile {
+                        path: path.clone(),
+                        size,
+                        chunks: index,
+                        kind: StagedKind::File { mode: 0 },
+                    });
+                }
+                SaveItem::File { path, source, mode } => {
+                    let mut file = Some(std::fs::File::open(source).map_err(Error::io("open", source))?);
+                    let (mut index, mut size) = (0usize, 0u64);
+                    loop {
+                        let buf = pool.acquire().await;
+                        let taken = file.take().expect("file is returned after each read");
+                        let (returned, buf, read) = tokio::task::spawn_blocking(move || {
+                            let mut buf = buf;
+                            let read = read_full(&taken, &mut buf.buf_mut().full_mut()[..chunk_size]);
+                            if let Ok(n) = read {
+                                buf.buf_mut().set_len(n);
+                            }
+                            (taken, buf, read)
+                        })
+                        .await
+                        .map_err(|e| Error::Cancelled(e.to_string()))?;
+                        file = Some(returned);
+                        let n = read.map_err(Error::io("read", source))?;
+                        if n == 0 {
+                            break;
+                        }
+                        size += n as u64;
+                        progress.staged_bytes.fetch_add(n as u64, Ordering::Relaxed);
+                        chunks.send(StagedChunk { file: file_index, index, buf }).await.map_err(|_| closed())?;
+                        index += 1;
+                        if n < chunk_size {
+                            break;
+                        }
+                    }
+                    files.push(StagedFile {
+                        path: path.clone(),
+                        size,
+                        chunks: index,
+                        kind: StagedKind::File { mode: *mode },
+                    });
+                }
+            }
+        }
+        Ok(files)
+    }
+}
+
+fn read_full(file: &std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    use std::io::Read;
+    let mut reader = file;
+    let mut done = 0;
+    while done < buf.len() {
+        match reader.read(&mut buf[done..]) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+enum StagedKind {
+    File { mode: u32 },
+    Directory,
+}
+
+struct StagedFile {
+    path: RelPath,
+    size: u64,
+    chunks: usize,
+    kind: StagedKind,
+}
+
+type ChunkRefs = std::collections::HashMap<(usize, usize), ChunkRef>;
+
+async fn upload_all(
+    receiver: mpsc::Receiver<StagedChunk>,
+    placement: Placement,
+    progress: Arc<SaveProgress>,
+    concurrency: usize,
+) -> Result<ChunkRefs> {
+    let mut receiver = receiver;
+    let staged = futures::stream::poll_fn(move |cx| receiver.poll_recv(cx));
+    let mut uploads = staged
+        .map(|chunk| {
+            let (placement, progress) = (placement.clone(), Arc::clone(&progress));
+            async move {
+                let (file, index) = (chunk.file, chunk.index);
+                upload_one(chunk.buf, &placement, &progress).await.map(|chunk_ref| ((file, index), chunk_ref))
+            }
+        })
+        .buffer_unordered(concurrency);
+    let mut refs = ChunkRefs::new();
+    while let Some(result) = uploads.next().await {
+        let (key, chunk_ref) = result?;
+        refs.insert(key, chunk_ref);
+    }
+    Ok(refs)
+}
+
+/// Hashes one staged chunk and makes it durable on the first target (in rendezvous order) that
+/// accepts it. A target that is unreachable or full is skipped for the next candidate; the
+/// manifest records where the chunk really went.
+async fn upload_one(buf: PooledBuf, placement: &Placement, progress: &SaveProgress) -> Result<ChunkRef> {
+    let data = buf.freeze();
+    let length = data.len() as u64;
+    let hashed = data.clone();
+    let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed))
+        .await
+        .map_err(|e| Error::Cancelled(e.to_string()))?;
+    progress.chunks.fetch_add(1, Ordering::Relaxed);
+    let ids: Vec<&str> = placement.ids.iter().map(String::as_str).collect();
+    let mut last_error = None;
+    for index in rank_targets(&hash, &ids) {
+        let transport = &placement.transports[index];
+        let attempt = async {
+            if transport.has(&[hash]).await?.first() == Some(&true) {
+                return Ok::<bool, TransportError>(true);
+            }
+            transport.put(hash, data.clone()).await
+        };
+        match attempt.await {
+            Ok(already_present) => {
+                if already_present {
+                    progress.deduplicated_chunks.fetch_add(1, Ordering::Relaxed);
+                    progress.deduplicated_bytes.fetch_add(length, Ordering::Relaxed);
+                } else {
+                    progress.uploaded_bytes.fetch_add(length, Ordering::Relaxed);
+                }
+                return Ok(ChunkRef {
+                    hash,
+                    length_bytes: length,
+                    stored_length_bytes: length,
+                    codec: Codec::None,
+                    replicas: vec![placement.ids[index].clone()],
+                });
+            }
+            Err(source) => {
+                let retry_elsewhere = source.is_connection()
+                    || matches!(
+                        source,
+                        TransportError::Remote {
+                            code: starckpt_proto::data::ErrorCode::NoSpace | starckpt_proto::data::ErrorCode::Busy,
+                            ..
+                        }
+                    );
+                let error = Error::Target {
+                    target_id: placement.ids[index].clone(),
+                    address: placement.addresses[index].clone(),
+                    source,
+                };
+                if !retry_elsewhere {
+                    return Err(error);
+                }
+                tracing::warn!(%error, chunk = %hash, "target failed; placing the chunk on the next candidate");
+                last_error = Some(error);
+            }
+        }
+    }
+    Err(Error::NoTarget {
+        hash,
+        last: Box::new(last_error.unwrap_or_else(|| Error::InvalidInput("no live targets were offered".into()))),
+    })
+}

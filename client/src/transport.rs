@@ -1,0 +1,353 @@
+//! Data-plane transports: how chunk bytes reach a target.
+//!
+//! [`ChunkTransport`] is the seam: the SDK's save and restore logic only calls it, so the
+//! shared-memory and RDMA transports slot in beside [`TcpTransport`] without touching that logic.
+//!
+//! [`TcpTransport`] keeps a few persistent connections per target. Each connection multiplexes
+//! many requests: a writer task sends frames in order, a reader task matches responses to
+//! requests by id, so a slow GET never blocks a PUT behind it. Requests in flight per connection
+//! are bounded; the bytes in flight are bounded by the caller (the staging pool for saves, the
+//! restore concurrency for reads). A broken connection fails its pending requests at once and is
+//! replaced on the next request; every operation is idempotent (chunks are content-addressed), so
+//! one retry on a fresh connection is always safe.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use prost::Message;
+use starckpt_proto::ChunkHash;
+use starckpt_proto::data::{self, ErrorCode};
+use starckpt_proto::frame::{self, MAX_BATCH_HASHES, Opcode, ReadFrameError};
+use thiserror::Error;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::net::TcpStream;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+#[derive(Debug, Error, Clone)]
+pub enum TransportError {
+    #[error("connect: {0}")]
+    Connect(String),
+    #[error("connection lost: {0}")]
+    Connection(String),
+    #[error("no response within {0:?}")]
+    Timeout(Duration),
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("{code:?}: {message}")]
+    Remote { code: ErrorCode, message: String },
+}
+
+impl TransportError {
+    /// Worth retrying on a fresh connection (or another replica).
+    pub fn is_connection(&self) -> bool {
+        matches!(self, TransportError::Connect(_) | TransportError::Connection(_) | TransportError::Timeout(_))
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TargetStat {
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub chunk_count: u64,
+}
+
+/// One target's chunk operations, whatever carries them.
+#[async_trait]
+pub trait ChunkTransport: Send + Sync + 'static {
+    /// Stores a chunk; true if the target already had it.
+    async fn put(&self, hash: ChunkHash, payload: Bytes) -> Result<bool, TransportError>;
+    /// Reads `length` bytes at `offset` of a chunk (`length` 0: to the end).
+    async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Bytes, TransportError>;
+    async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError>;
+    async fn delete(&self, hashes: &[ChunkHash]) -> Result<u64, TransportError>;
+    async fn stat(&self) -> Result<TargetStat, TransportError>;
+    /// Short name for status output ("tcp", "shm", "rdma").
+    fn kind(&self) -> &'static str;
+}
+
+/// Bounds and timeouts of the TCP transport.
+#[derive(Clone, Debug)]
+pub struct TcpConfig {
+    /// Persistent connections per target. Default 2: one stream saturates loopback on these
+    /// machines (../shared/MACHINE.md), a second hides a connection's head-of-line stalls.
+    pub connections_per_target: usize,
+    /// Requests in flight per connection. Default 32 (matches the target's limit of 64 with room).
+    pub max_requests_per_connection: usize,
+    /// Time to establish a connection. Default 5 s.
+    pub connect_timeout: Duration,
+    /// Time for one request's response. Default 120 s: a 64 MiB chunk behind a queue of others on
+    /// a slow disk, never an indefinite hang.
+    pub request_timeout: Duration,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            connections_per_target: 2,
+            max_requests_per_connection: 32,
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+type Reply = oneshot::Sender<Result<(data::Response, Bytes), TransportError>>;
+
+struct OutFrame {
+    opcode: Opcode,
+    request_id: u64,
+    header: Vec<u8>,
+    payload: Option<Bytes>,
+}
+
+/// Pending requests of one connection; `None` once the connection is dead.
+type Pending = Arc<Mutex<Option<HashMap<u64, Reply>>>>;
+
+fn fail_all(pending: &Pending, error: TransportError) {
+    let drained = pending.lock().unwrap_or_else(|p| p.into_inner()).take();
+    for (_, reply) in drained.into_iter().flatten() {
+        let _ = reply.send(Err(error.clone()));
+    }
+}
+
+struct Connection {
+    frames: mpsc::Sender<OutFrame>,
+    pending: Pending,
+    next_id: AtomicU64,
+    slots: Arc<Semaphore>,
+}
+
+impl Connection {
+    async fn open(address: SocketAddr, config: &TcpConfig) -> Result<Connection, TransportError> {
+        let stream = tokio::time::timeout(config.connect_timeout, TcpStream::connect(address))
+            .await
+            .map_err(|_| TransportError::Connect(format!("timed out after {:?}", config.connect_timeout)))?
+            .map_err(|e| TransportError::Connect(e.to_string()))?;
+        let _ = stream.set_nodelay(true);
+        let (reader, writer) = stream.into_split();
+        let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
+        let (frames, outgoing) = mpsc::channel(config.max_requests_per_connection);
+        tokio::spawn(write_loop(writer, outgoing, Arc::clone(&pending)));
+        tokio::spawn(read_loop(reader, Arc::clone(&pending)));
+        Ok(Connection {
+            frames,
+            pending,
+            next_id: AtomicU64::new(1),
+            slots: Arc::new(Semaphore::new(config.max_requests_per_connection)),
+        })
+    }
+
+    fn is_alive(&self) -> bool {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    async fn call(
+        &self,
+        opcode: Opcode,
+        header: Vec<u8>,
+        payload: Option<Bytes>,
+        timeout: Duration,
+    ) -> Result<(data::Response, Bytes), TransportError> {
+        let _slot = self.slots.acquire().await.map_err(|_| TransportError::Connection("closed".into()))?;
+        let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (reply, answer) = oneshot::channel();
+        {
+            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+            match pending.as_mut() {
+                Some(map) => map.insert(request_id, reply),
+                None => return Err(TransportError::Connection("connection is closed".into())),
+            };
+        }
+        let sent = self.frames.send(OutFrame { opcode, request_id, header, payload }).await;
+        if sent.is_err() {
+            self.forget(request_id);
+            return Err(TransportError::Connection("writer stopped".into()));
+        }
+        match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(TransportError::Connection("connection closed before the response".into())),
+            Err(_) => {
+                self.forget(request_id);
+                Err(TransportError::Timeout(timeout))
+            }
+        }
+    }
+
+    fn forget(&self, request_id: u64) {
+        if let Some(map) = self.pending.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            map.remove(&request_id);
+        }
+    }
+}
+
+async fn write_loop(writer: tokio::net::tcp::OwnedWriteHalf, mut outgoing: mpsc::Receiver<OutFrame>, pending: Pending) {
+    let mut writer = BufWriter::with_capacity(64 * 1024, writer);
+    while let Some(message) = outgoing.recv().await {
+        let payload: Vec<Bytes> = message.payload.into_iter().collect();
+        let mut result =
+            frame::write_frame(&mut writer, message.opcode, message.request_id, &message.header, &payload).await;
+        if result.is_ok() && outgoing.is_empty() {
+            result = writer.flush().await;
+        }
+        if let Err(error) = result {
+            fail_all(&pending, TransportError::Connection(format!("write: {error}")));
+            return;
+        }
+    }
+}
+
+async fn read_loop(mut reader: tokio::net::tcp::OwnedReadHalf, pending: Pending) {
+    let error = loop {
+        let (header, prost_header) = match frame::read_frame_head(&mut reader).await {
+            Ok(head) => head,
+            Err(ReadFrameError::Closed) => break TransportError::Connection("closed by the target".into()),
+            Err(ReadFrameError::Frame(e)) => break TransportError::Protocol(e.to_string()),
+            Err(ReadFrameError::Io(e)) => break TransportError::Connection(e.to_string()),
+        };
+        if !header.opcode.is_response() {
+            break TransportError::Protocol(format!("target sent request opcode {:?}", header.opcode));
+        }
+        let mut payload = BytesMut::with_capacity(header.payload_len as usize);
+        while payload.len() < header.payload_len as usize {
+            let want = header.payload_len as usize - payload.len();
+            match (&mut reader).take(want as u64).read_buf(&mut payload).await {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) => {
+                    fail_all(&pending, TransportError::Connection(e.to_string()));
+                    return;
+                }
+            }
+        }
+        if payload.len() != header.payload_len as usize {
+            break TransportError::Connection("closed in the middle of a payload".into());
+        }
+        let outcome = data::Response::decode(prost_header)
+            .map(|response| (response, payload.freeze()))
+            .map_err(|e| TransportError::Protocol(format!("undecodable response header: {e}")));
+        let reply =
+            pending.lock().unwrap_or_else(|p| p.into_inner()).as_mut().and_then(|m| m.remove(&header.request_id));
+        // A response to a request that timed out is dropped.
+        if let Some(reply) = reply {
+            let _ = reply.send(outcome);
+        }
+    };
+    fail_all(&pending, error);
+}
+
+/// The TCP data-plane transport to one target.
+pub struct TcpTransport {
+    address: SocketAddr,
+    config: TcpConfig,
+    connections: Vec<tokio::sync::Mutex<Option<Arc<Connection>>>>,
+    next: AtomicUsize,
+}
+
+impl TcpTransport {
+    pub fn new(address: SocketAddr, config: TcpConfig) -> TcpTransport {
+        let connections = (0..config.connections_per_target.max(1)).map(|_| tokio::sync::Mutex::new(None)).collect();
+        TcpTransport { address, config, connections, next: AtomicUsize::new(0) }
+    }
+
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    async fn connection(&self) -> Result<Arc<Connection>, TransportError> {
+        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.connections.len();
+        let mut slot = self.connections[index].lock().await;
+        if let Some(connection) = slot.as_ref().filter(|c| c.is_alive()) {
+            return Ok(Arc::clone(connection));
+        }
+        let connection = Arc::new(Connection::open(self.address, &self.config).await?);
+        *slot = Some(Arc::clone(&connection));
+        Ok(connection)
+    }
+
+    async fn call(
+        &self,
+        opcode: Opcode,
+        header: Vec<u8>,
+        payload: Option<Bytes>,
+    ) -> Result<(data::Response, Bytes), TransportError> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let result = match self.connection().await {
+                Ok(connection) => {
+                    connection.call(opcode, header.clone(), payload.clone(), self.config.request_timeout).await
+                }
+                Err(error) => Err(error),
+            };
+            match result {
+                Err(error) if attempt == 1 && matches!(error, TransportError::Connection(_)) => continue,
+                Err(error) => return Err(error),
+                Ok((response, payload)) => {
+                    let code = ErrorCode::try_from(response.code).unwrap_or(ErrorCode::Internal);
+                    if code != ErrorCode::Ok {
+                        return Err(TransportError::Remote { code, message: response.message });
+                    }
+                    return Ok((response, payload));
+                }
+            }
+        }
+    }
+}
+
+fn hash_list(hashes: &[ChunkHash]) -> Result<Vec<Bytes>, TransportError> {
+    if hashes.len() > MAX_BATCH_HASHES {
+        return Err(TransportError::Protocol(format!("batch of {} exceeds {MAX_BATCH_HASHES}", hashes.len())));
+    }
+    Ok(hashes.iter().map(|h| h.to_bytes()).collect())
+}
+
+#[async_trait]
+impl ChunkTransport for TcpTransport {
+    async fn put(&self, hash: ChunkHash, payload: Bytes) -> Result<bool, TransportError> {
+        let header = data::PutRequest { auth: None, hash: hash.to_bytes() }.encode_to_vec();
+        let (response, _) = self.call(Opcode::Put, header, Some(payload)).await?;
+        Ok(response.already_present)
+    }
+
+    async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Bytes, TransportError> {
+        let header = data::GetRequest { auth: None, hash: hash.to_bytes(), offset, length }.encode_to_vec();
+        Ok(self.call(Opcode::Get, header, None).await?.1)
+    }
+
+    async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError> {
+        let header = data::HasRequest { auth: None, hashes: hash_list(hashes)? }.encode_to_vec();
+        let (response, _) = self.call(Opcode::Has, header, None).await?;
+        if response.present.len() != hashes.len() {
+            return Err(TransportError::Protocol(format!(
+                "HAS answered {} flags for {} hashes",
+                response.present.len(),
+                hashes.len()
+            )));
+        }
+        Ok(response.present)
+    }
+
+    async fn delete(&self, hashes: &[ChunkHash]) -> Result<u64, TransportError> {
+        let header = data::DeleteRequest { auth: None, hashes: hash_list(hashes)? }.encode_to_vec();
+        Ok(self.call(Opcode::Delete, header, None).await?.0.deleted)
+    }
+
+    async fn stat(&self) -> Result<TargetStat, TransportError> {
+        let header = data::StatRequest { auth: None }.encode_to_vec();
+        let (response, _) = self.call(Opcode::Stat, header, None).await?;
+        Ok(TargetStat {
+            capacity_bytes: response.capacity_bytes,
+            used_bytes: response.used_bytes,
+            chunk_count: response.chunk_count,
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        "tcp"
+    }
+}

@@ -1,0 +1,41 @@
+//! Wire contracts of starckpt.
+//!
+//! - [`control`]: the control-plane gRPC service (tonic), generated from `proto/control.proto`.
+//! - [`data`]: the prost headers of data-plane frames, generated from `proto/dataplane.proto`.
+//! - [`frame`]: the data-plane frame format (fixed binary header, prost header, raw payload),
+//!   with hard size limits and async read/write helpers.
+//! - [`model`]: domain types validated on receipt (`TryFrom`), so malformed input never reaches
+//!   server or client logic.
+//!
+//! ```
+//! use starckpt_proto::frame::{FrameHeader, Opcode, FIXED_HEADER_BYTES};
+//! let header = FrameHeader { opcode: Opcode::Put, request_id: 7, header_len: 40, payload_len: 4096 };
+//! let bytes = header.encode();
+//! assert_eq!(bytes.len(), FIXED_HEADER_BYTES);
+//! assert_eq!(FrameHeader::decode(&bytes).unwrap(), header);
+//! ```
+
+pub mod buf;
+pub mod frame;
+pub mod model;
+
+/// Control-plane gRPC messages and service.
+pub mod control {
+    tonic::include_proto!("starckpt.control.v1");
+}
+
+/// Data-plane frame headers.
+pub mod data {
+    tonic::include_proto!("starckpt.data.v1");
+}
+
+pub use model::{ChunkHash, JobName, ModelError, RelPath};
+
+/// The URL tonic should dial for a control-plane address given as `host:port` or as a URL.
+pub fn control_url(address: &str) -> String {
+    if address.starts_with("http://") || address.starts_with("https://") {
+        address.to_owned()
+    } else {
+        format!("http://{address}")
+    }
+}

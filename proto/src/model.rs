@@ -1,0 +1,542 @@
+//! Domain types, validated on receipt.
+//!
+//! Every request that crosses a process boundary is converted from its prost form into one of
+//! these with `TryFrom` before any logic sees it; the conversion is the single place that decides
+//! what is well-formed. The server maps a [`ModelError`] to `INVALID_ARGUMENT`.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+
+use thiserror::Error;
+
+use crate::control as pb;
+use crate::frame::MAX_PAYLOAD_BYTES;
+
+/// Longest job name. Job names become directory names under the FUSE mount and keys in the
+/// metadata store.
+pub const MAX_JOB_NAME_BYTES: usize = 128;
+/// Longest relative path inside a checkpoint (Linux PATH_MAX).
+pub const MAX_PATH_BYTES: usize = 4096;
+/// Most ranks in one checkpoint.
+pub const MAX_WORLD_SIZE: u32 = 1 << 20;
+/// Most files in one rank's manifest. A rank with more should archive them first.
+pub const MAX_FILES_PER_PART: usize = 1_000_000;
+/// Longest attempt id.
+pub const MAX_ATTEMPT_ID_BYTES: usize = 128;
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ModelError {
+    #[error("invalid job name {name:?}: {reason}")]
+    JobName { name: String, reason: &'static str },
+    #[error("invalid path {path:?}: {reason}")]
+    Path { path: String, reason: &'static str },
+    #[error("invalid chunk hash: expected 32 bytes, got {len}")]
+    HashLength { len: usize },
+    #[error("invalid chunk hash {text:?}: expected 64 hex digits")]
+    HashText { text: String },
+    #[error("invalid {field}: {reason}")]
+    Field { field: &'static str, reason: String },
+    #[error("file {path:?}: {reason}")]
+    File { path: String, reason: String },
+}
+
+fn field(field: &'static str, reason: impl Into<String>) -> ModelError {
+    ModelError::Field { field, reason: reason.into() }
+}
+
+/// The BLAKE3 hash of a chunk's uncompressed bytes: its address.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChunkHash(pub [u8; 32]);
+
+impl ChunkHash {
+    pub fn of(data: &[u8]) -> ChunkHash {
+        ChunkHash(*blake3::hash(data).as_bytes())
+    }
+
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    pub fn from_hex(text: &str) -> Result<ChunkHash, ModelError> {
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(text, &mut out)
+            .map_err(|_| ModelError::HashText { text: text.chars().take(80).collect() })?;
+        Ok(ChunkHash(out))
+    }
+
+    pub fn to_bytes(self) -> bytes::Bytes {
+        bytes::Bytes::copy_from_slice(&self.0)
+    }
+}
+
+impl TryFrom<&[u8]> for ChunkHash {
+    type Error = ModelError;
+    fn try_from(value: &[u8]) -> Result<Self, Self::Error> {
+        let array: [u8; 32] = value.try_into().map_err(|_| ModelError::HashLength { len: value.len() })?;
+        Ok(ChunkHash(array))
+    }
+}
+
+impl fmt::Display for ChunkHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl fmt::Debug for ChunkHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ChunkHash({})", &self.to_hex()[..16])
+    }
+}
+
+/// A job name: 1..=128 bytes of `[A-Za-z0-9._-]`, not starting with `.` (so it can never be `.`,
+/// `..` or a hidden directory under the mount).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobName(String);
+
+impl JobName {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<&str> for JobName {
+    type Error = ModelError;
+    fn try_from(name: &str) -> Result<Self, Self::Error> {
+        let reject = |reason| Err(ModelError::JobName { name: name.chars().take(200).collect(), reason });
+        if name.is_empty() {
+            return reject("empty");
+        }
+        if name.len() > MAX_JOB_NAME_BYTES {
+            return reject("longer than 128 bytes");
+        }
+        if name.starts_with('.') {
+            return reject("starts with '.'");
+        }
+        if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-') {
+            return reject("only letters, digits, '.', '_' and '-' are allowed");
+        }
+        Ok(JobName(name.to_owned()))
+    }
+}
+
+impl TryFrom<String> for JobName {
+    type Error = ModelError;
+    fn try_from(name: String) -> Result<Self, Self::Error> {
+        JobName::try_from(name.as_str())
+    }
+}
+
+impl fmt::Display for JobName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A relative path inside a checkpoint: '/'-separated, every component non-empty and not `.` or
+/// `..`, no NUL, not absolute. Joining it under any directory stays inside that directory.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RelPath(String);
+
+impl RelPath {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    pub fn components(&self) -> impl Iterator<Item = &str> {
+        self.0.split('/')
+    }
+
+    /// This path under `root`. Safe by construction: no component can climb out.
+    pub fn under(&self, root: &std::path::Path) -> std::path::PathBuf {
+        let mut out = root.to_path_buf();
+        for component in self.components() {
+            out.push(component);
+        }
+        out
+    }
+}
+
+impl TryFrom<&str> for RelPath {
+    type Error = ModelError;
+    fn try_from(path: &str) -> Result<Self, Self::Error> {
+        let reject = |reason| Err(ModelError::Path { path: path.chars().take(200).collect(), reason });
+        if path.is_empty() {
+            return reject("empty");
+        }
+        if path.len() > MAX_PATH_BYTES {
+            return reject("longer than 4096 bytes");
+        }
+        if path.starts_with('/') {
+            return reject("absolute");
+        }
+        if path.contains('\0') {
+            return reject("contains NUL");
+        }
+        for component in path.split('/') {
+            match component {
+                "" => return reject("empty component"),
+                "." | ".." => return reject("contains '.' or '..'"),
+                _ => {}
+            }
+        }
+        Ok(RelPath(path.to_owned()))
+    }
+}
+
+impl TryFrom<String> for RelPath {
+    type Error = ModelError;
+    fn try_from(path: String) -> Result<Self, Self::Error> {
+        RelPath::try_from(path.as_str())
+    }
+}
+
+impl fmt::Display for RelPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Codec {
+    None,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkRef {
+    pub hash: ChunkHash,
+    pub length_bytes: u64,
+    pub stored_length_bytes: u64,
+    pub codec: Codec,
+    /// Target ids, preferred first; never empty.
+    pub replicas: Vec<String>,
+}
+
+impl TryFrom<pb::ChunkRef> for ChunkRef {
+    type Error = ModelError;
+    fn try_from(chunk: pb::ChunkRef) -> Result<Self, Self::Error> {
+        let hash = ChunkHash::try_from(&chunk.hash[..])?;
+        let codec = match pb::Codec::try_from(chunk.codec) {
+            Ok(pb::Codec::None) => Codec::None,
+            Err(_) => return Err(field("chunk codec", format!("unknown codec {}", chunk.codec))),
+        };
+        if chunk.length_bytes == 0 || chunk.length_bytes > u64::from(MAX_PAYLOAD_BYTES) {
+            return Err(field("chunk length", format!("{} is outside 1..={MAX_PAYLOAD_BYTES}", chunk.length_bytes)));
+        }
+        if codec == Codec::None && chunk.stored_length_bytes != chunk.length_bytes {
+            return Err(field("chunk stored length", "must equal length for an uncompressed chunk"));
+        }
+        if chunk.replicas.is_empty() {
+            return Err(field("chunk replicas", format!("chunk {hash} names no target")));
+        }
+        if chunk.replicas.iter().any(|r| r.is_empty() || r.len() > 64) {
+            return Err(field("chunk replicas", "target id must be 1..=64 bytes"));
+        }
+        Ok(ChunkRef {
+            hash,
+            length_bytes: chunk.length_bytes,
+            stored_length_bytes: chunk.stored_length_bytes,
+            codec,
+            replicas: chunk.replicas,
+        })
+    }
+}
+
+impl From<&ChunkRef> for pb::ChunkRef {
+    fn from(chunk: &ChunkRef) -> Self {
+        pb::ChunkRef {
+            hash: chunk.hash.to_bytes(),
+            length_bytes: chunk.length_bytes,
+            stored_length_bytes: chunk.stored_length_bytes,
+            codec: pb::Codec::None as i32,
+            replicas: chunk.replicas.clone(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileEntry {
+    pub path: RelPath,
+    pub size_bytes: u64,
+    pub mode: u32,
+    pub chunks: Vec<ChunkRef>,
+}
+
+impl FileEntry {
+    /// Chunks overlapping `[offset, offset + length)`, each with the chunk's start offset in the
+    /// file.
+    pub fn chunks_in_range(&self, offset: u64, length: u64) -> impl Iterator<Item = (u64, &ChunkRef)> {
+        let end = offset.saturating_add(length);
+        let mut start = 0u64;
+        self.chunks.iter().filter_map(move |chunk| {
+            let chunk_start = start;
+            start += chunk.length_bytes;
+            (chunk_start < end && start > offset).then_some((chunk_start, chunk))
+        })
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Manifest {
+    pub files: Vec<FileEntry>,
+    pub directories: Vec<RelPath>,
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl Manifest {
+    pub fn total_bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.size_bytes).sum()
+    }
+
+    pub fn file(&self, path: &str) -> Option<&FileEntry> {
+        self.files.iter().find(|f| f.path.as_str() == path)
+    }
+}
+
+impl TryFrom<pb::Manifest> for Manifest {
+    type Error = ModelError;
+    fn try_from(manifest: pb::Manifest) -> Result<Self, Self::Error> {
+        if manifest.files.len() > MAX_FILES_PER_PART {
+            return Err(field(
+                "manifest",
+                format!("{} files exceed the limit of {MAX_FILES_PER_PART}", manifest.files.len()),
+            ));
+        }
+        let mut seen = HashSet::new();
+        let mut files = Vec::with_capacity(manifest.files.len());
+        for file in manifest.files {
+            let path = RelPath::try_from(file.path)?;
+            if !seen.insert(path.clone()) {
+                return Err(ModelError::File { path: path.0, reason: "listed twice".into() });
+            }
+            let chunks = file.chunks.into_iter().map(ChunkRef::try_from).collect::<Result<Vec<_>, _>>()?;
+            let sum = chunks.iter().try_fold(0u64, |acc, c| acc.checked_add(c.length_bytes));
+            if sum != Some(file.size_bytes) {
+                return Err(ModelError::File {
+                    path: path.0,
+                    reason: format!("chunk lengths sum to {sum:?}, size says {}", file.size_bytes),
+                });
+            }
+            if file.mode > 0o7777 {
+                return Err(ModelError::File {
+                    path: path.0,
+                    reason: format!("mode {:o} is not a permission mask", file.mode),
+                });
+            }
+            files.push(FileEntry { path, size_bytes: file.size_bytes, mode: file.mode, chunks });
+        }
+        let directories = manifest.directories.into_iter().map(RelPath::try_from).collect::<Result<Vec<_>, _>>()?;
+        for dir in &directories {
+            if seen.contains(dir) {
+                return Err(ModelError::File { path: dir.0.clone(), reason: "is both a file and a directory".into() });
+            }
+        }
+        Ok(Manifest { files, directories, metadata: manifest.metadata.into_iter().collect() })
+    }
+}
+
+impl From<&Manifest> for pb::Manifest {
+    fn from(manifest: &Manifest) -> Self {
+        pb::Manifest {
+            files: manifest
+                .files
+                .iter()
+                .map(|f| pb::FileEntry {
+                    path: f.path.0.clone(),
+                    size_bytes: f.size_bytes,
+                    mode: f.mode,
+                    chunks: f.chunks.iter().map(pb::ChunkRef::from).collect(),
+                })
+                .collect(),
+            directories: manifest.directories.iter().map(|d| d.0.clone()).collect(),
+            metadata: manifest.metadata.clone().into_iter().collect(),
+        }
+    }
+}
+
+/// A validated BeginCheckpoint request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BeginCheckpoint {
+    pub job: JobName,
+    pub step: u64,
+    pub world_size: u32,
+    pub attempt_id: String,
+}
+
+impl TryFrom<pb::BeginCheckpointRequest> for BeginCheckpoint {
+    type Error = ModelError;
+    fn try_from(request: pb::BeginCheckpointRequest) -> Result<Self, Self::Error> {
+        if request.world_size == 0 || request.world_size > MAX_WORLD_SIZE {
+            return Err(field("world_size", format!("{} is outside 1..={MAX_WORLD_SIZE}", request.world_size)));
+        }
+        if i64::try_from(request.step).is_err() {
+            return Err(field("step", "must fit in a signed 64-bit integer"));
+        }
+        if request.attempt_id.is_empty() || request.attempt_id.len() > MAX_ATTEMPT_ID_BYTES {
+            return Err(field("attempt_id", format!("must be 1..={MAX_ATTEMPT_ID_BYTES} bytes")));
+        }
+        Ok(BeginCheckpoint {
+            job: JobName::try_from(request.job)?,
+            step: request.step,
+            world_size: request.world_size,
+            attempt_id: request.attempt_id,
+        })
+    }
+}
+
+/// A validated CommitPart request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommitPart {
+    pub checkpoint_id: u64,
+    pub rank: u32,
+    pub manifest: Manifest,
+}
+
+impl TryFrom<pb::CommitPartRequest> for CommitPart {
+    type Error = ModelError;
+    fn try_from(request: pb::CommitPartRequest) -> Result<Self, Self::Error> {
+        let manifest = request.manifest.ok_or_else(|| field("manifest", "missing"))?;
+        if i64::try_from(request.checkpoint_id).is_err() {
+            return Err(field("checkpoint_id", "out of range"));
+        }
+        Ok(CommitPart {
+            checkpoint_id: request.checkpoint_id,
+            rank: request.rank,
+            manifest: Manifest::try_from(manifest)?,
+        })
+    }
+}
+
+/// A validated target registration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TargetRegistration {
+    pub target_id: String,
+    pub data_address: std::net::SocketAddr,
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+}
+
+impl TryFrom<pb::RegisterTargetRequest> for TargetRegistration {
+    type Error = ModelError;
+    fn try_from(request: pb::RegisterTargetRequest) -> Result<Self, Self::Error> {
+        validate_target_id(&request.target_id)?;
+        let data_address = request
+            .data_address
+            .parse()
+            .map_err(|_| field("data_address", format!("{:?} is not host:port", request.data_address)))?;
+        Ok(TargetRegistration {
+            target_id: request.target_id,
+            data_address,
+            capacity_bytes: request.capacity_bytes,
+            used_bytes: request.used_bytes,
+        })
+    }
+}
+
+pub fn validate_target_id(id: &str) -> Result<(), ModelError> {
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+        return Err(field("target_id", format!("{id:?} must be 1..=64 of [A-Za-z0-9-]")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(len: u64) -> pb::ChunkRef {
+        pb::ChunkRef {
+            hash: bytes::Bytes::from(vec![7u8; 32]),
+            length_bytes: len,
+            stored_length_bytes: len,
+            codec: 0,
+            replicas: vec!["t1".into()],
+        }
+    }
+
+    fn file(path: &str, sizes: &[u64]) -> pb::FileEntry {
+        pb::FileEntry {
+            path: path.into(),
+            size_bytes: sizes.iter().sum(),
+            mode: 0o644,
+            chunks: sizes.iter().map(|s| chunk(*s)).collect(),
+        }
+    }
+
+    #[test]
+    fn paths() {
+        for good in ["a", "a/b/c.pt", "rank0/optim.pt", "..a", "a..", ".hidden"] {
+            assert!(RelPath::try_from(good).is_ok(), "{good}");
+        }
+        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a//b", "a/./b", "a/", ".", "a\0b"] {
+            assert!(RelPath::try_from(bad).is_err(), "{bad:?}");
+        }
+        let root = std::path::Path::new("/restore");
+        assert_eq!(RelPath::try_from("a/b").unwrap().under(root), std::path::Path::new("/restore/a/b"));
+    }
+
+    #[test]
+    fn job_names() {
+        for good in ["llama-70b", "a", "run_1.v2"] {
+            assert!(JobName::try_from(good).is_ok());
+        }
+        for bad in ["", ".", "..", ".x", "a/b", "a b", &"x".repeat(129)] {
+            assert!(JobName::try_from(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn manifest_validation() {
+        let ok = pb::Manifest {
+            files: vec![file("a/b", &[10, 5]), file("empty", &[])],
+            directories: vec!["d".into()],
+            metadata: Default::default(),
+        };
+        let manifest = Manifest::try_from(ok.clone()).unwrap();
+        assert_eq!(manifest.total_bytes(), 15);
+        assert_eq!(pb::Manifest::from(&manifest), ok);
+
+        let mut bad = ok.clone();
+        bad.files[0].size_bytes = 16;
+        assert!(matches!(Manifest::try_from(bad), Err(ModelError::File { .. })));
+        let mut bad = ok.clone();
+        bad.files.push(file("a/b", &[1]));
+        assert!(Manifest::try_from(bad).is_err());
+        let mut bad = ok.clone();
+        bad.files[0].path = "../escape".into();
+        assert!(matches!(Manifest::try_from(bad), Err(ModelError::Path { .. })));
+        let mut bad = ok.clone();
+        bad.files[0].chunks[0].hash = bytes::Bytes::from_static(b"short");
+        assert!(matches!(Manifest::try_from(bad), Err(ModelError::HashLength { len: 5 })));
+        let mut bad = ok.clone();
+        bad.files[0].chunks[0].replicas.clear();
+        assert!(Manifest::try_from(bad).is_err());
+        let mut bad = ok.clone();
+        bad.files[0].chunks[0].codec = 9;
+        assert!(Manifest::try_from(bad).is_err());
+        let mut bad = ok;
+        bad.directories.push("a/b".into());
+        assert!(Manifest::try_from(bad).is_err());
+    }
+
+    #[test]
+    fn chunk_ranges() {
+        let manifest =
+            Manifest::try_from(pb::Manifest { files: vec![file("f", &[10, 10, 5])], ..Default::default() }).unwrap();
+        let f = &manifest.files[0];
+        let starts: Vec<u64> = f.chunks_in_range(5, 10).map(|(s, _)| s).collect();
+        assert_eq!(starts, vec![0, 10]);
+        let starts: Vec<u64> = f.chunks_in_range(20, 100).map(|(s, _)| s).collect();
+        assert_eq!(starts, vec![20]);
+        assert_eq!(f.chunks_in_range(25, 1).count(), 0);
+    }
+
+    #[test]
+    fn begin_validation() {
+        let ok = pb::BeginCheckpointRequest { job: "j".into(), step: 1, world_size: 2, attempt_id: "a".into() };
+        assert!(BeginCheckpoint::try_from(ok.clone()).is_ok());
+        assert!(BeginCheckpoint::try_from(pb::BeginCheckpointRequest { world_size: 0, ..ok.clone() }).is_err());
+        assert!(BeginCheckpoint::try_from(pb::BeginCheckpointRequest { step: u64::MAX, ..ok.clone() }).is_err());
+        assert!(BeginCheckpoint::try_from(pb::BeginCheckpointRequest { attempt_id: String::new(), ..ok }).is_err());
+    }
+}

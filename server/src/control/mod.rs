@@ -1,0 +1,8 @@
+//! The control plane: jobs, checkpoints, manifests and targets behind a gRPC service.
+//!
+//! Entry point: [`service::run`]. The binary (`starckpt server`) only parses flags and calls it.
+pub mod service;
+pub mod sqlite;
+pub mod store;
+
+pub use service::{ControlConfig, open_store, run};

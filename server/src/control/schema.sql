@@ -1,0 +1,49 @@
+-- starckpt control-plane schema, version 1.
+-- Written in the common subset of SQLite and PostgreSQL: a PostgreSQL backend uses the same
+-- tables, with BIGINT GENERATED ALWAYS AS IDENTITY for checkpoints.id and BYTEA for parts.manifest.
+
+CREATE TABLE IF NOT EXISTS schema_version (
+    version INTEGER NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS targets (
+    target_id         TEXT PRIMARY KEY,
+    data_address      TEXT NOT NULL,
+    capacity_bytes    BIGINT NOT NULL,
+    used_bytes        BIGINT NOT NULL,
+    chunk_count       BIGINT NOT NULL DEFAULT 0,
+    registered_at_ms  BIGINT NOT NULL,
+    last_heartbeat_ms BIGINT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS checkpoints (
+    id              INTEGER PRIMARY KEY,
+    job             TEXT NOT NULL,
+    step            BIGINT NOT NULL,
+    state           TEXT NOT NULL CHECK (state IN ('pending', 'committed', 'aborted', 'deleted')),
+    world_size      INTEGER NOT NULL,
+    attempt_id      TEXT NOT NULL,
+    parts_committed INTEGER NOT NULL DEFAULT 0,
+    total_bytes     BIGINT NOT NULL DEFAULT 0,
+    file_count      BIGINT NOT NULL DEFAULT 0,
+    created_at_ms   BIGINT NOT NULL,
+    committed_at_ms BIGINT,
+    ended_at_ms     BIGINT
+);
+
+-- At most one live (pending or committed) checkpoint per (job, step).
+CREATE UNIQUE INDEX IF NOT EXISTS checkpoints_live_step
+    ON checkpoints (job, step) WHERE state IN ('pending', 'committed');
+-- `latest` is one index seek: highest committed step of a job.
+CREATE INDEX IF NOT EXISTS checkpoints_by_state ON checkpoints (job, state, step);
+
+CREATE TABLE IF NOT EXISTS parts (
+    checkpoint_id   BIGINT NOT NULL REFERENCES checkpoints (id),
+    rank            INTEGER NOT NULL,
+    -- prost-encoded starckpt.control.v1.Manifest, validated before insertion and after reading.
+    manifest        BLOB NOT NULL,
+    total_bytes     BIGINT NOT NULL,
+    file_count      BIGINT NOT NULL,
+    committed_at_ms BIGINT NOT NULL,
+    PRIMARY KEY (checkpoint_id, rank)
+);

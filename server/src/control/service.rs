@@ -1,0 +1,295 @@
+//! The tonic service: converts requests into validated domain types, calls the [`MetaStore`],
+//! and maps its errors to gRPC status codes.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use starckpt_proto::JobName;
+use starckpt_proto::control::control_server::{Control, ControlServer};
+use starckpt_proto::control::{self as pb};
+use starckpt_proto::model::{BeginCheckpoint, CommitPart, ModelError, TargetRegistration, validate_target_id};
+use tokio::net::TcpListener;
+use tonic::{Request, Response, Status};
+
+use super::store::{CheckpointRecord, CheckpointState, MetaError, MetaStore, TargetRecord, now_ms};
+
+/// Largest gRPC message either way. A rank's manifest is ~100 bytes per 4 MiB chunk, so 64 MiB
+/// describes ~2.5 PB in one part: generous, but still a bound.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+#[derive(Clone, Debug)]
+pub struct ControlConfig {
+    /// Heartbeat period asked of targets. Default 1 s.
+    pub heartbeat_interval: Duration,
+    /// A target silent for this long is dead: placement skips it. Default 5 s (five missed
+    /// heartbeats), short enough that a save started after a target died avoids it.
+    pub liveness_timeout: Duration,
+}
+
+impl Default for ControlConfig {
+    fn default() -> Self {
+        ControlConfig { heartbeat_interval: Duration::from_secs(1), liveness_timeout: Duration::from_secs(5) }
+    }
+}
+
+pub struct ControlService {
+    store: Arc<dyn MetaStore>,
+    config: ControlConfig,
+}
+
+impl ControlService {
+    pub fn new(store: Arc<dyn MetaStore>, config: ControlConfig) -> ControlService {
+        ControlService { store, config }
+    }
+
+    fn target_info(&self, record: &TargetRecord, now: u64) -> pb::TargetInfo {
+        let age = now.saturating_sub(record.last_heartbeat_ms);
+        let alive = age <= self.config.liveness_timeout.as_millis() as u64;
+        pb::TargetInfo {
+            target_id: record.target_id.clone(),
+            data_address: record.data_address.clone(),
+            capacity_bytes: record.capacity_bytes,
+            used_bytes: record.used_bytes,
+            chunk_count: record.chunk_count,
+            state: if alive { pb::TargetState::Alive } else { pb::TargetState::Dead } as i32,
+            heartbeat_age_ms: age,
+        }
+    }
+}
+
+fn invalid(error: ModelError) -> Status {
+    Status::invalid_argument(error.to_string())
+}
+
+fn meta_status(error: MetaError) -> Status {
+    match error {
+        MetaError::NotFound(m) => Status::not_found(m),
+        MetaError::AlreadyExists(m) => Status::already_exists(m),
+        MetaError::FailedPrecondition(m) => Status::failed_precondition(m),
+        MetaError::InvalidArgument(m) => Status::invalid_argument(m),
+        error @ (MetaError::Corrupt(_) | MetaError::Backend(_)) => {
+            tracing::error!(%error, "metadata store failure");
+            Status::internal(error.to_string())
+        }
+    }
+}
+
+fn job(name: String) -> Result<JobName, Status> {
+    JobName::try_from(name).map_err(invalid)
+}
+
+fn state_pb(state: CheckpointState) -> pb::CheckpointState {
+    match state {
+        CheckpointState::Pending => pb::CheckpointState::Pending,
+        CheckpointState::Committed => pb::CheckpointState::Committed,
+        CheckpointState::Aborted => pb::CheckpointState::Aborted,
+        CheckpointState::Deleted => pb::CheckpointState::Deleted,
+    }
+}
+
+pub fn checkpoint_info(record: &CheckpointRecord) -> pb::CheckpointInfo {
+    pb::CheckpointInfo {
+        checkpoint_id: record.id,
+        job: record.job.clone(),
+        step: record.step,
+        state: state_pb(record.state) as i32,
+        world_size: record.world_size,
+        parts_committed: record.parts_committed,
+        total_bytes: record.total_bytes,
+        file_count: record.file_count,
+        created_at_ms: record.created_at_ms,
+        committed_at_ms: record.committed_at_ms.unwrap_or(0),
+    }
+}
+
+#[tonic::async_trait]
+impl Control for ControlService {
+    async fn register_target(
+        &self,
+        request: Request<pb::RegisterTargetRequest>,
+    ) -> Result<Response<pb::RegisterTargetResponse>, Status> {
+        let registration = TargetRegistration::try_from(request.into_inner()).map_err(invalid)?;
+        self.store.upsert_target(&registration, now_ms()).await.map_err(meta_status)?;
+        tracing::info!(target_id = %registration.target_id, address = %registration.data_address, "target registered");
+        Ok(Response::new(pb::RegisterTargetResponse {
+            heartbeat_interval_ms: self.config.heartbeat_interval.as_millis() as u64,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let request = request.into_inner();
+        validate_target_id(&request.target_id).map_err(invalid)?;
+        self.store
+            .heartbeat(&request.target_id, request.capacity_bytes, request.used_bytes, request.chunk_count, now_ms())
+            .await
+            .map_err(meta_status)?;
+        Ok(Response::new(pb::HeartbeatResponse {}))
+    }
+
+    async fn list_targets(
+        &self,
+        _: Request<pb::ListTargetsRequest>,
+    ) -> Result<Response<pb::ListTargetsResponse>, Status> {
+        let now = now_ms();
+        let targets = self.store.list_targets().await.map_err(meta_status)?;
+        Ok(Response::new(pb::ListTargetsResponse {
+            targets: targets.iter().map(|t| self.target_info(t, now)).collect(),
+        }))
+    }
+
+    async fn begin_checkpoint(
+        &self,
+        request: Request<pb::BeginCheckpointRequest>,
+    ) -> Result<Response<pb::BeginCheckpointResponse>, Status> {
+        let request = BeginCheckpoint::try_from(request.into_inner()).map_err(invalid)?;
+        let now = now_ms();
+        let placement: Vec<pb::TargetInfo> = self
+            .store
+            .list_targets()
+            .await
+            .map_err(meta_status)?
+            .iter()
+            .map(|t| self.target_info(t, now))
+            .filter(|t| t.state == pb::TargetState::Alive as i32)
+            .collect();
+        if placement.is_empty() {
+            return Err(Status::unavailable("no live storage targets: start one with `starckpt target`"));
+        }
+        let record = self.store.begin_checkpoint(&request, now).await.map_err(meta_status)?;
+        Ok(Response::new(pb::BeginCheckpointResponse { checkpoint_id: record.id, placement }))
+    }
+
+    async fn commit_part(
+        &self,
+        request: Request<pb::CommitPartRequest>,
+    ) -> Result<Response<pb::CommitPartResponse>, Status> {
+        let part = CommitPart::try_from(request.into_inner()).map_err(invalid)?;
+        // Every replica must name a registered target, or restore could not find the chunk.
+        let known: HashSet<String> =
+            self.store.list_targets().await.map_err(meta_status)?.into_iter().map(|t| t.target_id).collect();
+        for file in &part.manifest.files {
+            for chunk in &file.chunks {
+                if let Some(unknown) = chunk.replicas.iter().find(|r| !known.contains(*r)) {
+                    return Err(Status::invalid_argument(format!(
+                        "file {} chunk {} names unknown target {unknown}",
+                        file.path, chunk.hash
+                    )));
+                }
+            }
+        }
+        let record = self.store.commit_part(&part, now_ms()).await.map_err(meta_status)?;
+        if record.state == CheckpointState::Committed && record.parts_committed == record.world_size {
+            tracing::info!(job = %record.job, step = record.step, bytes = record.total_bytes, "checkpoint committed");
+        }
+        Ok(Response::new(pb::CommitPartResponse {
+            state: state_pb(record.state) as i32,
+            parts_committed: record.parts_committed,
+            world_size: record.world_size,
+        }))
+    }
+
+    async fn latest(&self, request: Request<pb::LatestRequest>) -> Result<Response<pb::LatestResponse>, Status> {
+        let job = job(request.into_inner().job)?;
+        let record = self.store.latest(&job).await.map_err(meta_status)?;
+        Ok(Response::new(pb::LatestResponse { checkpoint: record.as_ref().map(checkpoint_info) }))
+    }
+
+    async fn list_jobs(&self, _: Request<pb::ListJobsRequest>) -> Result<Response<pb::ListJobsResponse>, Status> {
+        let jobs = self.store.list_jobs().await.map_err(meta_status)?;
+        Ok(Response::new(pb::ListJobsResponse {
+            jobs: jobs
+                .into_iter()
+                .map(|j| pb::JobInfo {
+                    job: j.job,
+                    committed_checkpoints: j.committed_checkpoints,
+                    latest_step: j.latest_step,
+                    committed_bytes: j.committed_bytes,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn list_checkpoints(
+        &self,
+        request: Request<pb::ListCheckpointsRequest>,
+    ) -> Result<Response<pb::ListCheckpointsResponse>, Status> {
+        let request = request.into_inner();
+        let job = job(request.job)?;
+        let records = self.store.list_checkpoints(&job, request.include_inactive).await.map_err(meta_status)?;
+        Ok(Response::new(pb::ListCheckpointsResponse { checkpoints: records.iter().map(checkpoint_info).collect() }))
+    }
+
+    async fn get_manifest(
+        &self,
+        request: Request<pb::GetManifestRequest>,
+    ) -> Result<Response<pb::GetManifestResponse>, Status> {
+        let request = request.into_inner();
+        let job = job(request.job)?;
+        let (record, parts) = self.store.get_manifest(&job, request.step).await.map_err(meta_status)?;
+        let named: HashSet<&str> = parts
+            .iter()
+            .flat_map(|(_, m)| m.files.iter())
+            .flat_map(|f| f.chunks.iter())
+            .flat_map(|c| c.replicas.iter().map(String::as_str))
+            .collect();
+        let now = now_ms();
+        let targets = self.store.list_targets().await.map_err(meta_status)?;
+        Ok(Response::new(pb::GetManifestResponse {
+            checkpoint: Some(checkpoint_info(&record)),
+            parts: parts
+                .iter()
+                .map(|(rank, manifest)| pb::RankManifest { rank: *rank, manifest: Some(pb::Manifest::from(manifest)) })
+                .collect(),
+            targets: targets
+                .iter()
+                .filter(|t| named.contains(t.target_id.as_str()))
+                .map(|t| self.target_info(t, now))
+                .collect(),
+        }))
+    }
+
+    async fn delete_checkpoint(
+        &self,
+        request: Request<pb::DeleteCheckpointRequest>,
+    ) -> Result<Response<pb::DeleteCheckpointResponse>, Status> {
+        let request = request.into_inner();
+        let job = job(request.job)?;
+        self.store.delete_checkpoint(&job, request.step, now_ms()).await.map_err(meta_status)?;
+        tracing::info!(%job, step = request.step, "checkpoint deleted");
+        Ok(Response::new(pb::DeleteCheckpointResponse {}))
+    }
+}
+
+/// Opens the metadata store named by `url` (a SQLite path or `sqlite://` URL).
+pub async fn open_store(url: &str) -> anyhow::Result<Arc<dyn MetaStore>> {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        anyhow::bail!("the PostgreSQL metadata backend is not built yet; use a SQLite path or sqlite:// URL");
+    }
+    let store =
+        super::sqlite::SqliteStore::open(url).await.map_err(|e| anyhow::anyhow!("open metadata store {url}: {e}"))?;
+    Ok(Arc::new(store))
+}
+
+/// Serves the control plane on `listener` until `shutdown` resolves.
+pub async fn run(
+    listener: TcpListener,
+    store: Arc<dyn MetaStore>,
+    config: ControlConfig,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let service = ControlServer::new(ControlService::new(store, config))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    tracing::info!(address = %listener.local_addr()?, "control plane serving");
+    tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(256)
+        .add_service(service)
+        .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,474 @@
+//! The embedded metadata store: one SQLite file through sqlx.
+//!
+//! WAL journal with `synchronous = FULL`, so a committed transaction survives power loss.
+//! Writes go through a pool of exactly one connection: SQLite allows one writer at a time anyway,
+//! and a single writer connection means transactions never race to upgrade a read lock into a
+//! write lock (which fails with SQLITE_BUSY instead of waiting). Reads use a separate pool and,
+//! thanks to WAL, never wait for the writer.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use prost::Message;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
+};
+use sqlx::{Row, Sqlite, Transaction};
+use starckpt_proto::JobName;
+use starckpt_proto::control as pb;
+use starckpt_proto::model::{BeginCheckpoint, CommitPart, Manifest, TargetRegistration};
+
+use super::store::{CheckpointRecord, CheckpointState, JobRecord, MetaError, MetaResult, MetaStore, TargetRecord};
+
+const SCHEMA: &str = include_str!("schema.sql");
+const SCHEMA_VERSION: i64 = 1;
+const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, attempt_id, parts_committed, total_bytes, \
+     file_count, created_at_ms, committed_at_ms";
+
+pub struct SqliteStore {
+    writer: SqlitePool,
+    reader: SqlitePool,
+}
+
+impl SqliteStore {
+    /// Opens (creating if missing) the database at `url`: `sqlite://PATH` or a plain file path.
+    /// In-memory databases are refused: the control plane must be durable.
+    pub async fn open(url: &str) -> MetaResult<SqliteStore> {
+        let options = if url.starts_with("sqlite:") {
+            SqliteConnectOptions::from_str(url)?
+        } else {
+            SqliteConnectOptions::new().filename(url)
+        };
+        if url.contains(":memory:") || url.contains("mode=memory") {
+            return Err(MetaError::InvalidArgument(
+                "an in-memory database would lose every checkpoint on restart".into(),
+            ));
+        }
+        let options = options
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .foreign_keys(true)
+            .busy_timeout(Duration::from_secs(10));
+        let writer = SqlitePoolOptions::new().max_connections(1).connect_with(options.clone()).await?;
+        sqlx::raw_sql(SCHEMA).execute(&writer).await?;
+        let version: Option<i64> =
+            sqlx::query_scalar("SELECT version FROM schema_version").fetch_optional(&writer).await?;
+        match version {
+            None => {
+                sqlx::query("INSERT INTO schema_version (version) VALUES (?)")
+                    .bind(SCHEMA_VERSION)
+                    .execute(&writer)
+                    .await?;
+            }
+            Some(SCHEMA_VERSION) => {}
+            Some(other) => {
+                return Err(MetaError::Corrupt(format!(
+                    "database schema version {other}; this build understands {SCHEMA_VERSION}"
+                )));
+            }
+        }
+        let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options).await?;
+        Ok(SqliteStore { writer, reader })
+    }
+}
+
+fn to_i64(value: u64, what: &str) -> MetaResult<i64> {
+    i64::try_from(value).map_err(|_| MetaError::InvalidArgument(format!("{what} {value} is out of range")))
+}
+
+fn get_u64(row: &SqliteRow, column: &str) -> MetaResult<u64> {
+    let value: i64 = row.try_get(column)?;
+    u64::try_from(value).map_err(|_| MetaError::Corrupt(format!("negative {column}")))
+}
+
+fn checkpoint_from_row(row: &SqliteRow) -> MetaResult<CheckpointRecord> {
+    let committed_at: Option<i64> = row.try_get("committed_at_ms")?;
+    Ok(CheckpointRecord {
+        id: get_u64(row, "id")?,
+        job: row.try_get("job")?,
+        step: get_u64(row, "step")?,
+        state: CheckpointState::parse(row.try_get("state")?)?,
+        world_size: get_u64(row, "world_size")? as u32,
+        attempt_id: row.try_get("attempt_id")?,
+        parts_committed: get_u64(row, "parts_committed")? as u32,
+        total_bytes: get_u64(row, "total_bytes")?,
+        file_count: get_u64(row, "file_count")?,
+        created_at_ms: get_u64(row, "created_at_ms")?,
+        committed_at_ms: committed_at.map(|v| v.max(0) as u64),
+    })
+}
+
+fn decode_manifest(blob: &[u8], checkpoint_id: u64, rank: u32) -> MetaResult<Manifest> {
+    let message = pb::Manifest::decode(blob)
+        .map_err(|e| MetaError::Corrupt(format!("manifest of checkpoint {checkpoint_id} rank {rank}: {e}")))?;
+    Manifest::try_from(message)
+        .map_err(|e| MetaError::Corrupt(format!("manifest of checkpoint {checkpoint_id} rank {rank}: {e}")))
+}
+
+async fn checkpoint_by_id(tx: &mut Transaction<'_, Sqlite>, id: i64) -> MetaResult<Option<CheckpointRecord>> {
+    let row = sqlx::query(&format!("SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE id = ?"))
+        .bind(id)
+        .fetch_optional(&mut **tx)
+        .await?;
+    row.as_ref().map(checkpoint_from_row).transpose()
+}
+
+#[async_trait]
+impl MetaStore for SqliteStore {
+    async fn upsert_target(&self, registration: &TargetRegistration, now_ms: u64) -> MetaResult<()> {
+        sqlx::query(
+            "INSERT INTO targets (target_id, data_address, capacity_bytes, used_bytes, registered_at_ms, last_heartbeat_ms)
+             VALUES (?, ?, ?, ?, ?, ?)
+             ON CONFLICT (target_id) DO UPDATE SET data_address = excluded.data_address,
+                 capacity_bytes = excluded.capacity_bytes, used_bytes = excluded.used_bytes,
+                 registered_at_ms = excluded.registered_at_ms, last_heartbeat_ms = excluded.last_heartbeat_ms",
+        )
+        .bind(&registration.target_id)
+        .bind(registration.data_address.to_string())
+        .bind(to_i64(registration.capacity_bytes, "capacity")?)
+        .bind(to_i64(registration.used_bytes, "used bytes")?)
+        .bind(to_i64(now_ms, "time")?)
+        .bind(to_i64(now_ms, "time")?)
+        .execute(&self.writer)
+        .await?;
+        Ok(())
+    }
+
+    async fn heartbeat(&self, target_id: &str, capacity: u64, used: u64, chunks: u64, now_ms: u64) -> MetaResult<()> {
+        let result = sqlx::query(
+            "UPDATE targets SET capacity_bytes = ?, used_bytes = ?, chunk_count = ?, last_heartbeat_ms = ? WHERE target_id = ?",
+        )
+        .bind(to_i64(capacity, "capacity")?)
+        .bind(to_i64(used, "used bytes")?)
+        .bind(to_i64(chunks, "chunk count")?)
+        .bind(to_i64(now_ms, "time")?)
+        .bind(target_id)
+        .execute(&self.writer)
+        .await?;
+        if result.rows_affected() == 0 {
+            return Err(MetaError::NotFound(format!("target {target_id} is not registered")));
+        }
+        Ok(())
+    }
+
+    async fn list_targets(&self) -> MetaResult<Vec<TargetRecord>> {
+        let rows = sqlx::query(
+            "SELECT target_id, data_address, capacity_bytes, used_bytes, chunk_count, last_heartbeat_ms
+             FROM targets ORDER BY target_id",
+        )
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(TargetRecord {
+                    target_id: row.try_get("target_id")?,
+                    data_address: row.try_get("data_address")?,
+                    capacity_bytes: get_u64(row, "capacity_bytes")?,
+                    used_bytes: get_u64(row, "used_bytes")?,
+                    chunk_count: get_u64(row, "chunk_count")?,
+                    last_heartbeat_ms: get_u64(row, "last_heartbeat_ms")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn begin_checkpoint(&self, request: &BeginCheckpoint, now_ms: u64) -> MetaResult<CheckpointRecord> {
+        let step = to_i64(request.step, "step")?;
+        let now = to_i64(now_ms, "time")?;
+        let mut tx = self.writer.begin().await?;
+        let live = sqlx::query(&format!(
+            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = ? AND step = ? AND state IN ('pending', 'committed')"
+        ))
+        .bind(request.job.as_str())
+        .bind(step)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(row) = live {
+            let existing = checkpoint_from_row(&row)?;
+            match existing.state {
+                CheckpointState::Committed => {
+                    return Err(MetaError::AlreadyExists(format!(
+                        "job {} already has a committed checkpoint at step {}; delete it first to save that step again",
+                        request.job, request.step
+                    )));
+                }
+                _ if existing.attempt_id == request.attempt_id => {
+                    if existing.world_size != request.world_size {
+                        return Err(MetaError::FailedPrecondition(format!(
+                            "attempt {} of {} step {} has world size {}, not {}",
+                            request.attempt_id, request.job, request.step, existing.world_size, request.world_size
+                        )));
+                    }
+                    return Ok(existing);
+                }
+                _ => {
+                    sqlx::query("UPDATE checkpoints SET state = 'aborted', ended_at_ms = ? WHERE id = ?")
+                        .bind(now)
+                        .bind(existing.id as i64)
+                        .execute(&mut *tx)
+                        .await?;
+                    tracing::info!(job = %request.job, step = request.step, aborted = existing.id,
+                        "aborted an uncommitted attempt superseded by a new one");
+                }
+            }
+        }
+        let row = sqlx::query(&format!(
+            "INSERT INTO checkpoints (job, step, state, world_size, attempt_id, created_at_ms)
+             VALUES (?, ?, 'pending', ?, ?, ?) RETURNING {CHECKPOINT_COLUMNS}"
+        ))
+        .bind(request.job.as_str())
+        .bind(step)
+        .bind(request.world_size as i64)
+        .bind(&request.attempt_id)
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await?;
+        let record = checkpoint_from_row(&row)?;
+        tx.commit().await?;
+        Ok(record)
+    }
+
+    async fn commit_part(&self, part: &CommitPart, now_ms: u64) -> MetaResult<CheckpointRecord> {
+        let id = to_i64(part.checkpoint_id, "checkpoint id")?;
+        let mut tx = self.writer.begin().await?;
+        let Some(record) = checkpoint_by_id(&mut tx, id).await? else {
+            return Err(MetaError::NotFound(format!("checkpoint {} does not exist", part.checkpoint_id)));
+        };
+        if part.rank >= record.world_size {
+            return Err(MetaError::InvalidArgument(format!(
+                "rank {} is outside world size {} of checkpoint {}",
+                part.rank, record.world_size, record.id
+            )));
+        }
+        let existing: Option<Vec<u8>> =
+            sqlx::query_scalar("SELECT manifest FROM parts WHERE checkpoint_id = ? AND rank = ?")
+                .bind(id)
+                .bind(part.rank as i64)
+                .fetch_optional(&mut *tx)
+                .await?;
+        if let Some(blob) = existing {
+            if decode_manifest(&blob, record.id, part.rank)? == part.manifest {
+                return Ok(record);
+            }
+            return Err(MetaError::FailedPrecondition(format!(
+                "rank {} of checkpoint {} already committed a different manifest",
+                part.rank, record.id
+            )));
+        }
+        if record.state != CheckpointState::Pending {
+            return Err(MetaError::FailedPrecondition(format!(
+                "checkpoint {} ({} step {}) is {}; its parts can no longer be committed",
+                record.id,
+                record.job,
+                record.step,
+                record.state.as_str()
+            )));
+        }
+        let total_bytes = to_i64(part.manifest.total_bytes(), "bytes")?;
+        let file_count = part.manifest.files.len() as i64;
+        let now = to_i64(now_ms, "time")?;
+        sqlx::query(
+            "INSERT INTO parts (checkpoint_id, rank, manifest, total_bytes, file_count, committed_at_ms) VALUES (?, ?, ?, ?, ?, ?)",
+        )
+        .bind(id)
+        .bind(part.rank as i64)
+        .bind(pb::Manifest::from(&part.manifest).encode_to_vec())
+        .bind(total_bytes)
+        .bind(file_count)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        // The commit transition happens in the same transaction as the last part's insertion.
+        sqlx::query(
+            "UPDATE checkpoints SET parts_committed = parts_committed + 1, total_bytes = total_bytes + ?,
+                 file_count = file_count + ?,
+                 state = CASE WHEN parts_committed + 1 = world_size THEN 'committed' ELSE state END,
+                 committed_at_ms = CASE WHEN parts_committed + 1 = world_size THEN ? ELSE committed_at_ms END
+             WHERE id = ?",
+        )
+        .bind(total_bytes)
+        .bind(file_count)
+        .bind(now)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        let record =
+            checkpoint_by_id(&mut tx, id).await?.ok_or_else(|| MetaError::Corrupt("checkpoint vanished".into()))?;
+        tx.commit().await?;
+        Ok(record)
+    }
+
+    async fn latest(&self, job: &JobName) -> MetaResult<Option<CheckpointRecord>> {
+        let row = sqlx::query(&format!(
+            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = ? AND state = 'committed' ORDER BY step DESC LIMIT 1"
+        ))
+        .bind(job.as_str())
+        .fetch_optional(&self.reader)
+        .await?;
+        row.as_ref().map(checkpoint_from_row).transpose()
+    }
+
+    async fn list_jobs(&self) -> MetaResult<Vec<JobRecord>> {
+        let rows = sqlx::query(
+            "SELECT job,
+                    SUM(CASE WHEN state = 'committed' THEN 1 ELSE 0 END) AS committed,
+                    MAX(CASE WHEN state = 'committed' THEN step END) AS latest_step,
+                    SUM(CASE WHEN state = 'committed' THEN total_bytes ELSE 0 END) AS committed_bytes
+             FROM checkpoints GROUP BY job ORDER BY job",
+        )
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let latest: Option<i64> = row.try_get("latest_step")?;
+                Ok(JobRecord {
+                    job: row.try_get("job")?,
+                    committed_checkpoints: get_u64(row, "committed")? as u32,
+                    latest_step: latest.map(|s| s.max(0) as u64),
+                    committed_bytes: get_u64(row, "committed_bytes")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn list_checkpoints(&self, job: &JobName, include_inactive: bool) -> MetaResult<Vec<CheckpointRecord>> {
+        let filter = if include_inactive { "" } else { "AND state IN ('pending', 'committed')" };
+        let rows = sqlx::query(&format!(
+            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = ? {filter} ORDER BY step, id"
+        ))
+        .bind(job.as_str())
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(checkpoint_from_row).collect()
+    }
+
+    async fn get_manifest(
+        &self,
+        job: &JobName,
+        step: Option<u64>,
+    ) -> MetaResult<(CheckpointRecord, Vec<(u32, Manifest)>)> {
+        // One read transaction, so the checkpoint and its parts come from the same snapshot.
+        let mut tx = self.reader.begin().await?;
+        let row = match step {
+            Some(step) => {
+                sqlx::query(&format!(
+                    "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = ? AND step = ? AND state = 'committed'"
+                ))
+                .bind(job.as_str())
+                .bind(to_i64(step, "step")?)
+                .fetch_optional(&mut *tx)
+                .await?
+            }
+            None => {
+                sqlx::query(&format!(
+                    "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = ? AND state = 'committed' ORDER BY step DESC LIMIT 1"
+                ))
+                .bind(job.as_str())
+                .fetch_optional(&mut *tx)
+                .await?
+            }
+        };
+        let Some(row) = row else {
+            return Err(MetaError::NotFound(match step {
+                Some(step) => format!("job {job} has no committed checkpoint at step {step}"),
+                None => format!("job {job} has no committed checkpoint"),
+            }));
+        };
+        let record = checkpoint_from_row(&row)?;
+        let rows = sqlx::query("SELECT rank, manifest FROM parts WHERE checkpoint_id = ? ORDER BY rank")
+            .bind(record.id as i64)
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut parts = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let rank = get_u64(row, "rank")? as u32;
+            let blob: Vec<u8> = row.try_get("manifest")?;
+            parts.push((rank, decode_manifest(&blob, record.id, rank)?));
+        }
+        if parts.len() != record.world_size as usize {
+            return Err(MetaError::Corrupt(format!(
+                "committed checkpoint {} has {} parts of {}",
+                record.id,
+                parts.len(),
+                record.world_size
+            )));
+        }
+        Ok((record, parts))
+    }
+
+    async fn delete_checkpoint(&self, job: &JobName, step: u64, now_ms: u64) -> MetaResult<()> {
+        let result = sqlx::query(
+            "UPDATE checkpoints SET state = CASE WHEN state = 'committed' THEN 'deleted' ELSE 'aborted' END, ended_at_ms = ?
+             WHERE job = ? AND step = ? AND state IN ('pending', 'committed')",
+        )
+        .bind(to_i64(now_ms, "time")?)
+        .bind(job.as_str())
+        .bind(to_i64(step, "step")?)
+        .execute(&self.writer)
+        .await?;
+        if result.rows_affected() == 0 {
+            return Err(MetaError::NotFound(format!("job {job} has no checkpoint at step {step}")));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::control::store::conformance;
+
+    async fn open() -> (tempfile::TempDir, SqliteStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(&format!("sqlite://{}", dir.path().join("meta.db").display())).await.unwrap();
+        (dir, store)
+    }
+
+    #[tokio::test]
+    async fn targets() {
+        conformance::targets(&open().await.1).await;
+    }
+
+    #[tokio::test]
+    async fn multi_rank_commit() {
+        conformance::multi_rank_commit(&open().await.1).await;
+    }
+
+    #[tokio::test]
+    async fn step_collisions() {
+        conformance::step_collisions(&open().await.1).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_last_parts() {
+        let (_dir, store) = open().await;
+        conformance::concurrent_last_parts(Arc::new(store)).await;
+    }
+
+    #[tokio::test]
+    async fn survives_reopen_and_refuses_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("meta.db");
+        {
+            let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+            conformance::multi_rank_commit(&store).await;
+        }
+        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+        let job = JobName::try_from("j").unwrap();
+        assert_eq!(store.latest(&job).await.unwrap().unwrap().step, 100);
+        assert!(SqliteStore::open("sqlite::memory:").await.is_err());
+    }
+
+    #[tokio::test]
+    async fn corrupt_manifest_is_an_error() {
+        let (_dir, store) = open().await;
+        conformance::multi_rank_commit(&store).await;
+        sqlx::query("UPDATE parts SET manifest = X'FFFF01'").execute(&store.writer).await.unwrap();
+        let job = JobName::try_from("j").unwrap();
+        assert!(matches!(store.get_manifest(&job, None).await, Err(MetaError::Corrupt(_))));
+    }
+}

@@ -1,0 +1,89 @@
+//! A whole cluster in one process: the control plane on SQLite and N targets, each on its own
+//! data directory and port. `starckpt dev` and `starckpt demo` run it; tests use the real
+//! binaries instead.
+//!
+//! Layout of the data directory (kept across restarts):
+//! ```text
+//! DIR/meta.db        control-plane metadata (SQLite, WAL)
+//! DIR/target-0/ …    one chunk store per target
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::control::{self, ControlConfig};
+use crate::target::{self, EngineKind, TargetConfig};
+
+pub struct DevCluster {
+    pub control_address: SocketAddr,
+    pub target_addresses: Vec<SocketAddr>,
+    pub data_dir: PathBuf,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<anyhow::Result<()>>>,
+}
+
+impl DevCluster {
+    /// Starts the control plane on `listen` and `targets` targets on ephemeral loopback ports.
+    pub async fn start(
+        data_dir: &Path,
+        listen: &str,
+        targets: usize,
+        engine: EngineKind,
+    ) -> anyhow::Result<DevCluster> {
+        std::fs::create_dir_all(data_dir).with_context(|| format!("create {}", data_dir.display()))?;
+        let store = control::open_store(&data_dir.join("meta.db").to_string_lossy()).await?;
+        let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
+        let control_address = listener.local_addr()?;
+        let (stop, stopped) = watch::channel(false);
+        let wait = |mut stopped: watch::Receiver<bool>| async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        };
+        let mut tasks =
+            vec![tokio::spawn(control::run(listener, store, ControlConfig::default(), wait(stopped.clone())))];
+        let mut target_addresses = Vec::new();
+        for index in 0..targets {
+            let mut config = TargetConfig::new(data_dir.join(format!("target-{index}")), control_address.to_string());
+            config.engine = engine;
+            let listener = TcpListener::bind("127.0.0.1:0").await.context("bind a target port")?;
+            target_addresses.push(listener.local_addr()?);
+            tasks.push(tokio::spawn(target::run(config, listener, wait(stopped.clone()))));
+        }
+        Ok(DevCluster { control_address, target_addresses, data_dir: data_dir.to_path_buf(), stop, tasks })
+    }
+
+    /// Graceful stop: services finish what they are doing and exit.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            task.await.context("cluster task panicked")??;
+        }
+        Ok(())
+    }
+
+    /// Abrupt stop, as close to a crash as one process can get: every task is dropped at its
+    /// current await point, with no cleanup.
+    pub async fn kill(self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+
+    /// Resolves when any service stops on its own (an error), with that error.
+    pub async fn failed(&mut self) -> anyhow::Error {
+        let (result, index, _) = futures::future::select_all(self.tasks.iter_mut()).await;
+        let _ = index;
+        match result {
+            Ok(Ok(())) => anyhow::anyhow!("a cluster service stopped"),
+            Ok(Err(error)) => error,
+            Err(join) => anyhow::anyhow!("a cluster service panicked: {join}"),
+        }
+    }
+}
