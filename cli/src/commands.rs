@@ -28,6 +28,8 @@ pub async fn shutdown_signal() {
 pub async fn server(listen: &str, db: &str) -> anyhow::Result<()> {
     let store = starckpt_server::control::open_store(db).await?;
     let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
+    // The address line is for scripts and tests that listen on port 0.
+    println!("control plane listening on {}", listener.local_addr()?);
     starckpt_server::control::run(listener, store, Default::default(), shutdown_signal()).await
 }
 

@@ -98,7 +98,7 @@ impl Client {
     /// wins. Errors name the chunk and each target that failed.
     pub async fn read_chunk(&self, manifest: &CheckpointManifest, chunk: &ChunkRef) -> Result<Bytes> {
         let mut last = None;
-        for target_id in &chunk.replicas {
+        for (attempt_index, target_id) in chunk.replicas.iter().enumerate() {
             let Some(target) = manifest.targets.get(target_id) else {
                 last = Some(Error::InvalidInput(format!("chunk {} names unknown target {target_id}", chunk.hash)));
                 continue;
@@ -127,7 +127,10 @@ impl Client {
             match attempt.await {
                 Ok(data) => return Ok(data),
                 Err(error) => {
-                    tracing::warn!(%error, "replica read failed");
+                    // Handled here by trying the next replica; the last failure is returned instead.
+                    if attempt_index + 1 < chunk.replicas.len() {
+                        tracing::warn!(%error, "replica read failed; trying the next replica");
+                    }
                     last = Some(error);
                 }
             }

@@ -293,3 +293,32 @@ mod tests {
         assert!(matches!(read_frame_head(&mut b).await, Err(ReadFrameError::Io(_))));
     }
 }
+
+#[cfg(test)]
+mod robustness {
+    use super::*;
+
+    /// Decoding arbitrary bytes never panics: every input is a header or an error.
+    #[test]
+    fn arbitrary_fixed_headers() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for round in 0..200_000 {
+            let mut bytes = [0u8; FIXED_HEADER_BYTES];
+            for byte in bytes.iter_mut() {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                *byte = state as u8;
+            }
+            // Half the rounds start from a valid prefix so the later fields are exercised too.
+            if round % 2 == 0 {
+                bytes[..4].copy_from_slice(&MAGIC);
+                bytes[4] = VERSION;
+            }
+            if let Ok(header) = FrameHeader::decode(&bytes) {
+                assert!(header.header_len <= MAX_HEADER_BYTES && header.payload_len <= MAX_PAYLOAD_BYTES);
+                assert_eq!(header.encode(), bytes);
+            }
+        }
+    }
+}

@@ -540,3 +540,51 @@ mod tests {
         assert!(BeginCheckpoint::try_from(pb::BeginCheckpointRequest { attempt_id: String::new(), ..ok }).is_err());
     }
 }
+
+#[cfg(test)]
+mod robustness {
+    use prost::Message;
+
+    use super::*;
+
+    /// Arbitrary bytes decoded as a manifest and validated never panic.
+    #[test]
+    fn arbitrary_manifest_bytes() {
+        let valid = pb::Manifest {
+            files: vec![pb::FileEntry {
+                path: "a/b".into(),
+                size_bytes: 3,
+                mode: 0o644,
+                chunks: vec![pb::ChunkRef {
+                    hash: bytes::Bytes::from(vec![1u8; 32]),
+                    length_bytes: 3,
+                    stored_length_bytes: 3,
+                    codec: 0,
+                    replicas: vec!["t".into()],
+                }],
+            }],
+            directories: vec!["d".into()],
+            metadata: Default::default(),
+        }
+        .encode_to_vec();
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..50_000 {
+            // Mutate a valid encoding: flip, truncate or extend, then decode and validate.
+            let mut bytes = valid.clone();
+            for _ in 0..(next() % 4 + 1) {
+                let at = (next() as usize) % bytes.len();
+                bytes[at] ^= next() as u8;
+            }
+            bytes.truncate((next() as usize) % (bytes.len() + 1));
+            if let Ok(message) = pb::Manifest::decode(&bytes[..]) {
+                let _ = Manifest::try_from(message);
+            }
+        }
+    }
+}

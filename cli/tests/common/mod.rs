@@ -1,0 +1,196 @@
+//! Test harness: real `starckpt` processes on 127.0.0.1, each killed when the test ends.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_starckpt");
+
+/// A child process, SIGKILLed on drop.
+pub struct Proc {
+    pub child: Child,
+    pub address: String,
+}
+
+impl Proc {
+    /// Starts `starckpt ARGS` and waits for its "... listening on ADDR" line.
+    fn start(args: &[&str], log: &Path, env: &[(&str, &str)]) -> Proc {
+        let log_file = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
+        let mut command = Command::new(BIN);
+        command.args(args).stdout(Stdio::piped()).stderr(Stdio::from(log_file)).env("RUST_LOG", "info");
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).unwrap();
+        let address = line.trim().rsplit(' ').next().unwrap_or_default().to_owned();
+        assert!(address.contains(':'), "no address from {args:?}: {line:?}; log: {}", std::fs::read_to_string(log).unwrap_or_default());
+        Proc { child, address }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A control plane and N targets, each a separate `starckpt` process, data under one temp dir.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub server: Proc,
+    pub targets: Vec<Proc>,
+}
+
+impl Cluster {
+    pub fn start(targets: usize) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start_server(dir.path());
+        let mut cluster = Cluster { dir, server, targets: Vec::new() };
+        for index in 0..targets {
+            let target = cluster.start_target(index);
+            cluster.targets.push(target);
+        }
+        cluster.wait_alive(targets);
+        cluster
+    }
+
+    pub fn target_dir(&self, index: usize) -> PathBuf {
+        self.dir.path().join(format!("target-{index}"))
+    }
+
+    pub fn start_target(&self, index: usize) -> Proc {
+        let dir = self.target_dir(index);
+        Proc::start(
+            &["target", "--dir", dir.to_str().unwrap(), "--listen", "127.0.0.1:0", "--server", &self.server.address],
+            &self.dir.path().join(format!("target-{index}.log")),
+            &[],
+        )
+    }
+
+    /// SIGKILLs every process, then starts them again on the same data.
+    pub fn kill_and_restart(&mut self) {
+        self.server.kill();
+        for target in &mut self.targets {
+            target.kill();
+        }
+        self.server = start_server(self.dir.path());
+        let count = self.targets.len();
+        self.targets = (0..count).map(|i| self.start_target(i)).collect();
+        self.wait_alive(count);
+    }
+
+    /// Runs the CLI against this cluster.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        cli_with_server(&self.server.address, args)
+    }
+
+    /// Runs the CLI and asserts success, returning stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let output = self.cli(args);
+        assert!(
+            output.status.success(),
+            "starckpt {args:?} failed: {}\n{}",
+            String::from_utf8_lossy(&output.stderr),
+            String::from_utf8_lossy(&output.stdout)
+        );
+        String::from_utf8(output.stdout).unwrap()
+    }
+
+    /// Runs the CLI and asserts failure, returning stderr.
+    pub fn fails(&self, args: &[&str]) -> String {
+        let output = self.cli(args);
+        assert!(!output.status.success(), "starckpt {args:?} should have failed: {}", String::from_utf8_lossy(&output.stdout));
+        String::from_utf8(output.stderr).unwrap()
+    }
+
+    pub fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = args.to_vec();
+        all.push("--json");
+        serde_json::from_str(&self.ok(&all)).unwrap()
+    }
+
+    /// Waits until every running target process is registered, alive, at its current address.
+    pub fn wait_alive(&self, count: usize) {
+        assert_eq!(count, self.targets.len());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let output = self.cli(&["status", "--json"]);
+            if output.status.success() {
+                let status: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+                let listed = status["targets"].as_array().cloned().unwrap_or_default();
+                let ready = self.targets.iter().all(|proc| {
+                    listed.iter().any(|t| t["state"] == "alive" && t["data_address"] == proc.address.as_str())
+                });
+                if ready {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "targets did not come alive");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Chunk files stored by target `index`.
+    pub fn chunk_files(&self, index: usize) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let chunks = self.target_dir(index).join("chunks");
+        for fan in std::fs::read_dir(chunks).unwrap() {
+            for entry in std::fs::read_dir(fan.unwrap().path()).unwrap() {
+                out.push(entry.unwrap().path());
+            }
+        }
+        out
+    }
+}
+
+fn start_server(dir: &Path) -> Proc {
+    let db = dir.join("meta.db");
+    Proc::start(&["server", "--listen", "127.0.0.1:0", "--db", db.to_str().unwrap()], &dir.join("server.log"), &[])
+}
+
+pub fn cli_with_server(server: &str, args: &[&str]) -> Output {
+    Command::new(BIN).args(args).env("STARCKPT_SERVER", server).env_remove("STARCKPT_JOB").output().unwrap()
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    use rand::{RngCore, SeedableRng};
+    let mut out = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut out);
+    out
+}
+
+/// Every file and directory under `root`, relative, with file contents' BLAKE3 and sizes.
+pub fn tree(root: &Path) -> Vec<(String, Option<(u64, String)>)> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, Option<(u64, String)>)>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let rel = path.strip_prefix(root).unwrap().to_str().unwrap().to_owned();
+            if path.is_dir() {
+                out.push((rel, None));
+                walk(root, &path, out);
+            } else {
+                let data = std::fs::read(&path).unwrap();
+                out.push((rel, Some((data.len() as u64, blake3::hash(&data).to_hex().to_string()))));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(root, root, &mut out);
+    out.sort();
+    out
+}

@@ -1,0 +1,385 @@
+//! End to end: real `starckpt server` and `starckpt target` processes on 127.0.0.1, driven by the
+//! real CLI.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::time::Duration;
+
+use common::{Cluster, random_bytes, tree};
+
+/// ~200 MB of random data in nested directories, with empty files and an empty directory.
+fn make_tree(root: &Path) -> u64 {
+    let mut total = 0u64;
+    let files: &[(&str, usize)] = &[
+        ("model/layer0.safetensors", 60 << 20),
+        ("model/layer1.safetensors", 50 << 20),
+        ("model/deep/a/b/c/tail.bin", (37 << 20) + 12_345),
+        ("optim/rank0.pt", 40 << 20),
+        ("optim/small.json", 1_000),
+        ("rng.bin", 4096),
+        ("odd-size.bin", (4 << 20) + 1),
+        ("model/empty.bin", 0),
+        ("empty-top", 0),
+    ];
+    for (index, (path, len)) in files.iter().enumerate() {
+        let full = root.join(path);
+        std::fs::create_dir_all(full.parent().unwrap()).unwrap();
+        std::fs::write(&full, random_bytes(*len, index as u64)).unwrap();
+        total += *len as u64;
+    }
+    std::fs::create_dir_all(root.join("logs/empty-dir")).unwrap();
+    total
+}
+
+#[test]
+fn save_and_restore_a_tree_across_three_targets() {
+    let cluster = Cluster::start(3);
+    let source = cluster.dir.path().join("source");
+    let total = make_tree(&source);
+
+    let saved = cluster.json(&["save", "--job", "llama", "--step", "100", source.to_str().unwrap()]);
+    assert_eq!(saved["committed"], true);
+    assert_eq!(saved["bytes"], total);
+
+    let restored = cluster.dir.path().join("restored");
+    // The job comes from the environment here, as a launcher script would set it.
+    let output = std::process::Command::new(common::BIN)
+        .args(["restore", "--latest", "--to", restored.to_str().unwrap()])
+        .env("STARCKPT_SERVER", &cluster.server.address)
+        .env("STARCKPT_JOB", "llama")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(tree(&source), tree(&restored), "restored tree differs");
+
+    // Chunks are spread over all three targets.
+    for index in 0..3 {
+        assert!(!cluster.chunk_files(index).is_empty(), "target {index} stores no chunk");
+    }
+
+    // Listings, human and JSON.
+    let jobs = cluster.json(&["ls"]);
+    assert_eq!(jobs[0]["job"], "llama");
+    assert_eq!(jobs[0]["latest_step"], 100);
+    let checkpoints = cluster.json(&["ls", "llama"]);
+    assert_eq!(checkpoints[0]["state"], "committed");
+    assert_eq!(checkpoints[0]["bytes"], total);
+    let shown = cluster.ok(&["show", "llama", "100"]);
+    assert!(shown.contains("model/deep/a/b/c/tail.bin"), "{shown}");
+    assert!(shown.contains("logs/empty-dir/"), "{shown}");
+    let status = cluster.json(&["status"]);
+    assert_eq!(status["targets"].as_array().unwrap().len(), 3);
+    assert!(status["targets"][0]["capacity_bytes"].as_u64().unwrap() > 0);
+
+    // A second save of unchanged data deduplicates every chunk.
+    let again = cluster.json(&["save", "--job", "llama", "--step", "200", source.to_str().unwrap()]);
+    assert_eq!(again["deduplicated_chunks"], again["chunks"]);
+    assert_eq!(again["uploaded_bytes"], 0);
+
+    // A non-empty destination is refused without --force, and replaced with it.
+    let stderr = cluster.fails(&["restore", "--job", "llama", "--step", "100", "--to", restored.to_str().unwrap()]);
+    assert!(stderr.contains("not empty"), "{stderr}");
+    std::fs::write(restored.join("stray"), b"x").unwrap();
+    cluster.ok(&["restore", "--job", "llama", "--step", "100", "--to", restored.to_str().unwrap(), "--force"]);
+    assert_eq!(tree(&source), tree(&restored));
+
+    // Saving an existing committed step is a clear error; deleting it makes latest fall back.
+    let stderr = cluster.fails(&["save", "--job", "llama", "--step", "200", source.to_str().unwrap()]);
+    assert!(stderr.contains("already has a committed checkpoint at step 200"), "{stderr}");
+    cluster.ok(&["rm", "llama", "200"]);
+    assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 100);
+}
+
+#[test]
+fn two_ranks_in_two_processes_commit_together() {
+    let cluster = Cluster::start(3);
+    let rank_dir = |rank: usize| {
+        let dir = cluster.dir.path().join(format!("rank{rank}"));
+        std::fs::create_dir_all(dir.join(format!("rank{rank}"))).unwrap();
+        std::fs::write(dir.join(format!("rank{rank}/shard.bin")), random_bytes(9 << 20, rank as u64)).unwrap();
+        dir
+    };
+    let (dir0, dir1) = (rank_dir(0), rank_dir(1));
+    let save = |rank: &str, dir: &Path| {
+        let args =
+            ["save", "--job", "mr", "--step", "7", "--rank", rank, "--world-size", "2", "--attempt", "run-1", dir.to_str().unwrap()];
+        let mut all = args.to_vec();
+        all.push("--json");
+        serde_json::from_str::<serde_json::Value>(&cluster.ok(&all)).unwrap()
+    };
+    let first = save("0", &dir0);
+    assert_eq!(first["committed"], false, "one of two ranks must not commit the checkpoint");
+    let listed = cluster.json(&["ls", "mr"]);
+    assert_eq!(listed[0]["state"], "pending");
+    assert_eq!(listed[0]["parts_committed"], 1);
+    let stderr = cluster.fails(&["restore", "--job", "mr", "--latest", "--to", cluster.dir.path().join("x").to_str().unwrap()]);
+    assert!(stderr.contains("no committed checkpoint"), "{stderr}");
+    assert!(cluster.json(&["ls"])[0]["latest_step"].is_null());
+
+    // Without a shared attempt id a multi-rank save is refused.
+    let stderr = cluster.fails(&["save", "--job", "mr", "--step", "8", "--rank", "1", "--world-size", "2", dir1.to_str().unwrap()]);
+    assert!(stderr.contains("attempt id"), "{stderr}");
+
+    let second = save("1", &dir1);
+    assert_eq!(second["committed"], true);
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "mr", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("rank0/shard.bin")).unwrap(), random_bytes(9 << 20, 0));
+    assert_eq!(std::fs::read(restored.join("rank1/shard.bin")).unwrap(), random_bytes(9 << 20, 1));
+}
+
+#[test]
+fn sigkill_everything_mid_save_keeps_the_previous_checkpoint() {
+    let mut cluster = Cluster::start(3);
+    let first = cluster.dir.path().join("first");
+    std::fs::create_dir_all(&first).unwrap();
+    std::fs::write(first.join("weights.bin"), random_bytes(20 << 20, 1)).unwrap();
+    cluster.ok(&["save", "--job", "crash", "--step", "1", first.to_str().unwrap()]);
+
+    // A large second save, killed (with every server process) once chunks start landing.
+    let second = cluster.dir.path().join("second");
+    std::fs::create_dir_all(&second).unwrap();
+    std::fs::write(second.join("weights.bin"), random_bytes(400 << 20, 2)).unwrap();
+    let before: usize = (0..3).map(|i| cluster.chunk_files(i).len()).sum();
+    let mut saver = std::process::Command::new(common::BIN)
+        .args(["save", "--job", "crash", "--step", "2", "--chunk-size", "1048576", second.to_str().unwrap()])
+        .env("STARCKPT_SERVER", &cluster.server.address)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while (0..3).map(|i| cluster.chunk_files(i).len()).sum::<usize>() < before + 20 {
+        assert!(std::time::Instant::now() < deadline, "second save never started writing");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = saver.kill();
+    let _ = saver.wait();
+    cluster.kill_and_restart();
+
+    let checkpoints = cluster.json(&["ls", "crash"]);
+    let states: Vec<(u64, String)> =
+        checkpoints.as_array().unwrap().iter().map(|c| (c["step"].as_u64().unwrap(), c["state"].as_str().unwrap().into())).collect();
+    assert_eq!(states, vec![(1, "committed".into()), (2, "pending".into())]);
+    assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 1);
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "crash", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(tree(&first), tree(&restored));
+
+    // The restarted trainer saves step 2 again: the crashed attempt is aborted, the new one commits.
+    cluster.ok(&["save", "--job", "crash", "--step", "2", second.to_str().unwrap()]);
+    assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 2);
+    let all = cluster.json(&["ls", "crash", "--all"]);
+    assert!(all.as_array().unwrap().iter().any(|c| c["step"] == 2 && c["state"] == "aborted"), "{all}");
+}
+
+#[test]
+fn a_flipped_byte_fails_restore_naming_chunk_and_target() {
+    let cluster = Cluster::start(3);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("only.bin"), random_bytes(1 << 20, 3)).unwrap();
+    cluster.ok(&["save", "--job", "rot", "--step", "1", source.to_str().unwrap()]);
+
+    let (index, chunk) = (0..3).find_map(|i| cluster.chunk_files(i).into_iter().next().map(|c| (i, c))).unwrap();
+    let mut bytes = std::fs::read(&chunk).unwrap();
+    bytes[4096 + 1000] ^= 0x01;
+    std::fs::write(&chunk, bytes).unwrap();
+    let target_id = std::fs::read_to_string(cluster.target_dir(index).join("target.id")).unwrap().trim().to_owned();
+    let hash = chunk.file_name().unwrap().to_str().unwrap().to_owned();
+
+    let restored = cluster.dir.path().join("restored");
+    let stderr = cluster.fails(&["restore", "--job", "rot", "--latest", "--to", restored.to_str().unwrap()]);
+    assert!(stderr.contains("BLAKE3"), "{stderr}");
+    assert!(stderr.contains(&hash), "error must name the chunk: {stderr}");
+    assert!(stderr.contains(&target_id), "error must name the target: {stderr}");
+    assert!(!restored.exists(), "a failed restore must not leave a destination behind");
+    let leftovers: Vec<_> = std::fs::read_dir(cluster.dir.path())
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().contains("starckpt-partial"))
+        .collect();
+    assert!(leftovers.is_empty(), "partial restore left behind");
+}
+
+fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut received = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return received,
+            Ok(n) => received.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return received,
+            Err(e) => panic!("target neither answered nor closed: {e}"),
+        }
+    }
+}
+
+#[test]
+fn garbage_on_the_data_port_is_rejected_and_the_target_keeps_serving() {
+    use prost::Message;
+    use starckpt_proto::frame::{FrameHeader, Opcode};
+
+    let cluster = Cluster::start(1);
+    let address = cluster.targets[0].address.clone();
+
+    // Random bytes: not a frame; the target closes the connection.
+    let mut garbage = TcpStream::connect(&address).unwrap();
+    garbage.write_all(&random_bytes(1000, 9)).unwrap();
+    read_until_closed(&mut garbage);
+
+    // A well-formed header announcing a 4 GiB payload: refused before any allocation.
+    let mut oversized = TcpStream::connect(&address).unwrap();
+    let header = FrameHeader { opcode: Opcode::Put, request_id: 1, header_len: 0, payload_len: u32::MAX };
+    oversized.write_all(&header.encode()).unwrap();
+    read_until_closed(&mut oversized);
+
+    // A valid frame whose prost header is garbage: a BAD_REQUEST answer, connection kept open.
+    let mut garbled = TcpStream::connect(&address).unwrap();
+    let junk = [0xffu8, 0xff, 0xff, 0xff, 0x0f];
+    let header = FrameHeader { opcode: Opcode::Has, request_id: 42, header_len: junk.len() as u32, payload_len: 0 };
+    garbled.write_all(&header.encode()).unwrap();
+    garbled.write_all(&junk).unwrap();
+    let mut fixed = [0u8; 24];
+    garbled.read_exact(&mut fixed).unwrap();
+    let response = FrameHeader::decode(&fixed).unwrap();
+    assert_eq!((response.opcode, response.request_id), (Opcode::HasResponse, 42));
+    let mut body = vec![0u8; response.header_len as usize];
+    garbled.read_exact(&mut body).unwrap();
+    let decoded = starckpt_proto::data::Response::decode(&body[..]).unwrap();
+    assert_eq!(decoded.code, starckpt_proto::data::ErrorCode::BadRequest as i32);
+    // Same connection, a valid STAT now works.
+    let stat = starckpt_proto::data::StatRequest::default().encode_to_vec();
+    let header = FrameHeader { opcode: Opcode::Stat, request_id: 43, header_len: stat.len() as u32, payload_len: 0 };
+    garbled.write_all(&header.encode()).unwrap();
+    garbled.write_all(&stat).unwrap();
+    garbled.read_exact(&mut fixed).unwrap();
+    assert_eq!(FrameHeader::decode(&fixed).unwrap().request_id, 43);
+
+    // A truncated frame followed by a hang-up does not disturb anyone else.
+    let mut truncated = TcpStream::connect(&address).unwrap();
+    let header = FrameHeader { opcode: Opcode::Put, request_id: 2, header_len: 0, payload_len: 1 << 20 };
+    truncated.write_all(&header.encode()).unwrap();
+    truncated.write_all(&[0u8; 1000]).unwrap();
+    drop(truncated);
+
+    // The target still serves real clients.
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("f"), random_bytes(3 << 20, 4)).unwrap();
+    cluster.ok(&["save", "--job", "g", "--step", "1", source.to_str().unwrap()]);
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "g", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&restored));
+}
+
+#[test]
+fn a_dead_target_during_save_and_restore() {
+    let mut cluster = Cluster::start(3);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("f"), random_bytes(24 << 20, 5)).unwrap();
+
+    // Target 0 dies; the control plane still believes it alive for a few seconds, so placement
+    // offers it, and the client places its chunks on the next rendezvous candidate instead.
+    cluster.targets[0].kill();
+    cluster.ok(&["save", "--job", "dead", "--step", "1", source.to_str().unwrap()]);
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "dead", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&restored));
+
+    // With one replica per chunk, losing a target that holds chunks makes restore fail clearly.
+    let holder = (1..3).find(|i| !cluster.chunk_files(*i).is_empty()).unwrap();
+    cluster.targets[holder].kill();
+    let again = cluster.dir.path().join("again");
+    let stderr = cluster.fails(&["restore", "--job", "dead", "--latest", "--to", again.to_str().unwrap()]);
+    let target_id = std::fs::read_to_string(cluster.target_dir(holder).join("target.id")).unwrap();
+    assert!(stderr.contains(target_id.trim()), "{stderr}");
+    assert!(!again.exists());
+}
+
+#[test]
+fn bad_requests_get_clear_errors() {
+    let cluster = Cluster::start(1);
+    let to = cluster.dir.path().join("to");
+    let stderr = cluster.fails(&["restore", "--job", "nope", "--latest", "--to", to.to_str().unwrap()]);
+    assert!(stderr.contains("job nope has no committed checkpoint"), "{stderr}");
+    let stderr = cluster.fails(&["show", "nope", "5"]);
+    assert!(stderr.contains("no committed checkpoint at step 5"), "{stderr}");
+    let stderr = cluster.fails(&["rm", "nope", "5"]);
+    assert!(stderr.contains("no checkpoint at step 5"), "{stderr}");
+    let stderr = cluster.fails(&["ls", "bad/job"]);
+    assert!(stderr.contains("invalid job name"), "{stderr}");
+    let stderr = cluster.fails(&["save", "--job", "j", "--step", "1", "/definitely/not/here"]);
+    assert!(stderr.contains("/definitely/not/here"), "{stderr}");
+
+    // The control plane is unreachable.
+    let output = common::cli_with_server("127.0.0.1:1", &["ls"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("unreachable"), "{stderr}");
+}
+
+#[tokio::test]
+async fn malformed_grpc_requests_are_invalid_argument() {
+    use starckpt_proto::control::control_client::ControlClient;
+    use starckpt_proto::control::*;
+
+    let cluster = Cluster::start(1);
+    let mut client = ControlClient::connect(format!("http://{}", cluster.server.address)).await.unwrap();
+    let begin = |job: &str, world_size| BeginCheckpointRequest { job: job.into(), step: 1, world_size, attempt_id: "a".into() };
+    let status = client.begin_checkpoint(begin("j", 0)).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    let status = client.begin_checkpoint(begin("../etc", 1)).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+
+    let id = client.begin_checkpoint(begin("j", 1)).await.unwrap().into_inner().checkpoint_id;
+    let target = client.list_targets(ListTargetsRequest {}).await.unwrap().into_inner().targets[0].target_id.clone();
+    let manifest = |path: &str| Manifest {
+        files: vec![FileEntry {
+            path: path.into(),
+            size_bytes: 4,
+            mode: 0,
+            chunks: vec![ChunkRef {
+                hash: vec![1u8; 32].into(),
+                length_bytes: 4,
+                stored_length_bytes: 4,
+                codec: 0,
+                replicas: vec![target.clone()],
+            }],
+        }],
+        ..Default::default()
+    };
+    for bad in ["/etc/passwd", "a/../../b", ""] {
+        let status =
+            client.commit_part(CommitPartRequest { checkpoint_id: id, rank: 0, manifest: Some(manifest(bad)) }).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{bad:?}: {status:?}");
+    }
+    let mut unknown = manifest("ok");
+    unknown.files[0].chunks[0].replicas = vec!["not-a-target".into()];
+    let status = client.commit_part(CommitPartRequest { checkpoint_id: id, rank: 0, manifest: Some(unknown) }).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(client.latest(LatestRequest { job: "j".into() }).await.unwrap().into_inner().checkpoint.is_none());
+
+    // Raw garbage on the gRPC port: the server drops that connection and keeps serving.
+    let mut raw = TcpStream::connect(&cluster.server.address).unwrap();
+    raw.write_all(&random_bytes(4096, 11)).unwrap();
+    read_until_closed(&mut raw);
+    client.list_jobs(ListJobsRequest {}).await.unwrap();
+}
+
+#[test]
+fn the_demo_runs_and_verifies() {
+    let output = std::process::Command::new(common::BIN)
+        .args(["demo", "--size", "48MiB", "--steps", "2", "--json", "--io-engine", "std"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(report["verified"], true);
+    assert_eq!(report["steps"].as_array().unwrap().len(), 2);
+    assert!(report["steps"][1]["deduplicated_chunks"].as_u64().unwrap() > 0, "the frozen tensor deduplicates");
+}

@@ -1,0 +1,138 @@
+//! The SDK against a real cluster (control plane + targets on loopback sockets, in this process).
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use starckpt_client::{Client, ClientConfig, CommitState, Error, SavePart, TargetState};
+use starckpt_server::dev::DevCluster;
+use starckpt_server::target::EngineKind;
+
+fn random(len: usize, seed: u64) -> Vec<u8> {
+    use rand::{RngCore, SeedableRng};
+    let mut out = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut out);
+    out
+}
+
+async fn cluster(targets: usize, config: impl FnOnce(&mut ClientConfig)) -> (tempfile::TempDir, DevCluster, Client) {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = DevCluster::start(dir.path(), "127.0.0.1:0", targets, EngineKind::Uring).await.unwrap();
+    let mut client_config = ClientConfig::new(cluster.control_address.to_string());
+    config(&mut client_config);
+    let client = Client::connect(client_config).await.unwrap();
+    for _ in 0..100 {
+        let alive = client.targets().await.unwrap().iter().filter(|t| t.state == TargetState::Alive as i32).count();
+        if alive == targets {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (dir, cluster, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranged_reads_and_caller_buffers_cross_chunk_boundaries() {
+    // Small chunks so one file spans many of them.
+    let (_dir, cluster, client) = cluster(3, |c| c.chunk_size_bytes = 64 * 1024).await;
+    let data = random(1_000_003, 1);
+    let part = SavePart::new("ranges", 1).buffer("t/weights.bin", Bytes::from(data.clone())).unwrap();
+    let outcome = client.save(part).await.unwrap().wait().await.unwrap();
+    assert_eq!(outcome.state, CommitState::Committed);
+    assert_eq!(outcome.chunks, 16);
+
+    let manifest = client.manifest("ranges", None).await.unwrap();
+    for (offset, length) in [(0, 1), (65_535, 2), (65_536, 65_536), (100_000, 500_000), (999_000, 1003), (0, 1_000_003)] {
+        let got = client.read_range(&manifest, "t/weights.bin", offset, length).await.unwrap();
+        assert_eq!(&got[..], &data[offset as usize..(offset + length) as usize], "{offset}+{length}");
+    }
+    assert!(matches!(client.read_range(&manifest, "t/weights.bin", 999_999, 10).await, Err(Error::InvalidInput(_))));
+    assert!(matches!(client.read_range(&manifest, "absent", 0, 1).await, Err(Error::NotFound { .. })));
+
+    let mut buffer = vec![0u8; data.len()];
+    client.read_into(&manifest, "t/weights.bin", &mut buffer).await.unwrap();
+    assert_eq!(buffer, data);
+    assert!(client.read_into(&manifest, "t/weights.bin", &mut [0u8; 5]).await.is_err());
+    cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_save_larger_than_staging_memory_streams_through_it() {
+    // Two 64 KiB staging buffers for a 3 MiB save: staging must wait for uploads to return
+    // buffers, and the save must still complete with the right bytes.
+    let (_dir, cluster, client) = cluster(2, |c| {
+        c.chunk_size_bytes = 64 * 1024;
+        c.staging_bytes = 128 * 1024;
+    })
+    .await;
+    let data = random(3 << 20, 2);
+    let part = SavePart::new("bounded", 5).buffer("big", Bytes::from(data.clone())).unwrap();
+    let handle = client.save(part).await.unwrap();
+    // Staging could only finish once all but the last two chunks were durable.
+    let progress = handle.progress().clone();
+    assert!(progress.done_bytes() >= (3 << 20) - 2 * 64 * 1024, "staged ahead of the pool bound");
+    assert_eq!(progress.staged_bytes.load(Ordering::Relaxed), 3 << 20);
+    handle.wait().await.unwrap();
+    let manifest = client.manifest("bounded", Some(5)).await.unwrap();
+    assert_eq!(&client.read_file(&manifest, "big").await.unwrap()[..], &data[..]);
+    cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handle_reports_dedup_and_metadata_round_trips() {
+    let (_dir, cluster, client) = cluster(3, |c| c.chunk_size_bytes = 128 * 1024).await;
+    let frozen = Bytes::from(random(1 << 20, 3));
+    let mut part = SavePart::new("meta", 1).buffer("frozen", frozen.clone()).unwrap().directory("empty").unwrap();
+    part.metadata.insert("lr".into(), "0.001".into());
+    let first = client.save(part).await.unwrap().wait().await.unwrap();
+    assert_eq!(first.deduplicated_chunks, 0);
+    let part = SavePart::new("meta", 2)
+        .buffer("frozen", frozen)
+        .unwrap()
+        .buffer("fresh", Bytes::from(random(1 << 20, 4)))
+        .unwrap();
+    let second = client.save(part).await.unwrap().wait().await.unwrap();
+    assert_eq!((second.chunks, second.deduplicated_chunks), (16, 8));
+    assert_eq!(second.uploaded_bytes, 1 << 20);
+
+    let manifest = client.manifest("meta", Some(1)).await.unwrap();
+    assert_eq!(manifest.metadata[0].1.get("lr").map(String::as_str), Some("0.001"));
+    assert_eq!(manifest.directories[0].as_str(), "empty");
+    assert_eq!(client.latest("meta").await.unwrap().unwrap().step, 2);
+    cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn save_fails_cleanly_when_every_target_is_gone() {
+    let (_dir, cluster, client) = cluster(1, |_| {}).await;
+    // Kill the targets and the control plane together; a fresh control plane on the same data
+    // still lists the target as alive for a few seconds, so the client tries it and must fail
+    // with a clear error instead of committing anything.
+    let data_dir = cluster.data_dir.clone();
+    cluster.kill().await;
+    let store = starckpt_server::control::open_store(&data_dir.join("meta.db").to_string_lossy()).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(starckpt_server::control::run(listener, store, Default::default(), async {
+        let _ = stopped.await;
+    }));
+    // The dead target registered moments ago, so it is still "alive" to the control plane.
+    let registered = std::fs::read_to_string(data_dir.join("target-0/target.id")).unwrap();
+    let client2 = Client::connect(ClientConfig::new(address.to_string())).await.unwrap();
+    let listed = client2.targets().await.unwrap();
+    assert_eq!(listed[0].target_id, registered.trim());
+    drop(client);
+
+    let part = SavePart::new("orphan", 1).buffer("f", Bytes::from(random(100_000, 5))).unwrap();
+    let result = match client2.save(part).await {
+        Ok(handle) => handle.wait().await.map(|_| ()),
+        Err(error) => Err(error),
+    };
+    let error = result.unwrap_err();
+    assert!(matches!(error, Error::NoTarget { .. }), "{error}");
+    assert!(error.to_string().contains("no storage target accepted chunk"), "{error}");
+    assert!(client2.latest("orphan").await.unwrap().is_none());
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}
