@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
 //! End to end: real `starckpt server` and `starckpt target` processes on 127.0.0.1, driven by the
 //! real CLI.
 
@@ -104,8 +105,20 @@ fn two_ranks_in_two_processes_commit_together() {
     };
     let (dir0, dir1) = (rank_dir(0), rank_dir(1));
     let save = |rank: &str, dir: &Path| {
-        let args =
-            ["save", "--job", "mr", "--step", "7", "--rank", rank, "--world-size", "2", "--attempt", "run-1", dir.to_str().unwrap()];
+        let args = [
+            "save",
+            "--job",
+            "mr",
+            "--step",
+            "7",
+            "--rank",
+            rank,
+            "--world-size",
+            "2",
+            "--attempt",
+            "run-1",
+            dir.to_str().unwrap(),
+        ];
         let mut all = args.to_vec();
         all.push("--json");
         serde_json::from_str::<serde_json::Value>(&cluster.ok(&all)).unwrap()
@@ -115,12 +128,24 @@ fn two_ranks_in_two_processes_commit_together() {
     let listed = cluster.json(&["ls", "mr"]);
     assert_eq!(listed[0]["state"], "pending");
     assert_eq!(listed[0]["parts_committed"], 1);
-    let stderr = cluster.fails(&["restore", "--job", "mr", "--latest", "--to", cluster.dir.path().join("x").to_str().unwrap()]);
+    let stderr =
+        cluster.fails(&["restore", "--job", "mr", "--latest", "--to", cluster.dir.path().join("x").to_str().unwrap()]);
     assert!(stderr.contains("no committed checkpoint"), "{stderr}");
     assert!(cluster.json(&["ls"])[0]["latest_step"].is_null());
 
     // Without a shared attempt id a multi-rank save is refused.
-    let stderr = cluster.fails(&["save", "--job", "mr", "--step", "8", "--rank", "1", "--world-size", "2", dir1.to_str().unwrap()]);
+    let stderr = cluster.fails(&[
+        "save",
+        "--job",
+        "mr",
+        "--step",
+        "8",
+        "--rank",
+        "1",
+        "--world-size",
+        "2",
+        dir1.to_str().unwrap(),
+    ]);
     assert!(stderr.contains("attempt id"), "{stderr}");
 
     let second = save("1", &dir1);
@@ -161,8 +186,12 @@ fn sigkill_everything_mid_save_keeps_the_previous_checkpoint() {
     cluster.kill_and_restart();
 
     let checkpoints = cluster.json(&["ls", "crash"]);
-    let states: Vec<(u64, String)> =
-        checkpoints.as_array().unwrap().iter().map(|c| (c["step"].as_u64().unwrap(), c["state"].as_str().unwrap().into())).collect();
+    let states: Vec<(u64, String)> = checkpoints
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["step"].as_u64().unwrap(), c["state"].as_str().unwrap().into()))
+        .collect();
     assert_eq!(states, vec![(1, "committed".into()), (2, "pending".into())]);
     assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 1);
     let restored = cluster.dir.path().join("restored");
@@ -330,7 +359,8 @@ async fn malformed_grpc_requests_are_invalid_argument() {
 
     let cluster = Cluster::start(1);
     let mut client = ControlClient::connect(format!("http://{}", cluster.server.address)).await.unwrap();
-    let begin = |job: &str, world_size| BeginCheckpointRequest { job: job.into(), step: 1, world_size, attempt_id: "a".into() };
+    let begin =
+        |job: &str, world_size| BeginCheckpointRequest { job: job.into(), step: 1, world_size, attempt_id: "a".into() };
     let status = client.begin_checkpoint(begin("j", 0)).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     let status = client.begin_checkpoint(begin("../etc", 1)).await.unwrap_err();
@@ -354,13 +384,18 @@ async fn malformed_grpc_requests_are_invalid_argument() {
         ..Default::default()
     };
     for bad in ["/etc/passwd", "a/../../b", ""] {
-        let status =
-            client.commit_part(CommitPartRequest { checkpoint_id: id, rank: 0, manifest: Some(manifest(bad)) }).await.unwrap_err();
+        let status = client
+            .commit_part(CommitPartRequest { checkpoint_id: id, rank: 0, manifest: Some(manifest(bad)) })
+            .await
+            .unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{bad:?}: {status:?}");
     }
     let mut unknown = manifest("ok");
     unknown.files[0].chunks[0].replicas = vec!["not-a-target".into()];
-    let status = client.commit_part(CommitPartRequest { checkpoint_id: id, rank: 0, manifest: Some(unknown) }).await.unwrap_err();
+    let status = client
+        .commit_part(CommitPartRequest { checkpoint_id: id, rank: 0, manifest: Some(unknown) })
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert!(client.latest(LatestRequest { job: "j".into() }).await.unwrap().into_inner().checkpoint.is_none());
 

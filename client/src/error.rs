@@ -47,7 +47,6 @@ impl Error {
             Code::NotFound => Error::NotFound { op, message },
             Code::AlreadyExists => Error::AlreadyExists { op, message },
             Code::InvalidArgument | Code::FailedPrecondition => Error::Rejected { op, message },
-            Code::Unavailable if message.contains("no live storage targets") => Error::Rejected { op, message },
             Code::Unavailable | Code::DeadlineExceeded => Error::Unreachable { address: address.to_owned(), message },
             _ => Error::Control { op, status: Box::new(status) },
         }

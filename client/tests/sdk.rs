@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
 //! The SDK against a real cluster (control plane + targets on loopback sockets, in this process).
 
 use std::sync::atomic::Ordering;
@@ -42,7 +43,8 @@ async fn ranged_reads_and_caller_buffers_cross_chunk_boundaries() {
     assert_eq!(outcome.chunks, 16);
 
     let manifest = client.manifest("ranges", None).await.unwrap();
-    for (offset, length) in [(0, 1), (65_535, 2), (65_536, 65_536), (100_000, 500_000), (999_000, 1003), (0, 1_000_003)] {
+    for (offset, length) in [(0, 1), (65_535, 2), (65_536, 65_536), (100_000, 500_000), (999_000, 1003), (0, 1_000_003)]
+    {
         let got = client.read_range(&manifest, "t/weights.bin", offset, length).await.unwrap();
         assert_eq!(&got[..], &data[offset as usize..(offset + length) as usize], "{offset}+{length}");
     }

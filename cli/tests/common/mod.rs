@@ -1,5 +1,5 @@
 //! Test harness: real `starckpt` processes on 127.0.0.1, each killed when the test ends.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used)]
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -28,7 +28,11 @@ impl Proc {
         let mut line = String::new();
         BufReader::new(stdout).read_line(&mut line).unwrap();
         let address = line.trim().rsplit(' ').next().unwrap_or_default().to_owned();
-        assert!(address.contains(':'), "no address from {args:?}: {line:?}; log: {}", std::fs::read_to_string(log).unwrap_or_default());
+        assert!(
+            address.contains(':'),
+            "no address from {args:?}: {line:?}; log: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
         Proc { child, address }
     }
 
@@ -113,7 +117,11 @@ impl Cluster {
     /// Runs the CLI and asserts failure, returning stderr.
     pub fn fails(&self, args: &[&str]) -> String {
         let output = self.cli(args);
-        assert!(!output.status.success(), "starckpt {args:?} should have failed: {}", String::from_utf8_lossy(&output.stdout));
+        assert!(
+            !output.status.success(),
+            "starckpt {args:?} should have failed: {}",
+            String::from_utf8_lossy(&output.stdout)
+        );
         String::from_utf8(output.stderr).unwrap()
     }
 

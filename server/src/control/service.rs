@@ -158,7 +158,7 @@ impl Control for ControlService {
             .filter(|t| t.state == pb::TargetState::Alive as i32)
             .collect();
         if placement.is_empty() {
-            return Err(Status::unavailable("no live storage targets: start one with `starckpt target`"));
+            return Err(Status::failed_precondition("no live storage targets: start one with `starckpt target`"));
         }
         let record = self.store.begin_checkpoint(&request, now).await.map_err(meta_status)?;
         Ok(Response::new(pb::BeginCheckpointResponse { checkpoint_id: record.id, placement }))

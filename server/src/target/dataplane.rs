@@ -1,0 +1,315 @@
+//! The target's data-plane server: frames in, chunk-store operations, frames out.
+//!
+//! One task reads frames from a connection, one writes responses; each request runs in its own
+//! task so a slow device operation never blocks the connection. Everything is bounded:
+//! connections ([`DataPlaneLimits::max_connections`]), requests in flight per connection, and
+//! payload bytes in flight across the whole target. When a bound is reached the reader stops
+//! reading, so TCP flow control pushes back on the client instead of memory growing.
+//!
+//! A frame with a bad fixed header (magic, version, opcode, flags, sizes) closes the connection:
+//! after it the stream has no trustworthy frame boundary. A frame with a good fixed header but an
+//! undecodable prost header gets a BAD_REQUEST response and the connection stays open.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use prost::Message;
+use starckpt_proto::ChunkHash;
+use starckpt_proto::data::{self, ErrorCode};
+use starckpt_proto::frame::{self, FrameHeader, MAX_BATCH_HASHES, Opcode, ReadFrameError};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use super::store::{ChunkStore, ChunkStoreError, PutOutcome};
+
+/// Bounds of the data-plane server. Defaults suit one NVMe device behind a 25 GB/s NIC.
+#[derive(Clone, Debug)]
+pub struct DataPlaneLimits {
+    /// Concurrent connections; more wait in the accept backlog. Default 1024: a few per client
+    /// process, hundreds of trainer processes per target.
+    pub max_connections: usize,
+    /// Requests being served at once on one connection. Default 64.
+    pub max_requests_per_connection: usize,
+    /// Payload bytes buffered at once across all connections. Default 1 GiB: enough to keep a
+    /// device at queue depth 8 with 4 MiB chunks from dozens of clients, small beside host memory.
+    pub max_inflight_bytes: u32,
+    /// Time allowed to receive the rest of a frame once its fixed header has arrived. Default 60 s.
+    pub frame_timeout: Duration,
+}
+
+impl Default for DataPlaneLimits {
+    fn default() -> Self {
+        DataPlaneLimits {
+            max_connections: 1024,
+            max_requests_per_connection: 64,
+            max_inflight_bytes: 1 << 30,
+            frame_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+struct Outgoing {
+    opcode: Opcode,
+    request_id: u64,
+    header: Vec<u8>,
+    payload: Option<Bytes>,
+}
+
+/// Serves the data plane on `listener` until `shutdown` resolves; then closes every connection
+/// (requests already being served finish and are answered first) and returns.
+pub async fn serve(
+    listener: TcpListener,
+    store: Arc<ChunkStore>,
+    limits: DataPlaneLimits,
+    shutdown: impl Future<Output = ()>,
+) {
+    let connections = Arc::new(Semaphore::new(limits.max_connections));
+    // Never below one maximal frame, or a maximal PUT would wait forever.
+    let inflight_bytes = Arc::new(Semaphore::new(limits.max_inflight_bytes.max(frame::MAX_PAYLOAD_BYTES) as usize));
+    let stopping = CancellationToken::new();
+    // If this future is dropped (aborted) rather than shut down, its connections still close.
+    let _stop_on_drop = stopping.clone().drop_guard();
+    let connection_tasks = TaskTracker::new();
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            _ = &mut shutdown => break,
+            permit = Arc::clone(&connections).acquire_owned() => permit.expect("never closed"),
+        };
+        let (stream, peer) = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(pair) => pair,
+                Err(error) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    warn!(%error, "data plane accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let (store, limits, inflight_bytes) = (Arc::clone(&store), limits.clone(), Arc::clone(&inflight_bytes));
+        let stop = stopping.child_token();
+        connection_tasks.spawn(async move {
+            if let Err(reason) = serve_connection(stream, store, limits, inflight_bytes, stop).await {
+                info!(%peer, %reason, "closed data-plane connection");
+            }
+            drop(permit);
+        });
+    }
+    stopping.cancel();
+    connection_tasks.close();
+    connection_tasks.wait().await;
+}
+
+async fn serve_connection(
+    stream: TcpStream,
+    store: Arc<ChunkStore>,
+    limits: DataPlaneLimits,
+    inflight_bytes: Arc<Semaphore>,
+    stop: CancellationToken,
+) -> Result<(), String> {
+    let _ = stream.set_nodelay(true);
+    let (mut reader, writer) = stream.into_split();
+    let (responses, outgoing) = mpsc::channel::<Outgoing>(limits.max_requests_per_connection);
+    let writer_task = tokio::spawn(write_loop(writer, outgoing));
+    let requests = Arc::new(Semaphore::new(limits.max_requests_per_connection));
+
+    let result = loop {
+        let head = tokio::select! {
+            _ = stop.cancelled() => break Ok(()),
+            head = frame::read_frame_head(&mut reader) => head,
+        };
+        let (header, prost_header) = match head {
+            Ok(head) => head,
+            Err(ReadFrameError::Closed) => break Ok(()),
+            Err(ReadFrameError::Frame(error)) => break Err(format!("protocol error: {error}")),
+            Err(ReadFrameError::Io(error)) => break Err(format!("read: {error}")),
+        };
+        if header.opcode.is_response() {
+            break Err(format!("protocol error: client sent response opcode {:?}", header.opcode));
+        }
+        if header.opcode != Opcode::Put && header.payload_len != 0 {
+            break Err(format!("protocol error: {:?} carries a payload", header.opcode));
+        }
+        let permit = Arc::clone(&requests).acquire_owned().await.expect("never closed");
+        let store = Arc::clone(&store);
+        let responses = responses.clone();
+        if header.opcode == Opcode::Put {
+            let bytes_permit = match Arc::clone(&inflight_bytes).acquire_many_owned(header.payload_len.max(1)).await {
+                Ok(p) => p,
+                Err(_) => break Err("shutting down".into()),
+            };
+            let request = data::PutRequest::decode(prost_header);
+            let mut chunk = store.write_buffer(header.payload_len as usize).await;
+            let read = tokio::time::timeout(limits.frame_timeout, reader.read_exact(chunk.data_mut())).await;
+            match read {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => break Err(format!("read payload: {error}")),
+                Err(_) => break Err(format!("payload not received within {:?}", limits.frame_timeout)),
+            }
+            tokio::spawn(async move {
+                let response = match request {
+                    Ok(request) => put(&store, request, chunk).await,
+                    Err(error) => error_response(ErrorCode::BadRequest, format!("undecodable PutRequest: {error}")),
+                };
+                drop(bytes_permit);
+                let _ = responses.send(reply(header, response, None)).await;
+                drop(permit);
+            });
+        } else {
+            tokio::spawn(async move {
+                let (response, payload) = dispatch(&store, header, prost_header).await;
+                let _ = responses.send(reply(header, response, payload)).await;
+                drop(permit);
+            });
+        }
+    };
+    drop(responses);
+    let _ = writer_task.await;
+    result
+}
+
+async fn write_loop(writer: tokio::net::tcp::OwnedWriteHalf, mut outgoing: mpsc::Receiver<Outgoing>) {
+    let mut writer = BufWriter::with_capacity(64 * 1024, writer);
+    while let Some(message) = outgoing.recv().await {
+        let payload: Vec<Bytes> = message.payload.into_iter().collect();
+        if let Err(error) =
+            frame::write_frame(&mut writer, message.opcode, message.request_id, &message.header, &payload).await
+        {
+            debug!(%error, "data-plane write failed");
+            return;
+        }
+        // Flush when nothing else is queued, so responses are batched under load but never delayed.
+        if outgoing.is_empty() && writer.flush().await.is_err() {
+            return;
+        }
+    }
+    let _ = writer.flush().await;
+}
+
+fn reply(header: FrameHeader, response: data::Response, payload: Option<Bytes>) -> Outgoing {
+    Outgoing {
+        opcode: header.opcode.response(),
+        request_id: header.request_id,
+        header: response.encode_to_vec(),
+        payload,
+    }
+}
+
+fn error_response(code: ErrorCode, message: String) -> data::Response {
+    data::Response { code: code as i32, message, ..Default::default() }
+}
+
+fn store_error(error: ChunkStoreError) -> data::Response {
+    let code = match &error {
+        ChunkStoreError::HashMismatch { .. } => ErrorCode::HashMismatch,
+        ChunkStoreError::NotFound { .. } => ErrorCode::NotFound,
+        ChunkStoreError::Corrupt { .. } => ErrorCode::Corrupt,
+        ChunkStoreError::BadRange { .. } => ErrorCode::BadRequest,
+        ChunkStoreError::NoSpace { .. } => ErrorCode::NoSpace,
+        ChunkStoreError::Io { .. } => ErrorCode::Internal,
+    };
+    if code == ErrorCode::Internal || code == ErrorCode::Corrupt {
+        warn!(%error, "chunk store error");
+    }
+    error_response(code, error.to_string())
+}
+
+fn parse_hashes(hashes: &[Bytes]) -> Result<Vec<ChunkHash>, data::Response> {
+    if hashes.len() > MAX_BATCH_HASHES {
+        return Err(error_response(
+            ErrorCode::BadRequest,
+            format!("{} hashes exceed the batch limit of {MAX_BATCH_HASHES}", hashes.len()),
+        ));
+    }
+    hashes
+        .iter()
+        .map(|h| ChunkHash::try_from(&h[..]).map_err(|e| error_response(ErrorCode::BadRequest, e.to_string())))
+        .collect()
+}
+
+async fn put(store: &ChunkStore, request: data::PutRequest, chunk: super::store::ChunkWrite) -> data::Response {
+    let hash = match ChunkHash::try_from(&request.hash[..]) {
+        Ok(hash) => hash,
+        Err(error) => return error_response(ErrorCode::BadRequest, error.to_string()),
+    };
+    if chunk.data().is_empty() {
+        return error_response(ErrorCode::BadRequest, "empty chunk".into());
+    }
+    match store.put(hash, chunk).await {
+        Ok(outcome) => data::Response { already_present: outcome == PutOutcome::AlreadyPresent, ..Default::default() },
+        Err(error) => store_error(error),
+    }
+}
+
+async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) -> (data::Response, Option<Bytes>) {
+    match header.opcode {
+        Opcode::Get => {
+            let request = match data::GetRequest::decode(prost_header) {
+                Ok(r) => r,
+                Err(e) => return (error_response(ErrorCode::BadRequest, format!("undecodable GetRequest: {e}")), None),
+            };
+            let hash = match ChunkHash::try_from(&request.hash[..]) {
+                Ok(hash) => hash,
+                Err(error) => return (error_response(ErrorCode::BadRequest, error.to_string()), None),
+            };
+            match store.get(hash, request.offset, request.length).await {
+                Ok((bytes, chunk_len)) => {
+                    (data::Response { chunk_length_bytes: chunk_len, ..Default::default() }, Some(bytes))
+                }
+                Err(error) => (store_error(error), None),
+            }
+        }
+        Opcode::Has => {
+            let request = match data::HasRequest::decode(prost_header) {
+                Ok(r) => r,
+                Err(e) => return (error_response(ErrorCode::BadRequest, format!("undecodable HasRequest: {e}")), None),
+            };
+            let hashes = match parse_hashes(&request.hashes) {
+                Ok(h) => h,
+                Err(response) => return (response, None),
+            };
+            match store.has(hashes).await {
+                Ok(present) => (data::Response { present, ..Default::default() }, None),
+                Err(error) => (store_error(error), None),
+            }
+        }
+        Opcode::Delete => {
+            let request = match data::DeleteRequest::decode(prost_header) {
+                Ok(r) => r,
+                Err(e) => {
+                    return (error_response(ErrorCode::BadRequest, format!("undecodable DeleteRequest: {e}")), None);
+                }
+            };
+            let hashes = match parse_hashes(&request.hashes) {
+                Ok(h) => h,
+                Err(response) => return (response, None),
+            };
+            match store.delete(hashes).await {
+                Ok(deleted) => (data::Response { deleted, ..Default::default() }, None),
+                Err(error) => (store_error(error), None),
+            }
+        }
+        Opcode::Stat => {
+            if let Err(e) = data::StatRequest::decode(prost_header) {
+                return (error_response(ErrorCode::BadRequest, format!("undecodable StatRequest: {e}")), None);
+            }
+            let stats = store.stats();
+            let response = data::Response {
+                capacity_bytes: stats.capacity_bytes,
+                used_bytes: stats.used_bytes,
+                chunk_count: stats.chunk_count,
+                ..Default::default()
+            };
+            (response, None)
+        }
+        other => (error_response(ErrorCode::BadRequest, format!("unexpected opcode {other:?}")), None),
+    }
+}

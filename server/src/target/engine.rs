@@ -1,0 +1,369 @@
+//! I/O engines: how a target moves aligned buffers to and from its device.
+//!
+//! Two engines implement [`IoEngine`], chosen by config (`--io-engine`):
+//! - [`UringEngine`]: one dedicated thread per device owning an io_uring; writes and reads are
+//!   submitted as O_DIRECT operations, a write is followed by an fdatasync on the same ring.
+//! - [`StdEngine`]: the same operations with ordinary blocking syscalls (still O_DIRECT) on
+//!   tokio's blocking pool, bounded by a semaphore. For systems where io_uring is unavailable,
+//!   such as Docker's default seccomp profile.
+//!
+//! Both run the same conformance suite (`target::store` tests).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use starckpt_proto::buf::BoxedBuf;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineKind {
+    Uring,
+    Std,
+}
+
+impl std::str::FromStr for EngineKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "uring" | "io_uring" | "io-uring" => Ok(EngineKind::Uring),
+            "std" => Ok(EngineKind::Std),
+            other => Err(format!("unknown I/O engine {other:?} (expected uring or std)")),
+        }
+    }
+}
+
+/// Durable file I/O on aligned buffers. Every buffer's capacity is a multiple of 4096 and the
+/// engine always transfers whole buffers, as O_DIRECT requires.
+#[async_trait]
+pub trait IoEngine: Send + Sync + 'static {
+    /// Creates `path` (which must not exist), writes the buffer's meaningful bytes rounded up to
+    /// a multiple of 4096 (the tail is the buffer's zero padding) at offset 0 and fdatasyncs.
+    /// The buffer comes back for reuse.
+    async fn write_new_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf>;
+    /// Reads `path` from offset 0 into `buf` up to its capacity or end of file; sets `buf.len()`
+    /// to the bytes read.
+    async fn read_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf>;
+    /// fsyncs a directory, making renames and unlinks in it durable.
+    async fn sync_dir(&self, path: PathBuf) -> io::Result<()>;
+    fn kind(&self) -> EngineKind;
+}
+
+pub fn open_engine(kind: EngineKind, queue_depth: usize) -> io::Result<Arc<dyn IoEngine>> {
+    Ok(match kind {
+        EngineKind::Uring => Arc::new(UringEngine::start(queue_depth)?),
+        EngineKind::Std => Arc::new(StdEngine::new(queue_depth)),
+    })
+}
+
+/// Bytes an O_DIRECT write of `buf` transfers: its length rounded up to the alignment.
+fn write_len(buf: &BoxedBuf) -> usize {
+    starckpt_proto::buf::round_up(buf.aligned().len())
+}
+
+fn create_direct(path: &Path) -> io::Result<File> {
+    OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_DIRECT).open(path)
+}
+
+fn open_direct_read(path: &Path) -> io::Result<File> {
+    OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
+}
+
+/// Blocking std I/O on tokio's blocking pool.
+pub struct StdEngine {
+    permits: Arc<Semaphore>,
+}
+
+impl StdEngine {
+    pub fn new(queue_depth: usize) -> StdEngine {
+        StdEngine { permits: Arc::new(Semaphore::new(queue_depth.max(1))) }
+    }
+
+    async fn run<T: Send + 'static>(&self, job: impl FnOnce() -> io::Result<T> + Send + 'static) -> io::Result<T> {
+        let _permit = self.permits.acquire().await.map_err(io::Error::other)?;
+        tokio::task::spawn_blocking(job).await.map_err(io::Error::other)?
+    }
+}
+
+#[async_trait]
+impl IoEngine for StdEngine {
+    async fn write_new_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf> {
+        self.run(move || {
+            let file = create_direct(&path)?;
+            file.write_all_at(&buf.aligned().full()[..write_len(&buf)], 0)?;
+            file.sync_data()?;
+            Ok(buf)
+        })
+        .await
+    }
+
+    async fn read_file(&self, path: PathBuf, mut buf: BoxedBuf) -> io::Result<BoxedBuf> {
+        self.run(move || {
+            let file = open_direct_read(&path)?;
+            let mut done = 0;
+            while done < buf.aligned().capacity() {
+                let n = file.read_at(&mut buf.aligned_mut().full_mut()[done..], done as u64)?;
+                if n == 0 {
+                    break;
+                }
+                done += n;
+            }
+            buf.aligned_mut().set_len(done);
+            Ok(buf)
+        })
+        .await
+    }
+
+    async fn sync_dir(&self, path: PathBuf) -> io::Result<()> {
+        self.run(move || File::open(&path)?.sync_all()).await
+    }
+
+    fn kind(&self) -> EngineKind {
+        EngineKind::Std
+    }
+}
+
+enum OpKind {
+    Write,
+    Read,
+    SyncDir,
+}
+
+struct Request {
+    kind: OpKind,
+    path: PathBuf,
+    buf: Option<BoxedBuf>,
+    reply: oneshot::Sender<io::Result<Option<BoxedBuf>>>,
+}
+
+/// io_uring on a dedicated thread. Requests arrive over a bounded channel (back-pressure on the
+/// callers when the device queue is full) and up to `queue_depth` are in flight on the ring.
+pub struct UringEngine {
+    requests: mpsc::Sender<Request>,
+}
+
+impl UringEngine {
+    pub fn start(queue_depth: usize) -> io::Result<UringEngine> {
+        let queue_depth = queue_depth.clamp(1, 256);
+        let ring = io_uring::IoUring::new((queue_depth * 2) as u32)?;
+        let (requests, receiver) = mpsc::channel(queue_depth * 2);
+        std::thread::Builder::new()
+            .name("starckpt-uring".into())
+            .spawn(move || uring_thread(ring, receiver, queue_depth))?;
+        Ok(UringEngine { requests })
+    }
+
+    async fn submit(&self, kind: OpKind, path: PathBuf, buf: Option<BoxedBuf>) -> io::Result<Option<BoxedBuf>> {
+        let (reply, answer) = oneshot::channel();
+        self.requests
+            .send(Request { kind, path, buf, reply })
+            .await
+            .map_err(|_| io::Error::other("io_uring thread has stopped"))?;
+        answer.await.map_err(|_| io::Error::other("io_uring thread dropped a request"))?
+    }
+}
+
+#[async_trait]
+impl IoEngine for UringEngine {
+    async fn write_new_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf> {
+        self.submit(OpKind::Write, path, Some(buf)).await?.ok_or_else(|| io::Error::other("buffer lost"))
+    }
+
+    async fn read_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf> {
+        self.submit(OpKind::Read, path, Some(buf)).await?.ok_or_else(|| io::Error::other("buffer lost"))
+    }
+
+    async fn sync_dir(&self, path: PathBuf) -> io::Result<()> {
+        self.submit(OpKind::SyncDir, path, None).await.map(|_| ())
+    }
+
+    fn kind(&self) -> EngineKind {
+        EngineKind::Uring
+    }
+}
+
+enum Phase {
+    Transfer,
+    Sync,
+}
+
+struct InFlight {
+    kind: OpKind,
+    phase: Phase,
+    file: File,
+    buf: Option<BoxedBuf>,
+    done: usize,
+    reply: oneshot::Sender<io::Result<Option<BoxedBuf>>>,
+}
+
+impl InFlight {
+    /// The next submission entry for this operation's current phase.
+    fn next_entry(&mut self, slot: usize) -> io_uring::squeue::Entry {
+        use io_uring::{opcode, types};
+        let fd = types::Fd(self.file.as_raw_fd());
+        let entry = match (&self.phase, &mut self.buf) {
+            (Phase::Transfer, Some(buf)) => {
+                let total = match self.kind {
+                    OpKind::Write => write_len(buf),
+                    _ => buf.aligned().capacity(),
+                };
+                let remaining = (total - self.done) as u32;
+                // SAFETY (for the pointer): the buffer lives in this InFlight until completion.
+                let ptr = unsafe { buf.aligned_mut().as_mut_ptr().add(self.done) };
+                match self.kind {
+                    OpKind::Write => opcode::Write::new(fd, ptr, remaining).offset(self.done as u64).build(),
+                    _ => opcode::Read::new(fd, ptr, remaining).offset(self.done as u64).build(),
+                }
+            }
+            (Phase::Sync, _) if matches!(self.kind, OpKind::SyncDir) => opcode::Fsync::new(fd).build(),
+            _ => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
+        };
+        entry.user_data(slot as u64)
+    }
+
+    /// Advances on a completion. Returns true when the operation is finished (and replied to).
+    fn complete(&mut self, result: i32) -> Option<io::Result<Option<BoxedBuf>>> {
+        if result < 0 {
+            return Some(Err(io::Error::from_raw_os_error(-result)));
+        }
+        match self.phase {
+            Phase::Transfer => {
+                let capacity = match (&self.kind, self.buf.as_ref()) {
+                    (_, None) => 0,
+                    (OpKind::Write, Some(b)) => write_len(b),
+                    (_, Some(b)) => b.aligned().capacity(),
+                };
+                let n = result as usize;
+                self.done += n;
+                let eof = n == 0;
+                match self.kind {
+                    OpKind::Read if eof || self.done >= capacity => {
+                        let mut buf = self.buf.take();
+                        if let Some(b) = buf.as_mut() {
+                            b.aligned_mut().set_len(self.done);
+                        }
+                        Some(Ok(buf))
+                    }
+                    OpKind::Write if eof => {
+                        Some(Err(io::Error::new(io::ErrorKind::WriteZero, "device accepted no bytes")))
+                    }
+                    OpKind::Write if self.done >= capacity => {
+                        self.phase = Phase::Sync;
+                        None
+                    }
+                    _ => None,
+                }
+            }
+            Phase::Sync => Some(Ok(self.buf.take())),
+        }
+    }
+}
+
+/// Opens the request's file and turns it into an in-flight operation, or answers the error.
+fn start_request(request: Request) -> Option<InFlight> {
+    let opened = match request.kind {
+        OpKind::Write => create_direct(&request.path),
+        OpKind::Read => open_direct_read(&request.path),
+        OpKind::SyncDir => File::open(&request.path),
+    };
+    match opened {
+        Ok(file) => Some(InFlight {
+            phase: if matches!(request.kind, OpKind::SyncDir) { Phase::Sync } else { Phase::Transfer },
+            kind: request.kind,
+            file,
+            buf: request.buf,
+            done: 0,
+            reply: request.reply,
+        }),
+        Err(error) => {
+            let _ = request.reply.send(Err(error));
+            None
+        }
+    }
+}
+
+fn uring_thread(mut ring: io_uring::IoUring, mut receiver: mpsc::Receiver<Request>, queue_depth: usize) {
+    let mut slots: Vec<Option<InFlight>> = (0..queue_depth).map(|_| None).collect();
+    let mut in_flight = 0usize;
+    let mut closed = false;
+    loop {
+        // Admit new requests: block for one when idle, otherwise take what is queued.
+        while in_flight < queue_depth && !closed {
+            let next = if in_flight == 0 {
+                match receiver.blocking_recv() {
+                    Some(r) => Some(r),
+                    None => {
+                        closed = true;
+                        None
+                    }
+                }
+            } else {
+                match receiver.try_recv() {
+                    Ok(r) => Some(r),
+                    Err(mpsc::error::TryRecvError::Empty) => None,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        closed = true;
+                        None
+                    }
+                }
+            };
+            let Some(request) = next else { break };
+            let Some(mut op) = start_request(request) else { continue };
+            let slot = slots.iter().position(Option::is_none).expect("in_flight < queue_depth");
+            let entry = op.next_entry(slot);
+            slots[slot] = Some(op);
+            in_flight += 1;
+            // SAFETY: the entry's buffer and fd live in `slots[slot]` until its completion.
+            if unsafe { ring.submission().push(&entry) }.is_err() {
+                fail_slot(&mut slots[slot], io::Error::other("io_uring submission queue full"));
+                in_flight -= 1;
+            }
+        }
+        if in_flight == 0 {
+            if closed {
+                return;
+            }
+            continue;
+        }
+        if let Err(error) = ring.submit_and_wait(1) {
+            if error.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            for slot in slots.iter_mut() {
+                fail_slot(slot, io::Error::new(error.kind(), format!("io_uring submit: {error}")));
+            }
+            return;
+        }
+        let completions: Vec<(u64, i32)> = ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        for (user_data, result) in completions {
+            let slot = user_data as usize;
+            let Some(op) = slots.get_mut(slot).and_then(Option::as_mut) else { continue };
+            match op.complete(result) {
+                Some(outcome) => {
+                    if let Some(op) = slots[slot].take() {
+                        let _ = op.reply.send(outcome);
+                    }
+                    in_flight -= 1;
+                }
+                None => {
+                    let entry = op.next_entry(slot);
+                    // SAFETY: as above; the operation stays in its slot.
+                    if unsafe { ring.submission().push(&entry) }.is_err() {
+                        fail_slot(&mut slots[slot], io::Error::other("io_uring submission queue full"));
+                        in_flight -= 1;
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn fail_slot(slot: &mut Option<InFlight>, error: io::Error) {
+    if let Some(op) = slot.take() {
+        let _ = op.reply.send(Err(error));
+    }
+}
