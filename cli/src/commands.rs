@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, bail};
 use serde_json::json;
@@ -101,17 +101,9 @@ pub async fn save(server: &str, args: SaveArgs, out: &Output) -> anyhow::Result<
     let total = handle.total_bytes;
     let bar = output::progress_bar(total, "saving");
     let progress = Arc::clone(handle.progress());
-    let ticker = {
-        let bar = bar.clone();
-        tokio::spawn(async move {
-            loop {
-                bar.set_position(progress.done_bytes());
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
+    let follow = output::follow(&bar, move || progress.done_bytes());
     let result = handle.wait().await;
-    ticker.abort();
+    drop(follow);
     bar.finish_and_clear();
     let outcome = result?;
     let elapsed = started.elapsed();
@@ -194,6 +186,9 @@ pub async fn ls(server: &str, job: Option<String>, all: bool, out: &Output) -> a
         }
         Some(job) => {
             let checkpoints = client.list_checkpoints(&job, all).await?;
+            if checkpoints.is_empty() && !out.json {
+                eprintln!("job {job} has no {}checkpoints", if all { "" } else { "pending or committed " });
+            }
             if out.json {
                 out.json(json!(checkpoints.iter().map(checkpoint_json).collect::<Vec<_>>()));
                 return Ok(());
@@ -262,18 +257,11 @@ pub async fn restore(
     let total = manifest.total_bytes();
     let bar = output::progress_bar(total, "restoring");
     let progress = Arc::new(starckpt_client::RestoreProgress::default());
-    let ticker = {
-        let (bar, progress) = (bar.clone(), Arc::clone(&progress));
-        tokio::spawn(async move {
-            loop {
-                bar.set_position(progress.verified_bytes.load(std::sync::atomic::Ordering::Relaxed));
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
+    let verified = Arc::clone(&progress);
+    let follow = output::follow(&bar, move || verified.verified_bytes.load(std::sync::atomic::Ordering::Relaxed));
     let started = Instant::now();
     let result = client.restore_with_progress(&manifest, to, RestoreOptions { force }, progress).await;
-    ticker.abort();
+    drop(follow);
     bar.finish_and_clear();
     let outcome = result.with_context(|| format!("restore {job} step {} to {}", manifest.info.step, to.display()))?;
     let elapsed = started.elapsed();

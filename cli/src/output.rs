@@ -46,3 +46,23 @@ pub fn progress_bar(total: u64, verb: &str) -> ProgressBar {
     bar.set_style(ProgressStyle::with_template(&template).unwrap_or_else(|_| ProgressStyle::default_bar()));
     bar
 }
+
+/// Moves `bar` to `position()` ten times a second until the returned guard is dropped.
+pub fn follow(bar: &ProgressBar, position: impl Fn() -> u64 + Send + 'static) -> Follow {
+    let bar = bar.clone();
+    Follow(tokio::spawn(async move {
+        loop {
+            bar.set_position(position());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }))
+}
+
+/// Stops the progress task when dropped.
+pub struct Follow(tokio::task::JoinHandle<()>);
+
+impl Drop for Follow {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

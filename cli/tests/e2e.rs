@@ -418,3 +418,60 @@ fn the_demo_runs_and_verifies() {
     assert_eq!(report["steps"].as_array().unwrap().len(), 2);
     assert!(report["steps"][1]["deduplicated_chunks"].as_u64().unwrap() > 0, "the frozen tensor deduplicates");
 }
+
+#[test]
+fn dev_keeps_its_data_across_a_restart() {
+    use std::io::{BufRead, BufReader};
+
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("dev");
+    let start = || {
+        let mut child = std::process::Command::new(common::BIN)
+            .args(["dev", "--data", data.to_str().unwrap(), "--listen", "127.0.0.1:0", "--targets", "2"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut first = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+        // "starckpt dev cluster: control plane on ADDR, N targets, data in DIR"
+        let address = first.split("control plane on ").nth(1).unwrap().split(',').next().unwrap().to_owned();
+        (child, address)
+    };
+    let stop = |mut child: std::process::Child| {
+        // SIGTERM: a clean shutdown, exit status 0.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        assert!(child.wait().unwrap().success());
+    };
+    let wait_ready = |address: &str| {
+        for _ in 0..200 {
+            let output = common::cli_with_server(address, &["status", "--json"]);
+            if output.status.success() {
+                let status: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+                if status["targets"].as_array().unwrap().iter().filter(|t| t["state"] == "alive").count() == 2 {
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("dev cluster never became ready");
+    };
+
+    let (child, address) = start();
+    wait_ready(&address);
+    let source = dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("w.bin"), random_bytes(5 << 20, 8)).unwrap();
+    let saved = common::cli_with_server(&address, &["save", "--job", "dev", "--step", "3", source.to_str().unwrap()]);
+    assert!(saved.status.success(), "{}", String::from_utf8_lossy(&saved.stderr));
+    stop(child);
+
+    let (child, address) = start();
+    wait_ready(&address);
+    let restored = dir.path().join("restored");
+    let output =
+        common::cli_with_server(&address, &["restore", "--job", "dev", "--latest", "--to", restored.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(tree(&source), tree(&restored));
+    stop(child);
+}

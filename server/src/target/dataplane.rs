@@ -146,7 +146,7 @@ async fn serve_connection(
                 Ok(p) => p,
                 Err(_) => break Err("shutting down".into()),
             };
-            let request = data::PutRequest::decode(prost_header);
+            let request = decode::<data::PutRequest>(prost_header);
             let mut chunk = store.write_buffer(header.payload_len as usize).await;
             let read = tokio::time::timeout(limits.frame_timeout, reader.read_exact(chunk.data_mut())).await;
             match read {
@@ -157,7 +157,7 @@ async fn serve_connection(
             tokio::spawn(async move {
                 let response = match request {
                     Ok(request) => put(&store, request, chunk).await,
-                    Err(error) => error_response(ErrorCode::BadRequest, format!("undecodable PutRequest: {error}")),
+                    Err(response) => response,
                 };
                 drop(bytes_permit);
                 let _ = responses.send(reply(header, response, None)).await;
@@ -222,6 +222,14 @@ fn store_error(error: ChunkStoreError) -> data::Response {
     error_response(code, error.to_string())
 }
 
+/// Decodes a request header, or the BAD_REQUEST response that says why it could not be decoded.
+fn decode<M: Message + Default>(prost_header: Bytes) -> Result<M, data::Response> {
+    M::decode(prost_header).map_err(|e| {
+        let name = std::any::type_name::<M>().rsplit("::").next().unwrap_or("request");
+        error_response(ErrorCode::BadRequest, format!("undecodable {name}: {e}"))
+    })
+}
+
 fn parse_hashes(hashes: &[Bytes]) -> Result<Vec<ChunkHash>, data::Response> {
     if hashes.len() > MAX_BATCH_HASHES {
         return Err(error_response(
@@ -252,9 +260,9 @@ async fn put(store: &ChunkStore, request: data::PutRequest, chunk: super::store:
 async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) -> (data::Response, Option<Bytes>) {
     match header.opcode {
         Opcode::Get => {
-            let request = match data::GetRequest::decode(prost_header) {
+            let request: data::GetRequest = match decode(prost_header) {
                 Ok(r) => r,
-                Err(e) => return (error_response(ErrorCode::BadRequest, format!("undecodable GetRequest: {e}")), None),
+                Err(response) => return (response, None),
             };
             let hash = match ChunkHash::try_from(&request.hash[..]) {
                 Ok(hash) => hash,
@@ -268,9 +276,9 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
             }
         }
         Opcode::Has => {
-            let request = match data::HasRequest::decode(prost_header) {
+            let request: data::HasRequest = match decode(prost_header) {
                 Ok(r) => r,
-                Err(e) => return (error_response(ErrorCode::BadRequest, format!("undecodable HasRequest: {e}")), None),
+                Err(response) => return (response, None),
             };
             let hashes = match parse_hashes(&request.hashes) {
                 Ok(h) => h,
@@ -282,11 +290,9 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
             }
         }
         Opcode::Delete => {
-            let request = match data::DeleteRequest::decode(prost_header) {
+            let request: data::DeleteRequest = match decode(prost_header) {
                 Ok(r) => r,
-                Err(e) => {
-                    return (error_response(ErrorCode::BadRequest, format!("undecodable DeleteRequest: {e}")), None);
-                }
+                Err(response) => return (response, None),
             };
             let hashes = match parse_hashes(&request.hashes) {
                 Ok(h) => h,
@@ -298,8 +304,8 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
             }
         }
         Opcode::Stat => {
-            if let Err(e) = data::StatRequest::decode(prost_header) {
-                return (error_response(ErrorCode::BadRequest, format!("undecodable StatRequest: {e}")), None);
+            if let Err(response) = decode::<data::StatRequest>(prost_header) {
+                return (response, None);
             }
             let stats = store.stats();
             let response = data::Response {
