@@ -135,8 +135,13 @@ fn init_logging(verbose: u8, default: &str) {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let daemon = matches!(cli.command, Command::Server { .. } | Command::Target { .. } | Command::Dev { .. });
-    init_logging(cli.verbose, if daemon { "info" } else { "warn" });
+    let default_level = match cli.command {
+        Command::Server { .. } | Command::Target { .. } | Command::Dev { .. } => "info",
+        // The demo kills its own cluster on purpose; the warnings that provokes are expected.
+        Command::Demo(_) => "error",
+        _ => "warn",
+    };
+    init_logging(cli.verbose, default_level);
     match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

@@ -292,7 +292,10 @@ impl Client {
         }
 
         let progress = Arc::new(SaveProgress::default());
-        let (chunks, receiver) = mpsc::channel::<StagedChunk>(64);
+        // Every message holds a staging buffer, so the pool already bounds this queue; a smaller
+        // channel would make staging wait for uploads while buffers sit free (the trainer would
+        // stall for the upload instead of the copy).
+        let (chunks, receiver) = mpsc::channel::<StagedChunk>(self.inner.staging.max_buffers());
         let uploads = tokio::spawn(upload_all(
             receiver,
             placement,

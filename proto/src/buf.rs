@@ -151,6 +151,11 @@ impl BufPool {
         self.inner.buf_bytes
     }
 
+    /// Most buffers that can exist at once.
+    pub fn max_buffers(&self) -> usize {
+        self.inner.max_buffers
+    }
+
     /// Allocates and touches up to `count` more buffers now (never past the pool's bound), so the
     /// first save does not pay for page faults.
     pub fn prefill(&self, count: usize) {
