@@ -15,6 +15,15 @@ use tokio::net::TcpListener;
 
 use crate::output::{self, Output};
 
+/// Prints a daemon's banner. A closed stdout (`starckpt dev | head -1`, a test that read the
+/// address and went away) must not kill a server, so write errors are ignored.
+fn banner(text: &str) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(stdout, "{text}");
+    let _ = stdout.flush();
+}
+
 /// Resolves on SIGINT or SIGTERM.
 pub async fn shutdown_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
@@ -29,7 +38,7 @@ pub async fn server(listen: &str, db: &str) -> anyhow::Result<()> {
     let store = starckpt_server::control::open_store(db).await?;
     let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
     // The address line is for scripts and tests that listen on port 0.
-    println!("control plane listening on {}", listener.local_addr()?);
+    banner(&format!("control plane listening on {}", listener.local_addr()?));
     starckpt_server::control::run(listener, store, Default::default(), shutdown_signal()).await
 }
 
@@ -45,7 +54,7 @@ pub async fn target(
     config.advertise = advertise;
     config.engine = engine;
     // The address line is for scripts and tests that start targets on port 0.
-    println!("target data plane listening on {}", listener.local_addr()?);
+    banner(&format!("target data plane listening on {}", listener.local_addr()?));
     starckpt_server::target::run(config, listener, shutdown_signal()).await
 }
 
@@ -54,16 +63,17 @@ pub async fn dev(data: &Path, targets: usize, listen: &str, engine: EngineKind) 
         bail!("--targets must be at least 1");
     }
     let mut cluster = starckpt_server::dev::DevCluster::start(data, listen, targets, engine).await?;
-    println!(
+    let mut text = format!(
         "starckpt dev cluster: control plane on {}, {} targets, data in {}",
         cluster.control_address,
         targets,
         data.display()
     );
     for (index, address) in cluster.target_addresses.iter().enumerate() {
-        println!("  target-{index}: {address}");
+        text.push_str(&format!("\n  target-{index}: {address}"));
     }
-    println!("\nUse it from another shell:\n  export STARCKPT_SERVER={}", cluster.control_address);
+    text.push_str(&format!("\n\nUse it from another shell:\n  export STARCKPT_SERVER={}", cluster.control_address));
+    banner(&text);
     tokio::select! {
         _ = shutdown_signal() => cluster.shutdown().await,
         error = cluster.failed() => Err(error),

@@ -429,7 +429,7 @@ fn dev_keeps_its_data_across_a_restart() {
         let mut child = std::process::Command::new(common::BIN)
             .args(["dev", "--data", data.to_str().unwrap(), "--listen", "127.0.0.1:0", "--targets", "2"])
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("dev.log")).unwrap())
             .spawn()
             .unwrap();
         let mut first = String::new();
@@ -441,7 +441,9 @@ fn dev_keeps_its_data_across_a_restart() {
     let stop = |mut child: std::process::Child| {
         // SIGTERM: a clean shutdown, exit status 0.
         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        assert!(child.wait().unwrap().success());
+        let status = child.wait().unwrap();
+        let log = std::fs::read_to_string(dir.path().join("dev.log")).unwrap_or_default();
+        assert!(status.success(), "dev exited with {status}: {log}");
     };
     let wait_ready = |address: &str| {
         for _ in 0..200 {

@@ -241,3 +241,22 @@ impl Client {
         staging.prefill(wanted);
     }
 }
+
+impl Client {
+    /// After a connection failure to `target_id` at `failed_address`, asks the control plane for
+    /// the target's current address (a restarted target may listen elsewhere). Returns a transport
+    /// to the new address, or None if the address has not changed.
+    pub(crate) async fn refreshed_transport(
+        &self,
+        target_id: &str,
+        failed_address: &str,
+    ) -> Option<(String, Arc<dyn ChunkTransport>)> {
+        let target = self.targets().await.ok()?.into_iter().find(|t| t.target_id == target_id)?;
+        if target.data_address == failed_address {
+            return None;
+        }
+        tracing::info!(target_id, old = failed_address, new = %target.data_address, "target moved; retrying at its new address");
+        let transport = self.transport(target_id, &target.data_address).ok()?;
+        Some((target.data_address, transport))
+    }
+}

@@ -104,10 +104,19 @@ impl Client {
                 continue;
             };
             let attempt = async {
-                let transport = self.transport(target_id, &target.data_address)?;
-                let data = transport.get(chunk.hash, 0, 0).await.map_err(|source| Error::Target {
+                let mut address = target.data_address.clone();
+                let mut transport = self.transport(target_id, &address)?;
+                let mut fetched = transport.get(chunk.hash, 0, 0).await;
+                if let Err(error) = &fetched
+                    && error.is_connection()
+                    && let Some((moved, moved_transport)) = self.refreshed_transport(target_id, &address).await
+                {
+                    (address, transport) = (moved, moved_transport);
+                    fetched = transport.get(chunk.hash, 0, 0).await;
+                }
+                let data = fetched.map_err(|source| Error::Target {
                     target_id: target_id.clone(),
-                    address: target.data_address.clone(),
+                    address: address.clone(),
                     source,
                 })?;
                 let verified = data.clone();
@@ -115,12 +124,7 @@ impl Client {
                     .await
                     .map_err(|e| Error::Cancelled(e.to_string()))?;
                 if actual != chunk.hash || data.len() as u64 != chunk.length_bytes {
-                    return Err(Error::Checksum {
-                        hash: chunk.hash,
-                        actual,
-                        target_id: target_id.clone(),
-                        address: target.data_address.clone(),
-                    });
+                    return Err(Error::Checksum { hash: chunk.hash, actual, target_id: target_id.clone(), address });
                 }
                 Ok(data)
             };

@@ -297,6 +297,7 @@ impl Client {
         // stall for the upload instead of the copy).
         let (chunks, receiver) = mpsc::channel::<StagedChunk>(self.inner.staging.max_buffers());
         let uploads = tokio::spawn(upload_all(
+            self.clone(),
             receiver,
             placement,
             Arc::clone(&progress),
@@ -474,6 +475,7 @@ struct StagedFile {
 type ChunkRefs = std::collections::HashMap<(usize, usize), ChunkRef>;
 
 async fn upload_all(
+    client: Client,
     receiver: mpsc::Receiver<StagedChunk>,
     placement: Placement,
     progress: Arc<SaveProgress>,
@@ -483,10 +485,10 @@ async fn upload_all(
     let staged = futures::stream::poll_fn(move |cx| receiver.poll_recv(cx));
     let mut uploads = staged
         .map(|chunk| {
-            let (placement, progress) = (placement.clone(), Arc::clone(&progress));
+            let (client, placement, progress) = (client.clone(), placement.clone(), Arc::clone(&progress));
             async move {
                 let (file, index) = (chunk.file, chunk.index);
-                upload_one(chunk.buf, &placement, &progress).await.map(|chunk_ref| ((file, index), chunk_ref))
+                upload_one(&client, chunk.buf, &placement, &progress).await.map(|chunk_ref| ((file, index), chunk_ref))
             }
         })
         .buffer_unordered(concurrency);
@@ -501,7 +503,12 @@ async fn upload_all(
 /// Hashes one staged chunk and makes it durable on the first target (in rendezvous order) that
 /// accepts it. A target that is unreachable or full is skipped for the next candidate; the
 /// manifest records where the chunk really went.
-async fn upload_one(buf: PooledBuf, placement: &Placement, progress: &SaveProgress) -> Result<ChunkRef> {
+async fn upload_one(
+    client: &Client,
+    buf: PooledBuf,
+    placement: &Placement,
+    progress: &SaveProgress,
+) -> Result<ChunkRef> {
     let data = buf.freeze();
     let length = data.len() as u64;
     let hashed = data.clone();
@@ -512,14 +519,25 @@ async fn upload_one(buf: PooledBuf, placement: &Placement, progress: &SaveProgre
     let ids: Vec<&str> = placement.ids.iter().map(String::as_str).collect();
     let mut last_error = None;
     for index in rank_targets(&hash, &ids) {
-        let transport = &placement.transports[index];
-        let attempt = async {
-            if transport.has(&[hash]).await?.first() == Some(&true) {
-                return Ok::<bool, TransportError>(true);
+        let store = |transport: Arc<dyn ChunkTransport>| {
+            let data = data.clone();
+            async move {
+                if transport.has(&[hash]).await?.first() == Some(&true) {
+                    return Ok::<bool, TransportError>(true);
+                }
+                transport.put(hash, data).await
             }
-            transport.put(hash, data.clone()).await
         };
-        match attempt.await {
+        let mut address = placement.addresses[index].clone();
+        let mut outcome = store(Arc::clone(&placement.transports[index])).await;
+        if let Err(error) = &outcome
+            && error.is_connection()
+            && let Some((moved, transport)) = client.refreshed_transport(&placement.ids[index], &address).await
+        {
+            address = moved;
+            outcome = store(transport).await;
+        }
+        match outcome {
             Ok(already_present) => {
                 if already_present {
                     progress.deduplicated_chunks.fetch_add(1, Ordering::Relaxed);
@@ -544,11 +562,7 @@ async fn upload_one(buf: PooledBuf, placement: &Placement, progress: &SaveProgre
                             ..
                         }
                     );
-                let error = Error::Target {
-                    target_id: placement.ids[index].clone(),
-                    address: placement.addresses[index].clone(),
-                    source,
-                };
+                let error = Error::Target { target_id: placement.ids[index].clone(), address, source };
                 if !retry_elsewhere {
                     return Err(error);
                 }

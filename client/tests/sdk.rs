@@ -138,3 +138,58 @@ async fn save_fails_cleanly_when_every_target_is_gone() {
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_and_saves_follow_a_target_that_moved() {
+    use starckpt_server::target::{self, TargetConfig};
+    use tokio::net::TcpListener;
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = starckpt_server::control::open_store(&dir.path().join("meta.db").to_string_lossy()).await.unwrap();
+    let control_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let control_address = control_listener.local_addr().unwrap().to_string();
+    tokio::spawn(starckpt_server::control::run(control_listener, store, Default::default(), std::future::pending()));
+
+    let start_target = |listener: TcpListener| {
+        let config = TargetConfig::new(dir.path().join("t0"), control_address.clone());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(target::run(config, listener, async {
+            let _ = stopped.await;
+        }));
+        (stop, task)
+    };
+    let wait_for_address = |client: Client, address: String| async move {
+        for _ in 0..200 {
+            if client.targets().await.unwrap().iter().any(|t| t.data_address == address) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("target never registered at {address}");
+    };
+
+    let first = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let first_address = first.local_addr().unwrap().to_string();
+    let (stop, task) = start_target(first);
+    let client = Client::connect(ClientConfig::new(control_address.clone())).await.unwrap();
+    wait_for_address(client.clone(), first_address.clone()).await;
+
+    let data = random(300_000, 9);
+    let part = SavePart::new("moving", 1).buffer("f", Bytes::from(data.clone())).unwrap();
+    client.save(part).await.unwrap().wait().await.unwrap();
+    let stale = client.manifest("moving", None).await.unwrap();
+    assert_eq!(stale.targets.values().next().unwrap().data_address, first_address);
+
+    // The target restarts on another port; the manifest in hand still names the old one.
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+    let second = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let second_address = second.local_addr().unwrap().to_string();
+    let (_stop, _task) = start_target(second);
+    wait_for_address(client.clone(), second_address).await;
+
+    assert_eq!(&client.read_file(&stale, "f").await.unwrap()[..], &data[..]);
+    // The same client's transports also still point at the old address for saves.
+    let part = SavePart::new("moving", 2).buffer("g", Bytes::from(random(200_000, 10))).unwrap();
+    client.save(part).await.unwrap().wait().await.unwrap();
+}

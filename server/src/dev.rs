@@ -5,7 +5,7 @@
 //! Layout of the data directory (kept across restarts):
 //! ```text
 //! DIR/meta.db        control-plane metadata (SQLite, WAL)
-//! DIR/target-0/ …    one chunk store per target
+//! DIR/target-0/ …    one chunk store per target (listen.addr: its port, reused on restart)
 //! ```
 
 use std::net::SocketAddr;
@@ -18,6 +18,24 @@ use tokio::task::JoinHandle;
 
 use crate::control::{self, ControlConfig};
 use crate::target::{self, EngineKind, TargetConfig};
+
+/// Binds a target's port, reusing the one it had last time (remembered in `DIR/listen.addr`) so
+/// addresses stay valid across `starckpt dev` restarts; a fresh ephemeral port if that one is taken.
+async fn bind_stable(dir: &Path) -> anyhow::Result<TcpListener> {
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    let remembered = dir.join("listen.addr");
+    let previous = std::fs::read_to_string(&remembered).ok().and_then(|text| text.trim().parse::<SocketAddr>().ok());
+    let listener = match previous {
+        Some(address) => match TcpListener::bind(address).await {
+            Ok(listener) => listener,
+            Err(_) => TcpListener::bind("127.0.0.1:0").await.context("bind a target port")?,
+        },
+        None => TcpListener::bind("127.0.0.1:0").await.context("bind a target port")?,
+    };
+    std::fs::write(&remembered, listener.local_addr()?.to_string())
+        .with_context(|| format!("write {}", remembered.display()))?;
+    Ok(listener)
+}
 
 pub struct DevCluster {
     pub control_address: SocketAddr,
@@ -49,7 +67,7 @@ impl DevCluster {
         for index in 0..targets {
             let mut config = TargetConfig::new(data_dir.join(format!("target-{index}")), control_address.to_string());
             config.engine = engine;
-            let listener = TcpListener::bind("127.0.0.1:0").await.context("bind a target port")?;
+            let listener = bind_stable(&config.dir).await?;
             target_addresses.push(listener.local_addr()?);
             tasks.push(tokio::spawn(target::run(config, listener, wait(stopped.clone()))));
         }
