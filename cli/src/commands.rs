@@ -34,12 +34,13 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down");
 }
 
-pub async fn server(listen: &str, db: &str) -> anyhow::Result<()> {
+pub async fn server(listen: &str, db: &str, pending_timeout: std::time::Duration) -> anyhow::Result<()> {
     let store = starckpt_server::control::open_store(db).await?;
     let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
     // The address line is for scripts and tests that listen on port 0.
     banner(&format!("control plane listening on {}", listener.local_addr()?));
-    starckpt_server::control::run(listener, store, Default::default(), shutdown_signal()).await
+    let config = starckpt_server::control::ControlConfig { pending_timeout, ..Default::default() };
+    starckpt_server::control::run(listener, store, config, shutdown_signal()).await
 }
 
 pub async fn target(
@@ -85,13 +86,20 @@ pub struct SaveArgs {
     pub step: u64,
     pub rank: u32,
     pub world_size: u32,
-    pub attempt: Option<String>,
+    pub run_id: Option<String>,
     pub chunk_size: Option<usize>,
     pub paths: Vec<PathBuf>,
 }
 
 async fn connect(server: &str, chunk_size: Option<usize>) -> anyhow::Result<Client> {
+    connect_as(server, chunk_size, None).await
+}
+
+async fn connect_as(server: &str, chunk_size: Option<usize>, run_id: Option<String>) -> anyhow::Result<Client> {
     let mut config = ClientConfig::new(server);
+    if run_id.is_some() {
+        config.run_id = run_id;
+    }
     if let Some(size) = chunk_size {
         config.chunk_size_bytes = size;
     }
@@ -99,12 +107,9 @@ async fn connect(server: &str, chunk_size: Option<usize>) -> anyhow::Result<Clie
 }
 
 pub async fn save(server: &str, args: SaveArgs, out: &Output) -> anyhow::Result<()> {
-    let client = connect(server, args.chunk_size).await?;
+    let client = connect_as(server, args.chunk_size, args.run_id).await?;
     let items = starckpt_client::items_from_paths(&args.paths)?;
-    let mut part = SavePart::new(&args.job, args.step).items(items);
-    part.rank = args.rank;
-    part.world_size = args.world_size;
-    part.attempt_id = args.attempt;
+    let part = SavePart::new(&args.job, args.step).items(items).rank(args.rank, args.world_size);
     let started = Instant::now();
     let handle = client.save(part).await?;
     let staged = started.elapsed();
@@ -119,7 +124,7 @@ pub async fn save(server: &str, args: SaveArgs, out: &Output) -> anyhow::Result<
     let elapsed = started.elapsed();
     if out.json {
         out.json(json!({
-            "job": outcome.job, "step": outcome.step, "checkpoint_id": outcome.checkpoint_id,
+            "job": outcome.job, "step": outcome.step, "checkpoint_id": outcome.checkpoint_id, "epoch": outcome.epoch,
             "committed": outcome.committed(), "bytes": outcome.total_bytes, "chunks": outcome.chunks,
             "deduplicated_chunks": outcome.deduplicated_chunks, "uploaded_bytes": outcome.uploaded_bytes,
             "staged_seconds": staged.as_secs_f64(), "seconds": elapsed.as_secs_f64(),
@@ -160,7 +165,7 @@ fn state_name(state: i32) -> &'static str {
 fn checkpoint_json(c: &CheckpointInfo) -> serde_json::Value {
     json!({
         "job": c.job, "step": c.step, "state": state_name(c.state), "checkpoint_id": c.checkpoint_id,
-        "world_size": c.world_size, "parts_committed": c.parts_committed, "bytes": c.total_bytes,
+        "world_size": c.world_size, "parts_committed": c.parts_committed, "bytes": c.total_bytes, "epoch": c.epoch,
         "files": c.file_count, "created_at_ms": c.created_at_ms,
         "committed_at_ms": if c.committed_at_ms == 0 { None } else { Some(c.committed_at_ms) },
     })
@@ -203,13 +208,17 @@ pub async fn ls(server: &str, job: Option<String>, all: bool, out: &Output) -> a
                 out.json(json!(checkpoints.iter().map(checkpoint_json).collect::<Vec<_>>()));
                 return Ok(());
             }
-            println!("{:>12} {:<10} {:>7} {:>12} {:>8} {:>16}", "STEP", "STATE", "RANKS", "SIZE", "FILES", "CREATED");
+            println!(
+                "{:>12} {:<10} {:>7} {:>6} {:>12} {:>8} {:>16}",
+                "STEP", "STATE", "RANKS", "EPOCH", "SIZE", "FILES", "CREATED"
+            );
             for c in checkpoints {
                 println!(
-                    "{:>12} {:<10} {:>7} {:>12} {:>8} {:>16}",
+                    "{:>12} {:<10} {:>7} {:>6} {:>12} {:>8} {:>16}",
                     c.step,
                     state_name(c.state),
                     format!("{}/{}", c.parts_committed, c.world_size),
+                    c.epoch,
                     output::bytes(c.total_bytes),
                     c.file_count,
                     output::age(c.created_at_ms)

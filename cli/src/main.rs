@@ -43,6 +43,9 @@ enum Command {
         /// Metadata store: a SQLite file path or sqlite:// URL.
         #[arg(long, default_value = "starckpt-meta.db")]
         db: String,
+        /// Abort a checkpoint whose ranks have not all committed this many seconds after it began.
+        #[arg(long, default_value_t = 1800)]
+        pending_timeout_secs: u64,
     },
     /// Run a storage target on one device or directory.
     Target {
@@ -80,9 +83,11 @@ enum Command {
         rank: u32,
         #[arg(long, default_value_t = 1)]
         world_size: u32,
-        /// Attempt id shared by all ranks of this save (required when world size > 1).
-        #[arg(long, env = "STARCKPT_ATTEMPT_ID")]
-        attempt: Option<String>,
+        /// The training run this save belongs to, shared by all its ranks (required when world
+        /// size > 1). A new run id takes over the job and fences writers of older runs. Default:
+        /// torchrun's TORCHELASTIC_RUN_ID/RESTART_COUNT if set, else a fresh run per invocation.
+        #[arg(long, env = "STARCKPT_RUN_ID")]
+        run_id: Option<String>,
         /// Chunk size in bytes.
         #[arg(long)]
         chunk_size: Option<usize>,
@@ -154,13 +159,15 @@ async fn main() -> ExitCode {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let out = output::Output { json: cli.json };
     match cli.command {
-        Command::Server { listen, db } => commands::server(&listen, &db).await,
+        Command::Server { listen, db, pending_timeout_secs } => {
+            commands::server(&listen, &db, std::time::Duration::from_secs(pending_timeout_secs.max(1))).await
+        }
         Command::Target { dir, listen, advertise, io_engine } => {
             commands::target(dir, &listen, advertise, io_engine, &cli.server).await
         }
         Command::Dev { data, targets, listen, io_engine } => commands::dev(&data, targets, &listen, io_engine).await,
-        Command::Save { job, step, rank, world_size, attempt, chunk_size, paths } => {
-            let args = commands::SaveArgs { job: job.job, step, rank, world_size, attempt, chunk_size, paths };
+        Command::Save { job, step, rank, world_size, run_id, chunk_size, paths } => {
+            let args = commands::SaveArgs { job: job.job, step, rank, world_size, run_id, chunk_size, paths };
             commands::save(&cli.server, args, &out).await
         }
         Command::Ls { job, all } => commands::ls(&cli.server, job, all, &out).await,

@@ -115,7 +115,7 @@ fn two_ranks_in_two_processes_commit_together() {
             rank,
             "--world-size",
             "2",
-            "--attempt",
+            "--run-id",
             "run-1",
             dir.to_str().unwrap(),
         ];
@@ -133,7 +133,7 @@ fn two_ranks_in_two_processes_commit_together() {
     assert!(stderr.contains("no committed checkpoint"), "{stderr}");
     assert!(cluster.json(&["ls"])[0]["latest_step"].is_null());
 
-    // Without a shared attempt id a multi-rank save is refused.
+    // Without a shared run id a multi-rank save is refused.
     let stderr = cluster.fails(&[
         "save",
         "--job",
@@ -146,7 +146,7 @@ fn two_ranks_in_two_processes_commit_together() {
         "2",
         dir1.to_str().unwrap(),
     ]);
-    assert!(stderr.contains("attempt id"), "{stderr}");
+    assert!(stderr.contains("run id shared by all ranks"), "{stderr}");
 
     let second = save("1", &dir1);
     assert_eq!(second["committed"], true);
@@ -198,7 +198,8 @@ fn sigkill_everything_mid_save_keeps_the_previous_checkpoint() {
     cluster.ok(&["restore", "--job", "crash", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(tree(&first), tree(&restored));
 
-    // The restarted trainer saves step 2 again: the crashed attempt is aborted, the new one commits.
+    // The restarted trainer (a new run) saves step 2 again: taking the job's lease aborts the
+    // crashed run's checkpoint, and the new one commits.
     cluster.ok(&["save", "--job", "crash", "--step", "2", second.to_str().unwrap()]);
     assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 2);
     let all = cluster.json(&["ls", "crash", "--all"]);
@@ -359,8 +360,13 @@ async fn malformed_grpc_requests_are_invalid_argument() {
 
     let cluster = Cluster::start(1);
     let mut client = ControlClient::connect(format!("http://{}", cluster.server.address)).await.unwrap();
-    let begin =
-        |job: &str, world_size| BeginCheckpointRequest { job: job.into(), step: 1, world_size, attempt_id: "a".into() };
+    let epoch = client
+        .acquire_lease(AcquireLeaseRequest { job: "j".into(), run_id: "r".into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .epoch;
+    let begin = |job: &str, world_size| BeginCheckpointRequest { job: job.into(), step: 1, world_size, epoch };
     let status = client.begin_checkpoint(begin("j", 0)).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     let status = client.begin_checkpoint(begin("../etc", 1)).await.unwrap_err();
@@ -476,4 +482,109 @@ fn dev_keeps_its_data_across_a_restart() {
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     assert_eq!(tree(&source), tree(&restored));
     stop(child);
+}
+
+#[test]
+fn a_restarted_two_rank_run_fences_the_preempted_one() {
+    let cluster = Cluster::start(3);
+    let shard = |name: &str, len: usize, seed: u64| {
+        let dir = cluster.dir.path().join(name);
+        std::fs::create_dir_all(dir.join(name)).unwrap();
+        std::fs::write(dir.join(name).join("shard.bin"), random_bytes(len, seed)).unwrap();
+        dir
+    };
+    let save = |run: &str, rank: &str, step: &str, dir: &Path| {
+        let args = ["save", "--job", "fence", "--step", step, "--rank", rank, "--world-size", "2", "--run-id", run];
+        let mut all = args.to_vec();
+        all.push(dir.to_str().unwrap());
+        cluster.cli(&all)
+    };
+
+    // Run 1: rank 0 commits its part of step 5; rank 1 is SIGKILLed in the middle of its upload.
+    let run1_rank0 = shard("r1-rank0", 2 << 20, 1);
+    assert!(save("run-1", "0", "5", &run1_rank0).status.success());
+    let run1_rank1 = shard("r1-rank1", 300 << 20, 2);
+    let mut rank1 = std::process::Command::new(common::BIN)
+        .args(["save", "--job", "fence", "--step", "5", "--rank", "1", "--world-size", "2", "--run-id", "run-1"])
+        .args(["--chunk-size", "1048576", run1_rank1.to_str().unwrap()])
+        .env("STARCKPT_SERVER", &cluster.server.address)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let before: usize = (0..3).map(|i| cluster.chunk_files(i).len()).sum();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while (0..3).map(|i| cluster.chunk_files(i).len()).sum::<usize>() < before + 10 {
+        assert!(std::time::Instant::now() < deadline, "rank 1 never started uploading");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = rank1.kill();
+    let _ = rank1.wait();
+    assert_eq!(cluster.json(&["ls", "fence"])[0]["state"], "pending");
+
+    // Run 2 (the launcher restarted the job): both ranks save step 5 again and it commits.
+    let run2_rank0 = shard("r2-rank0", 2 << 20, 3);
+    let run2_rank1 = shard("r2-rank1", 2 << 20, 4);
+    assert!(save("run-2", "0", "5", &run2_rank0).status.success());
+    let second = save("run-2", "1", "5", &run2_rank1);
+    assert!(second.status.success(), "{}", String::from_utf8_lossy(&second.stderr));
+    let all = cluster.json(&["ls", "fence", "--all"]);
+    let states: Vec<(u64, String, u64)> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["step"].as_u64().unwrap(), c["state"].as_str().unwrap().to_owned(), c["epoch"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(states, vec![(5, "aborted".into(), 1), (5, "committed".into(), 2)]);
+
+    // The zombie of run 1 comes back: it can neither commit step 5 nor save a new step.
+    for (rank, step) in [("1", "5"), ("0", "6")] {
+        let zombie = save("run-1", rank, step, &run1_rank1);
+        assert!(!zombie.status.success(), "a fenced writer must fail");
+        let stderr = String::from_utf8_lossy(&zombie.stderr);
+        assert!(stderr.contains("fenced") && stderr.contains("superseded"), "{stderr}");
+    }
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "fence", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("r2-rank1/shard.bin")).unwrap(), random_bytes(2 << 20, 4));
+    assert!(!restored.join("r1-rank0").exists(), "nothing of the preempted run is in the checkpoint");
+}
+
+#[test]
+fn a_rank_that_never_commits_aborts_the_checkpoint_after_the_timeout() {
+    let mut cluster = Cluster::start(1);
+    // Restart the control plane with a 1-second pending timeout.
+    cluster.server.kill();
+    cluster.server = common::start_server_with(cluster.dir.path(), &["--pending-timeout-secs", "1"]);
+    cluster.targets[0].kill();
+    cluster.targets[0] = cluster.start_target(0);
+    cluster.wait_alive(1);
+
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("part0"), random_bytes(1 << 20, 6)).unwrap();
+    let args = ["save", "--job", "slow", "--step", "1", "--rank", "0", "--world-size", "2", "--run-id", "r"];
+    let mut all = args.to_vec();
+    all.push(source.to_str().unwrap());
+    cluster.ok(&all);
+    assert_eq!(cluster.json(&["ls", "slow"])[0]["state"], "pending");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let listed = cluster.json(&["ls", "slow", "--all"]);
+        if listed[0]["state"] == "aborted" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the pending checkpoint was never aborted: {listed}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(cluster.json(&["ls"])[0]["latest_step"].is_null());
+    // Rank 1 arriving late cannot revive the aborted checkpoint: it starts a fresh attempt of
+    // step 1 that waits alone, and nothing becomes visible.
+    let late = ["save", "--job", "slow", "--step", "1", "--rank", "1", "--world-size", "2", "--run-id", "r"];
+    let mut all = late.to_vec();
+    all.push(source.to_str().unwrap());
+    let output = cluster.cli(&all);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let latest = cluster.json(&["ls"])[0]["latest_step"].clone();
+    assert!(latest.is_null(), "one of two ranks must not make step 1 visible: {latest}");
 }

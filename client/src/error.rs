@@ -18,6 +18,10 @@ pub enum Error {
     AlreadyExists { op: &'static str, message: String },
     #[error("{op}: {message}")]
     Rejected { op: &'static str, message: String },
+    /// This writer's run was superseded by a newer run of the job (it is a zombie of a preempted
+    /// run); it can no longer begin or commit checkpoints of that job.
+    #[error("{op}: {message}")]
+    Fenced { op: &'static str, message: String },
     #[error("{op} failed at the control plane: {status}")]
     Control { op: &'static str, status: Box<tonic::Status> },
     #[error("target {target_id} ({address}): {source}")]
@@ -47,6 +51,7 @@ impl Error {
             Code::NotFound => Error::NotFound { op, message },
             Code::AlreadyExists => Error::AlreadyExists { op, message },
             Code::InvalidArgument | Code::FailedPrecondition => Error::Rejected { op, message },
+            Code::Aborted => Error::Fenced { op, message },
             Code::Unavailable | Code::DeadlineExceeded => Error::Unreachable { address: address.to_owned(), message },
             _ => Error::Control { op, status: Box::new(status) },
         }

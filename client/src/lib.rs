@@ -66,6 +66,12 @@ pub struct ClientConfig {
     pub restore_concurrency: usize,
     /// Deadline of each control-plane call. Default 30 s.
     pub rpc_timeout: Duration,
+    /// The training run this client writes for, shared by all its ranks; decides the writer
+    /// lease epoch (see `AcquireLeaseRequest` in control.proto). Default: `STARCKPT_RUN_ID`, else
+    /// torchrun's `TORCHELASTIC_RUN_ID` and `TORCHELASTIC_RESTART_COUNT` (a restart is a new
+    /// run), else a fresh id for this client alone, which suits single-process trainers: every
+    /// restart of the process is then a new run that fences the previous one.
+    pub run_id: Option<String>,
     pub tcp: TcpConfig,
 }
 
@@ -79,8 +85,19 @@ impl ClientConfig {
             restore_concurrency: 16,
             rpc_timeout: Duration::from_secs(30),
             tcp: TcpConfig::default(),
+            run_id: run_id_from_env(),
         }
     }
+}
+
+/// The run id the environment names, if any: `STARCKPT_RUN_ID`, else torchrun's run id and
+/// restart count.
+pub fn run_id_from_env() -> Option<String> {
+    let var = |name| std::env::var(name).ok().filter(|v: &String| !v.is_empty());
+    var("STARCKPT_RUN_ID").or_else(|| {
+        let run = var("TORCHELASTIC_RUN_ID")?;
+        Some(format!("{run}/{}", var("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into())))
+    })
 }
 
 /// Data-plane transports by target id, rebuilt when a target's address changes.
@@ -111,6 +128,12 @@ impl Targets {
 
 struct Inner {
     config: ClientConfig,
+    run_id: String,
+    /// False when the run id was made up for this client: fine for one process, wrong for a
+    /// multi-rank save (each rank would be its own run and fence the others).
+    run_id_shared: bool,
+    /// Epoch of this run's lease, per job, taken once.
+    leases: tokio::sync::Mutex<HashMap<String, u64>>,
     control: ControlClient<Channel>,
     staging: BufPool,
     targets: Targets,
@@ -146,11 +169,52 @@ impl Client {
             ControlClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
         let buffers = (config.staging_bytes / config.chunk_size_bytes).max(1);
         let staging = BufPool::new(config.chunk_size_bytes, buffers);
-        Ok(Client { inner: Arc::new(Inner { config, control, staging, targets: Targets::default() }) })
+        let (run_id, run_id_shared) = match &config.run_id {
+            Some(id) => (id.clone(), true),
+            None => (uuid::Uuid::new_v4().to_string(), false),
+        };
+        Ok(Client {
+            inner: Arc::new(Inner {
+                config,
+                run_id,
+                run_id_shared,
+                leases: Default::default(),
+                control,
+                staging,
+                targets: Targets::default(),
+            }),
+        })
     }
 
     pub fn config(&self) -> &ClientConfig {
         &self.inner.config
+    }
+
+    /// The run id this client writes for.
+    pub fn run_id(&self) -> &str {
+        &self.inner.run_id
+    }
+
+    /// This run's writer-lease epoch for `job`, taking the lease on first use. A newer run taking
+    /// over fences this one: its begins and commits then fail with [`Error::Fenced`].
+    pub async fn lease(&self, job: &str) -> Result<u64> {
+        let job = JobName::try_from(job)?;
+        let mut leases = self.inner.leases.lock().await;
+        if let Some(epoch) = leases.get(job.as_str()) {
+            return Ok(*epoch);
+        }
+        let grant = self
+            .control()
+            .acquire_lease(pb::AcquireLeaseRequest { job: job.to_string(), run_id: self.inner.run_id.clone() })
+            .await
+            .map_err(self.status("acquire lease"))?
+            .into_inner();
+        if grant.aborted_checkpoints > 0 {
+            tracing::info!(%job, epoch = grant.epoch, aborted = grant.aborted_checkpoints,
+                "took over the job; the previous run's unfinished checkpoints were aborted");
+        }
+        leases.insert(job.to_string(), grant.epoch);
+        Ok(grant.epoch)
     }
 
     fn control(&self) -> ControlClient<Channel> {

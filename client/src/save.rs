@@ -11,7 +11,7 @@
 //! Memory is bounded by the staging pool: staging waits for a free buffer, and a buffer returns to
 //! the pool only when its chunk is durable on a target (or found there already). A failed upload
 //! stops staging, and the part is never committed: the checkpoint stays pending until a new
-//! attempt of the same step aborts it.
+//! run takes the job's lease (or the pending timeout) aborts it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -56,31 +56,21 @@ pub struct SavePart {
     pub job: String,
     pub step: u64,
     pub rank: u32,
+    /// Ranks in this checkpoint; with more than one, every rank's client must have the same run
+    /// id ([`crate::ClientConfig::run_id`]).
     pub world_size: u32,
-    /// Shared by all ranks of one save; required when `world_size > 1` (see `BeginCheckpointRequest`
-    /// in control.proto). A single rank gets a fresh one.
-    pub attempt_id: Option<String>,
     pub items: Vec<SaveItem>,
     pub metadata: BTreeMap<String, String>,
 }
 
 impl SavePart {
     pub fn new(job: impl Into<String>, step: u64) -> SavePart {
-        SavePart {
-            job: job.into(),
-            step,
-            rank: 0,
-            world_size: 1,
-            attempt_id: None,
-            items: Vec::new(),
-            metadata: BTreeMap::new(),
-        }
+        SavePart { job: job.into(), step, rank: 0, world_size: 1, items: Vec::new(), metadata: BTreeMap::new() }
     }
 
-    pub fn rank(mut self, rank: u32, world_size: u32, attempt_id: impl Into<String>) -> SavePart {
+    pub fn rank(mut self, rank: u32, world_size: u32) -> SavePart {
         self.rank = rank;
         self.world_size = world_size;
-        self.attempt_id = Some(attempt_id.into());
         self
     }
 
@@ -207,6 +197,8 @@ pub struct SaveOutcome {
     pub job: String,
     pub step: u64,
     pub state: CommitState,
+    /// The writer-lease epoch the checkpoint was written under.
+    pub epoch: u64,
     pub total_bytes: u64,
     pub chunks: u64,
     pub deduplicated_chunks: u64,
@@ -260,26 +252,24 @@ impl Client {
     /// handle resolves when the part is committed (and says whether that completed the checkpoint).
     pub async fn save(&self, part: SavePart) -> Result<SaveHandle> {
         let job = JobName::try_from(part.job.as_str())?;
-        let attempt_id = match (&part.attempt_id, part.world_size) {
-            (Some(id), _) => id.clone(),
-            (None, 1) => uuid::Uuid::new_v4().to_string(),
-            (None, _) => {
-                return Err(Error::InvalidInput(
-                    "a save with several ranks needs an attempt id shared by all ranks (--attempt / STARCKPT_ATTEMPT_ID)"
-                        .into(),
-                ));
-            }
-        };
+        if part.world_size > 1 && !self.inner.run_id_shared {
+            return Err(Error::InvalidInput(
+                "a save with several ranks needs a run id shared by all ranks (--run-id, STARCKPT_RUN_ID or \
+                 torchrun's TORCHELASTIC_RUN_ID)"
+                    .into(),
+            ));
+        }
         if part.rank >= part.world_size {
             return Err(Error::InvalidInput(format!("rank {} is outside world size {}", part.rank, part.world_size)));
         }
+        let epoch = self.lease(job.as_str()).await?;
         let begin = self
             .control()
             .begin_checkpoint(pb::BeginCheckpointRequest {
                 job: job.to_string(),
                 step: part.step,
                 world_size: part.world_size,
-                attempt_id,
+                epoch,
             })
             .await
             .map_err(self.status("begin checkpoint"))?
@@ -360,6 +350,7 @@ impl Client {
                 job: part.job,
                 step: part.step,
                 state,
+                epoch,
                 total_bytes,
                 chunks: task_progress.chunks.load(Ordering::Relaxed),
                 deduplicated_chunks: task_progress.deduplicated_chunks.load(Ordering::Relaxed),

@@ -193,3 +193,41 @@ async fn reads_and_saves_follow_a_target_that_moved() {
     let part = SavePart::new("moving", 2).buffer("g", Bytes::from(random(200_000, 10))).unwrap();
     client.save(part).await.unwrap().wait().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_client_holding_an_old_epoch_is_fenced() {
+    let (_dir, cluster, _) = cluster(1, |_| {}).await;
+    let client_for = |run: &str| {
+        let mut config = ClientConfig::new(cluster.control_address.to_string());
+        config.run_id = Some(run.into());
+        Client::connect(config)
+    };
+    let zombie = client_for("run-1").await.unwrap();
+    let part =
+        |rank, data: u64| SavePart::new("z", 1).rank(rank, 2).buffer("f", Bytes::from(random(1000, data))).unwrap();
+    let zombie_part = zombie.save(part(0, 1).buffer("g", Bytes::from(random(10, 2))).unwrap()).await.unwrap();
+    assert_eq!(zombie_part.wait().await.unwrap().epoch, 1);
+
+    let restarted = client_for("run-2").await.unwrap();
+    assert_eq!(restarted.lease("z").await.unwrap(), 2);
+
+    // The zombie still believes it holds epoch 1: every write it attempts is refused.
+    assert_eq!(zombie.lease("z").await.unwrap(), 1, "cached");
+    let Err(error) = zombie.save(part(1, 3)).await else { panic!("a fenced writer began a checkpoint") };
+    assert!(matches!(error, Error::Fenced { .. }), "{error}");
+    // A fresh client of the old run cannot take the lease back either.
+    let Err(error) = client_for("run-1").await.unwrap().lease("z").await else { panic!("lease taken back") };
+    assert!(matches!(error, Error::Fenced { .. }), "{error}");
+
+    for rank in 0..2 {
+        restarted.save(part(rank, 10 + rank as u64)).await.unwrap().wait().await.unwrap();
+    }
+    let latest = restarted.latest("z").await.unwrap().unwrap();
+    assert_eq!((latest.step, latest.epoch), (1, 2));
+    // Without a shared run id, a multi-rank save is refused before anything is sent.
+    let mut config = ClientConfig::new(cluster.control_address.to_string());
+    config.run_id = None;
+    let lone = Client::connect(config).await.unwrap();
+    assert!(matches!(lone.save(part(0, 20)).await, Err(Error::InvalidInput(_))));
+    cluster.shutdown().await.unwrap();
+}

@@ -21,8 +21,8 @@ pub const MAX_PATH_BYTES: usize = 4096;
 pub const MAX_WORLD_SIZE: u32 = 1 << 20;
 /// Most files in one rank's manifest. A rank with more should archive them first.
 pub const MAX_FILES_PER_PART: usize = 1_000_000;
-/// Longest attempt id.
-pub const MAX_ATTEMPT_ID_BYTES: usize = 128;
+/// Longest run id (the name all ranks of one training run share).
+pub const MAX_RUN_ID_BYTES: usize = 256;
 
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum ModelError {
@@ -360,7 +360,7 @@ pub struct BeginCheckpoint {
     pub job: JobName,
     pub step: u64,
     pub world_size: u32,
-    pub attempt_id: String,
+    pub epoch: u64,
 }
 
 impl TryFrom<pb::BeginCheckpointRequest> for BeginCheckpoint {
@@ -372,15 +372,32 @@ impl TryFrom<pb::BeginCheckpointRequest> for BeginCheckpoint {
         if i64::try_from(request.step).is_err() {
             return Err(field("step", "must fit in a signed 64-bit integer"));
         }
-        if request.attempt_id.is_empty() || request.attempt_id.len() > MAX_ATTEMPT_ID_BYTES {
-            return Err(field("attempt_id", format!("must be 1..={MAX_ATTEMPT_ID_BYTES} bytes")));
+        if request.epoch == 0 || i64::try_from(request.epoch).is_err() {
+            return Err(field("epoch", "missing or out of range (take a lease with AcquireLease first)"));
         }
         Ok(BeginCheckpoint {
             job: JobName::try_from(request.job)?,
             step: request.step,
             world_size: request.world_size,
-            attempt_id: request.attempt_id,
+            epoch: request.epoch,
         })
+    }
+}
+
+/// A validated AcquireLease request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AcquireLease {
+    pub job: JobName,
+    pub run_id: String,
+}
+
+impl TryFrom<pb::AcquireLeaseRequest> for AcquireLease {
+    type Error = ModelError;
+    fn try_from(request: pb::AcquireLeaseRequest) -> Result<Self, Self::Error> {
+        if request.run_id.is_empty() || request.run_id.len() > MAX_RUN_ID_BYTES || request.run_id.contains('\0') {
+            return Err(field("run_id", format!("must be 1..={MAX_RUN_ID_BYTES} bytes without NUL")));
+        }
+        Ok(AcquireLease { job: JobName::try_from(request.job)?, run_id: request.run_id })
     }
 }
 
@@ -532,12 +549,17 @@ mod tests {
     }
 
     #[test]
-    fn begin_validation() {
-        let ok = pb::BeginCheckpointRequest { job: "j".into(), step: 1, world_size: 2, attempt_id: "a".into() };
+    fn begin_and_lease_validation() {
+        let ok = pb::BeginCheckpointRequest { job: "j".into(), step: 1, world_size: 2, epoch: 1 };
         assert!(BeginCheckpoint::try_from(ok.clone()).is_ok());
         assert!(BeginCheckpoint::try_from(pb::BeginCheckpointRequest { world_size: 0, ..ok.clone() }).is_err());
         assert!(BeginCheckpoint::try_from(pb::BeginCheckpointRequest { step: u64::MAX, ..ok.clone() }).is_err());
-        assert!(BeginCheckpoint::try_from(pb::BeginCheckpointRequest { attempt_id: String::new(), ..ok }).is_err());
+        assert!(BeginCheckpoint::try_from(pb::BeginCheckpointRequest { epoch: 0, ..ok }).is_err());
+        let lease = pb::AcquireLeaseRequest { job: "j".into(), run_id: "run-1/0".into() };
+        assert!(AcquireLease::try_from(lease.clone()).is_ok());
+        assert!(AcquireLease::try_from(pb::AcquireLeaseRequest { run_id: String::new(), ..lease.clone() }).is_err());
+        assert!(AcquireLease::try_from(pb::AcquireLeaseRequest { run_id: "x".repeat(257), ..lease.clone() }).is_err());
+        assert!(AcquireLease::try_from(pb::AcquireLeaseRequest { job: "../j".into(), ..lease }).is_err());
     }
 }
 

@@ -166,8 +166,15 @@ impl Cluster {
 }
 
 fn start_server(dir: &Path) -> Proc {
+    start_server_with(dir, &[])
+}
+
+/// Starts a control plane on the cluster's database with extra flags.
+pub fn start_server_with(dir: &Path, extra: &[&str]) -> Proc {
     let db = dir.join("meta.db");
-    Proc::start(&["server", "--listen", "127.0.0.1:0", "--db", db.to_str().unwrap()], &dir.join("server.log"), &[])
+    let mut args = vec!["server", "--listen", "127.0.0.1:0", "--db", db.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    Proc::start(&args, &dir.join("server.log"), &[])
 }
 
 pub fn cli_with_server(server: &str, args: &[&str]) -> Output {

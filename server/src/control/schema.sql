@@ -16,13 +16,25 @@ CREATE TABLE IF NOT EXISTS targets (
     last_heartbeat_ms BIGINT NOT NULL
 );
 
+-- Writer leases: one row per run that ever wrote a job. The job's current lease is its highest
+-- epoch; a run id once superseded can never take the lease back (fencing of zombie writers).
+CREATE TABLE IF NOT EXISTS leases (
+    job            TEXT NOT NULL,
+    run_id         TEXT NOT NULL,
+    epoch          BIGINT NOT NULL,
+    acquired_at_ms BIGINT NOT NULL,
+    PRIMARY KEY (job, run_id),
+    UNIQUE (job, epoch)
+);
+
 CREATE TABLE IF NOT EXISTS checkpoints (
     id              INTEGER PRIMARY KEY,
     job             TEXT NOT NULL,
     step            BIGINT NOT NULL,
     state           TEXT NOT NULL CHECK (state IN ('pending', 'committed', 'aborted', 'deleted')),
     world_size      INTEGER NOT NULL,
-    attempt_id      TEXT NOT NULL,
+    -- Writer lease epoch the checkpoint was begun under (leases.epoch).
+    epoch           BIGINT NOT NULL,
     parts_committed INTEGER NOT NULL DEFAULT 0,
     total_bytes     BIGINT NOT NULL DEFAULT 0,
     file_count      BIGINT NOT NULL DEFAULT 0,
@@ -36,6 +48,8 @@ CREATE UNIQUE INDEX IF NOT EXISTS checkpoints_live_step
     ON checkpoints (job, step) WHERE state IN ('pending', 'committed');
 -- `latest` is one index seek: highest committed step of a job.
 CREATE INDEX IF NOT EXISTS checkpoints_by_state ON checkpoints (job, state, step);
+-- The reaper's scan for pending checkpoints past their timeout.
+CREATE INDEX IF NOT EXISTS checkpoints_pending_age ON checkpoints (state, created_at_ms);
 
 CREATE TABLE IF NOT EXISTS parts (
     checkpoint_id   BIGINT NOT NULL REFERENCES checkpoints (id),

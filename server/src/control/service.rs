@@ -9,7 +9,9 @@ use std::time::Duration;
 use starckpt_proto::JobName;
 use starckpt_proto::control::control_server::{Control, ControlServer};
 use starckpt_proto::control::{self as pb};
-use starckpt_proto::model::{BeginCheckpoint, CommitPart, ModelError, TargetRegistration, validate_target_id};
+use starckpt_proto::model::{
+    AcquireLease, BeginCheckpoint, CommitPart, ModelError, TargetRegistration, validate_target_id,
+};
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
@@ -26,11 +28,19 @@ pub struct ControlConfig {
     /// A target silent for this long is dead: placement skips it. Default 5 s (five missed
     /// heartbeats), short enough that a save started after a target died avoids it.
     pub liveness_timeout: Duration,
+    /// A checkpoint still missing a rank's part this long after it was begun is aborted (its
+    /// writers died without a new run taking over). Default 30 min: a TB-scale save at a few
+    /// GB/s per rank takes minutes, and a stuck one should not linger for hours.
+    pub pending_timeout: Duration,
 }
 
 impl Default for ControlConfig {
     fn default() -> Self {
-        ControlConfig { heartbeat_interval: Duration::from_secs(1), liveness_timeout: Duration::from_secs(5) }
+        ControlConfig {
+            heartbeat_interval: Duration::from_secs(1),
+            liveness_timeout: Duration::from_secs(5),
+            pending_timeout: Duration::from_secs(30 * 60),
+        }
     }
 }
 
@@ -69,6 +79,7 @@ fn meta_status(error: MetaError) -> Status {
         MetaError::AlreadyExists(m) => Status::already_exists(m),
         MetaError::FailedPrecondition(m) => Status::failed_precondition(m),
         MetaError::InvalidArgument(m) => Status::invalid_argument(m),
+        error @ MetaError::Fenced(_) => Status::aborted(error.to_string()),
         error @ (MetaError::Corrupt(_) | MetaError::Backend(_)) => {
             tracing::error!(%error, "metadata store failure");
             Status::internal(error.to_string())
@@ -101,6 +112,7 @@ pub fn checkpoint_info(record: &CheckpointRecord) -> pb::CheckpointInfo {
         file_count: record.file_count,
         created_at_ms: record.created_at_ms,
         committed_at_ms: record.committed_at_ms.unwrap_or(0),
+        epoch: record.epoch,
     }
 }
 
@@ -139,6 +151,18 @@ impl Control for ControlService {
         let targets = self.store.list_targets().await.map_err(meta_status)?;
         Ok(Response::new(pb::ListTargetsResponse {
             targets: targets.iter().map(|t| self.target_info(t, now)).collect(),
+        }))
+    }
+
+    async fn acquire_lease(
+        &self,
+        request: Request<pb::AcquireLeaseRequest>,
+    ) -> Result<Response<pb::AcquireLeaseResponse>, Status> {
+        let request = AcquireLease::try_from(request.into_inner()).map_err(invalid)?;
+        let grant = self.store.acquire_lease(&request, now_ms()).await.map_err(meta_status)?;
+        Ok(Response::new(pb::AcquireLeaseResponse {
+            epoch: grant.epoch,
+            aborted_checkpoints: grant.aborted_checkpoints,
         }))
     }
 
@@ -282,6 +306,10 @@ pub async fn run(
     config: ControlConfig,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    let reaper = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(reap_stale_pending(
+        Arc::clone(&store),
+        config.pending_timeout,
+    )));
     let service = ControlServer::new(ControlService::new(store, config))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -291,5 +319,30 @@ pub async fn run(
         .add_service(service)
         .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
         .await?;
+    drop(reaper);
     Ok(())
+}
+
+/// Aborts checkpoints whose ranks never all committed within `timeout`, checking ten times per
+/// timeout (at most once a second, at least once a minute).
+async fn reap_stale_pending(store: Arc<dyn MetaStore>, timeout: Duration) {
+    let period = (timeout / 10).clamp(Duration::from_secs(1), Duration::from_secs(60));
+    loop {
+        tokio::time::sleep(period).await;
+        let now = now_ms();
+        match store.abort_stale_pending(now.saturating_sub(timeout.as_millis() as u64), now).await {
+            Ok(aborted) => {
+                for checkpoint in aborted {
+                    tracing::warn!(
+                        job = %checkpoint.job,
+                        step = checkpoint.step,
+                        parts = checkpoint.parts_committed,
+                        world_size = checkpoint.world_size,
+                        "aborted a checkpoint whose ranks did not all commit within {timeout:?}"
+                    );
+                }
+            }
+            Err(error) => tracing::error!(%error, "pending-checkpoint reaper failed"),
+        }
+    }
 }

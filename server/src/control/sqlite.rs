@@ -17,13 +17,15 @@ use sqlx::sqlite::{
 use sqlx::{Row, Sqlite, Transaction};
 use starckpt_proto::JobName;
 use starckpt_proto::control as pb;
-use starckpt_proto::model::{BeginCheckpoint, CommitPart, Manifest, TargetRegistration};
+use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest, TargetRegistration};
 
-use super::store::{CheckpointRecord, CheckpointState, JobRecord, MetaError, MetaResult, MetaStore, TargetRecord};
+use super::store::{
+    CheckpointRecord, CheckpointState, JobRecord, LeaseGrant, MetaError, MetaResult, MetaStore, TargetRecord,
+};
 
 const SCHEMA: &str = include_str!("schema.sql");
 const SCHEMA_VERSION: i64 = 1;
-const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, attempt_id, parts_committed, total_bytes, \
+const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
      file_count, created_at_ms, committed_at_ms";
 
 pub struct SqliteStore {
@@ -91,7 +93,7 @@ fn checkpoint_from_row(row: &SqliteRow) -> MetaResult<CheckpointRecord> {
         step: get_u64(row, "step")?,
         state: CheckpointState::parse(row.try_get("state")?)?,
         world_size: get_u64(row, "world_size")? as u32,
-        attempt_id: row.try_get("attempt_id")?,
+        epoch: get_u64(row, "epoch")?,
         parts_committed: get_u64(row, "parts_committed")? as u32,
         total_bytes: get_u64(row, "total_bytes")?,
         file_count: get_u64(row, "file_count")?,
@@ -105,6 +107,30 @@ fn decode_manifest(blob: &[u8], checkpoint_id: u64, rank: u32) -> MetaResult<Man
         .map_err(|e| MetaError::Corrupt(format!("manifest of checkpoint {checkpoint_id} rank {rank}: {e}")))?;
     Manifest::try_from(message)
         .map_err(|e| MetaError::Corrupt(format!("manifest of checkpoint {checkpoint_id} rank {rank}: {e}")))
+}
+
+/// The job's current lease epoch and run id, if any run ever took it.
+async fn current_lease(tx: &mut Transaction<'_, Sqlite>, job: &str) -> MetaResult<Option<(u64, String)>> {
+    let row = sqlx::query("SELECT epoch, run_id FROM leases WHERE job = ? ORDER BY epoch DESC LIMIT 1")
+        .bind(job)
+        .fetch_optional(&mut **tx)
+        .await?;
+    row.map(|row| Ok((get_u64(&row, "epoch")?, row.try_get("run_id")?))).transpose()
+}
+
+/// Checks that `epoch` is the job's current one: Fenced if a newer run took over, InvalidArgument
+/// if it was never issued.
+async fn check_epoch(tx: &mut Transaction<'_, Sqlite>, job: &str, epoch: u64) -> MetaResult<()> {
+    match current_lease(tx, job).await? {
+        Some((current, _)) if current == epoch => Ok(()),
+        Some((current, run_id)) if current > epoch => Err(MetaError::Fenced(format!(
+            "job {job}: epoch {epoch} was superseded by run {run_id:?} at epoch {current}; this writer belongs to a \
+             preempted run and may no longer write"
+        ))),
+        _ => Err(MetaError::InvalidArgument(format!(
+            "job {job}: epoch {epoch} was never issued (take a lease with AcquireLease first)"
+        ))),
+    }
 }
 
 async fn checkpoint_by_id(tx: &mut Transaction<'_, Sqlite>, id: i64) -> MetaResult<Option<CheckpointRecord>> {
@@ -174,10 +200,55 @@ impl MetaStore for SqliteStore {
             .collect()
     }
 
+    async fn acquire_lease(&self, request: &AcquireLease, now_ms: u64) -> MetaResult<LeaseGrant> {
+        let job = request.job.as_str();
+        let mut tx = self.writer.begin().await?;
+        let known: Option<i64> = sqlx::query_scalar("SELECT epoch FROM leases WHERE job = ? AND run_id = ?")
+            .bind(job)
+            .bind(&request.run_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let current = current_lease(&mut tx, job).await?;
+        if let Some(epoch) = known {
+            let epoch = epoch.max(0) as u64;
+            return match current {
+                Some((current, _)) if current == epoch => Ok(LeaseGrant { epoch, aborted_checkpoints: 0 }),
+                Some((current, run_id)) => Err(MetaError::Fenced(format!(
+                    "job {job}: run {:?} (epoch {epoch}) was superseded by run {run_id:?} (epoch {current})",
+                    request.run_id
+                ))),
+                None => Err(MetaError::Corrupt(format!("job {job} has a lease row but no current lease"))),
+            };
+        }
+        let epoch = current.map_or(1, |(current, _)| current + 1);
+        let now = to_i64(now_ms, "time")?;
+        sqlx::query("INSERT INTO leases (job, run_id, epoch, acquired_at_ms) VALUES (?, ?, ?, ?)")
+            .bind(job)
+            .bind(&request.run_id)
+            .bind(to_i64(epoch, "epoch")?)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        // The takeover and the abort of the older runs' half-written checkpoints are one transaction.
+        let aborted = sqlx::query(
+            "UPDATE checkpoints SET state = 'aborted', ended_at_ms = ? WHERE job = ? AND state = 'pending' AND epoch < ?",
+        )
+        .bind(now)
+        .bind(job)
+        .bind(to_i64(epoch, "epoch")?)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        tx.commit().await?;
+        tracing::info!(%job, run_id = %request.run_id, epoch, aborted, "writer lease taken");
+        Ok(LeaseGrant { epoch, aborted_checkpoints: aborted as u32 })
+    }
+
     async fn begin_checkpoint(&self, request: &BeginCheckpoint, now_ms: u64) -> MetaResult<CheckpointRecord> {
         let step = to_i64(request.step, "step")?;
         let now = to_i64(now_ms, "time")?;
         let mut tx = self.writer.begin().await?;
+        check_epoch(&mut tx, request.job.as_str(), request.epoch).await?;
         let live = sqlx::query(&format!(
             "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = ? AND step = ? AND state IN ('pending', 'committed')"
         ))
@@ -194,34 +265,34 @@ impl MetaStore for SqliteStore {
                         request.job, request.step
                     )));
                 }
-                _ if existing.attempt_id == request.attempt_id => {
+                _ if existing.epoch == request.epoch => {
                     if existing.world_size != request.world_size {
                         return Err(MetaError::FailedPrecondition(format!(
-                            "attempt {} of {} step {} has world size {}, not {}",
-                            request.attempt_id, request.job, request.step, existing.world_size, request.world_size
+                            "{} step {} was begun with world size {}, not {}",
+                            request.job, request.step, existing.world_size, request.world_size
                         )));
                     }
                     return Ok(existing);
                 }
                 _ => {
+                    // Older epochs' pending checkpoints are aborted when a new run takes the lease;
+                    // one left over (from a database written before that rule) is aborted here.
                     sqlx::query("UPDATE checkpoints SET state = 'aborted', ended_at_ms = ? WHERE id = ?")
                         .bind(now)
                         .bind(existing.id as i64)
                         .execute(&mut *tx)
                         .await?;
-                    tracing::info!(job = %request.job, step = request.step, aborted = existing.id,
-                        "aborted an uncommitted attempt superseded by a new one");
                 }
             }
         }
         let row = sqlx::query(&format!(
-            "INSERT INTO checkpoints (job, step, state, world_size, attempt_id, created_at_ms)
+            "INSERT INTO checkpoints (job, step, state, world_size, epoch, created_at_ms)
              VALUES (?, ?, 'pending', ?, ?, ?) RETURNING {CHECKPOINT_COLUMNS}"
         ))
         .bind(request.job.as_str())
         .bind(step)
         .bind(request.world_size as i64)
-        .bind(&request.attempt_id)
+        .bind(to_i64(request.epoch, "epoch")?)
         .bind(now)
         .fetch_one(&mut *tx)
         .await?;
@@ -257,6 +328,7 @@ impl MetaStore for SqliteStore {
                 part.rank, record.id
             )));
         }
+        check_epoch(&mut tx, &record.job, record.epoch).await?;
         if record.state != CheckpointState::Pending {
             return Err(MetaError::FailedPrecondition(format!(
                 "checkpoint {} ({} step {}) is {}; its parts can no longer be committed",
@@ -398,6 +470,18 @@ impl MetaStore for SqliteStore {
         Ok((record, parts))
     }
 
+    async fn abort_stale_pending(&self, created_before_ms: u64, now_ms: u64) -> MetaResult<Vec<CheckpointRecord>> {
+        let rows = sqlx::query(&format!(
+            "UPDATE checkpoints SET state = 'aborted', ended_at_ms = ?
+             WHERE state = 'pending' AND created_at_ms < ? RETURNING {CHECKPOINT_COLUMNS}"
+        ))
+        .bind(to_i64(now_ms, "time")?)
+        .bind(to_i64(created_before_ms, "time")?)
+        .fetch_all(&self.writer)
+        .await?;
+        rows.iter().map(checkpoint_from_row).collect()
+    }
+
     async fn delete_checkpoint(&self, job: &JobName, step: u64, now_ms: u64) -> MetaResult<()> {
         let result = sqlx::query(
             "UPDATE checkpoints SET state = CASE WHEN state = 'committed' THEN 'deleted' ELSE 'aborted' END, ended_at_ms = ?
@@ -441,6 +525,16 @@ mod tests {
     #[tokio::test]
     async fn step_collisions() {
         conformance::step_collisions(&open().await.1).await;
+    }
+
+    #[tokio::test]
+    async fn fencing() {
+        conformance::fencing(&open().await.1).await;
+    }
+
+    #[tokio::test]
+    async fn stale_pending_is_aborted() {
+        conformance::stale_pending_is_aborted(&open().await.1).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

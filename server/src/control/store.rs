@@ -10,15 +10,23 @@
 //! ```text
 //!   begin ──► PENDING ──(last of world_size parts)──► COMMITTED ──(rm)──► DELETED
 //!                │
-//!                └──(a begin of the same (job, step) with another attempt id; rm)──► ABORTED
+//!                └──(a new run takes the job's lease; pending timeout; rm)──► ABORTED
 //! ```
+//!
+//! ## Leases and fencing
+//!
+//! A job's writers hold a lease identified by an epoch (see `AcquireLeaseRequest` in
+//! control.proto). Taking the lease for a new run increments the epoch and aborts the pending
+//! checkpoints of older epochs in the same transaction; begin and commit check the caller's
+//! checkpoint epoch against the job's current one, so a zombie writer of a preempted run can
+//! neither start nor finish a checkpoint once a new run has taken over.
 //! At most one PENDING or COMMITTED checkpoint exists per (job, step) (a partial unique index
 //! enforces it). The transition to COMMITTED happens in the same transaction as the insertion of
 //! the last part, so `latest` can never observe a checkpoint with a missing part.
 
 use async_trait::async_trait;
 use starckpt_proto::JobName;
-use starckpt_proto::model::{BeginCheckpoint, CommitPart, Manifest, TargetRegistration};
+use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest, TargetRegistration};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -31,6 +39,9 @@ pub enum MetaError {
     FailedPrecondition(String),
     #[error("{0}")]
     InvalidArgument(String),
+    /// The caller's run or epoch was superseded by a newer run of the job.
+    #[error("fenced: {0}")]
+    Fenced(String),
     #[error("metadata in the database is corrupt: {0}")]
     Corrupt(String),
     #[error("database: {0}")]
@@ -85,7 +96,7 @@ pub struct CheckpointRecord {
     pub step: u64,
     pub state: CheckpointState,
     pub world_size: u32,
-    pub attempt_id: String,
+    pub epoch: u64,
     pub parts_committed: u32,
     pub total_bytes: u64,
     pub file_count: u64,
@@ -110,7 +121,10 @@ pub trait MetaStore: Send + Sync + 'static {
     async fn heartbeat(&self, target_id: &str, capacity: u64, used: u64, chunks: u64, now_ms: u64) -> MetaResult<()>;
     async fn list_targets(&self) -> MetaResult<Vec<TargetRecord>>;
 
-    /// Starts or joins an attempt at (job, step); see the rule in `control.proto`.
+    /// Returns the epoch of `run_id`'s lease on the job, taking the lease (and aborting older
+    /// epochs' pending checkpoints) for a new run; Fenced for a superseded run id.
+    async fn acquire_lease(&self, request: &AcquireLease, now_ms: u64) -> MetaResult<LeaseGrant>;
+    /// Starts or joins checkpoint (job, step) under the caller's epoch; see `control.proto`.
     async fn begin_checkpoint(&self, request: &BeginCheckpoint, now_ms: u64) -> MetaResult<CheckpointRecord>;
     /// Adds one rank's part; commits the checkpoint when it is the last. Idempotent for an
     /// identical part; a different part for the same rank is FailedPrecondition.
@@ -126,6 +140,16 @@ pub trait MetaStore: Send + Sync + 'static {
     ) -> MetaResult<(CheckpointRecord, Vec<(u32, Manifest)>)>;
     /// Committed → deleted; pending → aborted. NotFound if neither exists.
     async fn delete_checkpoint(&self, job: &JobName, step: u64, now_ms: u64) -> MetaResult<()>;
+    /// Aborts pending checkpoints begun before `created_before_ms` (a rank never committed its
+    /// part). Returns the aborted checkpoints.
+    async fn abort_stale_pending(&self, created_before_ms: u64, now_ms: u64) -> MetaResult<Vec<CheckpointRecord>>;
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseGrant {
+    pub epoch: u64,
+    /// Pending checkpoints of older epochs aborted by this takeover.
+    pub aborted_checkpoints: u32,
 }
 
 pub fn now_ms() -> u64 {
@@ -138,8 +162,12 @@ pub(crate) mod conformance {
     use super::*;
     use starckpt_proto::control as pb;
 
-    fn begin(job: &str, step: u64, world_size: u32, attempt: &str) -> BeginCheckpoint {
-        BeginCheckpoint { job: JobName::try_from(job).unwrap(), step, world_size, attempt_id: attempt.into() }
+    fn begin(job: &str, step: u64, world_size: u32, epoch: u64) -> BeginCheckpoint {
+        BeginCheckpoint { job: JobName::try_from(job).unwrap(), step, world_size, epoch }
+    }
+
+    async fn lease(store: &dyn MetaStore, job: &str, run_id: &str) -> MetaResult<LeaseGrant> {
+        store.acquire_lease(&AcquireLease { job: JobName::try_from(job).unwrap(), run_id: run_id.into() }, 1).await
     }
 
     fn part(checkpoint_id: u64, rank: u32, path: &str, size: u64) -> CommitPart {
@@ -195,19 +223,20 @@ pub(crate) mod conformance {
     }
 
     pub async fn multi_rank_commit(store: &dyn MetaStore) {
-        let first = store.begin_checkpoint(&begin("j", 100, 2, "a"), 1).await.unwrap();
-        let joined = store.begin_checkpoint(&begin("j", 100, 2, "a"), 2).await.unwrap();
-        assert_eq!(first.id, joined.id, "same attempt joins");
-        assert_eq!(first.state, CheckpointState::Pending);
+        let epoch = lease(store, "j", "run-a").await.unwrap().epoch;
+        let first = store.begin_checkpoint(&begin("j", 100, 2, epoch), 1).await.unwrap();
+        let joined = store.begin_checkpoint(&begin("j", 100, 2, epoch), 2).await.unwrap();
+        assert_eq!(first.id, joined.id, "ranks of one run join one checkpoint");
+        assert_eq!((first.state, first.epoch), (CheckpointState::Pending, epoch));
         assert!(matches!(
-            store.begin_checkpoint(&begin("j", 100, 3, "a"), 2).await,
+            store.begin_checkpoint(&begin("j", 100, 3, epoch), 2).await,
             Err(MetaError::FailedPrecondition(_))
         ));
 
         let after_one = store.commit_part(&part(first.id, 0, "r0.pt", 10), 3).await.unwrap();
         assert_eq!((after_one.state, after_one.parts_committed), (CheckpointState::Pending, 1));
         assert_eq!(store.latest(&job("j")).await.unwrap(), None, "not visible before every rank");
-        // Idempotent re-commit; conflicting re-commit; out-of-range rank.
+        // Idempotent re-commit; conflicting re-commit; out-of-range rank; unknown checkpoint.
         store.commit_part(&part(first.id, 0, "r0.pt", 10), 4).await.unwrap();
         assert!(matches!(
             store.commit_part(&part(first.id, 0, "other.pt", 10), 4).await,
@@ -238,37 +267,28 @@ pub(crate) mod conformance {
     }
 
     pub async fn step_collisions(store: &dyn MetaStore) {
-        let committed = store.begin_checkpoint(&begin("c", 1, 1, "a"), 1).await.unwrap();
+        let epoch = lease(store, "c", "run-1").await.unwrap().epoch;
+        let committed = store.begin_checkpoint(&begin("c", 1, 1, epoch), 1).await.unwrap();
         store.commit_part(&part(committed.id, 0, "f", 1), 2).await.unwrap();
-        assert!(matches!(store.begin_checkpoint(&begin("c", 1, 1, "b"), 3).await, Err(MetaError::AlreadyExists(_))));
+        assert!(matches!(store.begin_checkpoint(&begin("c", 1, 1, epoch), 3).await, Err(MetaError::AlreadyExists(_))));
 
-        // A crashed attempt at step 2 is aborted by the next attempt with another id.
-        let crashed = store.begin_checkpoint(&begin("c", 2, 2, "old"), 3).await.unwrap();
-        store.commit_part(&part(crashed.id, 0, "f", 1), 4).await.unwrap();
-        let retry = store.begin_checkpoint(&begin("c", 2, 1, "new"), 5).await.unwrap();
-        assert_ne!(retry.id, crashed.id);
-        assert!(matches!(
-            store.commit_part(&part(crashed.id, 1, "g", 1), 6).await,
-            Err(MetaError::FailedPrecondition(_))
-        ));
-        store.commit_part(&part(retry.id, 0, "f", 1), 6).await.unwrap();
-        assert_eq!(store.latest(&job("c")).await.unwrap().unwrap().step, 2);
-
+        let active = store.begin_checkpoint(&begin("c", 2, 1, epoch), 3).await.unwrap();
+        store.commit_part(&part(active.id, 0, "f", 1), 4).await.unwrap();
         let all = store.list_checkpoints(&job("c"), true).await.unwrap();
-        let states: Vec<_> = all.iter().map(|c| (c.step, c.state)).collect();
         assert_eq!(
-            states,
-            vec![(1, CheckpointState::Committed), (2, CheckpointState::Aborted), (2, CheckpointState::Committed)]
+            all.iter().map(|c| (c.step, c.state)).collect::<Vec<_>>(),
+            vec![(1, CheckpointState::Committed), (2, CheckpointState::Committed)]
         );
-        let active = store.list_checkpoints(&job("c"), false).await.unwrap();
-        assert_eq!(active.len(), 2);
 
         // Delete the latest: latest falls back; the step can be saved again.
         store.delete_checkpoint(&job("c"), 2, 7).await.unwrap();
         assert_eq!(store.latest(&job("c")).await.unwrap().unwrap().step, 1);
         assert!(matches!(store.get_manifest(&job("c"), Some(2)).await, Err(MetaError::NotFound(_))));
         assert!(matches!(store.delete_checkpoint(&job("c"), 2, 8).await, Err(MetaError::NotFound(_))));
-        store.begin_checkpoint(&begin("c", 2, 1, "again"), 9).await.unwrap();
+        let again = store.begin_checkpoint(&begin("c", 2, 1, epoch), 9).await.unwrap();
+        assert_ne!(again.id, active.id);
+        assert_eq!(store.list_checkpoints(&job("c"), false).await.unwrap().len(), 2, "committed 1 and pending 2");
+        assert_eq!(store.list_checkpoints(&job("c"), true).await.unwrap().len(), 3, "and the deleted 2");
         assert!(matches!(store.latest(&job("nope")).await, Ok(None)));
         assert!(matches!(store.get_manifest(&job("nope"), None).await, Err(MetaError::NotFound(_))));
 
@@ -277,9 +297,61 @@ pub(crate) mod conformance {
         assert_eq!((c.committed_checkpoints, c.latest_step, c.committed_bytes), (1, Some(1), 1));
     }
 
+    pub async fn fencing(store: &dyn MetaStore) {
+        // Run 1, two ranks: rank 0 commits its part of step 10, rank 1 never does (preempted).
+        let first = lease(store, "f", "run-1").await.unwrap();
+        assert_eq!(first, LeaseGrant { epoch: 1, aborted_checkpoints: 0 });
+        assert_eq!(lease(store, "f", "run-1").await.unwrap().epoch, 1, "every rank of a run gets the same epoch");
+        let old = store.begin_checkpoint(&begin("f", 10, 2, 1), 1).await.unwrap();
+        store.commit_part(&part(old.id, 0, "r0", 1), 2).await.unwrap();
+
+        // The restarted run takes over: epoch 2, the half-written step 10 is aborted.
+        let second = lease(store, "f", "run-2").await.unwrap();
+        assert_eq!(second, LeaseGrant { epoch: 2, aborted_checkpoints: 1 });
+        let states: Vec<_> = store.list_checkpoints(&job("f"), true).await.unwrap().iter().map(|c| c.state).collect();
+        assert_eq!(states, vec![CheckpointState::Aborted]);
+
+        // The zombie rank 1 of run 1 can neither commit, begin, nor take the lease back.
+        assert!(matches!(store.commit_part(&part(old.id, 1, "r1", 1), 3).await, Err(MetaError::Fenced(_))));
+        assert!(matches!(store.begin_checkpoint(&begin("f", 11, 2, 1), 3).await, Err(MetaError::Fenced(_))));
+        assert!(matches!(lease(store, "f", "run-1").await, Err(MetaError::Fenced(_))));
+        assert!(matches!(store.begin_checkpoint(&begin("f", 11, 2, 7), 3).await, Err(MetaError::InvalidArgument(_))));
+        assert!(matches!(
+            store.begin_checkpoint(&begin("nolease", 1, 1, 1), 3).await,
+            Err(MetaError::InvalidArgument(_))
+        ));
+
+        // The new run saves step 10 again and commits it.
+        let new = store.begin_checkpoint(&begin("f", 10, 2, 2), 4).await.unwrap();
+        assert_ne!(new.id, old.id);
+        store.commit_part(&part(new.id, 0, "r0", 1), 5).await.unwrap();
+        let done = store.commit_part(&part(new.id, 1, "r1", 1), 5).await.unwrap();
+        assert_eq!((done.state, done.epoch), (CheckpointState::Committed, 2));
+        assert_eq!(store.latest(&job("f")).await.unwrap().unwrap().id, new.id);
+        // Leases are per job.
+        assert_eq!(lease(store, "other", "run-1").await.unwrap().epoch, 1);
+    }
+
+    pub async fn stale_pending_is_aborted(store: &dyn MetaStore) {
+        let epoch = lease(store, "s", "run").await.unwrap().epoch;
+        let stale = store.begin_checkpoint(&begin("s", 1, 2, epoch), 100).await.unwrap();
+        store.commit_part(&part(stale.id, 0, "r0", 1), 101).await.unwrap();
+        let fresh = store.begin_checkpoint(&begin("s", 2, 1, epoch), 500).await.unwrap();
+        let aborted = store.abort_stale_pending(300, 600).await.unwrap();
+        assert_eq!(aborted.iter().map(|c| c.id).collect::<Vec<_>>(), vec![stale.id]);
+        assert!(matches!(
+            store.commit_part(&part(stale.id, 1, "r1", 1), 601).await,
+            Err(MetaError::FailedPrecondition(_))
+        ));
+        store.commit_part(&part(fresh.id, 0, "f", 1), 602).await.unwrap();
+        assert_eq!(store.latest(&job("s")).await.unwrap().unwrap().step, 2);
+        assert!(store.abort_stale_pending(1000, 1000).await.unwrap().is_empty(), "committed ones are never reaped");
+    }
+
     pub async fn concurrent_last_parts(store: std::sync::Arc<dyn MetaStore>) {
         // Eight ranks commit at once: exactly one commit transition, all parts recorded.
-        let record = store.begin_checkpoint(&begin("par", 1, 8, "a"), 1).await.unwrap();
+        let epoch = lease(store.as_ref(), "par", "run").await.unwrap().epoch;
+        let record = store.begin_checkpoint(&begin("par", 1, 8, epoch), 1).await.unwrap();
         let tasks: Vec<_> = (0..8)
             .map(|rank| {
                 let store = std::sync::Arc::clone(&store);
