@@ -35,7 +35,12 @@ async fn cluster(targets: usize, config: impl FnOnce(&mut ClientConfig)) -> (tem
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranged_reads_and_caller_buffers_cross_chunk_boundaries() {
     // Small chunks so one file spans many of them.
-    let (_dir, cluster, client) = cluster(3, |c| c.chunk_size_bytes = 64 * 1024).await;
+    // Four copy threads: batches of four chunks staged in parallel.
+    let (_dir, cluster, client) = cluster(3, |c| {
+        c.chunk_size_bytes = 64 * 1024;
+        c.staging_threads = 4;
+    })
+    .await;
     let data = random(1_000_003, 1);
     let part = SavePart::new("ranges", 1).buffer("t/weights.bin", Bytes::from(data.clone())).unwrap();
     let outcome = client.save(part).await.unwrap().wait().await.unwrap();
@@ -65,6 +70,8 @@ async fn a_save_larger_than_staging_memory_streams_through_it() {
     let (_dir, cluster, client) = cluster(2, |c| {
         c.chunk_size_bytes = 64 * 1024;
         c.staging_bytes = 128 * 1024;
+        // More copy threads than pool buffers: batches must shrink to the pool, not deadlock.
+        c.staging_threads = 3;
     })
     .await;
     let data = random(3 << 20, 2);
@@ -230,4 +237,76 @@ async fn a_zombie_client_holding_an_old_epoch_is_fenced() {
     let lone = Client::connect(config).await.unwrap();
     assert!(matches!(lone.save(part(0, 20)).await, Err(Error::InvalidInput(_))));
     cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_bytes_are_uploaded_without_a_staging_copy() {
+    // One 64 KiB staging buffer; the shared tensor is 40x larger and never touches it.
+    let (_dir, cluster, client) = cluster(2, |c| {
+        c.chunk_size_bytes = 64 * 1024;
+        c.staging_bytes = 64 * 1024;
+    })
+    .await;
+    let tensor = Bytes::from(random(40 * 64 * 1024 + 5, 30));
+    let copied = Bytes::from(random(100_000, 31));
+    let part =
+        SavePart::new("zc", 1).shared("tensor", tensor.clone()).unwrap().buffer("small", copied.clone()).unwrap();
+    let handle = client.save(part).await.unwrap();
+    let progress = handle.progress().clone();
+    handle.wait().await.unwrap();
+    assert_eq!(progress.staged_bytes.load(Ordering::Relaxed), (tensor.len() + copied.len()) as u64);
+    assert_eq!(progress.copied_bytes.load(Ordering::Relaxed), copied.len() as u64, "only the buffer item is copied");
+    let manifest = client.manifest("zc", None).await.unwrap();
+    assert_eq!(client.read_file(&manifest, "tensor").await.unwrap(), tensor);
+    assert_eq!(client.read_file(&manifest, "small").await.unwrap(), copied);
+    cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_save_while_the_previous_one_uploads_waits_or_skips() {
+    use starckpt_proto::control::RegisterTargetRequest;
+    use starckpt_proto::control::control_client::ControlClient;
+
+    // The only target accepts connections and never answers, so an upload stays in flight.
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = DevCluster::start(dir.path(), "127.0.0.1:0", 0, EngineKind::Uring).await.unwrap();
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_address = silent.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let mut control = ControlClient::connect(format!("http://{}", cluster.control_address)).await.unwrap();
+    control
+        .register_target(RegisterTargetRequest {
+            target_id: "silent-1".into(),
+            data_address: silent_address,
+            capacity_bytes: 1 << 30,
+            used_bytes: 0,
+        })
+        .await
+        .unwrap();
+    let mut config = ClientConfig::new(cluster.control_address.to_string());
+    config.tcp.request_timeout = Duration::from_millis(1500);
+    let client = Client::connect(config).await.unwrap();
+    let part = |step| SavePart::new("bp", step).buffer("f", Bytes::from(random(10_000, step))).unwrap();
+
+    let first = client.save(part(1)).await.unwrap();
+    assert!(!first.is_finished());
+    // Skip policy: reported as skipped at once.
+    assert!(client.try_save(part(2)).await.unwrap().is_none(), "a save while one uploads must be skipped");
+    // Wait policy: does not even start staging until the first save has finished.
+    let waiting = tokio::spawn({
+        let client = client.clone();
+        async move { client.save(part(3)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "the second save must wait for the first");
+    let failed = first.wait().await.unwrap_err();
+    assert!(matches!(failed, Error::NoTarget { .. }), "{failed}");
+    let third = waiting.await.unwrap().unwrap();
+    assert!(third.wait().await.is_err());
+    assert!(client.latest("bp").await.unwrap().is_none(), "nothing half-uploaded is ever committed");
 }

@@ -19,6 +19,14 @@ pub fn round_up(len: usize) -> usize {
     len.div_ceil(ALIGN) * ALIGN
 }
 
+/// Buffers of at least this size are aligned to it and advised to use transparent huge pages.
+const HUGE_PAGE: usize = 2 << 20;
+
+fn layout_for(capacity: usize) -> Layout {
+    let align = if capacity >= HUGE_PAGE { HUGE_PAGE } else { ALIGN };
+    Layout::from_size_align(capacity, align).expect("capacity fits isize")
+}
+
 /// An owned, [`ALIGN`]-aligned heap buffer whose capacity is a multiple of [`ALIGN`]. `len` marks
 /// how many leading bytes are meaningful.
 pub struct AlignedBuf {
@@ -37,11 +45,18 @@ impl AlignedBuf {
     /// so later writes into it run at memory speed.
     pub fn new(capacity: usize) -> AlignedBuf {
         let capacity = round_up(capacity.max(1));
-        let layout = Layout::from_size_align(capacity, ALIGN).expect("capacity fits isize");
+        let layout = layout_for(capacity);
         // SAFETY: layout has non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
         let Some(ptr) = NonNull::new(raw) else { std::alloc::handle_alloc_error(layout) };
         let buf = AlignedBuf { ptr, len: 0, capacity };
+        if layout.align() == HUGE_PAGE {
+            // Transparent huge pages are `madvise` on these VMs: first touch runs at 6.8 GB/s with
+            // them against 0.6 GB/s with 4 KiB pages (../shared/MACHINE.md). Advice only: a kernel
+            // without THP ignores it.
+            // SAFETY: the range is exactly this allocation.
+            unsafe { libc::madvise(buf.ptr.as_ptr().cast(), capacity, libc::MADV_HUGEPAGE) };
+        }
         // Large zeroed allocations come straight from mmap and are not yet backed; write one byte
         // per page to fault them in now rather than on the hot path.
         for offset in (0..capacity).step_by(ALIGN) {
@@ -104,7 +119,7 @@ impl AsMut<[u8]> for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.capacity, ALIGN).expect("layout was valid at creation");
+        let layout = layout_for(self.capacity);
         // SAFETY: allocated in `new` with this layout.
         unsafe { dealloc(self.ptr.as_ptr(), layout) };
     }
@@ -279,6 +294,13 @@ pub fn boxed_to_bytes(buf: BoxedBuf, range: std::ops::Range<usize>) -> bytes::By
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn large_buffers_are_huge_page_aligned() {
+        let buf = AlignedBuf::new(4 << 20);
+        assert_eq!(buf.as_ptr() as usize % (2 << 20), 0);
+        assert!(buf.full().iter().all(|b| *b == 0));
+    }
 
     #[test]
     fn aligned_and_rounded() {
