@@ -166,6 +166,7 @@ fn checkpoint_json(c: &CheckpointInfo) -> serde_json::Value {
     json!({
         "job": c.job, "step": c.step, "state": state_name(c.state), "checkpoint_id": c.checkpoint_id,
         "world_size": c.world_size, "parts_committed": c.parts_committed, "bytes": c.total_bytes, "epoch": c.epoch,
+        "written_bytes": c.written_bytes,
         "files": c.file_count, "created_at_ms": c.created_at_ms,
         "committed_at_ms": if c.committed_at_ms == 0 { None } else { Some(c.committed_at_ms) },
     })
@@ -209,17 +210,18 @@ pub async fn ls(server: &str, job: Option<String>, all: bool, out: &Output) -> a
                 return Ok(());
             }
             println!(
-                "{:>12} {:<10} {:>7} {:>6} {:>12} {:>8} {:>16}",
-                "STEP", "STATE", "RANKS", "EPOCH", "SIZE", "FILES", "CREATED"
+                "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16}",
+                "STEP", "STATE", "RANKS", "EPOCH", "SIZE", "WRITTEN", "FILES", "CREATED"
             );
             for c in checkpoints {
                 println!(
-                    "{:>12} {:<10} {:>7} {:>6} {:>12} {:>8} {:>16}",
+                    "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16}",
                     c.step,
                     state_name(c.state),
                     format!("{}/{}", c.parts_committed, c.world_size),
                     c.epoch,
                     output::bytes(c.total_bytes),
+                    output::bytes(c.written_bytes),
                     c.file_count,
                     output::age(c.created_at_ms)
                 );
@@ -245,13 +247,14 @@ pub async fn show(server: &str, job: &str, step: u64, out: &Output) -> anyhow::R
     }
     let info = &manifest.info;
     println!(
-        "{} step {}: {}, {} ranks, {} in {} files, committed {}",
+        "{} step {}: {}, {} ranks, {} in {} files ({} written, the rest deduplicated), committed {}",
         info.job,
         info.step,
         state_name(info.state),
         info.world_size,
         output::bytes(info.total_bytes),
         info.file_count,
+        output::bytes(info.written_bytes),
         output::age(info.committed_at_ms)
     );
     for file in &manifest.files {

@@ -79,6 +79,12 @@ fn save_and_restore_a_tree_across_three_targets() {
     let again = cluster.json(&["save", "--job", "llama", "--step", "200", source.to_str().unwrap()]);
     assert_eq!(again["deduplicated_chunks"], again["chunks"]);
     assert_eq!(again["uploaded_bytes"], 0);
+    // ls and show report logical bytes and bytes actually written.
+    let listed = cluster.json(&["ls", "llama"]);
+    assert_eq!((listed[0]["bytes"].as_u64(), listed[0]["written_bytes"].as_u64()), (Some(total), Some(total)));
+    assert_eq!((listed[1]["bytes"].as_u64(), listed[1]["written_bytes"].as_u64()), (Some(total), Some(0)));
+    let shown = cluster.ok(&["show", "llama", "200"]);
+    assert!(shown.contains("(0 B written"), "{shown}");
 
     // A non-empty destination is refused without --force, and replaced with it.
     let stderr = cluster.fails(&["restore", "--job", "llama", "--step", "100", "--to", restored.to_str().unwrap()]);
@@ -391,7 +397,12 @@ async fn malformed_grpc_requests_are_invalid_argument() {
     };
     for bad in ["/etc/passwd", "a/../../b", ""] {
         let status = client
-            .commit_part(CommitPartRequest { checkpoint_id: id, rank: 0, manifest: Some(manifest(bad)) })
+            .commit_part(CommitPartRequest {
+                checkpoint_id: id,
+                rank: 0,
+                manifest: Some(manifest(bad)),
+                written_bytes: 0,
+            })
             .await
             .unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{bad:?}: {status:?}");
@@ -399,7 +410,7 @@ async fn malformed_grpc_requests_are_invalid_argument() {
     let mut unknown = manifest("ok");
     unknown.files[0].chunks[0].replicas = vec!["not-a-target".into()];
     let status = client
-        .commit_part(CommitPartRequest { checkpoint_id: id, rank: 0, manifest: Some(unknown) })
+        .commit_part(CommitPartRequest { checkpoint_id: id, rank: 0, manifest: Some(unknown), written_bytes: 0 })
         .await
         .unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);

@@ -371,6 +371,7 @@ impl Client {
                     checkpoint_id,
                     rank: part.rank,
                     manifest: Some(pb::Manifest::from(&manifest)),
+                    written_bytes: task_progress.uploaded_bytes.load(Ordering::Relaxed),
                 })
                 .await
                 .map_err(client.status("commit part"))?

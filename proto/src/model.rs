@@ -407,6 +407,8 @@ pub struct CommitPart {
     pub checkpoint_id: u64,
     pub rank: u32,
     pub manifest: Manifest,
+    /// Bytes the writer actually uploaded for this part (≤ the manifest's total).
+    pub written_bytes: u64,
 }
 
 impl TryFrom<pb::CommitPartRequest> for CommitPart {
@@ -416,10 +418,18 @@ impl TryFrom<pb::CommitPartRequest> for CommitPart {
         if i64::try_from(request.checkpoint_id).is_err() {
             return Err(field("checkpoint_id", "out of range"));
         }
+        let manifest = Manifest::try_from(manifest)?;
+        if request.written_bytes > manifest.total_bytes() {
+            return Err(field(
+                "written_bytes",
+                format!("{} exceeds the part's {} bytes", request.written_bytes, manifest.total_bytes()),
+            ));
+        }
         Ok(CommitPart {
             checkpoint_id: request.checkpoint_id,
             rank: request.rank,
-            manifest: Manifest::try_from(manifest)?,
+            manifest,
+            written_bytes: request.written_bytes,
         })
     }
 }
@@ -546,6 +556,16 @@ mod tests {
         let starts: Vec<u64> = f.chunks_in_range(20, 100).map(|(s, _)| s).collect();
         assert_eq!(starts, vec![20]);
         assert_eq!(f.chunks_in_range(25, 1).count(), 0);
+    }
+
+    #[test]
+    fn commit_part_validation() {
+        let manifest = pb::Manifest { files: vec![file("f", &[10, 5])], ..Default::default() };
+        let ok = pb::CommitPartRequest { checkpoint_id: 1, rank: 0, manifest: Some(manifest), written_bytes: 15 };
+        assert_eq!(CommitPart::try_from(ok.clone()).unwrap().written_bytes, 15);
+        assert!(CommitPart::try_from(pb::CommitPartRequest { written_bytes: 16, ..ok.clone() }).is_err());
+        assert!(CommitPart::try_from(pb::CommitPartRequest { manifest: None, ..ok.clone() }).is_err());
+        assert!(CommitPart::try_from(pb::CommitPartRequest { checkpoint_id: u64::MAX, ..ok }).is_err());
     }
 
     #[test]

@@ -37,6 +37,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     epoch           BIGINT NOT NULL,
     parts_committed INTEGER NOT NULL DEFAULT 0,
     total_bytes     BIGINT NOT NULL DEFAULT 0,
+    -- Bytes actually uploaded (total_bytes less deduplicated chunks), as the writers reported.
+    written_bytes   BIGINT NOT NULL DEFAULT 0,
     file_count      BIGINT NOT NULL DEFAULT 0,
     created_at_ms   BIGINT NOT NULL,
     committed_at_ms BIGINT,
@@ -57,6 +59,7 @@ CREATE TABLE IF NOT EXISTS parts (
     -- prost-encoded starckpt.control.v1.Manifest, validated before insertion and after reading.
     manifest        BLOB NOT NULL,
     total_bytes     BIGINT NOT NULL,
+    written_bytes   BIGINT NOT NULL,
     file_count      BIGINT NOT NULL,
     committed_at_ms BIGINT NOT NULL,
     PRIMARY KEY (checkpoint_id, rank)

@@ -109,6 +109,7 @@ pub fn checkpoint_info(record: &CheckpointRecord) -> pb::CheckpointInfo {
         world_size: record.world_size,
         parts_committed: record.parts_committed,
         total_bytes: record.total_bytes,
+        written_bytes: record.written_bytes,
         file_count: record.file_count,
         created_at_ms: record.created_at_ms,
         committed_at_ms: record.committed_at_ms.unwrap_or(0),

@@ -26,7 +26,7 @@ use super::store::{
 const SCHEMA: &str = include_str!("schema.sql");
 const SCHEMA_VERSION: i64 = 1;
 const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
-     file_count, created_at_ms, committed_at_ms";
+     written_bytes, file_count, created_at_ms, committed_at_ms";
 
 pub struct SqliteStore {
     writer: SqlitePool,
@@ -96,6 +96,7 @@ fn checkpoint_from_row(row: &SqliteRow) -> MetaResult<CheckpointRecord> {
         epoch: get_u64(row, "epoch")?,
         parts_committed: get_u64(row, "parts_committed")? as u32,
         total_bytes: get_u64(row, "total_bytes")?,
+        written_bytes: get_u64(row, "written_bytes")?,
         file_count: get_u64(row, "file_count")?,
         created_at_ms: get_u64(row, "created_at_ms")?,
         committed_at_ms: committed_at.map(|v| v.max(0) as u64),
@@ -340,14 +341,17 @@ impl MetaStore for SqliteStore {
         }
         let total_bytes = to_i64(part.manifest.total_bytes(), "bytes")?;
         let file_count = part.manifest.files.len() as i64;
+        let written_bytes = to_i64(part.written_bytes, "written bytes")?;
         let now = to_i64(now_ms, "time")?;
         sqlx::query(
-            "INSERT INTO parts (checkpoint_id, rank, manifest, total_bytes, file_count, committed_at_ms) VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO parts (checkpoint_id, rank, manifest, total_bytes, written_bytes, file_count, committed_at_ms)
+             VALUES (?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(id)
         .bind(part.rank as i64)
         .bind(pb::Manifest::from(&part.manifest).encode_to_vec())
         .bind(total_bytes)
+        .bind(written_bytes)
         .bind(file_count)
         .bind(now)
         .execute(&mut *tx)
@@ -355,12 +359,13 @@ impl MetaStore for SqliteStore {
         // The commit transition happens in the same transaction as the last part's insertion.
         sqlx::query(
             "UPDATE checkpoints SET parts_committed = parts_committed + 1, total_bytes = total_bytes + ?,
-                 file_count = file_count + ?,
+                 written_bytes = written_bytes + ?, file_count = file_count + ?,
                  state = CASE WHEN parts_committed + 1 = world_size THEN 'committed' ELSE state END,
                  committed_at_ms = CASE WHEN parts_committed + 1 = world_size THEN ? ELSE committed_at_ms END
              WHERE id = ?",
         )
         .bind(total_bytes)
+        .bind(written_bytes)
         .bind(file_count)
         .bind(now)
         .bind(id)

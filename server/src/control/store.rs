@@ -99,6 +99,7 @@ pub struct CheckpointRecord {
     pub epoch: u64,
     pub parts_committed: u32,
     pub total_bytes: u64,
+    pub written_bytes: u64,
     pub file_count: u64,
     pub created_at_ms: u64,
     pub committed_at_ms: Option<u64>,
@@ -187,7 +188,9 @@ pub(crate) mod conformance {
             directories: vec![],
             metadata: [("rank".to_string(), rank.to_string())].into_iter().collect(),
         };
-        CommitPart { checkpoint_id, rank, manifest: Manifest::try_from(manifest).unwrap() }
+        let manifest = Manifest::try_from(manifest).unwrap();
+        // As if half of each part had deduplicated.
+        CommitPart { checkpoint_id, rank, written_bytes: manifest.total_bytes() / 2, manifest }
     }
 
     fn job(name: &str) -> JobName {
@@ -251,6 +254,7 @@ pub(crate) mod conformance {
         let done = store.commit_part(&part(first.id, 1, "r1.pt", 5), 5).await.unwrap();
         assert_eq!(done.state, CheckpointState::Committed);
         assert_eq!((done.total_bytes, done.file_count, done.committed_at_ms), (15, 2, Some(5)));
+        assert_eq!(done.written_bytes, 10 / 2 + 5 / 2);
         let latest = store.latest(&job("j")).await.unwrap().unwrap();
         assert_eq!((latest.step, latest.id), (100, first.id));
         // Committing again after the commit is still idempotent.
