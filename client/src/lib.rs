@@ -24,6 +24,7 @@
 //! ```
 
 mod error;
+mod manager;
 pub mod placement;
 mod restore;
 mod save;
@@ -41,6 +42,7 @@ use starckpt_proto::control::{self as pb};
 use tonic::transport::Channel;
 
 pub use error::{Error, Result};
+pub use manager::{CheckpointManager, CheckpointPolicy, FinalReport, IfBusy, preemption_signal};
 pub use restore::{CheckpointManifest, RestoreOptions, RestoreOutcome, RestoreProgress};
 pub use save::{CommitState, SaveHandle, SaveItem, SaveOutcome, SavePart, SaveProgress, items_from_paths};
 pub use starckpt_proto::control::{CheckpointInfo, CheckpointState, JobInfo, TargetInfo, TargetState};
