@@ -139,8 +139,16 @@ impl CheckpointManager {
         };
         match started {
             Some(handle) => {
-                self.in_flight = Some((step, handle));
                 self.schedule.record(step);
+                // A previous save still recorded here finished between the checks above and now
+                // (its upload slot was free): reap it so its error is not lost.
+                let previous = self.in_flight.replace((step, handle));
+                if let Some((previous_step, old)) = previous {
+                    old.wait().await.map_err(|error| {
+                        tracing::error!(%error, step = previous_step, "checkpoint failed");
+                        error
+                    })?;
+                }
                 Ok(true)
             }
             None => Ok(false),

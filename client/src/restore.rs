@@ -82,6 +82,25 @@ pub struct RestoreOutcome {
     pub bytes: u64,
 }
 
+/// Removes a directory tree when dropped.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Atomically exchanges two paths (renameat2 RENAME_EXCHANGE).
+fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let a = std::ffi::CString::new(a.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    let b = std::ffi::CString::new(b.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: both are NUL-terminated paths that outlive the call.
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE) };
+    if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+}
+
 impl Client {
     /// The committed manifest of (job, step), or of the latest committed step.
     pub async fn manifest(&self, job: &str, step: Option<u64>) -> Result<CheckpointManifest> {
@@ -259,30 +278,38 @@ impl Client {
         };
         std::fs::create_dir_all(&parent).map_err(Error::io("create", &parent))?;
         let staging = parent.join(format!(".{name}.starckpt-partial-{}", uuid::Uuid::new_v4().simple()));
-        let result = self.restore_into(manifest, &staging, &progress).await;
-        if let Err(error) = result {
-            let _ = std::fs::remove_dir_all(&staging);
-            return Err(error);
-        }
+        // Removed on every way out (errors, a dropped future) unless it became the destination.
+        let guard = RemoveOnDrop(staging.clone());
+        self.restore_into(manifest, &staging, &progress).await?;
         if existing.is_some() {
-            std::fs::remove_dir_all(to).map_err(Error::io("replace", to))?;
+            // Swap atomically: `to` is always either the old tree or the complete new one. The old
+            // tree ends up at the staging name, which the guard removes.
+            exchange(&staging, to).map_err(Error::io("swap into place", to))?;
+        } else {
+            std::fs::rename(&staging, to).map_err(Error::io("rename into place", to))?;
+            std::mem::forget(guard);
         }
-        std::fs::rename(&staging, to).map_err(Error::io("rename into place", to))?;
+        std::fs::File::open(&parent).and_then(|d| d.sync_all()).map_err(Error::io("fsync", &parent))?;
         Ok(RestoreOutcome { files: manifest.files.len(), bytes: manifest.total_bytes() })
     }
 
     async fn restore_into(&self, manifest: &CheckpointManifest, root: &Path, progress: &RestoreProgress) -> Result<()> {
         use std::os::unix::fs::PermissionsExt;
         std::fs::create_dir(root).map_err(Error::io("create", root))?;
+        let mut dirs = std::collections::BTreeSet::from([root.to_path_buf()]);
         for dir in &manifest.directories {
             let path = dir.under(root);
             std::fs::create_dir_all(&path).map_err(Error::io("create", &path))?;
+            dirs.extend(path.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
         }
-        let mut handles = Vec::with_capacity(manifest.files.len());
+        // Files are created up front and opened again per chunk write, so a checkpoint with more
+        // files than the descriptor limit still restores.
+        let mut paths = Vec::with_capacity(manifest.files.len());
         for file in &manifest.files {
             let path = file.path.under(root);
             if let Some(parent) = path.parent() {
                 std::fs::create_dir_all(parent).map_err(Error::io("create", parent))?;
+                dirs.extend(parent.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
             }
             let handle = std::fs::File::create(&path).map_err(Error::io("create", &path))?;
             handle.set_len(file.size_bytes).map_err(Error::io("size", &path))?;
@@ -290,22 +317,26 @@ impl Client {
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(file.mode))
                     .map_err(Error::io("chmod", &path))?;
             }
-            handles.push((Arc::new(handle), path));
+            paths.push(Arc::new(path));
         }
-        let work = manifest.files.iter().zip(&handles).flat_map(|(file, (handle, path))| {
+        let work = manifest.files.iter().zip(&paths).flat_map(|(file, path)| {
             let mut offset = 0u64;
             file.chunks.iter().map(move |chunk| {
                 let start = offset;
                 offset += chunk.length_bytes;
-                (chunk, start, Arc::clone(handle), path.clone())
+                (chunk, start, Arc::clone(path))
             })
         });
-        let mut writes = futures::stream::iter(work.map(|(chunk, start, handle, path)| async move {
+        let mut writes = futures::stream::iter(work.map(|(chunk, start, path)| async move {
             let data = self.read_chunk(manifest, chunk).await?;
             let len = data.len() as u64;
             tokio::task::spawn_blocking(move || {
                 use std::os::unix::fs::FileExt;
-                handle.write_all_at(&data, start).map_err(Error::io("write", &path))
+                let file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(path.as_ref())
+                    .map_err(Error::io("open", path.as_ref()))?;
+                file.write_all_at(&data, start).map_err(Error::io("write", path.as_ref()))
             })
             .await
             .map_err(|e| Error::Cancelled(e.to_string()))??;
@@ -316,6 +347,17 @@ impl Client {
         while let Some(result) = writes.next().await {
             result?;
         }
+        drop(writes);
+        // Durable before it is renamed into place: a crash must not leave a restore that looks
+        // complete but has holes.
+        tokio::task::spawn_blocking(move || {
+            for path in paths.iter().map(|p| p.as_path()).chain(dirs.iter().map(PathBuf::as_path)) {
+                std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(Error::io("fsync", path))?;
+            }
+            Ok::<(), Error>(())
+        })
+        .await
+        .map_err(|e| Error::Cancelled(e.to_string()))??;
         Ok(())
     }
 }

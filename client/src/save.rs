@@ -656,7 +656,9 @@ async fn upload_one(client: &Client, data: Bytes, placement: &Placement, progres
                     || matches!(
                         source,
                         TransportError::Remote {
-                            code: starckpt_proto::data::ErrorCode::NoSpace | starckpt_proto::data::ErrorCode::Busy,
+                            code: starckpt_proto::data::ErrorCode::NoSpace
+                                | starckpt_proto::data::ErrorCode::Busy
+                                | starckpt_proto::data::ErrorCode::Internal,
                             ..
                         }
                     );

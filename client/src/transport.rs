@@ -163,24 +163,30 @@ impl Connection {
                 None => return Err(TransportError::Connection("connection is closed".into())),
             };
         }
+        // Removes the pending entry however this call ends, including when its future is dropped
+        // (a cancelled upload), so long-lived connections do not accumulate dead entries.
+        let _forget = ForgetOnDrop { pending: &self.pending, request_id };
         let sent = self.frames.send(OutFrame { opcode, request_id, header, payload }).await;
         if sent.is_err() {
-            self.forget(request_id);
             return Err(TransportError::Connection("writer stopped".into()));
         }
         match tokio::time::timeout(timeout, answer).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(TransportError::Connection("connection closed before the response".into())),
-            Err(_) => {
-                self.forget(request_id);
-                Err(TransportError::Timeout(timeout))
-            }
+            Err(_) => Err(TransportError::Timeout(timeout)),
         }
     }
+}
 
-    fn forget(&self, request_id: u64) {
+struct ForgetOnDrop<'a> {
+    pending: &'a Pending,
+    request_id: u64,
+}
+
+impl Drop for ForgetOnDrop<'_> {
+    fn drop(&mut self) {
         if let Some(map) = self.pending.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
-            map.remove(&request_id);
+            map.remove(&self.request_id);
         }
     }
 }

@@ -176,6 +176,9 @@ impl BufPool {
     pub fn prefill(&self, count: usize) {
         use std::sync::atomic::Ordering;
         for _ in 0..count {
+            // Holding a permit while allocating keeps (lent + being prefilled) within the bound, so
+            // a concurrent acquire that finds no free buffer may safely allocate one.
+            let Ok(_permit) = Arc::clone(&self.inner.permits).try_acquire_owned() else { break };
             let reserved = self.inner.created.fetch_update(Ordering::AcqRel, Ordering::Acquire, |created| {
                 (created < self.inner.max_buffers).then_some(created + 1)
             });

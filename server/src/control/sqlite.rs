@@ -339,6 +339,21 @@ impl MetaStore for SqliteStore {
                 record.state.as_str()
             )));
         }
+        let blob = pb::Manifest::from(&part.manifest).encode_to_vec();
+        let stored: i64 =
+            sqlx::query_scalar("SELECT COALESCE(SUM(LENGTH(manifest)), 0) FROM parts WHERE checkpoint_id = ?")
+                .bind(id)
+                .fetch_one(&mut *tx)
+                .await?;
+        let manifest_total = stored.max(0) as u64 + blob.len() as u64;
+        if manifest_total > starckpt_proto::model::MAX_CHECKPOINT_MANIFEST_BYTES {
+            return Err(MetaError::InvalidArgument(format!(
+                "checkpoint {}'s manifest would be {manifest_total} bytes, over the {} byte limit \
+                 (use a larger chunk size)",
+                record.id,
+                starckpt_proto::model::MAX_CHECKPOINT_MANIFEST_BYTES
+            )));
+        }
         let total_bytes = to_i64(part.manifest.total_bytes(), "bytes")?;
         let file_count = part.manifest.files.len() as i64;
         let written_bytes = to_i64(part.written_bytes, "written bytes")?;
@@ -349,7 +364,7 @@ impl MetaStore for SqliteStore {
         )
         .bind(id)
         .bind(part.rank as i64)
-        .bind(pb::Manifest::from(&part.manifest).encode_to_vec())
+        .bind(blob)
         .bind(total_bytes)
         .bind(written_bytes)
         .bind(file_count)

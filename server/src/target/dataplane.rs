@@ -59,6 +59,8 @@ struct Outgoing {
     request_id: u64,
     header: Vec<u8>,
     payload: Option<Bytes>,
+    /// In-flight bytes charged for the payload, released once it is written.
+    charge: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// Serves the data plane on `listener` until `shutdown` resolves; then closes every connection
@@ -118,7 +120,7 @@ async fn serve_connection(
     let _ = stream.set_nodelay(true);
     let (mut reader, writer) = stream.into_split();
     let (responses, outgoing) = mpsc::channel::<Outgoing>(limits.max_requests_per_connection);
-    let writer_task = tokio::spawn(write_loop(writer, outgoing));
+    let writer_task = tokio::spawn(write_loop(writer, outgoing, limits.frame_timeout));
     let requests = Arc::new(Semaphore::new(limits.max_requests_per_connection));
 
     let result = loop {
@@ -164,9 +166,23 @@ async fn serve_connection(
                 drop(permit);
             });
         } else {
+            let inflight_bytes = Arc::clone(&inflight_bytes);
             tokio::spawn(async move {
+                // A GET's response is charged to the same in-flight byte budget as PUT payloads,
+                // from before the chunk is read until it has been written to the socket.
+                let mut charge = None;
+                if header.opcode == Opcode::Get
+                    && let Ok(request) = data::GetRequest::decode(prost_header.clone())
+                    && let Ok(hash) = ChunkHash::try_from(&request.hash[..])
+                    && let Some(len) = store.file_len(&hash).await
+                {
+                    let bytes = u32::try_from(len).unwrap_or(u32::MAX).clamp(1, frame::MAX_PAYLOAD_BYTES);
+                    charge = inflight_bytes.acquire_many_owned(bytes).await.ok();
+                }
                 let (response, payload) = dispatch(&store, header, prost_header).await;
-                let _ = responses.send(reply(header, response, payload)).await;
+                let mut message = reply(header, response, payload);
+                message.charge = charge;
+                let _ = responses.send(message).await;
                 drop(permit);
             });
         }
@@ -176,15 +192,31 @@ async fn serve_connection(
     result
 }
 
-async fn write_loop(writer: tokio::net::tcp::OwnedWriteHalf, mut outgoing: mpsc::Receiver<Outgoing>) {
+async fn write_loop(
+    writer: tokio::net::tcp::OwnedWriteHalf,
+    mut outgoing: mpsc::Receiver<Outgoing>,
+    timeout: Duration,
+) {
     let mut writer = BufWriter::with_capacity(64 * 1024, writer);
     while let Some(message) = outgoing.recv().await {
-        let payload: Vec<Bytes> = message.payload.into_iter().collect();
-        if let Err(error) =
-            frame::write_frame(&mut writer, message.opcode, message.request_id, &message.header, &payload).await
-        {
-            debug!(%error, "data-plane write failed");
-            return;
+        let payload: Vec<Bytes> = message.payload.iter().cloned().collect();
+        // A client that stops reading must not pin buffers and in-flight bytes forever.
+        let written = tokio::time::timeout(
+            timeout,
+            frame::write_frame(&mut writer, message.opcode, message.request_id, &message.header, &payload),
+        )
+        .await;
+        drop(message.charge);
+        match written {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                debug!(%error, "data-plane write failed");
+                return;
+            }
+            Err(_) => {
+                info!("client did not read a response within {timeout:?}; closing the connection");
+                return;
+            }
         }
         // Flush when nothing else is queued, so responses are batched under load but never delayed.
         if outgoing.is_empty() && writer.flush().await.is_err() {
@@ -200,6 +232,7 @@ fn reply(header: FrameHeader, response: data::Response, payload: Option<Bytes>) 
         request_id: header.request_id,
         header: response.encode_to_vec(),
         payload,
+        charge: None,
     }
 }
 

@@ -333,9 +333,19 @@ fn uring_thread(mut ring: io_uring::IoUring, mut receiver: mpsc::Receiver<Reques
             if error.raw_os_error() == Some(libc::EINTR) {
                 continue;
             }
+            // The kernel may still be using the submitted operations' buffers and files: answer
+            // their callers but leak the memory and descriptors rather than free them under it.
+            tracing::error!(%error, "io_uring failed; this target's device engine has stopped");
             for slot in slots.iter_mut() {
-                fail_slot(slot, io::Error::new(error.kind(), format!("io_uring submit: {error}")));
+                if let Some(op) = slot.take() {
+                    let InFlight { reply, buf, file, .. } = op;
+                    std::mem::forget(buf);
+                    std::mem::forget(file);
+                    let _ = reply.send(Err(io::Error::new(error.kind(), format!("io_uring submit: {error}"))));
+                }
             }
+            // Leak the ring too: dropping it would unmap queues the kernel may still complete into.
+            std::mem::forget(ring);
             return;
         }
         let completions: Vec<(u64, i32)> = ring.completion().map(|c| (c.user_data(), c.result())).collect();
@@ -362,6 +372,7 @@ fn uring_thread(mut ring: io_uring::IoUring, mut receiver: mpsc::Receiver<Reques
     }
 }
 
+/// Fails an operation whose latest entry never reached the kernel (so its buffer is free to drop).
 fn fail_slot(slot: &mut Option<InFlight>, error: io::Error) {
     if let Some(op) = slot.take() {
         let _ = op.reply.send(Err(error));

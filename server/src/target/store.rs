@@ -190,6 +190,8 @@ impl ChunkStore {
         }
         let final_path = self.chunk_path(&hash);
         if tokio::fs::try_exists(&final_path).await.map_err(io_error("stat", &final_path))? {
+            // A concurrent put may have renamed it in but not yet made the rename durable.
+            self.sync_chunk_dirs([hash]).await?;
             return Ok(PutOutcome::AlreadyPresent);
         }
         let data_len = chunk.data_len;
@@ -215,6 +217,7 @@ impl ChunkStore {
             Ok(()) => {}
             Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
                 let _ = tokio::fs::remove_file(&temp_path).await;
+                self.sync_chunk_dirs([hash]).await?;
                 return Ok(PutOutcome::AlreadyPresent);
             }
             Err(source) => {
@@ -223,10 +226,19 @@ impl ChunkStore {
             }
         }
         let dir = self.chunk_dir(&hash);
-        self.engine.sync_dir(dir.clone()).await.map_err(io_error("fsync", &dir))?;
+        if let Err(source) = self.engine.sync_dir(dir.clone()).await {
+            // Not durable, so not acknowledged; and it must not be reported present later either.
+            let _ = tokio::fs::remove_file(&final_path).await;
+            return Err(ChunkStoreError::Io { op: "fsync", path: dir, source });
+        }
         self.chunk_count.fetch_add(1, Ordering::Relaxed);
         self.used_bytes.fetch_add(file_bytes, Ordering::Relaxed);
         Ok(PutOutcome::Stored)
+    }
+
+    /// Bytes a read of `hash` will buffer (its file size), for admission control; None if absent.
+    pub async fn file_len(&self, hash: &ChunkHash) -> Option<u64> {
+        tokio::fs::metadata(self.chunk_path(hash)).await.ok().map(|m| m.len())
     }
 
     /// Reads `length` bytes at `offset` of a chunk (`length` 0: to the end). Returns the bytes and
@@ -248,7 +260,7 @@ impl ChunkStore {
         let buf = self.engine.read_file(path.clone(), buf).await.map_err(io_error("read", &path))?;
         let read = buf.aligned().as_ref();
         let stored_len = decode_header(read, &hash)?;
-        if HEADER_BYTES as u64 + stored_len > read.len() as u64 {
+        if (HEADER_BYTES as u64).checked_add(stored_len).is_none_or(|end| end > read.len() as u64) {
             return Err(ChunkStoreError::Corrupt {
                 hash,
                 reason: format!("header says {stored_len} bytes, file holds {}", read.len() - HEADER_BYTES),
@@ -262,13 +274,29 @@ impl ChunkStore {
         Ok((boxed_to_bytes(buf, range), stored_len))
     }
 
+    /// Which chunks are stored. A chunk reported present is durable: its directory is fsync'd
+    /// first, because a concurrent put may have renamed it in without yet syncing the rename,
+    /// and a writer that deduplicates against it will commit a checkpoint naming it.
     pub async fn has(&self, hashes: Vec<ChunkHash>) -> Result<Vec<bool>, ChunkStoreError> {
         let paths: Vec<PathBuf> = hashes.iter().map(|h| self.chunk_path(h)).collect();
         let root = self.root.clone();
-        tokio::task::spawn_blocking(move || paths.iter().map(|p| p.try_exists()).collect::<io::Result<Vec<bool>>>())
-            .await
-            .map_err(|e| ChunkStoreError::Io { op: "stat", path: root.clone(), source: io::Error::other(e) })?
-            .map_err(|source| ChunkStoreError::Io { op: "stat", path: root, source })
+        let present = tokio::task::spawn_blocking(move || {
+            paths.iter().map(|p| p.try_exists()).collect::<io::Result<Vec<bool>>>()
+        })
+        .await
+        .map_err(|e| ChunkStoreError::Io { op: "stat", path: root.clone(), source: io::Error::other(e) })?
+        .map_err(|source| ChunkStoreError::Io { op: "stat", path: root, source })?;
+        self.sync_chunk_dirs(hashes.iter().zip(&present).filter(|(_, p)| **p).map(|(h, _)| *h)).await?;
+        Ok(present)
+    }
+
+    /// fsyncs the fan-out directories holding `hashes`, each once.
+    async fn sync_chunk_dirs(&self, hashes: impl IntoIterator<Item = ChunkHash>) -> Result<(), ChunkStoreError> {
+        let dirs: std::collections::BTreeSet<PathBuf> = hashes.into_iter().map(|h| self.chunk_dir(&h)).collect();
+        for dir in dirs {
+            self.engine.sync_dir(dir.clone()).await.map_err(io_error("fsync", &dir))?;
+        }
+        Ok(())
     }
 
     /// Deletes chunks; missing ones are skipped. Returns how many were removed.
@@ -488,6 +516,11 @@ mod conformance {
         assert!(matches!(store.get(hash, 0, 0).await, Err(ChunkStoreError::Corrupt { .. })));
         // A truncated file too.
         std::fs::write(&path, &file[..100]).unwrap();
+        assert!(matches!(store.get(hash, 0, 0).await, Err(ChunkStoreError::Corrupt { .. })));
+        // A well-formed header (valid checksum) claiming an absurd length is an error, not a panic.
+        let mut crafted = vec![0u8; HEADER_BYTES + 4096];
+        encode_header(&mut crafted[..HEADER_BYTES], &hash, u64::MAX - 10);
+        std::fs::write(&path, &crafted).unwrap();
         assert!(matches!(store.get(hash, 0, 0).await, Err(ChunkStoreError::Corrupt { .. })));
     }
 
