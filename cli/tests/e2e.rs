@@ -599,3 +599,35 @@ fn a_rank_that_never_commits_aborts_the_checkpoint_after_the_timeout() {
     let latest = cluster.json(&["ls"])[0]["latest_step"].clone();
     assert!(latest.is_null(), "one of two ranks must not make step 1 visible: {latest}");
 }
+
+#[test]
+fn restore_of_more_files_than_the_descriptor_limit() {
+    use std::os::unix::process::CommandExt;
+
+    let cluster = Cluster::start(2);
+    let source = cluster.dir.path().join("many");
+    for i in 0..300 {
+        let path = source.join(format!("rank{}/shard{i}.bin", i % 7));
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, random_bytes(1000 + i, i as u64)).unwrap();
+    }
+    cluster.ok(&["save", "--job", "many", "--step", "1", source.to_str().unwrap()]);
+    let restored = cluster.dir.path().join("restored");
+    let mut command = std::process::Command::new(common::BIN);
+    command
+        .args(["restore", "--job", "many", "--latest", "--to", restored.to_str().unwrap()])
+        .env("STARCKPT_SERVER", &cluster.server.address);
+    // SAFETY: setrlimit is async-signal-safe; the closure runs in the child before exec.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit { rlim_cur: 64, rlim_max: 64 };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let output = command.output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(tree(&source), tree(&restored));
+}
