@@ -174,7 +174,7 @@ fn sigkill_everything_mid_save_keeps_the_previous_checkpoint() {
     let second = cluster.dir.path().join("second");
     std::fs::create_dir_all(&second).unwrap();
     std::fs::write(second.join("weights.bin"), random_bytes(400 << 20, 2)).unwrap();
-    let before: usize = (0..3).map(|i| cluster.chunk_files(i).len()).sum();
+    let before = cluster.total_chunks();
     let mut saver = std::process::Command::new(common::BIN)
         .args(["save", "--job", "crash", "--step", "2", "--chunk-size", "1048576", second.to_str().unwrap()])
         .env("STARCKPT_SERVER", &cluster.server.address)
@@ -182,11 +182,7 @@ fn sigkill_everything_mid_save_keeps_the_previous_checkpoint() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while (0..3).map(|i| cluster.chunk_files(i).len()).sum::<usize>() < before + 20 {
-        assert!(std::time::Instant::now() < deadline, "second save never started writing");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    cluster.wait_for_chunks(before + 20, "the second save never started writing");
     let _ = saver.kill();
     let _ = saver.wait();
     cluster.kill_and_restart();
@@ -523,12 +519,8 @@ fn a_restarted_two_rank_run_fences_the_preempted_one() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let before: usize = (0..3).map(|i| cluster.chunk_files(i).len()).sum();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while (0..3).map(|i| cluster.chunk_files(i).len()).sum::<usize>() < before + 10 {
-        assert!(std::time::Instant::now() < deadline, "rank 1 never started uploading");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let before = cluster.total_chunks();
+    cluster.wait_for_chunks(before + 10, "rank 1 never started uploading");
     let _ = rank1.kill();
     let _ = rank1.wait();
     assert_eq!(cluster.json(&["ls", "fence"])[0]["state"], "pending");

@@ -152,6 +152,21 @@ impl Cluster {
         }
     }
 
+    /// Chunk files stored by all targets.
+    pub fn total_chunks(&self) -> usize {
+        (0..self.targets.len()).map(|i| self.chunk_files(i).len()).sum()
+    }
+
+    /// Waits (at most 30 s) until the targets hold at least `count` chunks: an upload is under
+    /// way and can be killed in the middle.
+    pub fn wait_for_chunks(&self, count: usize, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.total_chunks() < count {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Chunk files stored by target `index`.
     pub fn chunk_files(&self, index: usize) -> Vec<PathBuf> {
         let mut out = Vec::new();
