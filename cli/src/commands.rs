@@ -3,13 +3,16 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use serde_json::json;
 use starckpt_client::{
-    CheckpointInfo, CheckpointState, Client, ClientConfig, CommitState, RestoreOptions, SavePart, TargetState,
+    CheckpointInfo, CheckpointState, Client, ClientConfig, CommitState, RestoreOptions, RetentionPolicy, SavePart,
+    TargetState,
 };
+use starckpt_server::control::ControlConfig;
+use starckpt_server::control::gc::GcConfig;
 use starckpt_server::target::{EngineKind, TargetConfig};
 use tokio::net::TcpListener;
 
@@ -34,12 +37,27 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down");
 }
 
-pub async fn server(listen: &str, db: &str, pending_timeout: std::time::Duration) -> anyhow::Result<()> {
+pub struct ServerArgs {
+    pub pending_timeout: Duration,
+    pub gc_interval: Option<Duration>,
+    pub gc_grace: Duration,
+    pub gc_deletes_per_sec: u32,
+}
+
+pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<()> {
+    let gc = GcConfig { grace: args.gc_grace, deletes_per_second: args.gc_deletes_per_sec };
+    // Checked before anything binds, so a bad flag is one clear line.
+    gc.validate(args.pending_timeout).map_err(anyhow::Error::msg)?;
     let store = starckpt_server::control::open_store(db).await?;
     let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
     // The address line is for scripts and tests that listen on port 0.
     banner(&format!("control plane listening on {}", listener.local_addr()?));
-    let config = starckpt_server::control::ControlConfig { pending_timeout, ..Default::default() };
+    let config = ControlConfig {
+        pending_timeout: args.pending_timeout,
+        gc,
+        gc_interval: args.gc_interval,
+        ..Default::default()
+    };
     starckpt_server::control::run(listener, store, config, shutdown_signal()).await
 }
 
@@ -167,7 +185,7 @@ fn checkpoint_json(c: &CheckpointInfo) -> serde_json::Value {
         "job": c.job, "step": c.step, "state": state_name(c.state), "checkpoint_id": c.checkpoint_id,
         "world_size": c.world_size, "parts_committed": c.parts_committed, "bytes": c.total_bytes, "epoch": c.epoch,
         "written_bytes": c.written_bytes,
-        "files": c.file_count, "created_at_ms": c.created_at_ms,
+        "files": c.file_count, "created_at_ms": c.created_at_ms, "tags": c.tags,
         "committed_at_ms": if c.committed_at_ms == 0 { None } else { Some(c.committed_at_ms) },
     })
 }
@@ -210,12 +228,12 @@ pub async fn ls(server: &str, job: Option<String>, all: bool, out: &Output) -> a
                 return Ok(());
             }
             println!(
-                "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16}",
+                "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16}  TAGS",
                 "STEP", "STATE", "RANKS", "EPOCH", "SIZE", "WRITTEN", "FILES", "CREATED"
             );
             for c in checkpoints {
                 println!(
-                    "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16}",
+                    "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16}  {}",
                     c.step,
                     state_name(c.state),
                     format!("{}/{}", c.parts_committed, c.world_size),
@@ -223,7 +241,8 @@ pub async fn ls(server: &str, job: Option<String>, all: bool, out: &Output) -> a
                     output::bytes(c.total_bytes),
                     output::bytes(c.written_bytes),
                     c.file_count,
-                    output::age(c.created_at_ms)
+                    output::age(c.created_at_ms),
+                    c.tags.join(",")
                 );
             }
         }
@@ -310,6 +329,89 @@ pub async fn rm(server: &str, job: &str, step: u64) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     client.delete(job, step).await?;
     println!("deleted {job} step {step}");
+    Ok(())
+}
+
+fn describe_retention(policy: &RetentionPolicy) -> String {
+    let mut rules = Vec::new();
+    if policy.keep_last > 0 {
+        rules.push(format!("the last {}", policy.keep_last));
+    }
+    if policy.keep_every > 0 {
+        rules.push(format!("every step divisible by {}", policy.keep_every));
+    }
+    if rules.is_empty() {
+        return "keep every checkpoint".into();
+    }
+    format!("keep {}, tagged checkpoints and the latest", rules.join(", "))
+}
+
+pub async fn retention(
+    server: &str,
+    job: &str,
+    keep_last: Option<u32>,
+    keep_every: Option<u64>,
+    out: &Output,
+) -> anyhow::Result<()> {
+    let client = connect(server, None).await?;
+    let (policy, deleted) = if keep_last.is_none() && keep_every.is_none() {
+        (client.retention(job).await?, None)
+    } else {
+        // A flag left out keeps that rule's current value.
+        let current = client.retention(job).await?;
+        let policy = RetentionPolicy {
+            keep_last: keep_last.unwrap_or(current.keep_last),
+            keep_every: keep_every.unwrap_or(current.keep_every),
+        };
+        (policy, Some(client.set_retention(job, policy).await?))
+    };
+    if out.json {
+        out.json(json!({"job": job, "keep_last": policy.keep_last, "keep_every": policy.keep_every, "deleted_steps": deleted}));
+        return Ok(());
+    }
+    println!("{job}: {}", describe_retention(&policy));
+    if let Some(deleted) = deleted.filter(|d| !d.is_empty()) {
+        let steps: Vec<String> = deleted.iter().map(u64::to_string).collect();
+        println!("deleted steps {} (their chunks are freed by the next garbage collection)", steps.join(", "));
+    }
+    Ok(())
+}
+
+pub async fn tag(server: &str, job: &str, step: u64, tag: &str, remove: bool) -> anyhow::Result<()> {
+    let client = connect(server, None).await?;
+    client.tag(job, step, tag, remove).await?;
+    println!(
+        "{} {job} step {step} {} {tag:?}",
+        if remove { "untagged" } else { "tagged" },
+        if remove { "from" } else { "as" }
+    );
+    Ok(())
+}
+
+pub async fn gc(server: &str, out: &Output) -> anyhow::Result<()> {
+    let client = connect(server, None).await?;
+    let report = client.collect_garbage().await?;
+    if out.json {
+        out.json(json!({
+            "live_chunks": report.live_chunks, "targets_swept": report.targets_swept,
+            "target_errors": report.target_errors, "chunks_listed": report.chunks_listed,
+            "chunks_deleted": report.chunks_deleted, "chunks_in_grace": report.chunks_in_grace,
+            "duration_ms": report.duration_ms,
+        }));
+        return Ok(());
+    }
+    println!(
+        "swept {} targets in {:.1}s: {} chunks listed, {} live, {} deleted, {} kept within the grace period",
+        report.targets_swept,
+        report.duration_ms as f64 / 1000.0,
+        report.chunks_listed,
+        report.live_chunks,
+        report.chunks_deleted,
+        report.chunks_in_grace
+    );
+    for error in &report.target_errors {
+        println!("  not swept: {error}");
+    }
     Ok(())
 }
 

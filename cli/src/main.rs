@@ -7,6 +7,7 @@ mod output;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use starckpt_server::target::EngineKind;
@@ -46,6 +47,16 @@ enum Command {
         /// Abort a checkpoint whose ranks have not all committed this many seconds after it began.
         #[arg(long, default_value_t = 1800)]
         pending_timeout_secs: u64,
+        /// Seconds between background garbage-collection passes (0: only on `starckpt gc`).
+        #[arg(long, default_value_t = 600)]
+        gc_interval_secs: u64,
+        /// GC keeps an unreferenced chunk used within this many seconds (default: twice the
+        /// pending timeout; at least the pending timeout + 60).
+        #[arg(long)]
+        gc_grace_secs: Option<u64>,
+        /// GC deletes at most this many chunks per second.
+        #[arg(long, default_value_t = 2000)]
+        gc_deletes_per_sec: u32,
     },
     /// Run a storage target on one device or directory.
     Target {
@@ -117,8 +128,29 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
-    /// Delete a checkpoint.
+    /// Delete a checkpoint (its chunks are freed by the next garbage collection).
     Rm { job: String, step: u64 },
+    /// Show JOB's retention policy, or set it with --keep-last / --keep-every (0 turns a rule
+    /// off; both 0 keeps everything). Tagged checkpoints and the latest are always kept.
+    Retention {
+        job: String,
+        /// Keep the N most recent checkpoints.
+        #[arg(long)]
+        keep_last: Option<u32>,
+        /// Keep checkpoints whose step is a multiple of K.
+        #[arg(long)]
+        keep_every: Option<u64>,
+    },
+    /// Tag a committed checkpoint (retention never deletes it), or untag it with --remove.
+    Tag {
+        job: String,
+        step: u64,
+        tag: String,
+        #[arg(long)]
+        remove: bool,
+    },
+    /// Run a garbage-collection pass now: free chunks no retained or in-flight checkpoint needs.
+    Gc,
     /// Targets, their capacity and health.
     Status,
     /// Start a throwaway cluster, save a multi-GB synthetic state at a few steps, simulate a
@@ -176,8 +208,17 @@ fn describe(error: &anyhow::Error) -> String {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let out = output::Output { json: cli.json };
     match cli.command {
-        Command::Server { listen, db, pending_timeout_secs } => {
-            commands::server(&listen, &db, std::time::Duration::from_secs(pending_timeout_secs.max(1))).await
+        Command::Server { listen, db, pending_timeout_secs, gc_interval_secs, gc_grace_secs, gc_deletes_per_sec } => {
+            let pending_timeout = pending_timeout_secs.max(1);
+            let args = commands::ServerArgs {
+                pending_timeout: Duration::from_secs(pending_timeout),
+                gc_interval: (gc_interval_secs > 0).then(|| Duration::from_secs(gc_interval_secs)),
+                gc_grace: Duration::from_secs(
+                    gc_grace_secs.unwrap_or(pending_timeout.saturating_mul(2).max(pending_timeout + 60)),
+                ),
+                gc_deletes_per_sec,
+            };
+            commands::server(&listen, &db, args).await
         }
         Command::Target { dir, listen, advertise, io_engine } => {
             commands::target(dir, &listen, advertise, io_engine, &cli.server).await
@@ -193,6 +234,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             commands::restore(&cli.server, &job.job, step, &to, force, &out).await
         }
         Command::Rm { job, step } => commands::rm(&cli.server, &job, step).await,
+        Command::Retention { job, keep_last, keep_every } => {
+            commands::retention(&cli.server, &job, keep_last, keep_every, &out).await
+        }
+        Command::Tag { job, step, tag, remove } => commands::tag(&cli.server, &job, step, &tag, remove).await,
+        Command::Gc => commands::gc(&cli.server, &out).await,
         Command::Status => commands::status(&cli.server, &out).await,
         Command::Demo(args) => demo::run(args).await,
     }

@@ -45,7 +45,10 @@ pub use error::{Error, Result};
 pub use manager::{CheckpointManager, CheckpointPolicy, FinalReport, IfBusy, preemption_signal};
 pub use restore::{CheckpointManifest, RestoreOptions, RestoreOutcome, RestoreProgress};
 pub use save::{CommitState, SaveHandle, SaveItem, SaveOutcome, SavePart, SaveProgress, items_from_paths};
-pub use starckpt_proto::control::{CheckpointInfo, CheckpointState, JobInfo, TargetInfo, TargetState};
+pub use starckpt_proto::control::{
+    CheckpointInfo, CheckpointState, CollectGarbageResponse as GcReport, JobInfo, RetentionPolicy, TargetInfo,
+    TargetState,
+};
 use transport::{ChunkTransport, TcpConfig, TcpTransport};
 
 /// Client configuration. Every field has a default chosen for one trainer process on a host with
@@ -271,6 +274,50 @@ impl Client {
             .await
             .map_err(self.status("delete checkpoint"))?;
         Ok(())
+    }
+
+    /// Sets `job`'s retention policy (applied now and at every commit); returns the steps it
+    /// deleted now. Both rules 0 keeps everything.
+    pub async fn set_retention(&self, job: &str, policy: RetentionPolicy) -> Result<Vec<u64>> {
+        let job = JobName::try_from(job)?;
+        let response = self
+            .control()
+            .set_retention(pb::SetRetentionRequest { job: job.to_string(), policy: Some(policy) })
+            .await
+            .map_err(self.status("set retention"))?;
+        Ok(response.into_inner().deleted_steps)
+    }
+
+    pub async fn retention(&self, job: &str) -> Result<RetentionPolicy> {
+        let job = JobName::try_from(job)?;
+        let response = self
+            .control()
+            .get_retention(pb::GetRetentionRequest { job: job.to_string() })
+            .await
+            .map_err(self.status("get retention"))?;
+        Ok(response.into_inner().policy.unwrap_or_default())
+    }
+
+    /// Tags (or with `remove`, untags) the committed checkpoint (job, step). Retention never
+    /// deletes a tagged checkpoint.
+    pub async fn tag(&self, job: &str, step: u64, tag: &str, remove: bool) -> Result<()> {
+        let job = JobName::try_from(job)?;
+        starckpt_proto::model::validate_tag(tag)?;
+        self.control()
+            .tag_checkpoint(pb::TagCheckpointRequest { job: job.to_string(), step, tag: tag.to_owned(), remove })
+            .await
+            .map_err(self.status("tag checkpoint"))?;
+        Ok(())
+    }
+
+    /// Runs a garbage-collection pass on the control plane now and returns its report.
+    pub async fn collect_garbage(&self) -> Result<GcReport> {
+        let response = self
+            .control()
+            .collect_garbage(pb::CollectGarbageRequest {})
+            .await
+            .map_err(self.status("collect garbage"))?;
+        Ok(response.into_inner())
     }
 
     pub async fn targets(&self) -> Result<Vec<TargetInfo>> {

@@ -6,7 +6,13 @@
 //! use std::time::Duration;
 //! use starckpt_client::{CheckpointManager, CheckpointPolicy, IfBusy, SavePart};
 //!
-//! let policy = CheckpointPolicy { every_steps: Some(100), every: Some(Duration::from_secs(600)), if_busy: IfBusy::Skip };
+//! use starckpt_client::RetentionPolicy;
+//! let policy = CheckpointPolicy {
+//!     every_steps: Some(100),
+//!     every: Some(Duration::from_secs(600)),
+//!     if_busy: IfBusy::Skip,
+//!     retention: Some(RetentionPolicy { keep_last: 3, keep_every: 1000 }),
+//! };
 //! let mut manager = CheckpointManager::new(client, "llama", policy);
 //! let preempted = starckpt_client::preemption_signal()?;
 //! for step in 1.. {
@@ -27,7 +33,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::{Client, Error, Result, SaveHandle, SavePart};
+use crate::{Client, Error, Result, RetentionPolicy, SaveHandle, SavePart};
 
 /// What to do when a save is due while the previous one is still uploading.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,6 +51,9 @@ pub struct CheckpointPolicy {
     pub every_steps: Option<u64>,
     pub every: Option<Duration>,
     pub if_busy: IfBusy,
+    /// The job's retention policy, set on the control plane before the first save (None leaves
+    /// the job's current policy alone).
+    pub retention: Option<RetentionPolicy>,
 }
 
 /// How a final save on preemption ended.
@@ -93,11 +102,13 @@ pub struct CheckpointManager {
     job: String,
     schedule: Schedule,
     in_flight: Option<(u64, SaveHandle)>,
+    retention_set: bool,
 }
 
 impl CheckpointManager {
     pub fn new(client: Client, job: impl Into<String>, policy: CheckpointPolicy) -> CheckpointManager {
-        CheckpointManager { client, job: job.into(), schedule: Schedule { policy, last: None }, in_flight: None }
+        let schedule = Schedule { policy, last: None };
+        CheckpointManager { client, job: job.into(), schedule, in_flight: None, retention_set: false }
     }
 
     /// Whether the policy calls for a save at `step` now.
@@ -127,6 +138,7 @@ impl CheckpointManager {
                 self.in_flight = Some((previous, handle));
             }
         }
+        self.apply_retention().await?;
         let part = fill(SavePart::new(&self.job, step))?;
         let started = match self.schedule.policy.if_busy {
             IfBusy::Wait => {
@@ -153,6 +165,16 @@ impl CheckpointManager {
             }
             None => Ok(false),
         }
+    }
+
+    /// Sets the policy's retention on the job, once.
+    async fn apply_retention(&mut self) -> Result<()> {
+        if let (false, Some(retention)) = (self.retention_set, self.schedule.policy.retention) {
+            let deleted = self.client.set_retention(&self.job, retention).await?;
+            tracing::info!(job = %self.job, ?retention, ?deleted, "retention policy set");
+        }
+        self.retention_set = true;
+        Ok(())
     }
 
     /// Waits up to `deadline` for the in-flight save and reports how it ended; None if no save
@@ -231,8 +253,12 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn due_by_steps_or_time_whichever_first() {
-        let policy =
-            CheckpointPolicy { every_steps: Some(10), every: Some(Duration::from_secs(60)), if_busy: IfBusy::Skip };
+        let policy = CheckpointPolicy {
+            every_steps: Some(10),
+            every: Some(Duration::from_secs(60)),
+            if_busy: IfBusy::Skip,
+            retention: None,
+        };
         let mut schedule = Schedule { policy, last: None };
         assert!(schedule.due(1), "the first call always saves");
         schedule.record(1);
@@ -243,7 +269,7 @@ mod tests {
         schedule.record(2);
         assert!(!schedule.due(3));
 
-        let steps_only = CheckpointPolicy { every_steps: Some(3), every: None, if_busy: IfBusy::Wait };
+        let steps_only = CheckpointPolicy { every_steps: Some(3), every: None, if_busy: IfBusy::Wait, retention: None };
         let mut schedule = Schedule { policy: steps_only, last: None };
         schedule.record(0);
         tokio::time::advance(Duration::from_secs(3600)).await;

@@ -22,7 +22,7 @@ use bytes::{Bytes, BytesMut};
 use prost::Message;
 use starckpt_proto::ChunkHash;
 use starckpt_proto::data::{self, ErrorCode};
-use starckpt_proto::frame::{self, MAX_BATCH_HASHES, Opcode, ReadFrameError};
+use starckpt_proto::frame::{self, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, Opcode, ReadFrameError};
 use thiserror::Error;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
 use tokio::net::TcpStream;
@@ -56,6 +56,15 @@ pub struct TargetStat {
     pub chunk_count: u64,
 }
 
+/// A page of a target's chunk list.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChunkPage {
+    /// Hashes with the time since each was last used, ascending by hash.
+    pub chunks: Vec<(ChunkHash, Duration)>,
+    /// No chunks follow this page.
+    pub complete: bool,
+}
+
 /// One target's chunk operations, whatever carries them.
 #[async_trait]
 pub trait ChunkTransport: Send + Sync + 'static {
@@ -64,7 +73,11 @@ pub trait ChunkTransport: Send + Sync + 'static {
     /// Reads `length` bytes at `offset` of a chunk (`length` 0: to the end).
     async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Bytes, TransportError>;
     async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError>;
-    async fn delete(&self, hashes: &[ChunkHash]) -> Result<u64, TransportError>;
+    /// Deletes chunks; with `unused_for`, only those not used (written, re-put, reported present)
+    /// within that long (garbage collection's guard). Returns how many were removed.
+    async fn delete(&self, hashes: &[ChunkHash], unused_for: Option<Duration>) -> Result<u64, TransportError>;
+    /// One page of the stored chunks in hash order, after `after`, at most `limit` entries.
+    async fn list(&self, after: Option<ChunkHash>, limit: u32) -> Result<ChunkPage, TransportError>;
     async fn stat(&self) -> Result<TargetStat, TransportError>;
     /// Short name for status output ("tcp", "shm", "rdma").
     fn kind(&self) -> &'static str;
@@ -338,9 +351,30 @@ impl ChunkTransport for TcpTransport {
         Ok(response.present)
     }
 
-    async fn delete(&self, hashes: &[ChunkHash]) -> Result<u64, TransportError> {
-        let header = data::DeleteRequest { auth: None, hashes: hash_list(hashes)? }.encode_to_vec();
+    async fn delete(&self, hashes: &[ChunkHash], unused_for: Option<Duration>) -> Result<u64, TransportError> {
+        // A zero guard would mean "unconditional" on the wire; the smallest real guard is 1 ms.
+        let unused_for_ms = unused_for.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
+        let header = data::DeleteRequest { auth: None, hashes: hash_list(hashes)?, unused_for_ms }.encode_to_vec();
         Ok(self.call(Opcode::Delete, header, None).await?.0.deleted)
+    }
+
+    async fn list(&self, after: Option<ChunkHash>, limit: u32) -> Result<ChunkPage, TransportError> {
+        let after = after.map_or_else(Bytes::new, |h| h.to_bytes());
+        let header = data::ListRequest { auth: None, after, limit }.encode_to_vec();
+        let (response, payload) = self.call(Opcode::List, header, None).await?;
+        if payload.len() % LIST_ENTRY_BYTES != 0 || payload.len() / LIST_ENTRY_BYTES > limit as usize {
+            return Err(TransportError::Protocol(format!("LIST answered {} payload bytes", payload.len())));
+        }
+        let chunks = payload
+            .chunks_exact(LIST_ENTRY_BYTES)
+            .map(|entry| {
+                let (mut hash, mut age) = ([0u8; 32], [0u8; 8]);
+                hash.copy_from_slice(&entry[..32]);
+                age.copy_from_slice(&entry[32..]);
+                (ChunkHash(hash), Duration::from_millis(u64::from_le_bytes(age)))
+            })
+            .collect();
+        Ok(ChunkPage { chunks, complete: response.list_complete })
     }
 
     async fn stat(&self) -> Result<TargetStat, TransportError> {

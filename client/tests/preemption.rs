@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use starckpt_client::{
-    CheckpointManager, CheckpointPolicy, Client, ClientConfig, FinalReport, IfBusy, SavePart, TargetState,
+    CheckpointManager, CheckpointPolicy, CheckpointState, Client, ClientConfig, FinalReport, IfBusy, RetentionPolicy,
+    SavePart, TargetState,
 };
 use starckpt_server::dev::DevCluster;
 use starckpt_server::target::EngineKind;
@@ -28,14 +29,21 @@ async fn periodic_saves_then_a_final_save_on_sigterm() {
     }
     let preempted = starckpt_client::preemption_signal().unwrap();
 
-    let policy = CheckpointPolicy { every_steps: Some(2), every: None, if_busy: IfBusy::Wait };
+    // Keep the last two checkpoints, and every fourth step's.
+    let retention = RetentionPolicy { keep_last: 2, keep_every: 4 };
+    let policy =
+        CheckpointPolicy { every_steps: Some(2), every: None, if_busy: IfBusy::Wait, retention: Some(retention) };
     let mut manager = CheckpointManager::new(client.clone(), "train", policy);
-    for step in 1..=6 {
+    for step in 1..=10 {
         manager.maybe_save(step, |part| part.buffer("model.bin", state(step))).await.unwrap();
     }
-    assert!(matches!(manager.finish(Duration::from_secs(30)).await, Some(FinalReport::Committed { step: 5 })));
-    let steps: Vec<u64> = client.list_checkpoints("train", false).await.unwrap().iter().map(|c| c.step).collect();
-    assert_eq!(steps, vec![1, 3, 5], "every second step, starting with the first");
+    assert!(matches!(manager.finish(Duration::from_secs(30)).await, Some(FinalReport::Committed { step: 9 })));
+    assert_eq!(client.retention("train").await.unwrap(), retention);
+    let all = client.list_checkpoints("train", true).await.unwrap();
+    let steps = |state: CheckpointState| all.iter().filter(|c| c.state == state as i32).map(|c| c.step).collect();
+    let (kept, deleted): (Vec<u64>, Vec<u64>) = (steps(CheckpointState::Committed), steps(CheckpointState::Deleted));
+    assert_eq!(kept, vec![7, 9], "every second step saved, the last two kept (no multiple of 4 saved)");
+    assert_eq!(deleted, vec![1, 3, 5]);
 
     // The scheduler preempts the job: SIGTERM. The trainer notices and takes a final save.
     assert!(!*preempted.borrow());
@@ -44,16 +52,16 @@ async fn periodic_saves_then_a_final_save_on_sigterm() {
     let mut flag = preempted.clone();
     tokio::time::timeout(Duration::from_secs(10), flag.wait_for(|p| *p)).await.unwrap().unwrap();
     let report =
-        manager.save_final(7, |part: SavePart| part.buffer("model.bin", state(7)), Duration::from_secs(30)).await;
-    assert!(matches!(report, FinalReport::Committed { step: 7 }), "{report:?}");
+        manager.save_final(11, |part: SavePart| part.buffer("model.bin", state(11)), Duration::from_secs(30)).await;
+    assert!(matches!(report, FinalReport::Committed { step: 11 }), "{report:?}");
 
     let latest = client.latest("train").await.unwrap().unwrap();
-    assert_eq!(latest.step, 7);
+    assert_eq!(latest.step, 11);
     // A second signal handler run for the same step finds it committed, without saving twice.
     let again =
-        manager.save_final(7, |part: SavePart| part.buffer("model.bin", state(7)), Duration::from_secs(30)).await;
-    assert!(matches!(again, FinalReport::Committed { step: 7 }), "{again:?}");
+        manager.save_final(11, |part: SavePart| part.buffer("model.bin", state(11)), Duration::from_secs(30)).await;
+    assert!(matches!(again, FinalReport::Committed { step: 11 }), "{again:?}");
     let manifest = client.manifest("train", None).await.unwrap();
-    assert_eq!(client.read_file(&manifest, "model.bin").await.unwrap(), state(7));
+    assert_eq!(client.read_file(&manifest, "model.bin").await.unwrap(), state(11));
     cluster.shutdown().await.unwrap();
 }

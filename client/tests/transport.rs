@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use starckpt_client::transport::{ChunkTransport, TcpConfig, TcpTransport, TransportError};
+use starckpt_client::transport::{ChunkPage, ChunkTransport, TcpConfig, TcpTransport, TransportError};
 use starckpt_proto::ChunkHash;
 use starckpt_proto::data::ErrorCode;
 use starckpt_server::target::dataplane::{self, DataPlaneLimits};
@@ -61,8 +61,26 @@ async fn operations(transport: &dyn ChunkTransport) {
     let error = transport.put(missing, data.clone()).await.unwrap_err();
     assert!(matches!(error, TransportError::Remote { code: ErrorCode::HashMismatch, .. }), "{error}");
 
-    assert_eq!(transport.delete(&[hash, missing]).await.unwrap(), 1);
+    // LIST pages through the store; a guarded delete keeps a chunk used within the guard.
+    let (second, second_data) = chunk(1000, 2);
+    assert!(!transport.put(second, second_data).await.unwrap());
+    let first = transport.list(None, 1).await.unwrap();
+    assert_eq!((first.chunks.len(), first.complete), (1, false));
+    let rest = transport.list(Some(first.chunks[0].0), 100).await.unwrap();
+    assert!(rest.complete);
+    let mut listed: Vec<ChunkHash> = first.chunks.iter().chain(&rest.chunks).map(|(h, _)| *h).collect();
+    let mut expected = vec![hash, second];
+    listed.sort();
+    expected.sort();
+    assert_eq!(listed, expected);
+    assert!(first.chunks.iter().chain(&rest.chunks).all(|(_, age)| *age < Duration::from_secs(600)));
+    let error = transport.list(None, 0).await.unwrap_err();
+    assert!(matches!(error, TransportError::Remote { code: ErrorCode::BadRequest, .. }), "{error}");
+    assert_eq!(transport.delete(&[hash, second], Some(Duration::from_secs(600))).await.unwrap(), 0);
+
+    assert_eq!(transport.delete(&[hash, missing, second], None).await.unwrap(), 2);
     assert_eq!(transport.has(&[hash]).await.unwrap(), vec![false]);
+    assert_eq!(transport.list(None, 10).await.unwrap(), ChunkPage { chunks: vec![], complete: true });
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

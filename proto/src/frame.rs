@@ -37,6 +37,10 @@ pub const MAX_HEADER_BYTES: u32 = 256 * 1024;
 pub const MAX_PAYLOAD_BYTES: u32 = 64 * 1024 * 1024;
 /// Largest batch of hashes in one HAS or DELETE request.
 pub const MAX_BATCH_HASHES: usize = 4096;
+/// Most entries one OP_LIST page carries (16,384 × 40 bytes = 640 KiB of payload).
+pub const MAX_LIST_ENTRIES: u32 = 16_384;
+/// Bytes per OP_LIST entry: a 32-byte hash and a u64 little-endian age in milliseconds.
+pub const LIST_ENTRY_BYTES: usize = 40;
 
 const RESPONSE_BIT: u8 = 0x80;
 
@@ -47,11 +51,13 @@ pub enum Opcode {
     Has,
     Delete,
     Stat,
+    List,
     PutResponse,
     GetResponse,
     HasResponse,
     DeleteResponse,
     StatResponse,
+    ListResponse,
 }
 
 impl Opcode {
@@ -62,11 +68,13 @@ impl Opcode {
             Opcode::Has => 3,
             Opcode::Delete => 4,
             Opcode::Stat => 5,
+            Opcode::List => 6,
             Opcode::PutResponse => 1 | RESPONSE_BIT,
             Opcode::GetResponse => 2 | RESPONSE_BIT,
             Opcode::HasResponse => 3 | RESPONSE_BIT,
             Opcode::DeleteResponse => 4 | RESPONSE_BIT,
             Opcode::StatResponse => 5 | RESPONSE_BIT,
+            Opcode::ListResponse => 6 | RESPONSE_BIT,
         }
     }
 
@@ -77,11 +85,13 @@ impl Opcode {
             3 => Opcode::Has,
             4 => Opcode::Delete,
             5 => Opcode::Stat,
+            6 => Opcode::List,
             0x81 => Opcode::PutResponse,
             0x82 => Opcode::GetResponse,
             0x83 => Opcode::HasResponse,
             0x84 => Opcode::DeleteResponse,
             0x85 => Opcode::StatResponse,
+            0x86 => Opcode::ListResponse,
             _ => return None,
         })
     }

@@ -138,6 +138,23 @@ impl fmt::Display for JobName {
     }
 }
 
+/// Longest checkpoint tag.
+pub const MAX_TAG_BYTES: usize = 64;
+
+/// Checks a checkpoint tag: 1 to 64 of letters, digits, '.', '_' and '-'.
+pub fn validate_tag(tag: &str) -> Result<(), ModelError> {
+    if tag.is_empty() || tag.len() > MAX_TAG_BYTES {
+        return Err(field(
+            "tag",
+            format!("{:?} must be 1 to {MAX_TAG_BYTES} bytes", tag.chars().take(80).collect::<String>()),
+        ));
+    }
+    if !tag.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-') {
+        return Err(field("tag", format!("{tag:?}: only letters, digits, '.', '_' and '-' are allowed")));
+    }
+    Ok(())
+}
+
 /// A relative path inside a checkpoint: '/'-separated, every component non-empty and not `.` or
 /// `..`, no NUL, not absolute. Joining it under any directory stays inside that directory.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

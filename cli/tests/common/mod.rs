@@ -61,8 +61,13 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn start(targets: usize) -> Cluster {
+        Cluster::start_with(targets, &[])
+    }
+
+    /// A cluster whose control plane gets extra flags.
+    pub fn start_with(targets: usize, server_flags: &[&str]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
-        let server = start_server(dir.path());
+        let server = start_server_with(dir.path(), server_flags);
         let mut cluster = Cluster { dir, server, targets: Vec::new() };
         for index in 0..targets {
             let target = cluster.start_target(index);
@@ -164,6 +169,16 @@ impl Cluster {
         while self.total_chunks() < count {
             assert!(Instant::now() < deadline, "{what}");
             std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Makes every chunk file on every target look last used `ago` (as if written long before).
+    pub fn age_all_chunks(&self, ago: Duration) {
+        for index in 0..self.targets.len() {
+            for path in self.chunk_files(index) {
+                let file = std::fs::File::options().write(true).open(&path).unwrap();
+                file.set_modified(std::time::SystemTime::now() - ago).unwrap();
+            }
         }
     }
 

@@ -64,3 +64,19 @@ CREATE TABLE IF NOT EXISTS parts (
     committed_at_ms BIGINT NOT NULL,
     PRIMARY KEY (checkpoint_id, rank)
 );
+
+-- A job's retention policy (absent: keep every checkpoint). 0 turns a rule off. Applied when a
+-- checkpoint of the job commits (same transaction) and when the policy is set.
+CREATE TABLE IF NOT EXISTS retention (
+    job           TEXT PRIMARY KEY,
+    keep_last     BIGINT NOT NULL,
+    keep_every    BIGINT NOT NULL,
+    updated_at_ms BIGINT NOT NULL
+);
+
+-- Tags pin committed checkpoints: retention never deletes a tagged one.
+CREATE TABLE IF NOT EXISTS tags (
+    checkpoint_id BIGINT NOT NULL REFERENCES checkpoints (id),
+    tag           TEXT NOT NULL,
+    PRIMARY KEY (checkpoint_id, tag)
+);

@@ -15,7 +15,8 @@ use starckpt_proto::model::{
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
-use super::store::{CheckpointRecord, CheckpointState, MetaError, MetaStore, TargetRecord, now_ms};
+use super::gc::{self, GcConfig, GcReport};
+use super::store::{CheckpointRecord, CheckpointState, MetaError, MetaStore, RetentionPolicy, TargetRecord, now_ms};
 
 /// Largest gRPC message either way. A rank's manifest is ~100 bytes per 4 MiB chunk, so 64 MiB
 /// describes ~2.5 PB in one part: generous, but still a bound.
@@ -32,6 +33,12 @@ pub struct ControlConfig {
     /// writers died without a new run taking over). Default 30 min: a TB-scale save at a few
     /// GB/s per rank takes minutes, and a stuck one should not linger for hours.
     pub pending_timeout: Duration,
+    /// Garbage collection (see `gc.rs`). Default: grace 60 min (twice the pending timeout),
+    /// 2,000 deletions per second.
+    pub gc: GcConfig,
+    /// Period of the background GC pass; None runs GC only on request (`starckpt gc`).
+    /// Default 10 min.
+    pub gc_interval: Option<Duration>,
 }
 
 impl Default for ControlConfig {
@@ -40,23 +47,59 @@ impl Default for ControlConfig {
             heartbeat_interval: Duration::from_secs(1),
             liveness_timeout: Duration::from_secs(5),
             pending_timeout: Duration::from_secs(30 * 60),
+            gc: GcConfig { grace: Duration::from_secs(60 * 60), deletes_per_second: 2000 },
+            gc_interval: Some(Duration::from_secs(10 * 60)),
         }
     }
+}
+
+/// Runs GC passes one at a time, for the RPC and the background task.
+struct Collector {
+    store: Arc<dyn MetaStore>,
+    config: ControlConfig,
+    running: tokio::sync::Mutex<()>,
+}
+
+impl Collector {
+    async fn run(&self) -> Result<GcReport, MetaError> {
+        let _one_at_a_time = self.running.lock().await;
+        let now = now_ms();
+        let targets = self
+            .store
+            .list_targets()
+            .await?
+            .into_iter()
+            .map(|target| {
+                let address = is_alive(&target, now, self.config.liveness_timeout)
+                    .then(|| target.data_address.parse().ok())
+                    .flatten();
+                (target, address)
+            })
+            .collect();
+        gc::collect(self.store.as_ref(), targets, &self.config.gc).await
+    }
+}
+
+fn is_alive(record: &TargetRecord, now: u64, liveness_timeout: Duration) -> bool {
+    now.saturating_sub(record.last_heartbeat_ms) <= liveness_timeout.as_millis() as u64
 }
 
 pub struct ControlService {
     store: Arc<dyn MetaStore>,
     config: ControlConfig,
+    collector: Arc<Collector>,
 }
 
 impl ControlService {
     pub fn new(store: Arc<dyn MetaStore>, config: ControlConfig) -> ControlService {
-        ControlService { store, config }
+        let collector =
+            Arc::new(Collector { store: Arc::clone(&store), config: config.clone(), running: Default::default() });
+        ControlService { store, config, collector }
     }
 
     fn target_info(&self, record: &TargetRecord, now: u64) -> pb::TargetInfo {
         let age = now.saturating_sub(record.last_heartbeat_ms);
-        let alive = age <= self.config.liveness_timeout.as_millis() as u64;
+        let alive = is_alive(record, now, self.config.liveness_timeout);
         pb::TargetInfo {
             target_id: record.target_id.clone(),
             data_address: record.data_address.clone(),
@@ -114,6 +157,7 @@ pub fn checkpoint_info(record: &CheckpointRecord) -> pb::CheckpointInfo {
         created_at_ms: record.created_at_ms,
         committed_at_ms: record.committed_at_ms.unwrap_or(0),
         epoch: record.epoch,
+        tags: record.tags.clone(),
     }
 }
 
@@ -207,7 +251,9 @@ impl Control for ControlService {
                 }
             }
         }
-        let record = self.store.commit_part(&part, now_ms()).await.map_err(meta_status)?;
+        let now = now_ms();
+        let begun_after = now.saturating_sub(self.config.pending_timeout.as_millis() as u64);
+        let record = self.store.commit_part(&part, now, begun_after).await.map_err(meta_status)?;
         if record.state == CheckpointState::Committed && record.parts_committed == record.world_size {
             tracing::info!(job = %record.job, step = record.step, bytes = record.total_bytes, "checkpoint committed");
         }
@@ -288,6 +334,57 @@ impl Control for ControlService {
         tracing::info!(%job, step = request.step, "checkpoint deleted");
         Ok(Response::new(pb::DeleteCheckpointResponse {}))
     }
+
+    async fn set_retention(
+        &self,
+        request: Request<pb::SetRetentionRequest>,
+    ) -> Result<Response<pb::SetRetentionResponse>, Status> {
+        let request = request.into_inner();
+        let job = job(request.job)?;
+        let policy = request.policy.ok_or_else(|| Status::invalid_argument("policy is required"))?;
+        let policy = RetentionPolicy { keep_last: policy.keep_last, keep_every: policy.keep_every };
+        let deleted_steps = self.store.set_retention(&job, policy, now_ms()).await.map_err(meta_status)?;
+        tracing::info!(%job, ?policy, ?deleted_steps, "retention policy set");
+        Ok(Response::new(pb::SetRetentionResponse { deleted_steps }))
+    }
+
+    async fn get_retention(
+        &self,
+        request: Request<pb::GetRetentionRequest>,
+    ) -> Result<Response<pb::GetRetentionResponse>, Status> {
+        let job = job(request.into_inner().job)?;
+        let policy = self.store.get_retention(&job).await.map_err(meta_status)?;
+        Ok(Response::new(pb::GetRetentionResponse {
+            policy: Some(pb::RetentionPolicy { keep_last: policy.keep_last, keep_every: policy.keep_every }),
+        }))
+    }
+
+    async fn tag_checkpoint(
+        &self,
+        request: Request<pb::TagCheckpointRequest>,
+    ) -> Result<Response<pb::TagCheckpointResponse>, Status> {
+        let request = request.into_inner();
+        let job = job(request.job)?;
+        starckpt_proto::model::validate_tag(&request.tag).map_err(invalid)?;
+        self.store.tag_checkpoint(&job, request.step, &request.tag, request.remove).await.map_err(meta_status)?;
+        Ok(Response::new(pb::TagCheckpointResponse {}))
+    }
+
+    async fn collect_garbage(
+        &self,
+        _: Request<pb::CollectGarbageRequest>,
+    ) -> Result<Response<pb::CollectGarbageResponse>, Status> {
+        let report = self.collector.run().await.map_err(meta_status)?;
+        Ok(Response::new(pb::CollectGarbageResponse {
+            live_chunks: report.live_chunks,
+            targets_swept: report.targets_swept,
+            target_errors: report.target_errors,
+            chunks_listed: report.chunks_listed,
+            chunks_deleted: report.chunks_deleted,
+            chunks_in_grace: report.chunks_in_grace,
+            duration_ms: report.duration.as_millis() as u64,
+        }))
+    }
 }
 
 /// Opens the metadata store named by `url` (a SQLite path or `sqlite://` URL).
@@ -307,11 +404,24 @@ pub async fn run(
     config: ControlConfig,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    config.gc.validate(config.pending_timeout).map_err(anyhow::Error::msg)?;
     let reaper = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(reap_stale_pending(
         Arc::clone(&store),
         config.pending_timeout,
     )));
-    let service = ControlServer::new(ControlService::new(store, config))
+    let gc_interval = config.gc_interval;
+    let service = ControlService::new(store, config);
+    let collector = Arc::clone(&service.collector);
+    let periodic_gc = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+        let Some(interval) = gc_interval else { return };
+        loop {
+            tokio::time::sleep(interval).await;
+            if let Err(error) = collector.run().await {
+                tracing::error!(%error, "garbage collection pass failed");
+            }
+        }
+    }));
+    let service = ControlServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     tracing::info!(address = %listener.local_addr()?, "control plane serving");
@@ -320,7 +430,7 @@ pub async fn run(
         .add_service(service)
         .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
         .await?;
-    drop(reaper);
+    drop((reaper, periodic_gc));
     Ok(())
 }
 

@@ -6,27 +6,31 @@
 //! write lock (which fails with SQLITE_BUSY instead of waiting). Reads use a separate pool and,
 //! thanks to WAL, never wait for the writer.
 
+use std::collections::HashSet;
 use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::TryStreamExt;
 use prost::Message;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
 };
 use sqlx::{Row, Sqlite, Transaction};
-use starckpt_proto::JobName;
 use starckpt_proto::control as pb;
 use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest, TargetRegistration};
+use starckpt_proto::{ChunkHash, JobName};
 
 use super::store::{
-    CheckpointRecord, CheckpointState, JobRecord, LeaseGrant, MetaError, MetaResult, MetaStore, TargetRecord,
+    CheckpointRecord, CheckpointState, JobRecord, LeaseGrant, MetaError, MetaResult, MetaStore, RetentionPolicy,
+    TargetRecord,
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
 const SCHEMA_VERSION: i64 = 1;
 const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
-     written_bytes, file_count, created_at_ms, committed_at_ms";
+     written_bytes, file_count, created_at_ms, committed_at_ms, \
+     (SELECT GROUP_CONCAT(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags";
 
 pub struct SqliteStore {
     writer: SqlitePool,
@@ -87,6 +91,10 @@ fn get_u64(row: &SqliteRow, column: &str) -> MetaResult<u64> {
 
 fn checkpoint_from_row(row: &SqliteRow) -> MetaResult<CheckpointRecord> {
     let committed_at: Option<i64> = row.try_get("committed_at_ms")?;
+    let tags: Option<String> = row.try_get("tags")?;
+    // Tags never contain ',' (validate_tag).
+    let mut tags: Vec<String> = tags.iter().flat_map(|t| t.split(',')).map(str::to_owned).collect();
+    tags.sort();
     Ok(CheckpointRecord {
         id: get_u64(row, "id")?,
         job: row.try_get("job")?,
@@ -100,6 +108,7 @@ fn checkpoint_from_row(row: &SqliteRow) -> MetaResult<CheckpointRecord> {
         file_count: get_u64(row, "file_count")?,
         created_at_ms: get_u64(row, "created_at_ms")?,
         committed_at_ms: committed_at.map(|v| v.max(0) as u64),
+        tags,
     })
 }
 
@@ -132,6 +141,51 @@ async fn check_epoch(tx: &mut Transaction<'_, Sqlite>, job: &str, epoch: u64) ->
             "job {job}: epoch {epoch} was never issued (take a lease with AcquireLease first)"
         ))),
     }
+}
+
+async fn retention_policy(tx: &mut Transaction<'_, Sqlite>, job: &str) -> MetaResult<RetentionPolicy> {
+    let row = sqlx::query("SELECT keep_last, keep_every FROM retention WHERE job = ?")
+        .bind(job)
+        .fetch_optional(&mut **tx)
+        .await?;
+    let Some(row) = row else { return Ok(RetentionPolicy::default()) };
+    let keep_last = u32::try_from(get_u64(&row, "keep_last")?)
+        .map_err(|_| MetaError::Corrupt(format!("job {job}: keep_last out of range")))?;
+    Ok(RetentionPolicy { keep_last, keep_every: get_u64(&row, "keep_every")? })
+}
+
+/// Marks the job's committed checkpoints its retention policy does not keep as deleted; returns
+/// their steps.
+async fn apply_retention(tx: &mut Transaction<'_, Sqlite>, job: &str, now_ms: u64) -> MetaResult<Vec<u64>> {
+    let policy = retention_policy(tx, job).await?;
+    if policy.keeps_everything() {
+        return Ok(Vec::new());
+    }
+    let rows = sqlx::query(
+        "SELECT id, step, EXISTS (SELECT 1 FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tagged
+         FROM checkpoints WHERE job = ? AND state = 'committed' ORDER BY step DESC",
+    )
+    .bind(job)
+    .fetch_all(&mut **tx)
+    .await?;
+    let mut deleted = Vec::new();
+    for (rank, row) in rows.iter().enumerate() {
+        let step = get_u64(row, "step")?;
+        let tagged: i64 = row.try_get("tagged")?;
+        if policy.keeps(rank, step, tagged != 0) {
+            continue;
+        }
+        sqlx::query("UPDATE checkpoints SET state = 'deleted', ended_at_ms = ? WHERE id = ?")
+            .bind(to_i64(now_ms, "time")?)
+            .bind(row.try_get::<i64, _>("id")?)
+            .execute(&mut **tx)
+            .await?;
+        deleted.push(step);
+    }
+    if !deleted.is_empty() {
+        tracing::info!(%job, ?deleted, ?policy, "retention deleted checkpoints");
+    }
+    Ok(deleted)
 }
 
 async fn checkpoint_by_id(tx: &mut Transaction<'_, Sqlite>, id: i64) -> MetaResult<Option<CheckpointRecord>> {
@@ -302,7 +356,7 @@ impl MetaStore for SqliteStore {
         Ok(record)
     }
 
-    async fn commit_part(&self, part: &CommitPart, now_ms: u64) -> MetaResult<CheckpointRecord> {
+    async fn commit_part(&self, part: &CommitPart, now_ms: u64, begun_after_ms: u64) -> MetaResult<CheckpointRecord> {
         let id = to_i64(part.checkpoint_id, "checkpoint id")?;
         let mut tx = self.writer.begin().await?;
         let Some(record) = checkpoint_by_id(&mut tx, id).await? else {
@@ -337,6 +391,21 @@ impl MetaStore for SqliteStore {
                 record.job,
                 record.step,
                 record.state.as_str()
+            )));
+        }
+        if record.created_at_ms < begun_after_ms {
+            sqlx::query("UPDATE checkpoints SET state = 'aborted', ended_at_ms = ? WHERE id = ?")
+                .bind(to_i64(now_ms, "time")?)
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            return Err(MetaError::FailedPrecondition(format!(
+                "checkpoint {} ({} step {}) was begun {} s ago, past the pending timeout; it is aborted (save again)",
+                record.id,
+                record.job,
+                record.step,
+                now_ms.saturating_sub(record.created_at_ms) / 1000
             )));
         }
         let blob = pb::Manifest::from(&part.manifest).encode_to_vec();
@@ -388,6 +457,9 @@ impl MetaStore for SqliteStore {
         .await?;
         let record =
             checkpoint_by_id(&mut tx, id).await?.ok_or_else(|| MetaError::Corrupt("checkpoint vanished".into()))?;
+        if record.state == CheckpointState::Committed {
+            apply_retention(&mut tx, &record.job, now_ms).await?;
+        }
         tx.commit().await?;
         Ok(record)
     }
@@ -517,6 +589,73 @@ impl MetaStore for SqliteStore {
         }
         Ok(())
     }
+
+    async fn set_retention(&self, job: &JobName, policy: RetentionPolicy, now_ms: u64) -> MetaResult<Vec<u64>> {
+        let mut tx = self.writer.begin().await?;
+        sqlx::query(
+            "INSERT INTO retention (job, keep_last, keep_every, updated_at_ms) VALUES (?, ?, ?, ?)
+             ON CONFLICT (job) DO UPDATE SET keep_last = excluded.keep_last, keep_every = excluded.keep_every,
+                 updated_at_ms = excluded.updated_at_ms",
+        )
+        .bind(job.as_str())
+        .bind(i64::from(policy.keep_last))
+        .bind(to_i64(policy.keep_every, "keep_every")?)
+        .bind(to_i64(now_ms, "time")?)
+        .execute(&mut *tx)
+        .await?;
+        let deleted = apply_retention(&mut tx, job.as_str(), now_ms).await?;
+        tx.commit().await?;
+        Ok(deleted)
+    }
+
+    async fn get_retention(&self, job: &JobName) -> MetaResult<RetentionPolicy> {
+        let mut tx = self.reader.begin().await?;
+        retention_policy(&mut tx, job.as_str()).await
+    }
+
+    async fn tag_checkpoint(&self, job: &JobName, step: u64, tag: &str, remove: bool) -> MetaResult<()> {
+        starckpt_proto::model::validate_tag(tag).map_err(|e| MetaError::InvalidArgument(e.to_string()))?;
+        let mut tx = self.writer.begin().await?;
+        let id: Option<i64> =
+            sqlx::query_scalar("SELECT id FROM checkpoints WHERE job = ? AND step = ? AND state = 'committed'")
+                .bind(job.as_str())
+                .bind(to_i64(step, "step")?)
+                .fetch_optional(&mut *tx)
+                .await?;
+        let Some(id) = id else {
+            return Err(MetaError::NotFound(format!("job {job} has no committed checkpoint at step {step}")));
+        };
+        let statement = if remove {
+            "DELETE FROM tags WHERE checkpoint_id = ? AND tag = ?"
+        } else {
+            "INSERT INTO tags (checkpoint_id, tag) VALUES (?, ?) ON CONFLICT DO NOTHING"
+        };
+        sqlx::query(statement).bind(id).bind(tag).execute(&mut *tx).await?;
+        if remove {
+            // An untagged checkpoint falls back under the policy at once.
+            apply_retention(&mut tx, job.as_str(), crate::control::store::now_ms()).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn live_chunks(&self) -> MetaResult<HashSet<ChunkHash>> {
+        // One read transaction: a consistent snapshot, streamed one manifest at a time.
+        let mut tx = self.reader.begin().await?;
+        let mut rows = sqlx::query(
+            "SELECT p.checkpoint_id, p.rank, p.manifest FROM parts p JOIN checkpoints c ON c.id = p.checkpoint_id
+             WHERE c.state IN ('pending', 'committed')",
+        )
+        .fetch(&mut *tx);
+        let mut live = HashSet::new();
+        while let Some(row) = rows.try_next().await? {
+            let (id, rank) = (get_u64(&row, "checkpoint_id")?, get_u64(&row, "rank")? as u32);
+            let blob: Vec<u8> = row.try_get("manifest")?;
+            let manifest = decode_manifest(&blob, id, rank)?;
+            live.extend(manifest.files.iter().flat_map(|f| f.chunks.iter()).map(|c| c.hash));
+        }
+        Ok(live)
+    }
 }
 
 #[cfg(test)]
@@ -555,6 +694,21 @@ mod tests {
     #[tokio::test]
     async fn stale_pending_is_aborted() {
         conformance::stale_pending_is_aborted(&open().await.1).await;
+    }
+
+    #[tokio::test]
+    async fn retention_and_tags() {
+        conformance::retention_and_tags(&open().await.1).await;
+    }
+
+    #[tokio::test]
+    async fn late_commit_is_refused() {
+        conformance::late_commit_is_refused(&open().await.1).await;
+    }
+
+    #[tokio::test]
+    async fn live_chunks() {
+        conformance::live_chunks(&open().await.1).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

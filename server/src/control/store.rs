@@ -13,6 +13,11 @@
 //!                └──(a new run takes the job's lease; pending timeout; rm)──► ABORTED
 //! ```
 //!
+//! Retention marks COMMITTED checkpoints DELETED (see `RetentionPolicy` in control.proto) in the
+//! transaction that commits a newer one. A commit arriving after the pending timeout (measured
+//! from begin) is refused and the checkpoint aborted, even before the reaper gets to it: garbage
+//! collection's safety argument (`gc.rs`) relies on no checkpoint committing later than that.
+//!
 //! ## Leases and fencing
 //!
 //! A job's writers hold a lease identified by an epoch (see `AcquireLeaseRequest` in
@@ -24,9 +29,11 @@
 //! enforces it). The transition to COMMITTED happens in the same transaction as the insertion of
 //! the last part, so `latest` can never observe a checkpoint with a missing part.
 
+use std::collections::HashSet;
+
 use async_trait::async_trait;
-use starckpt_proto::JobName;
 use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest, TargetRegistration};
+use starckpt_proto::{ChunkHash, JobName};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -103,6 +110,32 @@ pub struct CheckpointRecord {
     pub file_count: u64,
     pub created_at_ms: u64,
     pub committed_at_ms: Option<u64>,
+    /// Sorted.
+    pub tags: Vec<String>,
+}
+
+/// Which committed checkpoints of a job survive; see `RetentionPolicy` in control.proto. The
+/// default (both rules 0) keeps everything.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RetentionPolicy {
+    pub keep_last: u32,
+    pub keep_every: u64,
+}
+
+impl RetentionPolicy {
+    pub fn keeps_everything(&self) -> bool {
+        self.keep_last == 0 && self.keep_every == 0
+    }
+
+    /// Whether the checkpoint at `step`, the `rank`-th most recent committed one (0 = latest),
+    /// survives.
+    pub fn keeps(&self, rank: usize, step: u64, tagged: bool) -> bool {
+        self.keeps_everything()
+            || rank == 0
+            || tagged
+            || (self.keep_last > 0 && rank < self.keep_last as usize)
+            || (self.keep_every > 0 && step.is_multiple_of(self.keep_every))
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -127,9 +160,11 @@ pub trait MetaStore: Send + Sync + 'static {
     async fn acquire_lease(&self, request: &AcquireLease, now_ms: u64) -> MetaResult<LeaseGrant>;
     /// Starts or joins checkpoint (job, step) under the caller's epoch; see `control.proto`.
     async fn begin_checkpoint(&self, request: &BeginCheckpoint, now_ms: u64) -> MetaResult<CheckpointRecord>;
-    /// Adds one rank's part; commits the checkpoint when it is the last. Idempotent for an
-    /// identical part; a different part for the same rank is FailedPrecondition.
-    async fn commit_part(&self, part: &CommitPart, now_ms: u64) -> MetaResult<CheckpointRecord>;
+    /// Adds one rank's part; commits the checkpoint when it is the last, and applies the job's
+    /// retention policy in the same transaction. Idempotent for an identical part; a different
+    /// part for the same rank is FailedPrecondition. A checkpoint begun before `begun_after_ms`
+    /// (the pending timeout) is aborted instead, and FailedPrecondition returned.
+    async fn commit_part(&self, part: &CommitPart, now_ms: u64, begun_after_ms: u64) -> MetaResult<CheckpointRecord>;
     async fn latest(&self, job: &JobName) -> MetaResult<Option<CheckpointRecord>>;
     async fn list_jobs(&self) -> MetaResult<Vec<JobRecord>>;
     async fn list_checkpoints(&self, job: &JobName, include_inactive: bool) -> MetaResult<Vec<CheckpointRecord>>;
@@ -144,6 +179,14 @@ pub trait MetaStore: Send + Sync + 'static {
     /// Aborts pending checkpoints begun before `created_before_ms` (a rank never committed its
     /// part). Returns the aborted checkpoints.
     async fn abort_stale_pending(&self, created_before_ms: u64, now_ms: u64) -> MetaResult<Vec<CheckpointRecord>>;
+
+    /// Sets the job's retention policy and applies it now; returns the steps it deleted.
+    async fn set_retention(&self, job: &JobName, policy: RetentionPolicy, now_ms: u64) -> MetaResult<Vec<u64>>;
+    async fn get_retention(&self, job: &JobName) -> MetaResult<RetentionPolicy>;
+    /// Adds (or removes) `tag` on the committed checkpoint (job, step). NotFound if there is none.
+    async fn tag_checkpoint(&self, job: &JobName, step: u64, tag: &str, remove: bool) -> MetaResult<()>;
+    /// Every chunk hash a part of a pending or committed checkpoint names: GC's mark set.
+    async fn live_chunks(&self) -> MetaResult<HashSet<ChunkHash>>;
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -236,22 +279,22 @@ pub(crate) mod conformance {
             Err(MetaError::FailedPrecondition(_))
         ));
 
-        let after_one = store.commit_part(&part(first.id, 0, "r0.pt", 10), 3).await.unwrap();
+        let after_one = store.commit_part(&part(first.id, 0, "r0.pt", 10), 3, 0).await.unwrap();
         assert_eq!((after_one.state, after_one.parts_committed), (CheckpointState::Pending, 1));
         assert_eq!(store.latest(&job("j")).await.unwrap(), None, "not visible before every rank");
         // Idempotent re-commit; conflicting re-commit; out-of-range rank; unknown checkpoint.
-        store.commit_part(&part(first.id, 0, "r0.pt", 10), 4).await.unwrap();
+        store.commit_part(&part(first.id, 0, "r0.pt", 10), 4, 0).await.unwrap();
         assert!(matches!(
-            store.commit_part(&part(first.id, 0, "other.pt", 10), 4).await,
+            store.commit_part(&part(first.id, 0, "other.pt", 10), 4, 0).await,
             Err(MetaError::FailedPrecondition(_))
         ));
         assert!(matches!(
-            store.commit_part(&part(first.id, 2, "r2.pt", 1), 4).await,
+            store.commit_part(&part(first.id, 2, "r2.pt", 1), 4, 0).await,
             Err(MetaError::InvalidArgument(_))
         ));
-        assert!(matches!(store.commit_part(&part(9999, 0, "x", 1), 4).await, Err(MetaError::NotFound(_))));
+        assert!(matches!(store.commit_part(&part(9999, 0, "x", 1), 4, 0).await, Err(MetaError::NotFound(_))));
 
-        let done = store.commit_part(&part(first.id, 1, "r1.pt", 5), 5).await.unwrap();
+        let done = store.commit_part(&part(first.id, 1, "r1.pt", 5), 5, 0).await.unwrap();
         assert_eq!(done.state, CheckpointState::Committed);
         assert_eq!((done.total_bytes, done.file_count, done.committed_at_ms), (15, 2, Some(5)));
         assert_eq!(done.written_bytes, 10 / 2 + 5 / 2);
@@ -259,7 +302,7 @@ pub(crate) mod conformance {
         assert_eq!((latest.step, latest.id), (100, first.id));
         // Committing again after the commit is still idempotent.
         assert_eq!(
-            store.commit_part(&part(first.id, 1, "r1.pt", 5), 6).await.unwrap().state,
+            store.commit_part(&part(first.id, 1, "r1.pt", 5), 6, 0).await.unwrap().state,
             CheckpointState::Committed
         );
 
@@ -273,11 +316,11 @@ pub(crate) mod conformance {
     pub async fn step_collisions(store: &dyn MetaStore) {
         let epoch = lease(store, "c", "run-1").await.unwrap().epoch;
         let committed = store.begin_checkpoint(&begin("c", 1, 1, epoch), 1).await.unwrap();
-        store.commit_part(&part(committed.id, 0, "f", 1), 2).await.unwrap();
+        store.commit_part(&part(committed.id, 0, "f", 1), 2, 0).await.unwrap();
         assert!(matches!(store.begin_checkpoint(&begin("c", 1, 1, epoch), 3).await, Err(MetaError::AlreadyExists(_))));
 
         let active = store.begin_checkpoint(&begin("c", 2, 1, epoch), 3).await.unwrap();
-        store.commit_part(&part(active.id, 0, "f", 1), 4).await.unwrap();
+        store.commit_part(&part(active.id, 0, "f", 1), 4, 0).await.unwrap();
         let all = store.list_checkpoints(&job("c"), true).await.unwrap();
         assert_eq!(
             all.iter().map(|c| (c.step, c.state)).collect::<Vec<_>>(),
@@ -307,7 +350,7 @@ pub(crate) mod conformance {
         assert_eq!(first, LeaseGrant { epoch: 1, aborted_checkpoints: 0 });
         assert_eq!(lease(store, "f", "run-1").await.unwrap().epoch, 1, "every rank of a run gets the same epoch");
         let old = store.begin_checkpoint(&begin("f", 10, 2, 1), 1).await.unwrap();
-        store.commit_part(&part(old.id, 0, "r0", 1), 2).await.unwrap();
+        store.commit_part(&part(old.id, 0, "r0", 1), 2, 0).await.unwrap();
 
         // The restarted run takes over: epoch 2, the half-written step 10 is aborted.
         let second = lease(store, "f", "run-2").await.unwrap();
@@ -316,7 +359,7 @@ pub(crate) mod conformance {
         assert_eq!(states, vec![CheckpointState::Aborted]);
 
         // The zombie rank 1 of run 1 can neither commit, begin, nor take the lease back.
-        assert!(matches!(store.commit_part(&part(old.id, 1, "r1", 1), 3).await, Err(MetaError::Fenced(_))));
+        assert!(matches!(store.commit_part(&part(old.id, 1, "r1", 1), 3, 0).await, Err(MetaError::Fenced(_))));
         assert!(matches!(store.begin_checkpoint(&begin("f", 11, 2, 1), 3).await, Err(MetaError::Fenced(_))));
         assert!(matches!(lease(store, "f", "run-1").await, Err(MetaError::Fenced(_))));
         assert!(matches!(store.begin_checkpoint(&begin("f", 11, 2, 7), 3).await, Err(MetaError::InvalidArgument(_))));
@@ -328,8 +371,8 @@ pub(crate) mod conformance {
         // The new run saves step 10 again and commits it.
         let new = store.begin_checkpoint(&begin("f", 10, 2, 2), 4).await.unwrap();
         assert_ne!(new.id, old.id);
-        store.commit_part(&part(new.id, 0, "r0", 1), 5).await.unwrap();
-        let done = store.commit_part(&part(new.id, 1, "r1", 1), 5).await.unwrap();
+        store.commit_part(&part(new.id, 0, "r0", 1), 5, 0).await.unwrap();
+        let done = store.commit_part(&part(new.id, 1, "r1", 1), 5, 0).await.unwrap();
         assert_eq!((done.state, done.epoch), (CheckpointState::Committed, 2));
         assert_eq!(store.latest(&job("f")).await.unwrap().unwrap().id, new.id);
         // Leases are per job.
@@ -339,17 +382,112 @@ pub(crate) mod conformance {
     pub async fn stale_pending_is_aborted(store: &dyn MetaStore) {
         let epoch = lease(store, "s", "run").await.unwrap().epoch;
         let stale = store.begin_checkpoint(&begin("s", 1, 2, epoch), 100).await.unwrap();
-        store.commit_part(&part(stale.id, 0, "r0", 1), 101).await.unwrap();
+        store.commit_part(&part(stale.id, 0, "r0", 1), 101, 0).await.unwrap();
         let fresh = store.begin_checkpoint(&begin("s", 2, 1, epoch), 500).await.unwrap();
         let aborted = store.abort_stale_pending(300, 600).await.unwrap();
         assert_eq!(aborted.iter().map(|c| c.id).collect::<Vec<_>>(), vec![stale.id]);
         assert!(matches!(
-            store.commit_part(&part(stale.id, 1, "r1", 1), 601).await,
+            store.commit_part(&part(stale.id, 1, "r1", 1), 601, 0).await,
             Err(MetaError::FailedPrecondition(_))
         ));
-        store.commit_part(&part(fresh.id, 0, "f", 1), 602).await.unwrap();
+        store.commit_part(&part(fresh.id, 0, "f", 1), 602, 0).await.unwrap();
         assert_eq!(store.latest(&job("s")).await.unwrap().unwrap().step, 2);
         assert!(store.abort_stale_pending(1000, 1000).await.unwrap().is_empty(), "committed ones are never reaped");
+    }
+
+    async fn save(store: &dyn MetaStore, job: &str, step: u64, epoch: u64) -> u64 {
+        let record = store.begin_checkpoint(&begin(job, step, 1, epoch), step).await.unwrap();
+        store.commit_part(&part(record.id, 0, "f", 1), step, 0).await.unwrap();
+        record.id
+    }
+
+    fn steps(records: &[CheckpointRecord]) -> Vec<u64> {
+        records.iter().map(|c| c.step).collect()
+    }
+
+    pub async fn retention_and_tags(store: &dyn MetaStore) {
+        let epoch = lease(store, "r", "run").await.unwrap().epoch;
+        assert_eq!(store.get_retention(&job("r")).await.unwrap(), RetentionPolicy::default());
+        for step in 1..=6 {
+            save(store, "r", step, epoch).await;
+        }
+        store.tag_checkpoint(&job("r"), 2, "best", false).await.unwrap();
+        store.tag_checkpoint(&job("r"), 2, "best", false).await.unwrap();
+        store.tag_checkpoint(&job("r"), 2, "epoch-1", false).await.unwrap();
+        assert!(matches!(store.tag_checkpoint(&job("r"), 99, "x", false).await, Err(MetaError::NotFound(_))));
+        assert!(matches!(store.tag_checkpoint(&job("r"), 2, "a,b", false).await, Err(MetaError::InvalidArgument(_))));
+
+        // Keep the last 2 and every 3rd step; the tagged step 2 stays. Applied when set.
+        let policy = RetentionPolicy { keep_last: 2, keep_every: 3 };
+        let deleted = store.set_retention(&job("r"), policy, 10).await.unwrap();
+        assert_eq!(deleted, vec![4, 1]);
+        assert_eq!(store.get_retention(&job("r")).await.unwrap(), policy);
+        let kept = store.list_checkpoints(&job("r"), false).await.unwrap();
+        assert_eq!(steps(&kept), vec![2, 3, 5, 6]);
+        assert_eq!(kept[0].tags, vec!["best".to_string(), "epoch-1".to_string()]);
+
+        // Applied at commit: step 7 pushes step 5 out of the last two.
+        save(store, "r", 7, epoch).await;
+        assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![2, 3, 6, 7]);
+        // Removing both tags lets retention take step 2.
+        store.tag_checkpoint(&job("r"), 2, "best", true).await.unwrap();
+        assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![2, 3, 6, 7]);
+        store.tag_checkpoint(&job("r"), 2, "epoch-1", true).await.unwrap();
+        assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![3, 6, 7]);
+        let all = store.list_checkpoints(&job("r"), true).await.unwrap();
+        assert_eq!(all.iter().filter(|c| c.state == CheckpointState::Deleted).count(), 4);
+
+        // keep_every alone still keeps the latest; clearing the policy keeps everything again.
+        store.set_retention(&job("r"), RetentionPolicy { keep_last: 0, keep_every: 100 }, 20).await.unwrap();
+        assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![7]);
+        store.set_retention(&job("r"), RetentionPolicy::default(), 21).await.unwrap();
+        save(store, "r", 8, epoch).await;
+        assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![7, 8]);
+        // Other jobs are untouched by this job's policy.
+        let other = lease(store, "r2", "run").await.unwrap().epoch;
+        save(store, "r2", 1, other).await;
+        save(store, "r2", 2, other).await;
+        store.set_retention(&job("r"), RetentionPolicy { keep_last: 1, keep_every: 0 }, 22).await.unwrap();
+        assert_eq!(store.list_checkpoints(&job("r2"), false).await.unwrap().len(), 2);
+        assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![8]);
+    }
+
+    pub async fn late_commit_is_refused(store: &dyn MetaStore) {
+        let epoch = lease(store, "late", "run").await.unwrap().epoch;
+        let record = store.begin_checkpoint(&begin("late", 1, 1, epoch), 100).await.unwrap();
+        // Begun at 100; a commit that requires "begun after 150" is too late, even before the reaper.
+        let error = store.commit_part(&part(record.id, 0, "f", 1), 200, 150).await.unwrap_err();
+        assert!(matches!(error, MetaError::FailedPrecondition(_)), "{error}");
+        let all = store.list_checkpoints(&job("late"), true).await.unwrap();
+        assert_eq!(all[0].state, CheckpointState::Aborted);
+        assert_eq!(store.latest(&job("late")).await.unwrap(), None);
+        // A timely one commits.
+        let record = store.begin_checkpoint(&begin("late", 1, 1, epoch), 300).await.unwrap();
+        store.commit_part(&part(record.id, 0, "f", 1), 301, 250).await.unwrap();
+        assert_eq!(store.latest(&job("late")).await.unwrap().unwrap().id, record.id);
+    }
+
+    fn part_with_hash(checkpoint_id: u64, rank: u32, byte: u8) -> CommitPart {
+        let mut part = part(checkpoint_id, rank, "f", 1);
+        part.manifest.files[0].chunks[0].hash = ChunkHash([byte; 32]);
+        part
+    }
+
+    pub async fn live_chunks(store: &dyn MetaStore) {
+        let epoch = lease(store, "g", "run").await.unwrap().epoch;
+        let committed = store.begin_checkpoint(&begin("g", 1, 1, epoch), 1).await.unwrap();
+        store.commit_part(&part_with_hash(committed.id, 0, 1), 2, 0).await.unwrap();
+        let deleted = store.begin_checkpoint(&begin("g", 2, 1, epoch), 3).await.unwrap();
+        store.commit_part(&part_with_hash(deleted.id, 0, 2), 4, 0).await.unwrap();
+        store.delete_checkpoint(&job("g"), 2, 5).await.unwrap();
+        // A pending checkpoint's committed parts are live; an aborted one's are not.
+        let pending = store.begin_checkpoint(&begin("g", 3, 2, epoch), 6).await.unwrap();
+        store.commit_part(&part_with_hash(pending.id, 0, 3), 7, 0).await.unwrap();
+        let aborted = store.begin_checkpoint(&begin("g", 4, 2, epoch), 8).await.unwrap();
+        store.commit_part(&part_with_hash(aborted.id, 0, 4), 9, 0).await.unwrap();
+        store.delete_checkpoint(&job("g"), 4, 10).await.unwrap();
+        let live = store.live_chunks().await.unwrap();
+        assert_eq!(live, [ChunkHash([1; 32]), ChunkHash([3; 32])].into_iter().collect());
     }
 
     pub async fn concurrent_last_parts(store: std::sync::Arc<dyn MetaStore>) {
@@ -359,7 +497,9 @@ pub(crate) mod conformance {
         let tasks: Vec<_> = (0..8)
             .map(|rank| {
                 let store = std::sync::Arc::clone(&store);
-                tokio::spawn(async move { store.commit_part(&part(record.id, rank, &format!("r{rank}"), 1), 2).await })
+                tokio::spawn(
+                    async move { store.commit_part(&part(record.id, rank, &format!("r{rank}"), 1), 2, 0).await },
+                )
             })
             .collect();
         for task in tasks {

@@ -14,11 +14,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
 use starckpt_proto::ChunkHash;
 use starckpt_proto::data::{self, ErrorCode};
-use starckpt_proto::frame::{self, FrameHeader, MAX_BATCH_HASHES, Opcode, ReadFrameError};
+use starckpt_proto::frame::{
+    self, FrameHeader, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, MAX_LIST_ENTRIES, Opcode, ReadFrameError,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
@@ -331,8 +333,38 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
                 Ok(h) => h,
                 Err(response) => return (response, None),
             };
-            match store.delete(hashes).await {
+            let unused_for = (request.unused_for_ms > 0).then(|| Duration::from_millis(request.unused_for_ms));
+            match store.delete(hashes, unused_for).await {
                 Ok(deleted) => (data::Response { deleted, ..Default::default() }, None),
+                Err(error) => (store_error(error), None),
+            }
+        }
+        Opcode::List => {
+            let request: data::ListRequest = match decode(prost_header) {
+                Ok(r) => r,
+                Err(response) => return (response, None),
+            };
+            if request.limit == 0 || request.limit > MAX_LIST_ENTRIES {
+                let message = format!("list limit {} is outside 1..={MAX_LIST_ENTRIES}", request.limit);
+                return (error_response(ErrorCode::BadRequest, message), None);
+            }
+            let after = if request.after.is_empty() {
+                None
+            } else {
+                match ChunkHash::try_from(&request.after[..]) {
+                    Ok(hash) => Some(hash),
+                    Err(error) => return (error_response(ErrorCode::BadRequest, error.to_string()), None),
+                }
+            };
+            match store.list(after, request.limit as usize).await {
+                Ok((page, complete)) => {
+                    let mut payload = BytesMut::with_capacity(page.len() * LIST_ENTRY_BYTES);
+                    for chunk in page {
+                        payload.put_slice(&chunk.hash.0);
+                        payload.put_u64_le(u64::try_from(chunk.unused_for.as_millis()).unwrap_or(u64::MAX));
+                    }
+                    (data::Response { list_complete: complete, ..Default::default() }, Some(payload.freeze()))
+                }
                 Err(error) => (store_error(error), None),
             }
         }

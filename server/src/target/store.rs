@@ -35,6 +35,17 @@
 //!    meanwhile (a concurrent put), the temp file is removed and the put reports it present.
 //! 4. `chunks/ab/` is fsync'd, making the rename durable. Only then is the put acknowledged.
 //!
+//! ## Last use, and garbage collection's guard
+//!
+//! A chunk file's mtime is its last use: a put writes it, and a put that finds the chunk already
+//! stored or a HAS that reports it present sets it to now. GC deletes only chunks unused for
+//! longer than its grace period (`delete(.., Some(unused_for))`), checking the mtime and unlinking
+//! under the same per-chunk lock that HAS and PUT take to refresh it. So a writer that was told
+//! "present" (and will commit a manifest naming the chunk) has refreshed it first, and the chunk
+//! outlives any sweep that could still race with that commit (see `server/src/control/gc.rs`).
+//! The mtime is not fsync'd: after a power loss it may read older than it was, which only makes a
+//! chunk eligible sooner if the writer that relied on it also failed to commit within the grace.
+//!
 //! Crash before 3: a temp file, removed at the next start. Crash between 3 and 4: the chunk may or
 //! may not survive power loss, but it was never acknowledged, so no manifest names it. Readers
 //! never see a partial chunk because the final name only ever appears by an atomic rename of a
@@ -42,8 +53,9 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use starckpt_proto::ChunkHash;
@@ -110,12 +122,38 @@ impl ChunkWrite {
     }
 }
 
+/// Stripes of the per-chunk "last use" lock (see the module docs).
+const USE_LOCK_STRIPES: usize = 64;
+
+/// Serialises refreshing a chunk's last use (HAS, PUT) with GC's check-and-unlink of that chunk.
+struct UseLocks(Vec<Mutex<()>>);
+
+impl UseLocks {
+    fn new() -> UseLocks {
+        UseLocks((0..USE_LOCK_STRIPES).map(|_| Mutex::new(())).collect())
+    }
+
+    fn lock(&self, hash: &ChunkHash) -> MutexGuard<'_, ()> {
+        // The guarded data is (); a poisoned stripe is still a valid lock.
+        self.0[hash.0[1] as usize % USE_LOCK_STRIPES].lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// One chunk in a [`ChunkStore::list`] page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ListedChunk {
+    pub hash: ChunkHash,
+    /// Time since the chunk was last used (written, re-put, or reported present).
+    pub unused_for: Duration,
+}
+
 pub struct ChunkStore {
     root: PathBuf,
     engine: Arc<dyn IoEngine>,
     pool: BufPool,
     chunk_count: AtomicU64,
     used_bytes: AtomicU64,
+    use_locks: Arc<UseLocks>,
 }
 
 impl ChunkStore {
@@ -138,6 +176,7 @@ impl ChunkStore {
             pool: BufPool::new(HEADER_BYTES + chunk_size_bytes, pool_buffers),
             chunk_count: AtomicU64::new(count),
             used_bytes: AtomicU64::new(used),
+            use_locks: Arc::new(UseLocks::new()),
         })
     }
 
@@ -189,7 +228,7 @@ impl ChunkStore {
             return Err(ChunkStoreError::HashMismatch { expected: hash, actual });
         }
         let final_path = self.chunk_path(&hash);
-        if tokio::fs::try_exists(&final_path).await.map_err(io_error("stat", &final_path))? {
+        if self.mark_used(vec![hash]).await? == [true] {
             // A concurrent put may have renamed it in but not yet made the rename durable.
             self.sync_chunk_dirs([hash]).await?;
             return Ok(PutOutcome::AlreadyPresent);
@@ -207,15 +246,29 @@ impl ChunkStore {
             }
             return Err(ChunkStoreError::Io { op: "write", path: temp_path, source });
         }
+        // The rename and, when the chunk is already there, the refresh of its last use happen
+        // under its use lock, so GC cannot unlink it between "exists" and "refreshed".
         let renamed = {
-            let (from, to) = (temp_path.clone(), final_path.clone());
-            tokio::task::spawn_blocking(move || rename_noreplace(&from, &to)).await.map_err(|e| {
-                ChunkStoreError::Io { op: "rename", path: final_path.clone(), source: io::Error::other(e) }
+            let (from, to, locks) = (temp_path.clone(), final_path.clone(), self.use_locks.clone());
+            tokio::task::spawn_blocking(move || {
+                let _guard = locks.lock(&hash);
+                match rename_noreplace(&from, &to) {
+                    Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
+                        touch(&to).map(|_| PutOutcome::AlreadyPresent)
+                    }
+                    other => other.map(|()| PutOutcome::Stored),
+                }
+            })
+            .await
+            .map_err(|e| ChunkStoreError::Io {
+                op: "rename",
+                path: final_path.clone(),
+                source: io::Error::other(e),
             })?
         };
         match renamed {
-            Ok(()) => {}
-            Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
+            Ok(PutOutcome::Stored) => {}
+            Ok(PutOutcome::AlreadyPresent) => {
                 let _ = tokio::fs::remove_file(&temp_path).await;
                 self.sync_chunk_dirs([hash]).await?;
                 return Ok(PutOutcome::AlreadyPresent);
@@ -277,17 +330,42 @@ impl ChunkStore {
     /// Which chunks are stored. A chunk reported present is durable: its directory is fsync'd
     /// first, because a concurrent put may have renamed it in without yet syncing the rename,
     /// and a writer that deduplicates against it will commit a checkpoint naming it.
+    /// A chunk reported present has had its last use refreshed (module docs), so GC keeps it.
     pub async fn has(&self, hashes: Vec<ChunkHash>) -> Result<Vec<bool>, ChunkStoreError> {
-        let paths: Vec<PathBuf> = hashes.iter().map(|h| self.chunk_path(h)).collect();
-        let root = self.root.clone();
-        let present = tokio::task::spawn_blocking(move || {
-            paths.iter().map(|p| p.try_exists()).collect::<io::Result<Vec<bool>>>()
-        })
-        .await
-        .map_err(|e| ChunkStoreError::Io { op: "stat", path: root.clone(), source: io::Error::other(e) })?
-        .map_err(|source| ChunkStoreError::Io { op: "stat", path: root, source })?;
+        let present = self.mark_used(hashes.clone()).await?;
         self.sync_chunk_dirs(hashes.iter().zip(&present).filter(|(_, p)| **p).map(|(h, _)| *h)).await?;
         Ok(present)
+    }
+
+    /// Sets each present chunk's last use to now, under its use lock; false for absent ones.
+    async fn mark_used(&self, hashes: Vec<ChunkHash>) -> Result<Vec<bool>, ChunkStoreError> {
+        let paths: Vec<PathBuf> = hashes.iter().map(|h| self.chunk_path(h)).collect();
+        let (root, locks) = (self.root.clone(), self.use_locks.clone());
+        tokio::task::spawn_blocking(move || {
+            hashes
+                .iter()
+                .zip(&paths)
+                .map(|(hash, path)| {
+                    let _guard = locks.lock(hash);
+                    touch(path).map_err(io_error("touch", path))
+                })
+                .collect::<Result<Vec<bool>, ChunkStoreError>>()
+        })
+        .await
+        .map_err(|e| ChunkStoreError::Io { op: "touch", path: root, source: io::Error::other(e) })?
+    }
+
+    /// One page of stored chunks in ascending hash order, starting after `after`, at most `limit`
+    /// long; the flag is true when no chunks follow.
+    pub async fn list(
+        &self,
+        after: Option<ChunkHash>,
+        limit: usize,
+    ) -> Result<(Vec<ListedChunk>, bool), ChunkStoreError> {
+        let chunks = self.root.join("chunks");
+        tokio::task::spawn_blocking(move || list_chunks(&chunks, after, limit))
+            .await
+            .map_err(|e| ChunkStoreError::Io { op: "list", path: PathBuf::new(), source: io::Error::other(e) })?
     }
 
     /// fsyncs the fan-out directories holding `hashes`, each once.
@@ -299,32 +377,43 @@ impl ChunkStore {
         Ok(())
     }
 
-    /// Deletes chunks; missing ones are skipped. Returns how many were removed.
-    pub async fn delete(&self, hashes: Vec<ChunkHash>) -> Result<u64, ChunkStoreError> {
-        let mut removed = 0;
-        let mut dirs = std::collections::BTreeSet::new();
-        for hash in hashes {
-            let path = self.chunk_path(&hash);
-            let len = match tokio::fs::metadata(&path).await {
-                Ok(meta) => meta.len(),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(source) => return Err(ChunkStoreError::Io { op: "stat", path, source }),
-            };
-            match tokio::fs::remove_file(&path).await {
-                Ok(()) => {
-                    removed += 1;
-                    self.chunk_count.fetch_sub(1, Ordering::Relaxed);
-                    self.used_bytes.fetch_sub(len, Ordering::Relaxed);
-                    dirs.insert(self.chunk_dir(&hash));
+    /// Deletes chunks; missing ones are skipped. With `unused_for`, only chunks whose last use is
+    /// at least that long ago (GC's guard, module docs). Returns how many were removed.
+    pub async fn delete(&self, hashes: Vec<ChunkHash>, unused_for: Option<Duration>) -> Result<u64, ChunkStoreError> {
+        let paths: Vec<PathBuf> = hashes.iter().map(|h| self.chunk_path(h)).collect();
+        let (root, locks) = (self.root.clone(), self.use_locks.clone());
+        let removed = tokio::task::spawn_blocking(move || -> Result<Vec<(ChunkHash, u64)>, ChunkStoreError> {
+            let mut removed = Vec::new();
+            for (hash, path) in hashes.iter().zip(&paths) {
+                let _guard = locks.lock(hash);
+                let meta = match std::fs::metadata(path) {
+                    Ok(meta) => meta,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(source) => return Err(ChunkStoreError::Io { op: "stat", path: path.clone(), source }),
+                };
+                if let Some(unused_for) = unused_for {
+                    let last_use = meta.modified().map_err(io_error("stat", path))?;
+                    if SystemTime::now().duration_since(last_use).unwrap_or_default() < unused_for {
+                        continue;
+                    }
                 }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(source) => return Err(ChunkStoreError::Io { op: "unlink", path, source }),
+                match std::fs::remove_file(path) {
+                    Ok(()) => removed.push((*hash, meta.len())),
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(source) => return Err(ChunkStoreError::Io { op: "unlink", path: path.clone(), source }),
+                }
             }
+            Ok(removed)
+        })
+        .await
+        .map_err(|e| ChunkStoreError::Io { op: "unlink", path: root, source: io::Error::other(e) })??;
+        for (_, len) in &removed {
+            self.chunk_count.fetch_sub(1, Ordering::Relaxed);
+            self.used_bytes.fetch_sub(*len, Ordering::Relaxed);
         }
-        for dir in dirs {
-            self.engine.sync_dir(dir.clone()).await.map_err(io_error("fsync", &dir))?;
-        }
-        Ok(removed)
+        let count = removed.len() as u64;
+        self.sync_chunk_dirs(removed.into_iter().map(|(hash, _)| hash)).await?;
+        Ok(count)
     }
 
     pub fn stats(&self) -> StoreStats {
@@ -356,6 +445,57 @@ fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
     let rc =
         unsafe { libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_NOREPLACE) };
     if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// Sets a file's mtime to now; false if it does not exist.
+fn touch(path: &Path) -> io::Result<bool> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    let now = libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_NOW };
+    let times = [now, now];
+    // SAFETY: c_path is NUL-terminated and times points at two timespecs, as utimensat requires.
+    if unsafe { libc::utimensat(libc::AT_FDCWD, c_path.as_ptr(), times.as_ptr(), 0) } == 0 {
+        return Ok(true);
+    }
+    let error = io::Error::last_os_error();
+    if error.kind() == io::ErrorKind::NotFound { Ok(false) } else { Err(error) }
+}
+
+fn list_chunks(
+    chunks: &Path,
+    after: Option<ChunkHash>,
+    limit: usize,
+) -> Result<(Vec<ListedChunk>, bool), ChunkStoreError> {
+    let now = SystemTime::now();
+    let mut page = Vec::new();
+    for byte in after.map_or(0, |h| h.0[0])..=255u8 {
+        let dir = chunks.join(format!("{byte:02x}"));
+        let mut hashes = Vec::new();
+        for entry in std::fs::read_dir(&dir).map_err(io_error("list", &dir))? {
+            let entry = entry.map_err(io_error("list", &dir))?;
+            // Anything that is not a chunk name (an operator's stray file) is not ours to list.
+            let Some(hash) = entry.file_name().to_str().and_then(|name| ChunkHash::from_hex(name).ok()) else {
+                continue;
+            };
+            if after.is_none_or(|after| hash > after) {
+                hashes.push(hash);
+            }
+        }
+        hashes.sort_unstable();
+        for hash in hashes {
+            if page.len() == limit {
+                return Ok((page, false));
+            }
+            let path = dir.join(hash.to_hex());
+            let last_use = match std::fs::metadata(&path) {
+                Ok(meta) => meta.modified().map_err(io_error("stat", &path))?,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(source) => return Err(ChunkStoreError::Io { op: "stat", path, source }),
+            };
+            page.push(ListedChunk { hash, unused_for: now.duration_since(last_use).unwrap_or_default() });
+        }
+    }
+    Ok((page, true))
 }
 
 /// Creates the layout, clears `tmp/`, and counts chunks and their bytes.
@@ -476,7 +616,7 @@ mod conformance {
         let other = ChunkHash::of(b"absent");
         assert_eq!(store.has(vec![hash, other]).await.unwrap(), vec![true, false]);
         assert!(store.stats().used_bytes >= 10_000);
-        assert_eq!(store.delete(vec![hash, other]).await.unwrap(), 1);
+        assert_eq!(store.delete(vec![hash, other], None).await.unwrap(), 1);
         assert_eq!(store.has(vec![hash]).await.unwrap(), vec![false]);
         assert!(matches!(store.get(hash, 0, 0).await, Err(ChunkStoreError::NotFound { .. })));
         assert_eq!(store.stats(), StoreStats { used_bytes: 0, chunk_count: 0, ..store.stats() });
@@ -544,6 +684,49 @@ mod conformance {
         assert_eq!(store.stats().chunk_count, 1);
     }
 
+    fn set_last_use(store: &ChunkStore, hash: &ChunkHash, ago: Duration) {
+        let file = std::fs::File::options().write(true).open(store.chunk_path(hash)).unwrap();
+        file.set_modified(SystemTime::now() - ago).unwrap();
+    }
+
+    async fn list_pages_and_guarded_delete(kind: EngineKind) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(kind, dir.path()).await;
+        let mut hashes = Vec::new();
+        for seed in 0..5 {
+            hashes.push(put(&store, &random(3000, 100 + seed)).await.0);
+        }
+        hashes.sort();
+        std::fs::write(dir.path().join("chunks").join("00").join("not-a-chunk"), b"x").unwrap();
+        // Pages in hash order, resumable after the last hash of the previous page.
+        let (first, done) = store.list(None, 3).await.unwrap();
+        assert!(!done);
+        let (rest, done) = store.list(Some(first[2].hash), 3).await.unwrap();
+        assert!(done);
+        let listed: Vec<ChunkHash> = first.iter().chain(&rest).map(|c| c.hash).collect();
+        assert_eq!(listed, hashes);
+
+        let hour = Duration::from_secs(3600);
+        for hash in &hashes {
+            set_last_use(&store, hash, hour);
+        }
+        let (all, _) = store.list(None, 10).await.unwrap();
+        assert!(all.iter().all(|c| c.unused_for >= hour - Duration::from_secs(60)), "{all:?}");
+        // HAS and a repeated PUT refresh a chunk's last use, so GC's guarded delete keeps it.
+        assert_eq!(store.has(vec![hashes[0]]).await.unwrap(), vec![true]);
+        let mut again = store.write_buffer(3000).await;
+        let data = (100..105).map(|seed| random(3000, seed)).find(|d| ChunkHash::of(d) == hashes[1]).unwrap();
+        again.data_mut().copy_from_slice(&data);
+        assert_eq!(store.put(hashes[1], again).await.unwrap(), PutOutcome::AlreadyPresent);
+        let deleted = store.delete(hashes.clone(), Some(hour / 2)).await.unwrap();
+        assert_eq!(deleted, 3);
+        assert_eq!(store.has(hashes.clone()).await.unwrap(), vec![true, true, false, false, false]);
+        assert_eq!(store.stats().chunk_count, 2);
+        // Unguarded delete removes recently used chunks too.
+        assert_eq!(store.delete(hashes.clone(), None).await.unwrap(), 2);
+        assert_eq!(store.list(None, 10).await.unwrap(), (vec![], true));
+    }
+
     macro_rules! suite {
         ($engine:ident, $kind:expr) => {
             mod $engine {
@@ -563,6 +746,10 @@ mod conformance {
                 #[tokio::test]
                 async fn corruption_and_restart() {
                     detects_corruption_and_survives_restart($kind).await
+                }
+                #[tokio::test]
+                async fn list_and_guarded_delete() {
+                    list_pages_and_guarded_delete($kind).await
                 }
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn concurrent_puts() {

@@ -1,0 +1,185 @@
+//! Garbage collection: frees the chunks no retained or in-flight checkpoint needs.
+//!
+//! A pass marks, then sweeps:
+//!
+//! 1. **Mark.** Note the time `M`, then read every chunk hash named by a part of a PENDING or
+//!    COMMITTED checkpoint ([`MetaStore::live_chunks`], one snapshot).
+//! 2. **Sweep**, target by target (live ones; a dead target's garbage waits for a later pass):
+//!    page through its chunks (data-plane LIST), and delete, in throttled batches, those that are
+//!    not marked and were last used (written, re-put, or reported present by HAS) before
+//!    `M − grace`. The target checks that condition and unlinks under the chunk's use lock, so
+//!    the check cannot race a HAS or PUT of the same chunk (`target/store.rs`).
+//!
+//! ## Why a chunk a checkpoint needs is never deleted
+//!
+//! - Checkpoints that were PENDING or COMMITTED with parts at the snapshot are marked.
+//! - A part committed after the snapshot belongs to a checkpoint begun at `t0`. Its writer began
+//!   the checkpoint before touching any chunk, and every chunk it names was written, re-put, or
+//!   reported present by HAS after `t0`, so its last use is after `t0`. The control plane refuses
+//!   a commit more than the pending timeout after begin (`MetaStore::commit_part`), and this
+//!   commit came after `M`, so `t0 > M − pending_timeout > M − grace`: the chunk is too recent
+//!   to be swept. This is the "save that deduplicates against a chunk while GC runs" and the
+//!   "commit that lands during a sweep" of the retention tests.
+//! - Hence `grace` must exceed the pending timeout, with room for the delay between this process
+//!   computing the cutoff and a target applying it; [`GcConfig::validate`] demands a minute.
+//!
+//! The mark set is global (a hash named anywhere is kept on every target), which can keep a stray
+//! copy a fallback placement left behind, but never deletes a needed one. Memory: ~100 bytes per
+//! distinct live chunk, ~25 MB per TB of distinct live data at 4 MiB chunks.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use starckpt_client::transport::{ChunkTransport, TcpConfig, TcpTransport, TransportError};
+use starckpt_proto::ChunkHash;
+use starckpt_proto::frame::MAX_LIST_ENTRIES;
+
+use super::store::{MetaResult, MetaStore, TargetRecord};
+
+#[derive(Clone, Debug)]
+pub struct GcConfig {
+    /// Unmarked chunks used within this long are kept. Must exceed the pending timeout by at
+    /// least a minute.
+    pub grace: Duration,
+    /// Chunk deletions per second, over all targets: GC must not starve saves and restores of
+    /// disk operations.
+    pub deletes_per_second: u32,
+}
+
+impl GcConfig {
+    pub fn validate(&self, pending_timeout: Duration) -> Result<(), String> {
+        if self.grace < pending_timeout + Duration::from_secs(60) {
+            return Err(format!(
+                "GC grace period {:?} must exceed the pending timeout {pending_timeout:?} by at least 60 s \
+                 (a save may commit until its pending timeout, naming chunks it relied on)",
+                self.grace
+            ));
+        }
+        if self.deletes_per_second == 0 {
+            return Err("GC deletion rate must be at least 1 per second".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GcReport {
+    pub live_chunks: u64,
+    pub targets_swept: u32,
+    /// Targets skipped or failed, with why.
+    pub target_errors: Vec<String>,
+    pub chunks_listed: u64,
+    pub chunks_deleted: u64,
+    pub chunks_in_grace: u64,
+    pub duration: Duration,
+}
+
+/// Spaces deletions out to at most `per_second`.
+struct Throttle {
+    per_second: u32,
+    started: Instant,
+    granted: u64,
+}
+
+impl Throttle {
+    fn batch(&self) -> usize {
+        (self.per_second as usize / 10).clamp(1, 1024)
+    }
+
+    async fn admit(&mut self, count: usize) {
+        self.granted += count as u64;
+        let due = Duration::from_secs_f64(self.granted as f64 / f64::from(self.per_second));
+        if let Some(wait) = due.checked_sub(self.started.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+/// Runs one pass over `targets` (those the caller considers alive), with the data-plane address
+/// of each.
+pub async fn collect(
+    store: &dyn MetaStore,
+    targets: Vec<(TargetRecord, Option<SocketAddr>)>,
+    config: &GcConfig,
+) -> MetaResult<GcReport> {
+    let started = Instant::now();
+    let marked_at = Instant::now();
+    let live = store.live_chunks().await?;
+    let mut report = GcReport { live_chunks: live.len() as u64, ..GcReport::default() };
+    let mut throttle = Throttle { per_second: config.deletes_per_second, started: Instant::now(), granted: 0 };
+    for (target, address) in targets {
+        let Some(address) = address else {
+            report.target_errors.push(format!("{}: not alive, skipped", target.target_id));
+            continue;
+        };
+        let transport = TcpTransport::new(address, TcpConfig { connections_per_target: 1, ..TcpConfig::default() });
+        match sweep(&transport, &live, marked_at, config, &mut throttle, &mut report).await {
+            Ok(()) => report.targets_swept += 1,
+            Err(error) => {
+                tracing::warn!(target = %target.target_id, %error, "GC sweep of a target failed");
+                report.target_errors.push(format!("{}: {error}", target.target_id));
+            }
+        }
+    }
+    report.duration = started.elapsed();
+    tracing::info!(?report, "garbage collection pass done");
+    Ok(report)
+}
+
+async fn sweep(
+    transport: &dyn ChunkTransport,
+    live: &HashSet<ChunkHash>,
+    marked_at: Instant,
+    config: &GcConfig,
+    throttle: &mut Throttle,
+    report: &mut GcReport,
+) -> Result<(), TransportError> {
+    let mut after = None;
+    let mut doomed = Vec::new();
+    loop {
+        let page = transport.list(after, MAX_LIST_ENTRIES).await?;
+        after = page.chunks.last().map(|(hash, _)| *hash);
+        for (hash, unused_for) in page.chunks {
+            report.chunks_listed += 1;
+            if live.contains(&hash) {
+                continue;
+            }
+            // Last used before M − grace, as of now: unused for longer than grace + (now − M).
+            if unused_for < config.grace + marked_at.elapsed() {
+                report.chunks_in_grace += 1;
+                continue;
+            }
+            doomed.push(hash);
+            if doomed.len() >= throttle.batch() {
+                delete(transport, &mut doomed, marked_at, config, throttle, report).await?;
+            }
+        }
+        if page.complete || after.is_none() {
+            break;
+        }
+    }
+    delete(transport, &mut doomed, marked_at, config, throttle, report).await
+}
+
+async fn delete(
+    transport: &dyn ChunkTransport,
+    doomed: &mut Vec<ChunkHash>,
+    marked_at: Instant,
+    config: &GcConfig,
+    throttle: &mut Throttle,
+    report: &mut GcReport,
+) -> Result<(), TransportError> {
+    if doomed.is_empty() {
+        return Ok(());
+    }
+    throttle.admit(doomed.len()).await;
+    // The guard is computed after the throttle's wait, so it still means "before M − grace".
+    let guard = config.grace + marked_at.elapsed();
+    let deleted = transport.delete(doomed, Some(guard)).await?;
+    // Chunks used since listing were kept by the target; count them with the recent ones.
+    report.chunks_in_grace += doomed.len() as u64 - deleted.min(doomed.len() as u64);
+    report.chunks_deleted += deleted;
+    doomed.clear();
+    Ok(())
+}
