@@ -88,6 +88,39 @@ async fn a_save_larger_than_staging_memory_streams_through_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lent_bytes_are_staged_during_the_call_so_the_caller_may_change_them() {
+    let (_dir, cluster, client) = cluster(2, |c| {
+        c.chunk_size_bytes = 64 * 1024;
+        // Smaller than the state: the lent bytes stream through the pool during the call.
+        c.staging_bytes = 256 * 1024;
+    })
+    .await;
+    let mut weights = random(700_001, 7);
+    let mut moments = random(300_000, 8);
+    let (weights_at_save, moments_at_save) = (weights.clone(), moments.clone());
+    let part = SavePart::new("lent", 1).buffer("meta.json", Bytes::from_static(b"{}")).unwrap();
+    let handle = client.save_borrowed(part, &[("w.bf16", &weights), ("m.fp32", &moments)]).await.unwrap();
+    assert_eq!(handle.progress().copied_bytes.load(Ordering::Relaxed), 2 + 700_001 + 300_000);
+    // The trainer goes on and overwrites its state while the upload runs.
+    weights.iter_mut().for_each(|b| *b = b.wrapping_add(1));
+    moments.fill(0);
+    assert!(handle.wait().await.unwrap().committed());
+    let manifest = client.manifest("lent", Some(1)).await.unwrap();
+    assert_eq!(&client.read_file(&manifest, "w.bf16").await.unwrap()[..], &weights_at_save[..]);
+    assert_eq!(&client.read_file(&manifest, "m.fp32").await.unwrap()[..], &moments_at_save[..]);
+    assert_eq!(&client.read_file(&manifest, "meta.json").await.unwrap()[..], b"{}");
+
+    // A path given twice, or one that could escape the restore directory, is refused up front.
+    let part = SavePart::new("lent", 2).buffer("w.bf16", Bytes::from_static(b"x")).unwrap();
+    let error = client.save_borrowed(part, &[("w.bf16", &weights)]).await.unwrap_err();
+    assert!(error.to_string().contains("saved twice"), "{error}");
+    let error = client.save_borrowed(SavePart::new("lent", 2), &[("../w", &weights)]).await.unwrap_err();
+    assert!(matches!(error, Error::Invalid(_)), "{error:?}");
+    assert_eq!(client.latest("lent").await.unwrap().unwrap().step, 1);
+    cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handle_reports_dedup_and_metadata_round_trips() {
     let (_dir, cluster, client) = cluster(3, |c| c.chunk_size_bytes = 128 * 1024).await;
     let frozen = Bytes::from(random(1 << 20, 3));
