@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use clap::Parser;
 use serde_json::json;
-use starckpt_client::{Client, ClientConfig, SaveHandle, SaveOutcome, SavePart};
+use starckpt_client::{Client, ClientConfig, RetentionPolicy, SaveHandle, SaveOutcome, SavePart};
 
 #[derive(Parser)]
 #[command(about = "Synthetic mixed-precision Adam trainer checkpointing through starckpt")]
@@ -62,6 +62,10 @@ struct Args {
     staging_mib: Option<usize>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Retention: keep the last N checkpoints of the job (0: keep all). Older ones are deleted at
+    /// each commit and their chunks freed by garbage collection after its grace period.
+    #[arg(long, default_value_t = 3)]
+    keep_last: u32,
 }
 
 /// Parameters per tensor at most: a 4096 x 4096 projection.
@@ -258,6 +262,9 @@ async fn main() -> anyhow::Result<()> {
     client.warm_staging(client.config().staging_bytes);
     let mut scratch = vec![1u8; state_bytes];
 
+    if args.keep_last > 0 {
+        client.set_retention(&args.job, RetentionPolicy { keep_last: args.keep_last, keep_every: 0 }).await?;
+    }
     let resumed = match client.latest(&args.job).await? {
         Some(latest) => {
             let started = Instant::now();
