@@ -348,6 +348,26 @@ fn bad_requests_get_clear_errors() {
     let stderr = cluster.fails(&["save", "--job", "j", "--step", "1", "/definitely/not/here"]);
     assert!(stderr.contains("/definitely/not/here"), "{stderr}");
 
+    // Bad save arguments: the step must be a non-negative integer, the rank inside the world.
+    let file = cluster.dir.path().join("f");
+    std::fs::write(&file, b"data").unwrap();
+    let file = file.to_str().unwrap();
+    for step in ["--step=-5", "--step=abc", "--step=1.5"] {
+        let stderr = cluster.fails(&["save", "--job", "j", step, file]);
+        assert!(stderr.contains("invalid value"), "{step}: {stderr}");
+    }
+    let ranks = |rank: &'static str, world: &'static str| {
+        ["save", "--job", "j", "--step", "3", "--rank", rank, "--world-size", world, "--run-id", "run", file]
+    };
+    let stderr = cluster.fails(&ranks("2", "2"));
+    assert!(stderr.contains("rank 2 is outside world size 2"), "{stderr}");
+    let stderr = cluster.fails(&ranks("0", "0"));
+    assert!(stderr.contains("world size"), "{stderr}");
+    // Ranks of one checkpoint that disagree on the world size.
+    cluster.ok(&ranks("0", "2"));
+    let stderr = cluster.fails(&ranks("1", "3"));
+    assert!(stderr.contains("was begun with world size 2, not 3"), "{stderr}");
+
     // The control plane is unreachable.
     let output = common::cli_with_server("127.0.0.1:1", &["ls"]);
     assert!(!output.status.success());
@@ -411,6 +431,23 @@ async fn malformed_grpc_requests_are_invalid_argument() {
         .unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert!(client.latest(LatestRequest { job: "j".into() }).await.unwrap().into_inner().checkpoint.is_none());
+
+    // A commit after the checkpoint was aborted (here by `rm` of the pending step) is refused.
+    client.delete_checkpoint(DeleteCheckpointRequest { job: "j".into(), step: 1 }).await.unwrap();
+    let status = client
+        .commit_part(CommitPartRequest { checkpoint_id: id, rank: 0, manifest: Some(manifest("ok")), written_bytes: 0 })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+    assert!(status.message().contains("is aborted"), "{status:?}");
+    // Retention and tags validate their input too.
+    let status = client.set_retention(SetRetentionRequest { job: "j".into(), policy: None }).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    let status = client
+        .tag_checkpoint(TagCheckpointRequest { job: "j".into(), step: 1, tag: "x".repeat(65), remove: false })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
 
     // Raw garbage on the gRPC port: the server drops that connection and keeps serving.
     let mut raw = TcpStream::connect(&cluster.server.address).unwrap();
