@@ -96,10 +96,15 @@ async fn the_example_trainer_resumes_after_sigkill_mid_upload() {
     for event in events.iter().filter(|e| e["event"] == "saved") {
         assert!(event["written_bytes"].as_u64().unwrap() < event["bytes"].as_u64().unwrap(), "{event}");
     }
-    // The killed run's half-uploaded step 6 was aborted when the new run took over.
+    // The killed run's half-uploaded step 6 was aborted when the new run took over; the trainer's
+    // retention (keep the last 3) deleted the older committed ones.
     let all = client.list_checkpoints("resume", true).await.unwrap();
-    let sixes: Vec<i32> = all.iter().filter(|c| c.step == 6).map(|c| c.state).collect();
-    assert_eq!(sixes, vec![CheckpointState::Aborted as i32, CheckpointState::Committed as i32]);
+    let in_state = |state: CheckpointState| -> Vec<u64> {
+        all.iter().filter(|c| c.state == state as i32).map(|c| c.step).collect()
+    };
+    assert_eq!(in_state(CheckpointState::Aborted), vec![6]);
+    assert_eq!(in_state(CheckpointState::Committed), vec![8, 10, 12]);
+    assert_eq!(in_state(CheckpointState::Deleted), vec![2, 4, 6]);
 
     // A third start resumes from the final step, verifying it too, and has nothing left to do.
     let (mut child, mut stdout) = start_trainer(&server);
