@@ -27,14 +27,28 @@ fn banner(text: &str) {
     let _ = stdout.flush();
 }
 
-/// Resolves on SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = async { match term.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => {}
+/// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when the
+/// future is first polled: call it before announcing readiness, or a signal sent right after the
+/// announcement would kill the process instead of shutting it down.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let term = signal(SignalKind::terminate()).ok();
+    let int = signal(SignalKind::interrupt()).ok();
+    async move {
+        let wait = |s: Option<tokio::signal::unix::Signal>| async move {
+            match s {
+                Some(mut s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = wait(term) => {}
+            _ = wait(int) => {}
+        }
+        tracing::info!("shutting down");
     }
-    tracing::info!("shutting down");
 }
 
 pub struct ServerArgs {
@@ -50,6 +64,7 @@ pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<
     gc.validate(args.pending_timeout).map_err(anyhow::Error::msg)?;
     let store = starckpt_server::control::open_store(db).await?;
     let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
+    let shutdown = shutdown_signal();
     // The address line is for scripts and tests that listen on port 0.
     banner(&format!("control plane listening on {}", listener.local_addr()?));
     let config = ControlConfig {
@@ -58,7 +73,7 @@ pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<
         gc_interval: args.gc_interval,
         ..Default::default()
     };
-    starckpt_server::control::run(listener, store, config, shutdown_signal()).await
+    starckpt_server::control::run(listener, store, config, shutdown).await
 }
 
 pub async fn target(
@@ -72,9 +87,10 @@ pub async fn target(
     let mut config = TargetConfig::new(dir, server.to_owned());
     config.advertise = advertise;
     config.engine = engine;
+    let shutdown = shutdown_signal();
     // The address line is for scripts and tests that start targets on port 0.
     banner(&format!("target data plane listening on {}", listener.local_addr()?));
-    starckpt_server::target::run(config, listener, shutdown_signal()).await
+    starckpt_server::target::run(config, listener, shutdown).await
 }
 
 pub async fn dev(data: &Path, targets: usize, listen: &str, engine: EngineKind) -> anyhow::Result<()> {
@@ -92,9 +108,10 @@ pub async fn dev(data: &Path, targets: usize, listen: &str, engine: EngineKind) 
         text.push_str(&format!("\n  target-{index}: {address}"));
     }
     text.push_str(&format!("\n\nUse it from another shell:\n  export STARCKPT_SERVER={}", cluster.control_address));
+    let shutdown = shutdown_signal();
     banner(&text);
     tokio::select! {
-        _ = shutdown_signal() => cluster.shutdown().await,
+        _ = shutdown => cluster.shutdown().await,
         error = cluster.failed() => Err(error),
     }
 }
@@ -412,6 +429,29 @@ pub async fn gc(server: &str, out: &Output) -> anyhow::Result<()> {
     for error in &report.target_errors {
         println!("  not swept: {error}");
     }
+    Ok(())
+}
+
+pub async fn mount(server: &str, mountpoint: &Path, threads: usize, read_ahead_chunks: usize) -> anyhow::Result<()> {
+    let client = connect(server, None).await?;
+    let config = starckpt_fuse::MountConfig { read_ahead_chunks, ..Default::default() };
+    let runtime = tokio::runtime::Handle::current();
+    let mounted = starckpt_fuse::mount(client, runtime, mountpoint, config, threads)?;
+    let mut signal = std::pin::pin!(shutdown_signal());
+    banner(&format!("starckpt mounted at {} (control plane {server})", mountpoint.display()));
+    loop {
+        tokio::select! {
+            _ = &mut signal => break,
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                if !mounted.is_mounted() {
+                    tracing::info!("unmounted from outside");
+                    break;
+                }
+            }
+        }
+    }
+    // The request threads block on this runtime: wait for them off its worker threads.
+    tokio::task::spawn_blocking(move || mounted.unmount()).await??;
     Ok(())
 }
 

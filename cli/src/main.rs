@@ -151,6 +151,17 @@ enum Command {
     },
     /// Run a garbage-collection pass now: free chunks no retained or in-flight checkpoint needs.
     Gc,
+    /// Mount the checkpoints as a filesystem at MOUNTPOINT (e.g. /ckpt) until SIGTERM/SIGINT or
+    /// `fusermount3 -u MOUNTPOINT`. Layout and rules: `fuse/src/lib.rs`.
+    Mount {
+        mountpoint: PathBuf,
+        /// Threads serving requests.
+        #[arg(long, default_value_t = 4)]
+        threads: usize,
+        /// Chunks read ahead of a sequential reader.
+        #[arg(long, default_value_t = 4)]
+        read_ahead_chunks: usize,
+    },
     /// Targets, their capacity and health.
     Status,
     /// Start a throwaway cluster, save a multi-GB synthetic state at a few steps, simulate a
@@ -173,7 +184,7 @@ fn init_logging(verbose: u8, default: &str) {
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_level = match cli.command {
-        Command::Server { .. } | Command::Target { .. } | Command::Dev { .. } => "info",
+        Command::Server { .. } | Command::Target { .. } | Command::Dev { .. } | Command::Mount { .. } => "info",
         // The demo kills its own cluster on purpose; the warnings that provokes are expected.
         Command::Demo(_) => "error",
         _ => "warn",
@@ -239,6 +250,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Tag { job, step, tag, remove } => commands::tag(&cli.server, &job, step, &tag, remove).await,
         Command::Gc => commands::gc(&cli.server, &out).await,
+        Command::Mount { mountpoint, threads, read_ahead_chunks } => {
+            commands::mount(&cli.server, &mountpoint, threads, read_ahead_chunks).await
+        }
         Command::Status => commands::status(&cli.server, &out).await,
         Command::Demo(args) => demo::run(args).await,
     }

@@ -28,6 +28,7 @@ mod manager;
 pub mod placement;
 mod restore;
 mod save;
+mod stream;
 pub mod transport;
 
 use std::collections::HashMap;
@@ -49,6 +50,7 @@ pub use starckpt_proto::control::{
     CheckpointInfo, CheckpointState, CollectGarbageResponse as GcReport, JobInfo, RetentionPolicy, TargetInfo,
     TargetState,
 };
+pub use stream::{StreamedFile, StreamingFile};
 use transport::{ChunkTransport, TcpConfig, TcpTransport};
 
 /// Client configuration. Every field has a default chosen for one trainer process on a host with

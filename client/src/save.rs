@@ -305,14 +305,51 @@ struct StagedChunk {
     data: Bytes,
 }
 
+/// The targets a save places chunks on, in the order the control plane offered them.
 #[derive(Clone)]
-struct Placement {
-    ids: Vec<String>,
-    transports: Vec<Arc<dyn ChunkTransport>>,
-    addresses: Vec<String>,
+pub(crate) struct Placement {
+    pub(crate) ids: Vec<String>,
+    pub(crate) transports: Vec<Arc<dyn ChunkTransport>>,
+    pub(crate) addresses: Vec<String>,
 }
 
 impl Client {
+    /// Sends one rank's manifest; says whether that completed the checkpoint.
+    pub(crate) async fn commit_manifest(
+        &self,
+        checkpoint_id: u64,
+        rank: u32,
+        manifest: &Manifest,
+        written_bytes: u64,
+    ) -> Result<CommitState> {
+        let response = self
+            .control()
+            .commit_part(pb::CommitPartRequest {
+                checkpoint_id,
+                rank,
+                manifest: Some(pb::Manifest::from(manifest)),
+                written_bytes,
+            })
+            .await
+            .map_err(self.status("commit part"))?
+            .into_inner();
+        Ok(if response.state == pb::CheckpointState::Committed as i32 {
+            CommitState::Committed
+        } else {
+            CommitState::WaitingForRanks { parts_committed: response.parts_committed, world_size: response.world_size }
+        })
+    }
+
+    pub(crate) fn placement(&self, targets: &[pb::TargetInfo]) -> Result<Placement> {
+        let mut placement = Placement { ids: vec![], transports: vec![], addresses: vec![] };
+        for target in targets {
+            placement.transports.push(self.transport(&target.target_id, &target.data_address)?);
+            placement.ids.push(target.target_id.clone());
+            placement.addresses.push(target.data_address.clone());
+        }
+        Ok(placement)
+    }
+
     /// Starts saving a part. Returns once every byte is copied into staging buffers; the returned
     /// handle resolves when the part is committed (and says whether that completed the checkpoint).
     ///
@@ -387,12 +424,7 @@ impl Client {
             .await
             .map_err(self.status("begin checkpoint"))?
             .into_inner();
-        let mut placement = Placement { ids: vec![], transports: vec![], addresses: vec![] };
-        for target in &begin.placement {
-            placement.transports.push(self.transport(&target.target_id, &target.data_address)?);
-            placement.ids.push(target.target_id.clone());
-            placement.addresses.push(target.data_address.clone());
-        }
+        let placement = self.placement(&begin.placement)?;
 
         let progress = Arc::new(SaveProgress::default());
         // Every message holds a staging buffer, so the pool already bounds this queue; a smaller
@@ -446,25 +478,8 @@ impl Client {
                     }
                 }
             }
-            let response = client
-                .control()
-                .commit_part(pb::CommitPartRequest {
-                    checkpoint_id,
-                    rank: part.rank,
-                    manifest: Some(pb::Manifest::from(&manifest)),
-                    written_bytes: task_progress.uploaded_bytes.load(Ordering::Relaxed),
-                })
-                .await
-                .map_err(client.status("commit part"))?
-                .into_inner();
-            let state = if response.state == pb::CheckpointState::Committed as i32 {
-                CommitState::Committed
-            } else {
-                CommitState::WaitingForRanks {
-                    parts_committed: response.parts_committed,
-                    world_size: response.world_size,
-                }
-            };
+            let written = task_progress.uploaded_bytes.load(Ordering::Relaxed);
+            let state = client.commit_manifest(checkpoint_id, part.rank, &manifest, written).await?;
             Ok(SaveOutcome {
                 checkpoint_id,
                 job: part.job,
@@ -709,7 +724,12 @@ async fn upload_all(
 /// Hashes one staged chunk and makes it durable on the first target (in rendezvous order) that
 /// accepts it. A target that is unreachable or full is skipped for the next candidate; the
 /// manifest records where the chunk really went.
-async fn upload_one(client: &Client, data: Bytes, placement: &Placement, progress: &SaveProgress) -> Result<ChunkRef> {
+pub(crate) async fn upload_one(
+    client: &Client,
+    data: Bytes,
+    placement: &Placement,
+    progress: &SaveProgress,
+) -> Result<ChunkRef> {
     let length = data.len() as u64;
     let hashed = data.clone();
     let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed))

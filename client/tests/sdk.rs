@@ -121,6 +121,56 @@ async fn lent_bytes_are_staged_during_the_call_so_the_caller_may_change_them() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_files_commit_together_and_a_collected_chunk_fails_the_commit() {
+    let (_dir, cluster, client) = cluster(2, |c| {
+        c.chunk_size_bytes = 64 * 1024;
+        c.staging_bytes = 256 * 1024;
+    })
+    .await;
+    let data = random(1_000_000, 9);
+    let mut stream = client.streaming_file().await.unwrap();
+    for piece in data.chunks(7_777) {
+        stream.write(piece).await.unwrap();
+    }
+    stream.sync().await.unwrap();
+    stream.write(b"tail").await.unwrap();
+    assert_eq!(stream.size(), 1_000_004);
+    let first = stream.finish("a/big.bin".try_into().unwrap(), 0o600).await.unwrap();
+    // sync cut a partial chunk: 15 full chunks, the 16th up to the sync, then "tail".
+    assert_eq!(first.chunks.len(), 17);
+    let empty = client.streaming_file().await.unwrap().finish("empty".try_into().unwrap(), 0).await.unwrap();
+    let outcome = client
+        .commit_streamed("streamed", 3, vec![first.clone(), empty], vec!["dir".try_into().unwrap()], Default::default())
+        .await
+        .unwrap();
+    assert!(outcome.committed());
+    let manifest = client.manifest("streamed", Some(3)).await.unwrap();
+    let mut expected = data.clone();
+    expected.extend_from_slice(b"tail");
+    assert_eq!(&client.read_file(&manifest, "a/big.bin").await.unwrap()[..], &expected[..]);
+    assert_eq!(manifest.file("a/big.bin").unwrap().mode, 0o600);
+    assert_eq!(manifest.file("empty").unwrap().size_bytes, 0);
+
+    // A chunk that vanished from its target (collected) fails the commit; nothing is committed.
+    let mut stream = client.streaming_file().await.unwrap();
+    stream.write(&random(100_000, 10)).await.unwrap();
+    let lost = stream.finish("lost.bin".try_into().unwrap(), 0).await.unwrap();
+    let chunk = &lost.chunks[0];
+    let target = client.targets().await.unwrap().into_iter().find(|t| t.target_id == chunk.replicas[0]).unwrap();
+    let transport =
+        starckpt_client::transport::TcpTransport::new(target.data_address.parse().unwrap(), Default::default());
+    use starckpt_client::transport::ChunkTransport;
+    assert_eq!(transport.delete(&[chunk.hash], None).await.unwrap(), 1);
+    let error = client.commit_streamed("streamed", 4, vec![lost], vec![], Default::default()).await.unwrap_err();
+    assert!(error.to_string().contains("no longer on target"), "{error}");
+    assert_eq!(client.latest("streamed").await.unwrap().unwrap().step, 3);
+    let attempts = client.list_checkpoints("streamed", true).await.unwrap();
+    let four: Vec<i32> = attempts.iter().filter(|c| c.step == 4).map(|c| c.state).collect();
+    assert_eq!(four, vec![starckpt_client::CheckpointState::Aborted as i32]);
+    cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handle_reports_dedup_and_metadata_round_trips() {
     let (_dir, cluster, client) = cluster(3, |c| c.chunk_size_bytes = 128 * 1024).await;
     let frozen = Bytes::from(random(1 << 20, 3));

@@ -1,0 +1,258 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
+//! The FUSE mount for real: `starckpt mount` as a process over a cluster of processes, driven by
+//! the tools people use (cp, mv, tar, sha256sum, rsync, python, numpy or torch).
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Cluster, random_bytes, tree};
+
+/// A `starckpt mount` process; unmounted (lazily, if it died) when dropped.
+struct Mounted {
+    child: Child,
+    point: PathBuf,
+}
+
+impl Mounted {
+    fn start(cluster: &Cluster, point: &Path) -> Mounted {
+        std::fs::create_dir_all(point).unwrap();
+        let log = std::fs::File::create(cluster.dir.path().join("mount.log")).unwrap();
+        let mut child = Command::new(common::BIN)
+            .args(["mount", point.to_str().unwrap()])
+            .env("STARCKPT_SERVER", &cluster.server.address)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(
+            line.contains("mounted at"),
+            "mount did not come up: {line:?}; log: {}",
+            std::fs::read_to_string(cluster.dir.path().join("mount.log")).unwrap_or_default()
+        );
+        Mounted { child, point: point.to_path_buf() }
+    }
+
+    /// Waits for the process to exit and asserts it exited cleanly.
+    fn wait_clean_exit(&mut self, log: &Path) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "mount exited with {status}: {}", std::fs::read_to_string(log).unwrap());
+                return;
+            }
+            assert!(Instant::now() < deadline, "the mount process did not exit");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = Command::new("umount").arg("-l").arg(&self.point).output();
+    }
+}
+
+fn sh(script: &str) -> Output {
+    Command::new("bash").args(["-c", script]).output().unwrap()
+}
+
+fn sh_ok(script: &str) -> String {
+    let output = sh(script);
+    assert!(
+        output.status.success(),
+        "{script}: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// Runs a Python snippet; returns its stdout.
+fn python(script: &str) -> String {
+    let output = Command::new("python3").args(["-c", script]).output().unwrap();
+    assert!(output.status.success(), "python failed: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// The OS error a failed Python operation raised, as its errno name.
+fn python_errno(script: &str) -> String {
+    let wrapped = format!(
+        "import errno, os, sys\ntry:\n{}\n    print('no error')\nexcept OSError as e:\n    print(errno.errorcode[e.errno])",
+        script.lines().map(|l| format!("    {l}")).collect::<Vec<_>>().join("\n")
+    );
+    python(&wrapped).trim().to_owned()
+}
+
+fn make_tree(root: &Path) {
+    for (path, len, seed) in
+        [("model/weights.bin", 5 << 20, 1), ("model/deep/a/b.bin", 300_001, 2), ("optim.pt", 4096, 3), ("empty", 0, 4)]
+    {
+        let path = root.join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, random_bytes(len, seed)).unwrap();
+    }
+    std::fs::create_dir_all(root.join("logs/empty-dir")).unwrap();
+}
+
+#[test]
+fn checkpoints_through_the_mount_with_everyday_tools() {
+    let cluster = Cluster::start(2);
+    let mount = Mounted::start(&cluster, &cluster.dir.path().join("ckpt"));
+    let source = cluster.dir.path().join("source");
+    make_tree(&source);
+    let (m, src) = (mount.point.to_str().unwrap().to_owned(), source.to_str().unwrap().to_owned());
+
+    // cp -r into a temporary directory, then rename: one atomic commit.
+    sh_ok(&format!("mkdir -p {m}/llama && mkdir {m}/llama/step_100.tmp && cp -r {src}/. {m}/llama/step_100.tmp/"));
+    let listed = cluster.json(&["ls", "llama", "--all"]);
+    assert!(listed.as_array().unwrap().is_empty(), "nothing is committed before the rename: {listed}");
+    sh_ok(&format!("mv {m}/llama/step_100.tmp {m}/llama/step_100"));
+    let listed = cluster.json(&["ls", "llama"]);
+    assert_eq!((listed[0]["step"].as_u64(), listed[0]["state"].as_str()), (Some(100), Some("committed")));
+    assert_eq!(listed[0]["files"], 4);
+    // Restorable with the CLI, and readable back out with cp, tar, sha256sum and rsync.
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "llama", "--step", "100", "--to", restored.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&restored));
+    let copied = cluster.dir.path().join("copied");
+    sh_ok(&format!("cp -r {m}/llama/100 {}", copied.display()));
+    assert_eq!(tree(&source), tree(&copied));
+    let through_mount = sh_ok(&format!("cd {m}/llama/100 && tar cf - . | tar tf - | sort"));
+    let from_source = sh_ok(&format!("cd {src} && tar cf - . | tar tf - | sort"));
+    assert_eq!(through_mount, from_source);
+    let sums = |dir: &str| sh_ok(&format!("cd {dir} && find . -type f | sort | xargs sha256sum"));
+    assert_eq!(sums(&format!("{m}/llama/100")), sums(&src));
+    let synced = cluster.dir.path().join("synced");
+    sh_ok(&format!("rsync -a {m}/llama/100/ {}/", synced.display()));
+    assert_eq!(tree(&source), tree(&synced));
+    assert_eq!(sh_ok(&format!("readlink {m}/llama/latest")).trim(), "100");
+    assert!(sh_ok(&format!("ls {m}")).lines().any(|l| l == "llama"));
+
+    // Python open/write/read: a file written straight into the job is a one-file checkpoint.
+    let out = python(&format!(
+        "data = bytes(range(256)) * 40000\nwith open('{m}/llama/py_200.bin', 'wb') as f:\n    f.write(data[:5000])\n    \
+         f.write(data[5000:])\nassert open('{m}/llama/200/py_200.bin', 'rb').read() == data\nassert \
+         open('{m}/llama/py_200.bin', 'rb').read() == data\nprint('ok')"
+    ));
+    assert_eq!(out.trim(), "ok");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while sh_ok(&format!("readlink {m}/llama/latest")).trim() != "200" {
+        assert!(Instant::now() < deadline, "latest did not move to the new checkpoint");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // torch.save/torch.load through the mount where torch is installed, numpy.save/load elsewhere.
+    let has_torch = Command::new("python3").args(["-c", "import torch"]).output().unwrap().status.success();
+    let out = if has_torch {
+        python(&format!(
+            "import torch\nsd = {{'w': torch.arange(1000000, dtype=torch.float32), 'b': torch.ones(3, dtype=torch.bfloat16)}}\n\
+             torch.save(sd, '{m}/llama/model_300.pt')\nback = torch.load('{m}/llama/300/model_300.pt')\n\
+             assert all(torch.equal(sd[k], back[k]) for k in sd)\nprint('ok')"
+        ))
+    } else {
+        python(&format!(
+            "import numpy as np\na = np.arange(1000000, dtype=np.float32).reshape(1000, 1000)\n\
+             np.save('{m}/llama/model_300.npy', a)\nb = np.load('{m}/llama/300/model_300.npy')\n\
+             assert b.dtype == a.dtype and b.shape == a.shape and (a == b).all()\nprint('ok')"
+        ))
+    };
+    assert_eq!(out.trim(), "ok");
+
+    // A 1 GiB file written and read back.
+    let big = cluster.dir.path().join("big.bin");
+    sh_ok(&format!("head -c 1G /dev/urandom > {}", big.display()));
+    sh_ok(&format!(
+        "mkdir {m}/llama/big.tmp && cp {} {m}/llama/big.tmp/ && mv {m}/llama/big.tmp {m}/llama/ckpt-400",
+        big.display()
+    ));
+    sh_ok(&format!("cmp {} {m}/llama/400/big.bin", big.display()));
+    std::fs::remove_file(&big).unwrap();
+
+    // What is refused, with the right errno, at once.
+    assert_eq!(python_errno(&format!("open('{m}/llama/999/x', 'rb')")), "ENOENT");
+    assert_eq!(python_errno(&format!("open('{m}/llama/100/new', 'wb')")), "EROFS");
+    assert_eq!(python_errno(&format!("open('{m}/llama/100/optim.pt', 'r+b')")), "EROFS");
+    assert_eq!(python_errno(&format!("os.unlink('{m}/llama/100/optim.pt')")), "EROFS");
+    assert_eq!(python_errno(&format!("os.link('{m}/llama/100/optim.pt', '{m}/llama/hard_1')")), "EPERM");
+    assert_eq!(python_errno(&format!("os.mkdir('{m}/llama/100/sub')")), "EROFS");
+    assert_eq!(
+        python_errno(&format!(
+            "os.mkdir('{m}/llama/rand.tmp')\nf = open('{m}/llama/rand.tmp/f', 'wb')\nf.write(b'x' * 10)\nf.flush()\n\
+             f.seek(2)\nf.write(b'y')\nf.flush()"
+        )),
+        "ENOTSUP"
+    );
+    assert_eq!(python_errno(&format!("os.rename('{m}/llama/rand.tmp', '{m}/llama/no-digits')")), "EINVAL");
+    assert_eq!(python_errno(&format!("open('{m}/llama/nodigits.bin', 'wb')")), "EINVAL");
+    assert_eq!(
+        python_errno(&format!("os.mkdir('{m}/llama/dup.tmp')\nos.rename('{m}/llama/dup.tmp', '{m}/llama/step_100')")),
+        "EEXIST"
+    );
+    // rmdir of a committed step deletes the checkpoint.
+    sh_ok(&format!("rmdir {m}/llama/400"));
+    let listed = cluster.json(&["ls", "llama", "--all"]);
+    let state_of_400: Vec<&str> =
+        listed.as_array().unwrap().iter().filter(|c| c["step"] == 400).map(|c| c["state"].as_str().unwrap()).collect();
+    assert_eq!(state_of_400, vec!["deleted"]);
+}
+
+#[test]
+fn killing_the_mount_mid_write_commits_nothing_and_unmount_paths_work() {
+    let cluster = Cluster::start(1);
+    let point = cluster.dir.path().join("ckpt");
+    let mut mount = Mounted::start(&cluster, &point);
+    let m = point.to_str().unwrap().to_owned();
+    sh_ok(&format!(
+        "mkdir {m}/job && mkdir {m}/job/s1.tmp && echo hello > {m}/job/s1.tmp/a && mv {m}/job/s1.tmp {m}/job/step_1"
+    ));
+    // Mounting on a busy mount point is a clear error.
+    let second = cluster.cli(&["mount", &m]);
+    assert!(!second.status.success());
+    assert!(String::from_utf8_lossy(&second.stderr).contains("already a mount point"), "{second:?}");
+
+    // A writer is in the middle of a draft checkpoint when the daemon is SIGKILLed.
+    let mut writer = Command::new("python3")
+        .args([
+            "-c",
+            &format!(
+                "import os, time\nos.mkdir('{m}/job/step_2.tmp')\nf = open('{m}/job/step_2.tmp/big', 'wb')\n\
+                 for i in range(10000):\n    f.write(os.urandom(1 << 20))\n    time.sleep(0.01)"
+            ),
+        ])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    cluster.wait_for_chunks(4, "the writer never streamed a chunk");
+    mount.child.kill().unwrap();
+    mount.child.wait().unwrap();
+    let _ = writer.kill();
+    let _ = writer.wait();
+    let listed = cluster.json(&["ls", "job", "--all"]);
+    assert_eq!(listed.as_array().unwrap().len(), 1, "only step 1 exists: {listed}");
+    assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 1);
+    sh_ok(&format!("umount -l {m}"));
+
+    // fusermount3 -u from outside: the daemon notices and exits cleanly.
+    let mut mount = Mounted::start(&cluster, &point);
+    assert_eq!(sh_ok(&format!("cat {m}/job/1/a")), "hello\n");
+    sh_ok(&format!("fusermount3 -u {m}"));
+    mount.wait_clean_exit(&cluster.dir.path().join("mount.log"));
+    // SIGTERM: unmounts and exits cleanly.
+    let mut mount = Mounted::start(&cluster, &point);
+    // SAFETY: sending a signal to our own child.
+    unsafe { libc::kill(mount.child.id() as i32, libc::SIGTERM) };
+    mount.wait_clean_exit(&cluster.dir.path().join("mount.log"));
+    assert!(!sh_ok("cat /proc/self/mountinfo").contains(&m), "still mounted after SIGTERM");
+    // A missing mount point is a clear error.
+    let stderr = cluster.fails(&["mount", "/definitely/not/here"]);
+    assert!(stderr.contains("does not exist"), "{stderr}");
+}

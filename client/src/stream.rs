@@ -1,0 +1,267 @@
+//! Streaming writes: files whose bytes arrive piece by piece (the FUSE mount, a pipe), uploaded
+//! chunk by chunk as they come and committed later, together, as one checkpoint.
+//!
+//! ```text
+//!  write(bytes) ──► staging buffer (one chunk) ──full──► upload task (hash, HAS, PUT)
+//!  sync()       ──► cut the partial chunk, wait for every upload: durable on targets
+//!  finish()     ──► the file's size and chunk list
+//!  Client::commit_streamed(job, step, files) ──► begin, re-check chunks, commit
+//! ```
+//!
+//! Memory: each open file holds at most one staging buffer being filled, and the uploads in
+//! flight hold theirs; all come from the client's bounded staging pool, so writers wait when it is
+//! exhausted. Uploads in flight per file are bounded by `ClientConfig::upload_concurrency`.
+//!
+//! Unlike [`Client::save`], no checkpoint is begun while bytes stream: a file may be written for
+//! a long time, and its step may only be known at the end (the mount's rename-to-commit). So
+//! [`Client::commit_streamed`] begins the checkpoint and then checks every chunk with HAS, which
+//! also refreshes the chunk's last use (see `server/src/control/gc.rs`), before committing. A chunk
+//! garbage collection took meanwhile (streamed longer than the GC grace period before the commit)
+//! fails the commit with a clear error; a hole is never committed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use starckpt_proto::buf::PooledBuf;
+use starckpt_proto::control as pb;
+use starckpt_proto::frame::MAX_BATCH_HASHES;
+use starckpt_proto::model::{ChunkRef, FileEntry, Manifest};
+use starckpt_proto::{ChunkHash, JobName, RelPath};
+use tokio::task::JoinHandle;
+
+use crate::save::{Placement, SaveOutcome, SaveProgress, upload_one};
+use crate::{Client, Error, Result, TargetState};
+
+/// A file being written sequentially and uploaded as it grows.
+pub struct StreamingFile {
+    client: Client,
+    placement: Arc<Placement>,
+    progress: Arc<SaveProgress>,
+    current: Option<PooledBuf>,
+    filled: usize,
+    size: u64,
+    next_index: usize,
+    uploads: FuturesUnordered<JoinHandle<(usize, Result<ChunkRef>)>>,
+    done: BTreeMap<usize, ChunkRef>,
+    /// The first upload failure; every later call reports it.
+    failed: Option<String>,
+}
+
+/// A finished streamed file, ready to be committed.
+#[derive(Clone, Debug)]
+pub struct StreamedFile {
+    pub path: RelPath,
+    pub size: u64,
+    /// Unix permission bits; 0 means default.
+    pub mode: u32,
+    pub chunks: Vec<ChunkRef>,
+    /// Bytes actually uploaded (the rest deduplicated against stored chunks).
+    pub written_bytes: u64,
+}
+
+impl Client {
+    /// A new streaming file, placing its chunks on the targets live now.
+    pub async fn streaming_file(&self) -> Result<StreamingFile> {
+        let live: Vec<pb::TargetInfo> =
+            self.targets().await?.into_iter().filter(|t| t.state == TargetState::Alive as i32).collect();
+        if live.is_empty() {
+            return Err(Error::Rejected { op: "stream", message: "no live storage targets".into() });
+        }
+        Ok(StreamingFile {
+            client: self.clone(),
+            placement: Arc::new(self.placement(&live)?),
+            progress: Arc::new(SaveProgress::default()),
+            current: None,
+            filled: 0,
+            size: 0,
+            next_index: 0,
+            uploads: FuturesUnordered::new(),
+            done: BTreeMap::new(),
+            failed: None,
+        })
+    }
+
+    /// Commits `files` (and empty `directories`) as checkpoint (job, step), a single rank: begins
+    /// it under this client's lease, checks that every chunk is still stored (refreshing it
+    /// against garbage collection), then commits. See the module docs.
+    pub async fn commit_streamed(
+        &self,
+        job: &str,
+        step: u64,
+        files: Vec<StreamedFile>,
+        directories: Vec<RelPath>,
+        metadata: BTreeMap<String, String>,
+    ) -> Result<SaveOutcome> {
+        let job = JobName::try_from(job)?;
+        let epoch = self.lease(job.as_str()).await?;
+        let begin = self
+            .control()
+            .begin_checkpoint(pb::BeginCheckpointRequest { job: job.to_string(), step, world_size: 1, epoch })
+            .await
+            .map_err(self.status("begin checkpoint"))?
+            .into_inner();
+        if let Err(error) = self.recheck_chunks(&files).await {
+            // Abort the checkpoint now rather than leave it pending until the timeout.
+            let _ = self.delete(job.as_str(), step).await;
+            return Err(error);
+        }
+        let written_bytes = files.iter().map(|f| f.written_bytes).sum();
+        let total_bytes = files.iter().map(|f| f.size).sum();
+        let chunks = files.iter().map(|f| f.chunks.len() as u64).sum();
+        let manifest = Manifest {
+            files: files
+                .into_iter()
+                .map(|f| FileEntry { path: f.path, size_bytes: f.size, mode: f.mode, chunks: f.chunks })
+                .collect(),
+            directories,
+            metadata,
+        };
+        let state = self.commit_manifest(begin.checkpoint_id, 0, &manifest, written_bytes).await?;
+        Ok(SaveOutcome {
+            checkpoint_id: begin.checkpoint_id,
+            job: job.to_string(),
+            step,
+            state,
+            epoch,
+            total_bytes,
+            chunks,
+            deduplicated_chunks: 0,
+            uploaded_bytes: written_bytes,
+        })
+    }
+
+    /// HAS every chunk on the target its reference names: present chunks are refreshed against
+    /// GC; a missing one is an error.
+    async fn recheck_chunks(&self, files: &[StreamedFile]) -> Result<()> {
+        let mut by_target: HashMap<&str, Vec<ChunkHash>> = HashMap::new();
+        for chunk in files.iter().flat_map(|f| f.chunks.iter()) {
+            let target = chunk
+                .replicas
+                .first()
+                .ok_or_else(|| Error::InvalidInput(format!("chunk {} has no replica", chunk.hash)))?;
+            by_target.entry(target.as_str()).or_default().push(chunk.hash);
+        }
+        let addresses: HashMap<String, String> =
+            self.targets().await?.into_iter().map(|t| (t.target_id, t.data_address)).collect();
+        for (target_id, hashes) in by_target {
+            let address = addresses.get(target_id).ok_or_else(|| Error::NotFound {
+                op: "commit",
+                message: format!("target {target_id}, which holds streamed chunks, is no longer registered"),
+            })?;
+            let transport = self.transport(target_id, address)?;
+            for batch in hashes.chunks(MAX_BATCH_HASHES) {
+                let present = transport.has(batch).await.map_err(|source| Error::Target {
+                    target_id: target_id.to_owned(),
+                    address: address.clone(),
+                    source,
+                })?;
+                if let Some((hash, _)) = batch.iter().zip(present).find(|(_, present)| !present) {
+                    return Err(Error::NotFound {
+                        op: "commit",
+                        message: format!(
+                            "chunk {hash} is no longer on target {target_id}: data streamed longer ago than the \
+                             garbage-collection grace period was collected; write the checkpoint again"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl StreamingFile {
+    /// Bytes written so far.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Appends `data`. Full chunks start uploading at once; waits when the staging pool or the
+    /// per-file upload bound is exhausted.
+    pub async fn write(&mut self, mut data: &[u8]) -> Result<()> {
+        self.check()?;
+        let chunk_size = self.client.inner.config.chunk_size_bytes;
+        while !data.is_empty() {
+            if self.current.is_none() {
+                self.current = Some(self.client.inner.staging.acquire().await);
+                self.filled = 0;
+            }
+            let buf = self.current.as_mut().expect("set above");
+            let take = (chunk_size - self.filled).min(data.len());
+            buf.buf_mut().full_mut()[self.filled..self.filled + take].copy_from_slice(&data[..take]);
+            self.filled += take;
+            self.size += take as u64;
+            data = &data[take..];
+            if self.filled == chunk_size {
+                self.cut().await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes every byte written so far durable on the targets (a partial chunk becomes a chunk
+    /// of its own).
+    pub async fn sync(&mut self) -> Result<()> {
+        self.check()?;
+        if self.filled > 0 {
+            self.cut().await?;
+        }
+        while !self.uploads.is_empty() {
+            self.reap().await?;
+        }
+        Ok(())
+    }
+
+    /// Ends the file: syncs it and returns it ready for [`Client::commit_streamed`].
+    pub async fn finish(mut self, path: RelPath, mode: u32) -> Result<StreamedFile> {
+        self.sync().await?;
+        let chunks: Vec<ChunkRef> = std::mem::take(&mut self.done).into_values().collect();
+        if chunks.len() != self.next_index {
+            return Err(Error::Cancelled(format!("{path}: {} of {} chunks uploaded", chunks.len(), self.next_index)));
+        }
+        let written_bytes = self.progress.uploaded_bytes.load(Ordering::Relaxed);
+        Ok(StreamedFile { path, size: self.size, mode, chunks, written_bytes })
+    }
+
+    fn check(&self) -> Result<()> {
+        match &self.failed {
+            Some(message) => Err(Error::Cancelled(format!("an upload of this file failed: {message}"))),
+            None => Ok(()),
+        }
+    }
+
+    async fn cut(&mut self) -> Result<()> {
+        let Some(mut buf) = self.current.take() else { return Ok(()) };
+        buf.buf_mut().set_len(self.filled);
+        self.filled = 0;
+        let data: Bytes = buf.freeze();
+        let index = self.next_index;
+        self.next_index += 1;
+        let (client, placement, progress) =
+            (self.client.clone(), Arc::clone(&self.placement), Arc::clone(&self.progress));
+        self.uploads.push(tokio::spawn(async move { (index, upload_one(&client, data, &placement, &progress).await) }));
+        while self.uploads.len() >= self.client.inner.config.upload_concurrency.max(1) {
+            self.reap().await?;
+        }
+        Ok(())
+    }
+
+    async fn reap(&mut self) -> Result<()> {
+        let Some(joined) = self.uploads.next().await else { return Ok(()) };
+        let (index, result) = joined.map_err(|e| Error::Cancelled(e.to_string()))?;
+        match result {
+            Ok(chunk) => {
+                self.done.insert(index, chunk);
+                Ok(())
+            }
+            Err(error) => {
+                self.failed = Some(error.to_string());
+                Err(error)
+            }
+        }
+    }
+}

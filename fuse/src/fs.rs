@@ -1,0 +1,1336 @@
+//! The FUSE filesystem: starckpt's jobs, checkpoints and files as a directory tree (see the crate
+//! docs for the layout and the rules).
+//!
+//! fuser calls these methods from several threads at once. Shared state sits behind one mutex
+//! held only for map lookups and updates, never across I/O; control-plane and data-plane calls
+//! run on the tokio runtime (`Handle::block_on` from the FUSE thread). Writes to one file are
+//! serialised by that file's own async mutex.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ffi::OsStr;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::{Bytes, BytesMut};
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig, LockOwner,
+    OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+};
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
+use starckpt_client::{CheckpointInfo, CheckpointManifest, Client, Error, StreamedFile, StreamingFile};
+use starckpt_proto::{JobName, RelPath};
+
+use crate::tree::{Child, StepTree, join, parse_step_name, split, step_name, step_of};
+
+/// Tunables of a mount.
+#[derive(Clone, Debug)]
+pub struct MountConfig {
+    /// How long job and checkpoint listings (and so `latest`) are cached, here and in the kernel.
+    /// Default 1 s.
+    pub listing_ttl: Duration,
+    /// How long the kernel caches attributes of committed checkpoints' files (immutable).
+    /// Default 60 s.
+    pub committed_ttl: Duration,
+    /// Chunks fetched ahead of a sequential reader. Default 4 (16 MiB at 4 MiB chunks).
+    pub read_ahead_chunks: usize,
+    /// Manifests kept in memory. Default 64.
+    pub cached_manifests: usize,
+    /// Largest write request to negotiate; the kernel may allow less (see the crate docs on
+    /// `max_pages_limit`). Default 16 MiB.
+    pub max_write: u32,
+}
+
+impl Default for MountConfig {
+    fn default() -> Self {
+        MountConfig {
+            listing_ttl: Duration::from_secs(1),
+            committed_ttl: Duration::from_secs(60),
+            read_ahead_chunks: 4,
+            cached_manifests: 64,
+            max_write: 16 << 20,
+        }
+    }
+}
+
+/// Metadata key recording the name a checkpoint was committed under through the mount.
+pub const NAME_KEY: &str = "starckpt.fuse.name";
+
+/// What an inode stands for.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Node {
+    Root,
+    Job(String),
+    /// `<job>/latest`, a symlink to the latest committed step's directory.
+    Latest(String),
+    /// A directory of a committed checkpoint ("" is the step directory itself).
+    StepDir {
+        job: String,
+        step: u64,
+        dir: String,
+    },
+    /// A file of a committed checkpoint, by index into its manifest's files.
+    StepFile {
+        job: String,
+        step: u64,
+        index: usize,
+    },
+    /// A directory being written (a draft checkpoint of this mount); "" is its top.
+    DraftDir {
+        draft: u64,
+        path: String,
+    },
+    /// A file being written, in a draft or directly in a job directory.
+    DraftFile {
+        file: u64,
+    },
+}
+
+/// A directory tree being written, committed by renaming its top.
+struct Draft {
+    job: String,
+    name: String,
+    /// Every directory in it, "" (the top) included.
+    dirs: BTreeSet<String>,
+    /// Path → file id.
+    files: BTreeMap<String, u64>,
+}
+
+enum Writer {
+    Open(StreamingFile),
+    Done(StreamedFile),
+    Failed(Errno),
+    /// A single-file checkpoint, committed at its first flush.
+    Committed,
+}
+
+/// A file being written.
+struct DraftFile {
+    job: String,
+    /// None: written directly in the job directory, a one-file checkpoint.
+    draft: Option<u64>,
+    /// Path inside the draft (a rename inside the draft changes it), or the file name in the
+    /// job directory.
+    path: Mutex<String>,
+    mode: AtomicU64,
+    size: AtomicU64,
+    created: SystemTime,
+    writer: tokio::sync::Mutex<Writer>,
+}
+
+impl DraftFile {
+    fn path(&self) -> String {
+        self.path.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+type ChunkFuture = Shared<BoxFuture<'static, Result<Bytes, String>>>;
+
+/// An open file of a committed checkpoint, with its read-ahead window.
+struct Reader {
+    manifest: Arc<CheckpointManifest>,
+    index: usize,
+    /// Offset of each chunk in the file, and the file size at the end.
+    starts: Vec<u64>,
+    window: Mutex<BTreeMap<usize, ChunkFuture>>,
+}
+
+enum Handle {
+    Read(Arc<Reader>),
+    Write(Arc<DraftFile>),
+}
+
+#[derive(Default)]
+struct State {
+    inodes: HashMap<u64, (Node, u64)>,
+    by_node: HashMap<Node, u64>,
+    next_ino: u64,
+    handles: HashMap<u64, Handle>,
+    next_handle: u64,
+    local_jobs: BTreeSet<String>,
+    drafts: HashMap<u64, Draft>,
+    draft_names: HashMap<(String, String), u64>,
+    files: HashMap<u64, Arc<DraftFile>>,
+    single_files: HashMap<(String, String), u64>,
+    next_draft: u64,
+    /// Names this mount committed under, other than `<step>`: (job, name) → (step, file index).
+    aliases: HashMap<(String, String), (u64, Option<usize>)>,
+    trees: HashMap<(String, u64), Arc<StepTree>>,
+    jobs: Option<(Instant, Vec<String>)>,
+    steps: HashMap<String, (Instant, Vec<CheckpointInfo>)>,
+}
+
+pub struct CkptFs {
+    client: Client,
+    runtime: tokio::runtime::Handle,
+    config: MountConfig,
+    state: Mutex<State>,
+    uid: u32,
+    gid: u32,
+    mounted_at: SystemTime,
+}
+
+fn time_of(unix_ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(unix_ms)
+}
+
+/// The errno a client error becomes; the message goes to the log.
+fn errno(op: &str, what: &str, error: &Error) -> Errno {
+    tracing::warn!(op, what, %error, "request failed");
+    match error {
+        Error::NotFound { .. } => Errno::ENOENT,
+        Error::AlreadyExists { .. } => Errno::EEXIST,
+        Error::Fenced { .. } => Errno::EPERM,
+        Error::Rejected { .. } | Error::Invalid(_) | Error::InvalidInput(_) => Errno::EINVAL,
+        Error::NoTarget { last, .. } if last.to_string().contains("NoSpace") => Errno::ENOSPC,
+        _ => Errno::EIO,
+    }
+}
+
+fn name_str(name: &OsStr) -> Result<&str, Errno> {
+    name.to_str().ok_or(Errno::EINVAL)
+}
+
+impl CkptFs {
+    pub fn new(client: Client, runtime: tokio::runtime::Handle, config: MountConfig) -> CkptFs {
+        let mut state = State { next_ino: 2, next_handle: 1, next_draft: 1, ..State::default() };
+        state.inodes.insert(1, (Node::Root, 1));
+        state.by_node.insert(Node::Root, 1);
+        // SAFETY: getuid/getgid have no preconditions.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        CkptFs { client, runtime, config, state: Mutex::new(state), uid, gid, mounted_at: SystemTime::now() }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Every update leaves the maps consistent; a panicked request does not poison the mount.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn node(&self, ino: INodeNo) -> Result<Node, Errno> {
+        self.state().inodes.get(&ino.0).map(|(node, _)| node.clone()).ok_or(Errno::ENOENT)
+    }
+
+    /// The inode of `node`, counting one kernel lookup.
+    fn remember(&self, node: Node) -> u64 {
+        let mut state = self.state();
+        if let Some(ino) = state.by_node.get(&node).copied() {
+            if let Some(entry) = state.inodes.get_mut(&ino) {
+                entry.1 += 1;
+            }
+            return ino;
+        }
+        let ino = state.next_ino;
+        state.next_ino += 1;
+        state.inodes.insert(ino, (node.clone(), 1));
+        state.by_node.insert(node, ino);
+        ino
+    }
+
+    /// An inode number for a directory listing: the known one, or a stable stand-in (listings
+    /// do not count as lookups, so they must not grow the table).
+    fn listing_ino(&self, node: &Node) -> u64 {
+        if let Some(ino) = self.state().by_node.get(node) {
+            return *ino;
+        }
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        node.hash(&mut hasher);
+        hasher.finish() | (1 << 63)
+    }
+
+    fn block_on<T>(&self, future: impl std::future::Future<Output = T>) -> T {
+        self.runtime.block_on(future)
+    }
+
+    // ---- control-plane views, cached for `listing_ttl` ----
+
+    fn jobs(&self) -> Result<Vec<String>, Errno> {
+        if let Some((at, jobs)) = &self.state().jobs
+            && at.elapsed() < self.config.listing_ttl
+        {
+            return Ok(jobs.clone());
+        }
+        let jobs: Vec<String> = self
+            .block_on(self.client.list_jobs())
+            .map_err(|e| errno("list jobs", "/", &e))?
+            .into_iter()
+            .filter(|j| j.committed_checkpoints > 0)
+            .map(|j| j.job)
+            .collect();
+        self.state().jobs = Some((Instant::now(), jobs.clone()));
+        Ok(jobs)
+    }
+
+    /// Committed checkpoints of `job`, by step.
+    fn steps(&self, job: &str) -> Result<Vec<CheckpointInfo>, Errno> {
+        if let Some((at, steps)) = self.state().steps.get(job)
+            && at.elapsed() < self.config.listing_ttl
+        {
+            return Ok(steps.clone());
+        }
+        let steps: Vec<CheckpointInfo> = self
+            .block_on(self.client.list_checkpoints(job, false))
+            .map_err(|e| errno("list checkpoints", job, &e))?
+            .into_iter()
+            .filter(|c| c.state == starckpt_client::CheckpointState::Committed as i32)
+            .collect();
+        self.state().steps.insert(job.to_owned(), (Instant::now(), steps.clone()));
+        Ok(steps)
+    }
+
+    fn forget_listings(&self, job: &str) {
+        let mut state = self.state();
+        state.jobs = None;
+        state.steps.remove(job);
+    }
+
+    fn step_info(&self, job: &str, step: u64) -> Result<Option<CheckpointInfo>, Errno> {
+        Ok(self.steps(job)?.into_iter().find(|c| c.step == step))
+    }
+
+    fn tree(&self, job: &str, step: u64) -> Result<Arc<StepTree>, Errno> {
+        if let Some(tree) = self.state().trees.get(&(job.to_owned(), step)) {
+            return Ok(Arc::clone(tree));
+        }
+        let manifest = self
+            .block_on(self.client.manifest(job, Some(step)))
+            .map_err(|e| errno("get manifest", &format!("{job}/{step}"), &e))?;
+        let tree = Arc::new(StepTree::new(manifest));
+        let mut state = self.state();
+        if state.trees.len() >= self.config.cached_manifests.max(1) {
+            // Manifests are immutable; dropping any one only costs a re-fetch.
+            if let Some(key) = state.trees.keys().next().cloned() {
+                state.trees.remove(&key);
+            }
+        }
+        state.trees.insert((job.to_owned(), step), Arc::clone(&tree));
+        Ok(tree)
+    }
+
+    // ---- attributes ----
+
+    fn attr(&self, ino: u64, kind: FileType, size: u64, perm: u16, time: SystemTime) -> FileAttr {
+        FileAttr {
+            ino: INodeNo(ino),
+            size,
+            blocks: size.div_ceil(512),
+            atime: time,
+            mtime: time,
+            ctime: time,
+            crtime: time,
+            kind,
+            perm,
+            nlink: if kind == FileType::Directory { 2 } else { 1 },
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            blksize: 1 << 20,
+            flags: 0,
+        }
+    }
+
+    /// Attributes of `node` and how long the kernel may cache them.
+    fn node_attr(&self, ino: u64, node: &Node) -> Result<(FileAttr, Duration), Errno> {
+        let dynamic = self.config.listing_ttl;
+        Ok(match node {
+            Node::Root | Node::Job(_) => (self.attr(ino, FileType::Directory, 0, 0o755, self.mounted_at), dynamic),
+            Node::Latest(job) => {
+                let latest = self.steps(job)?.into_iter().max_by_key(|c| c.step).ok_or(Errno::ENOENT)?;
+                let target = step_name(latest.step);
+                let attr =
+                    self.attr(ino, FileType::Symlink, target.len() as u64, 0o777, time_of(latest.committed_at_ms));
+                (attr, dynamic)
+            }
+            Node::StepDir { job, step, dir } => {
+                let info = self.step_info(job, *step)?.ok_or(Errno::ENOENT)?;
+                if !dir.is_empty() && !self.tree(job, *step)?.dirs.contains_key(dir) {
+                    return Err(Errno::ENOENT);
+                }
+                (
+                    self.attr(ino, FileType::Directory, 0, 0o555, time_of(info.committed_at_ms)),
+                    self.config.committed_ttl,
+                )
+            }
+            Node::StepFile { job, step, index } => {
+                let tree = self.tree(job, *step)?;
+                let file = tree.manifest.files.get(*index).ok_or(Errno::ENOENT)?;
+                let perm = if file.mode == 0 { 0o444 } else { (file.mode & 0o555) as u16 };
+                let time = time_of(tree.manifest.info.committed_at_ms);
+                (self.attr(ino, FileType::RegularFile, file.size_bytes, perm, time), self.config.committed_ttl)
+            }
+            Node::DraftDir { .. } => (self.attr(ino, FileType::Directory, 0, 0o755, self.mounted_at), dynamic),
+            Node::DraftFile { file } => {
+                let file = self.state().files.get(file).cloned().ok_or(Errno::ENOENT)?;
+                let mode = file.mode.load(Ordering::Relaxed) as u16;
+                let attr = self.attr(ino, FileType::RegularFile, file.size.load(Ordering::Relaxed), mode, file.created);
+                (attr, Duration::ZERO)
+            }
+        })
+    }
+
+    fn reply_entry(&self, node: Node, reply: ReplyEntry) {
+        let ino = self.remember(node.clone());
+        match self.node_attr(ino, &node) {
+            Ok((attr, ttl)) => reply.entry(&ttl, &attr, Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    // ---- name resolution ----
+
+    fn resolve(&self, parent: &Node, name: &str) -> Result<Node, Errno> {
+        match parent {
+            Node::Root => {
+                if JobName::try_from(name).is_err() {
+                    return Err(Errno::ENOENT);
+                }
+                if self.state().local_jobs.contains(name) || self.jobs()?.iter().any(|j| j == name) {
+                    Ok(Node::Job(name.to_owned()))
+                } else {
+                    Err(Errno::ENOENT)
+                }
+            }
+            Node::Job(job) => {
+                let key = (job.clone(), name.to_owned());
+                {
+                    let state = self.state();
+                    if let Some(draft) = state.draft_names.get(&key) {
+                        return Ok(Node::DraftDir { draft: *draft, path: String::new() });
+                    }
+                    if let Some(file) = state.single_files.get(&key) {
+                        return Ok(Node::DraftFile { file: *file });
+                    }
+                    if let Some((step, index)) = state.aliases.get(&key) {
+                        return Ok(match index {
+                            Some(index) => Node::StepFile { job: job.clone(), step: *step, index: *index },
+                            None => Node::StepDir { job: job.clone(), step: *step, dir: String::new() },
+                        });
+                    }
+                }
+                if name == "latest" {
+                    return if self.steps(job)?.is_empty() {
+                        Err(Errno::ENOENT)
+                    } else {
+                        Ok(Node::Latest(job.clone()))
+                    };
+                }
+                let step = parse_step_name(name).ok_or(Errno::ENOENT)?;
+                self.step_info(job, step)?.ok_or(Errno::ENOENT)?;
+                Ok(Node::StepDir { job: job.clone(), step, dir: String::new() })
+            }
+            Node::StepDir { job, step, dir } => match self.tree(job, *step)?.child(dir, name) {
+                Some(Child::Dir) => Ok(Node::StepDir { job: job.clone(), step: *step, dir: join(dir, name) }),
+                Some(Child::File(index)) => Ok(Node::StepFile { job: job.clone(), step: *step, index: *index }),
+                None => Err(Errno::ENOENT),
+            },
+            Node::DraftDir { draft, path } => {
+                let state = self.state();
+                let draft_state = state.drafts.get(draft).ok_or(Errno::ENOENT)?;
+                let full = join(path, name);
+                if draft_state.dirs.contains(&full) {
+                    Ok(Node::DraftDir { draft: *draft, path: full })
+                } else if let Some(file) = draft_state.files.get(&full) {
+                    Ok(Node::DraftFile { file: *file })
+                } else {
+                    Err(Errno::ENOENT)
+                }
+            }
+            Node::Latest(_) | Node::StepFile { .. } | Node::DraftFile { .. } => Err(Errno::ENOTDIR),
+        }
+    }
+
+    /// Whether `name` is taken in job directory `job`.
+    fn job_name_taken(&self, job: &str, name: &str) -> Result<bool, Errno> {
+        match self.resolve(&Node::Job(job.to_owned()), name) {
+            Ok(_) => Ok(true),
+            Err(e) if e == Errno::ENOENT => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn new_draft_file(&self, job: &str, draft: Option<u64>, path: String, mode: u32) -> Result<Arc<DraftFile>, Errno> {
+        let writer = self.block_on(self.client.streaming_file()).map_err(|e| errno("create", &path, &e))?;
+        Ok(Arc::new(DraftFile {
+            job: job.to_owned(),
+            draft,
+            path: Mutex::new(path),
+            mode: AtomicU64::new(u64::from(mode & 0o7777)),
+            size: AtomicU64::new(0),
+            created: SystemTime::now(),
+            writer: tokio::sync::Mutex::new(Writer::Open(writer)),
+        }))
+    }
+
+    fn add_handle(&self, handle: Handle) -> u64 {
+        let mut state = self.state();
+        let fh = state.next_handle;
+        state.next_handle += 1;
+        state.handles.insert(fh, handle);
+        fh
+    }
+
+    /// Ends a file's writes: its bytes durable, its chunk list final. A one-file checkpoint is
+    /// committed here. Idempotent; a failure is reported again on every later call.
+    fn finish(&self, file: &Arc<DraftFile>) -> Result<(), Errno> {
+        let path = file.path();
+        self.block_on(async {
+            let mut writer = file.writer.lock().await;
+            match std::mem::replace(&mut *writer, Writer::Failed(Errno::EIO)) {
+                Writer::Open(stream) => {
+                    let Ok(rel) = RelPath::try_from(path.as_str()) else { return Err(Errno::EINVAL) };
+                    let mode = file.mode.load(Ordering::Relaxed) as u32;
+                    match stream.finish(rel, mode).await {
+                        Ok(done) => *writer = Writer::Done(done),
+                        Err(e) => {
+                            let code = errno("write", &path, &e);
+                            *writer = Writer::Failed(code);
+                            return Err(code);
+                        }
+                    }
+                }
+                other => *writer = other,
+            }
+            if file.draft.is_none()
+                && let Writer::Done(done) = &*writer
+            {
+                let step = step_of(&path).ok_or(Errno::EINVAL)?;
+                let metadata = [(NAME_KEY.to_owned(), path.clone())].into_iter().collect();
+                match self.client.commit_streamed(&file.job, step, vec![done.clone()], vec![], metadata).await {
+                    Ok(_) => *writer = Writer::Committed,
+                    Err(e) => {
+                        let code = errno("commit", &path, &e);
+                        *writer = Writer::Failed(code);
+                        return Err(code);
+                    }
+                }
+                self.committed_single(file, step);
+            }
+            match &*writer {
+                Writer::Failed(code) => Err(*code),
+                _ => Ok(()),
+            }
+        })
+    }
+
+    /// Bookkeeping after a one-file checkpoint committed: the name now resolves to the committed
+    /// file, through the same inode.
+    fn committed_single(&self, file: &Arc<DraftFile>, step: u64) {
+        let mut state = self.state();
+        let key = (file.job.clone(), file.path());
+        if let Some(id) = state.single_files.remove(&key) {
+            state.files.remove(&id);
+            let old = Node::DraftFile { file: id };
+            let new = Node::StepFile { job: file.job.clone(), step, index: 0 };
+            if let Some(ino) = state.by_node.remove(&old) {
+                if let Some(entry) = state.inodes.get_mut(&ino) {
+                    entry.0 = new.clone();
+                }
+                state.by_node.insert(new, ino);
+            }
+        }
+        state.aliases.insert(key, (step, Some(0)));
+        state.jobs = None;
+        state.steps.remove(&file.job);
+    }
+
+    /// Commits draft `id` as step `step` of its job, under `name`.
+    fn commit_draft(&self, id: u64, step: u64, name: &str) -> Result<(), Errno> {
+        let (job, files, dirs) = {
+            let state = self.state();
+            let draft = state.drafts.get(&id).ok_or(Errno::ENOENT)?;
+            let files: Vec<Arc<DraftFile>> = draft.files.values().filter_map(|f| state.files.get(f).cloned()).collect();
+            (draft.job.clone(), files, draft.dirs.clone())
+        };
+        let mut streamed = Vec::with_capacity(files.len());
+        for file in &files {
+            let writer = self.block_on(file.writer.lock());
+            match &*writer {
+                Writer::Done(done) => streamed.push(done.clone()),
+                // Created and closed without data (its release may still be on its way).
+                Writer::Open(stream) if stream.size() == 0 => {
+                    drop(writer);
+                    self.finish(file)?;
+                    match &*self.block_on(file.writer.lock()) {
+                        Writer::Done(done) => streamed.push(done.clone()),
+                        _ => return Err(Errno::EIO),
+                    }
+                }
+                // Still being written: committing would cut it short.
+                Writer::Open(_) => return Err(Errno::EBUSY),
+                Writer::Failed(code) => return Err(*code),
+                Writer::Committed => return Err(Errno::EINVAL),
+            }
+        }
+        let directories: Vec<RelPath> =
+            dirs.iter().filter(|d| !d.is_empty()).filter_map(|d| RelPath::try_from(d.as_str()).ok()).collect();
+        let metadata = [(NAME_KEY.to_owned(), name.to_owned())].into_iter().collect();
+        self.block_on(self.client.commit_streamed(&job, step, streamed, directories, metadata))
+            .map_err(|e| errno("commit", &format!("{job}/{name}"), &e))?;
+        // The kernel may still hold inodes of the draft: each becomes its committed counterpart.
+        let tree = self.tree(&job, step).ok();
+        let mut state = self.state();
+        let draft_files: HashMap<u64, String> = match state.drafts.remove(&id) {
+            Some(draft) => {
+                state.draft_names.remove(&(draft.job.clone(), draft.name.clone()));
+                for file in draft.files.values() {
+                    state.files.remove(file);
+                }
+                draft.files.into_iter().map(|(path, file)| (file, path)).collect()
+            }
+            None => HashMap::new(),
+        };
+        let remap: Vec<(u64, Node)> = state
+            .inodes
+            .iter()
+            .filter_map(|(ino, (node, _))| {
+                let new = match node {
+                    Node::DraftDir { draft, path } if *draft == id => {
+                        Node::StepDir { job: job.clone(), step, dir: path.clone() }
+                    }
+                    Node::DraftFile { file } => {
+                        let path = draft_files.get(file)?;
+                        let index = tree.as_ref()?.manifest.files.iter().position(|f| f.path.as_str() == path)?;
+                        Node::StepFile { job: job.clone(), step, index }
+                    }
+                    _ => return None,
+                };
+                Some((*ino, new))
+            })
+            .collect();
+        for (ino, new) in remap {
+            if let Some(entry) = state.inodes.get_mut(&ino) {
+                let old = std::mem::replace(&mut entry.0, new.clone());
+                state.by_node.remove(&old);
+                state.by_node.insert(new, ino);
+            }
+        }
+        if name != step_name(step) {
+            state.aliases.insert((job.clone(), name.to_owned()), (step, None));
+        }
+        state.jobs = None;
+        state.steps.remove(&job);
+        Ok(())
+    }
+
+    fn delete_step(&self, job: &str, step: u64) -> Result<(), Errno> {
+        self.block_on(self.client.delete(job, step)).map_err(|e| errno("delete", &format!("{job}/{step}"), &e))?;
+        let mut state = self.state();
+        state.aliases.retain(|(j, _), (s, _)| !(j == job && *s == step));
+        state.trees.remove(&(job.to_owned(), step));
+        drop(state);
+        self.forget_listings(job);
+        Ok(())
+    }
+
+    fn listing(&self, ino: u64, node: &Node) -> Result<Vec<(u64, FileType, String)>, Errno> {
+        let mut entries = vec![(ino, FileType::Directory, ".".to_owned()), (1, FileType::Directory, "..".to_owned())];
+        let mut push = |node: Node, kind: FileType, name: String| {
+            let ino = self.listing_ino(&node);
+            entries.push((ino, kind, name));
+        };
+        match node {
+            Node::Root => {
+                let mut jobs: BTreeSet<String> = self.jobs()?.into_iter().collect();
+                jobs.extend(self.state().local_jobs.iter().cloned());
+                for job in jobs {
+                    push(Node::Job(job.clone()), FileType::Directory, job);
+                }
+            }
+            Node::Job(job) => {
+                let steps = self.steps(job)?;
+                if !steps.is_empty() {
+                    push(Node::Latest(job.clone()), FileType::Symlink, "latest".into());
+                }
+                for info in steps {
+                    let node = Node::StepDir { job: job.clone(), step: info.step, dir: String::new() };
+                    push(node, FileType::Directory, step_name(info.step));
+                }
+                let pick = |map: &HashMap<(String, String), u64>| -> Vec<(String, u64)> {
+                    map.iter().filter(|((j, _), _)| j == job).map(|((_, n), id)| (n.clone(), *id)).collect()
+                };
+                let (drafts, singles) = {
+                    let state = self.state();
+                    (pick(&state.draft_names), pick(&state.single_files))
+                };
+                for (name, draft) in drafts {
+                    push(Node::DraftDir { draft, path: String::new() }, FileType::Directory, name);
+                }
+                for (name, file) in singles {
+                    push(Node::DraftFile { file }, FileType::RegularFile, name);
+                }
+            }
+            Node::StepDir { job, step, dir } => {
+                let tree = self.tree(job, *step)?;
+                for (name, child) in tree.dirs.get(dir).ok_or(Errno::ENOENT)? {
+                    match child {
+                        Child::Dir => {
+                            let node = Node::StepDir { job: job.clone(), step: *step, dir: join(dir, name) };
+                            push(node, FileType::Directory, name.clone());
+                        }
+                        Child::File(index) => {
+                            let node = Node::StepFile { job: job.clone(), step: *step, index: *index };
+                            push(node, FileType::RegularFile, name.clone());
+                        }
+                    }
+                }
+            }
+            Node::DraftDir { draft, path } => {
+                let children: Vec<(Node, FileType, String)> = {
+                    let state = self.state();
+                    let d = state.drafts.get(draft).ok_or(Errno::ENOENT)?;
+                    let dirs = d.dirs.iter().filter(|p| !p.is_empty() && split(p).0 == path).map(|p| {
+                        (Node::DraftDir { draft: *draft, path: p.clone() }, FileType::Directory, split(p).1.to_owned())
+                    });
+                    let files =
+                        d.files.iter().filter(|(p, _)| split(p).0 == path).map(|(p, id)| {
+                            (Node::DraftFile { file: *id }, FileType::RegularFile, split(p).1.to_owned())
+                        });
+                    dirs.chain(files).collect()
+                };
+                for (node, kind, name) in children {
+                    push(node, kind, name);
+                }
+            }
+            _ => return Err(Errno::ENOTDIR),
+        }
+        Ok(entries)
+    }
+
+    fn open_reader(&self, job: &str, step: u64, index: usize) -> Result<Reader, Errno> {
+        let tree = self.tree(job, step)?;
+        let file = tree.manifest.files.get(index).ok_or(Errno::ENOENT)?;
+        let mut starts = Vec::with_capacity(file.chunks.len() + 1);
+        let mut offset = 0;
+        for chunk in &file.chunks {
+            starts.push(offset);
+            offset += chunk.length_bytes;
+        }
+        starts.push(offset);
+        Ok(Reader { manifest: Arc::clone(&tree.manifest), index, starts, window: Mutex::new(BTreeMap::new()) })
+    }
+
+    fn read_range(&self, reader: &Reader, offset: u64, size: u32) -> Result<Bytes, Errno> {
+        let file_size = *reader.starts.last().unwrap_or(&0);
+        if offset >= file_size || size == 0 {
+            return Ok(Bytes::new());
+        }
+        let end = (offset + u64::from(size)).min(file_size);
+        // starts[i] <= offset < starts[i + 1]
+        let first = reader.starts.partition_point(|s| *s <= offset) - 1;
+        let last = reader.starts.partition_point(|s| *s < end) - 1;
+        let chunk_count = reader.starts.len() - 1;
+        let wanted: Vec<(usize, ChunkFuture)> = {
+            let mut window = reader.window.lock().unwrap_or_else(|p| p.into_inner());
+            // Drop what the reader has passed or jumped away from; fetch ahead of it.
+            let ahead = (last + self.config.read_ahead_chunks).min(chunk_count - 1);
+            window.retain(|index, _| *index >= first && *index <= ahead);
+            for index in first..=ahead {
+                window.entry(index).or_insert_with(|| self.fetch(reader, index));
+            }
+            (first..=last).map(|index| (index, window[&index].clone())).collect()
+        };
+        let mut out = BytesMut::with_capacity((end - offset) as usize);
+        for (index, future) in wanted {
+            let data = self.block_on(future).map_err(|message| {
+                tracing::warn!(op = "read", %message, "chunk read failed");
+                Errno::EIO
+            })?;
+            let start = reader.starts[index];
+            let from = offset.saturating_sub(start) as usize;
+            let to = (end - start).min(data.len() as u64) as usize;
+            out.extend_from_slice(&data[from..to]);
+        }
+        Ok(out.freeze())
+    }
+
+    fn fetch(&self, reader: &Reader, index: usize) -> ChunkFuture {
+        let (client, manifest, file) = (self.client.clone(), Arc::clone(&reader.manifest), reader.index);
+        let task = self.runtime.spawn(async move {
+            let chunk = &manifest.files[file].chunks[index];
+            client.read_chunk(&manifest, chunk).await.map_err(|e| e.to_string())
+        });
+        async move { task.await.map_err(|e| e.to_string()).and_then(|r| r) }.boxed().shared()
+    }
+}
+
+fn wants_write(flags: OpenFlags) -> bool {
+    let access = flags.0 & libc::O_ACCMODE;
+    access == libc::O_WRONLY || access == libc::O_RDWR || flags.0 & (libc::O_TRUNC | libc::O_APPEND) != 0
+}
+
+impl Filesystem for CkptFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let wanted = self.config.max_write;
+        let max_write = config.set_max_write(wanted).err().map_or(wanted, |allowed| {
+            let _ = config.set_max_write(allowed);
+            allowed
+        });
+        let _ = config.set_max_readahead(wanted).or_else(|allowed| config.set_max_readahead(allowed));
+        tracing::info!(max_write, "FUSE session initialised");
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let result = self.node(parent).and_then(|parent| self.resolve(&parent, name_str(name)?));
+        match result {
+            Ok(node) => self.reply_entry(node, reply),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        let mut state = self.state();
+        let remove = match state.inodes.get_mut(&ino.0) {
+            Some((node, count)) if *node != Node::Root => {
+                *count = count.saturating_sub(nlookup);
+                *count == 0
+            }
+            _ => false,
+        };
+        if remove && let Some((node, _)) = state.inodes.remove(&ino.0) {
+            state.by_node.remove(&node);
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.node(ino).and_then(|node| self.node_attr(ino.0, &node)) {
+            Ok((attr, ttl)) => reply.attr(&ttl, &attr),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        size: Option<u64>,
+        _atime: Option<TimeOrNow>,
+        _mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let result = self.node(ino).and_then(|node| {
+            match &node {
+                Node::DraftFile { file } => {
+                    let file = self.state().files.get(file).cloned().ok_or(Errno::ENOENT)?;
+                    if let Some(size) = size
+                        && size != file.size.load(Ordering::Relaxed)
+                    {
+                        // Truncating or extending would rewrite bytes already streamed out.
+                        return Err(Errno::ENOTSUP);
+                    }
+                    if let Some(mode) = mode {
+                        file.mode.store(u64::from(mode & 0o7777), Ordering::Relaxed);
+                    }
+                }
+                // Times and modes of directories being written are not kept; accept them.
+                Node::DraftDir { .. } | Node::Job(_) | Node::Root => {
+                    if size.is_some() {
+                        return Err(Errno::EISDIR);
+                    }
+                }
+                Node::StepDir { .. } | Node::StepFile { .. } | Node::Latest(_) => return Err(Errno::EROFS),
+            }
+            self.node_attr(ino.0, &node)
+        });
+        match result {
+            Ok((attr, ttl)) => reply.attr(&ttl, &attr),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        let result = self.node(ino).and_then(|node| match node {
+            Node::Latest(job) => {
+                self.steps(&job)?.into_iter().map(|c| c.step).max().map(step_name).ok_or(Errno::ENOENT)
+            }
+            _ => Err(Errno::EINVAL),
+        });
+        match result {
+            Ok(target) => reply.data(target.as_bytes()),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn mkdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, _mode: u32, _umask: u32, reply: ReplyEntry) {
+        let result = (|| {
+            let name = name_str(name)?;
+            match self.node(parent)? {
+                Node::Root => {
+                    JobName::try_from(name).map_err(|_| Errno::EINVAL)?;
+                    if self.resolve(&Node::Root, name).is_ok() {
+                        return Err(Errno::EEXIST);
+                    }
+                    self.state().local_jobs.insert(name.to_owned());
+                    Ok(Node::Job(name.to_owned()))
+                }
+                Node::Job(job) => {
+                    RelPath::try_from(name).map_err(|_| Errno::EINVAL)?;
+                    if self.job_name_taken(&job, name)? {
+                        return Err(Errno::EEXIST);
+                    }
+                    let mut state = self.state();
+                    let id = state.next_draft;
+                    state.next_draft += 1;
+                    let draft = Draft {
+                        job: job.clone(),
+                        name: name.to_owned(),
+                        dirs: [String::new()].into_iter().collect(),
+                        files: BTreeMap::new(),
+                    };
+                    state.drafts.insert(id, draft);
+                    state.draft_names.insert((job, name.to_owned()), id);
+                    Ok(Node::DraftDir { draft: id, path: String::new() })
+                }
+                Node::DraftDir { draft, path } => {
+                    let full = join(&path, name);
+                    RelPath::try_from(full.as_str()).map_err(|_| Errno::EINVAL)?;
+                    let mut state = self.state();
+                    let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
+                    if d.dirs.contains(&full) || d.files.contains_key(&full) {
+                        return Err(Errno::EEXIST);
+                    }
+                    d.dirs.insert(full.clone());
+                    Ok(Node::DraftDir { draft, path: full })
+                }
+                Node::StepDir { .. } => Err(Errno::EROFS),
+                _ => Err(Errno::ENOTDIR),
+            }
+        })();
+        match result {
+            Ok(node) => self.reply_entry(node, reply),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn create(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let result = (|| {
+            let name = name_str(name)?;
+            let mode = mode & !umask & 0o7777;
+            match self.node(parent)? {
+                Node::Job(job) => {
+                    // A one-file checkpoint: its step is the name's last number.
+                    step_of(name).ok_or(Errno::EINVAL)?;
+                    RelPath::try_from(name).map_err(|_| Errno::EINVAL)?;
+                    if self.job_name_taken(&job, name)? {
+                        return Err(Errno::EEXIST);
+                    }
+                    let file = self.new_draft_file(&job, None, name.to_owned(), mode)?;
+                    let mut state = self.state();
+                    let id = state.next_draft;
+                    state.next_draft += 1;
+                    state.files.insert(id, Arc::clone(&file));
+                    state.single_files.insert((job, name.to_owned()), id);
+                    Ok((Node::DraftFile { file: id }, file))
+                }
+                Node::DraftDir { draft, path } => {
+                    let full = join(&path, name);
+                    RelPath::try_from(full.as_str()).map_err(|_| Errno::EINVAL)?;
+                    let job = {
+                        let state = self.state();
+                        let d = state.drafts.get(&draft).ok_or(Errno::ENOENT)?;
+                        if d.dirs.contains(&full) || d.files.contains_key(&full) {
+                            return Err(Errno::EEXIST);
+                        }
+                        d.job.clone()
+                    };
+                    let file = self.new_draft_file(&job, Some(draft), full.clone(), mode)?;
+                    let mut state = self.state();
+                    let id = state.next_draft;
+                    state.next_draft += 1;
+                    state.files.insert(id, Arc::clone(&file));
+                    state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?.files.insert(full, id);
+                    Ok((Node::DraftFile { file: id }, file))
+                }
+                Node::Root => Err(Errno::EPERM),
+                Node::StepDir { .. } => Err(Errno::EROFS),
+                _ => Err(Errno::ENOTDIR),
+            }
+        })();
+        match result {
+            Ok((node, file)) => {
+                let ino = self.remember(node.clone());
+                let fh = self.add_handle(Handle::Write(file));
+                match self.node_attr(ino, &node) {
+                    Ok((attr, ttl)) => reply.created(&ttl, &attr, Generation(0), FileHandle(fh), FopenFlags::empty()),
+                    Err(e) => reply.error(e),
+                }
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let result = self.node(ino).and_then(|node| match node {
+            Node::StepFile { job, step, index } => {
+                if wants_write(flags) {
+                    return Err(Errno::EROFS);
+                }
+                let reader = self.open_reader(&job, step, index)?;
+                // Committed files never change: the kernel may keep their pages across opens.
+                Ok((self.add_handle(Handle::Read(Arc::new(reader))), FopenFlags::FOPEN_KEEP_CACHE))
+            }
+            Node::DraftFile { file } => {
+                if !wants_write(flags) {
+                    // Its bytes are on the targets but not yet part of any checkpoint.
+                    return Err(Errno::ENOTSUP);
+                }
+                let file = self.state().files.get(&file).cloned().ok_or(Errno::ENOENT)?;
+                Ok((self.add_handle(Handle::Write(file)), FopenFlags::empty()))
+            }
+            Node::Latest(_) => Err(Errno::ELOOP),
+            _ => Err(Errno::EISDIR),
+        });
+        match result {
+            Ok((fh, flags)) => reply.opened(FileHandle(fh), flags),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let reader = match self.state().handles.get(&fh.0) {
+            Some(Handle::Read(reader)) => Arc::clone(reader),
+            Some(Handle::Write(_)) => return reply.error(Errno::EBADF),
+            None => return reply.error(Errno::EBADF),
+        };
+        match self.read_range(&reader, offset, size) {
+            Ok(data) => reply.data(&data),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let file = match self.state().handles.get(&fh.0) {
+            Some(Handle::Write(file)) => Arc::clone(file),
+            _ => return reply.error(Errno::EBADF),
+        };
+        let result = self.block_on(async {
+            let mut writer = file.writer.lock().await;
+            let Writer::Open(stream) = &mut *writer else {
+                // Closed files of a draft are final; reopening to append is not supported.
+                return Err(Errno::ENOTSUP);
+            };
+            if offset != stream.size() {
+                // Only appends: bytes behind the write head are already on their way to targets.
+                return Err(Errno::ENOTSUP);
+            }
+            stream.write(data).await.map_err(|e| errno("write", &file.path(), &e))?;
+            file.size.store(stream.size(), Ordering::Relaxed);
+            Ok(())
+        });
+        match result {
+            Ok(()) => reply.written(data.len() as u32),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn flush(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+        let file = match self.state().handles.get(&fh.0) {
+            Some(Handle::Write(file)) => Arc::clone(file),
+            _ => return reply.ok(),
+        };
+        // close() of a descriptor. A shell's `echo x > f` closes a duplicate before writing, so
+        // a file nothing was written to yet is not ended here; it ends at release (or commit).
+        if file.size.load(Ordering::Relaxed) == 0 {
+            return reply.ok();
+        }
+        match self.finish(&file) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        let file = match self.state().handles.get(&fh.0) {
+            Some(Handle::Write(file)) => Arc::clone(file),
+            _ => return reply.ok(),
+        };
+        let result = self.block_on(async {
+            match &mut *file.writer.lock().await {
+                Writer::Open(stream) => stream.sync().await.map_err(|e| errno("fsync", &file.path(), &e)),
+                Writer::Failed(code) => Err(*code),
+                Writer::Done(_) | Writer::Committed => Ok(()),
+            }
+        });
+        match result {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let handle = self.state().handles.remove(&fh.0);
+        if let Some(Handle::Write(file)) = handle {
+            // Normally flushed already (close flushes); a handle dropped without one ends here.
+            let _ = self.finish(&file);
+        }
+        reply.ok();
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let result = (|| {
+            let name = name_str(name)?;
+            match self.node(parent)? {
+                Node::Job(job) => {
+                    let key = (job.clone(), name.to_owned());
+                    let mut state = self.state();
+                    if let Some(id) = state.single_files.remove(&key) {
+                        state.files.remove(&id);
+                        return Ok(());
+                    }
+                    let alias = state.aliases.get(&key).copied();
+                    drop(state);
+                    match alias {
+                        // A one-file checkpoint by its name: deleting the file deletes it.
+                        Some((step, Some(_))) => self.delete_step(&job, step),
+                        Some((_, None)) => Err(Errno::EISDIR),
+                        None if name == "latest" => Err(Errno::EROFS),
+                        None => match self.resolve(&Node::Job(job), name) {
+                            Ok(_) => Err(Errno::EISDIR),
+                            Err(e) => Err(e),
+                        },
+                    }
+                }
+                Node::DraftDir { draft, path } => {
+                    let full = join(&path, name);
+                    let mut state = self.state();
+                    let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
+                    if d.dirs.contains(&full) {
+                        return Err(Errno::EISDIR);
+                    }
+                    let id = d.files.remove(&full).ok_or(Errno::ENOENT)?;
+                    state.files.remove(&id);
+                    Ok(())
+                }
+                Node::StepDir { .. } => Err(Errno::EROFS),
+                Node::Root => Err(Errno::EISDIR),
+                _ => Err(Errno::ENOTDIR),
+            }
+        })();
+        match result {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let result = (|| {
+            let name = name_str(name)?;
+            match self.node(parent)? {
+                Node::Root => {
+                    let mut state = self.state();
+                    let has_children =
+                        state.draft_names.keys().chain(state.single_files.keys()).any(|(j, _)| j == name);
+                    if state.local_jobs.contains(name) && !has_children {
+                        state.local_jobs.remove(name);
+                        drop(state);
+                        if self.jobs()?.iter().any(|j| j == name) { Err(Errno::ENOTEMPTY) } else { Ok(()) }
+                    } else if has_children || self.jobs()?.iter().any(|j| j == name) {
+                        Err(Errno::ENOTEMPTY)
+                    } else {
+                        Err(Errno::ENOENT)
+                    }
+                }
+                Node::Job(job) => match self.resolve(&Node::Job(job.clone()), name)? {
+                    // Removing a committed step's directory deletes the checkpoint.
+                    Node::StepDir { step, dir, .. } if dir.is_empty() => self.delete_step(&job, step),
+                    Node::DraftDir { draft, .. } => {
+                        let mut state = self.state();
+                        let d = state.drafts.get(&draft).ok_or(Errno::ENOENT)?;
+                        if !d.files.is_empty() || d.dirs.len() > 1 {
+                            return Err(Errno::ENOTEMPTY);
+                        }
+                        state.drafts.remove(&draft);
+                        state.draft_names.remove(&(job, name.to_owned()));
+                        Ok(())
+                    }
+                    Node::Latest(_) => Err(Errno::ENOTDIR),
+                    _ => Err(Errno::ENOTDIR),
+                },
+                Node::DraftDir { draft, path } => {
+                    let full = join(&path, name);
+                    let mut state = self.state();
+                    let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
+                    if !d.dirs.contains(&full) {
+                        return Err(if d.files.contains_key(&full) { Errno::ENOTDIR } else { Errno::ENOENT });
+                    }
+                    let prefix = format!("{full}/");
+                    if d.files.keys().chain(d.dirs.iter()).any(|p| p.starts_with(&prefix)) {
+                        return Err(Errno::ENOTEMPTY);
+                    }
+                    d.dirs.remove(&full);
+                    Ok(())
+                }
+                Node::StepDir { .. } => Err(Errno::EROFS),
+                _ => Err(Errno::ENOTDIR),
+            }
+        })();
+        match result {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let result = (|| {
+            if flags.contains(RenameFlags::RENAME_EXCHANGE) {
+                return Err(Errno::EINVAL);
+            }
+            let (name, newname) = (name_str(name)?, name_str(newname)?);
+            match (self.node(parent)?, self.node(newparent)?) {
+                (Node::Job(job), Node::Job(new_job)) => {
+                    if job != new_job {
+                        return Err(Errno::EXDEV);
+                    }
+                    match self.resolve(&Node::Job(job.clone()), name)? {
+                        // Rename-to-commit: the new name's last number is the step.
+                        Node::DraftDir { draft, path } if path.is_empty() => {
+                            let step = step_of(newname).ok_or(Errno::EINVAL)?;
+                            if self.job_name_taken(&job, newname)? {
+                                return Err(Errno::EEXIST);
+                            }
+                            self.commit_draft(draft, step, newname)
+                        }
+                        Node::DraftFile { .. } => Err(Errno::ENOTSUP),
+                        _ => Err(Errno::EROFS),
+                    }
+                }
+                (Node::DraftDir { draft, path }, Node::DraftDir { draft: new_draft, path: new_path }) => {
+                    if draft != new_draft {
+                        return Err(Errno::EXDEV);
+                    }
+                    let (from, to) = (join(&path, name), join(&new_path, newname));
+                    RelPath::try_from(to.as_str()).map_err(|_| Errno::EINVAL)?;
+                    let mut state = self.state();
+                    let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
+                    if d.dirs.contains(&from) {
+                        // Moving directories inside a draft is not needed by the save tools.
+                        return Err(Errno::ENOTSUP);
+                    }
+                    if d.dirs.contains(&to) {
+                        return Err(Errno::EISDIR);
+                    }
+                    let id = *d.files.get(&from).ok_or(Errno::ENOENT)?;
+                    let file = state.files.get(&id).cloned().ok_or(Errno::ENOENT)?;
+                    let new_path = RelPath::try_from(to.as_str()).map_err(|_| Errno::EINVAL)?;
+                    // A file still being written keeps its path until it finishes; a finished
+                    // one takes the new path into its chunk list's record.
+                    match file.writer.try_lock().as_deref_mut() {
+                        Ok(Writer::Done(done)) => done.path = new_path,
+                        Ok(Writer::Open(_)) => {}
+                        Ok(_) | Err(_) => return Err(Errno::EBUSY),
+                    }
+                    *file.path.lock().unwrap_or_else(|p| p.into_inner()) = to.clone();
+                    let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
+                    d.files.remove(&from);
+                    if let Some(replaced) = d.files.insert(to, id) {
+                        state.files.remove(&replaced);
+                    }
+                    Ok(())
+                }
+                (Node::StepDir { .. }, _) | (_, Node::StepDir { .. }) => Err(Errno::EROFS),
+                _ => Err(Errno::EXDEV),
+            }
+        })();
+        match result {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn link(&self, _req: &Request, _ino: INodeNo, _newparent: INodeNo, _newname: &OsStr, reply: ReplyEntry) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn symlink(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _link_name: &OsStr,
+        _target: &std::path::Path,
+        reply: ReplyEntry,
+    ) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        match self.node(ino).and_then(|node| self.listing(ino.0, &node)) {
+            Ok(entries) => {
+                for (index, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize) {
+                    if reply.add(INodeNo(ino), (index + 1) as u64, kind, name) {
+                        break;
+                    }
+                }
+                reply.ok();
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let targets = self.block_on(self.client.targets()).unwrap_or_default();
+        let block = 4096u64;
+        let capacity: u64 = targets.iter().map(|t| t.capacity_bytes).sum();
+        let used: u64 = targets.iter().map(|t| t.used_bytes).sum();
+        let free = capacity.saturating_sub(used) / block;
+        reply.statfs(capacity / block, free, free, 0, 0, block as u32, 255, block as u32);
+    }
+}

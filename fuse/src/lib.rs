@@ -1,0 +1,174 @@
+//! `starckpt mount MOUNTPOINT`: starckpt as a filesystem, for tools that only know files
+//! (`torch.save`, `cp`, `tar`, `rsync`, a shell). It runs over the SDK: reads fetch verified chunks
+//! from the targets, writes stream chunks to them; nothing is staged on local disk.
+//!
+//! ## Layout
+//!
+//! ```text
+//! /ckpt/<job>/                   a job with committed checkpoints (or one `mkdir`ed here)
+//! /ckpt/<job>/<step>/<files…>    a committed checkpoint, read-only (<step> in decimal)
+//! /ckpt/<job>/latest             symlink to the latest committed <step>
+//! /ckpt/<job>/<anything>/        a checkpoint being written by this mount (a draft)
+//! ```
+//!
+//! Pending and aborted checkpoints are never listed as steps.
+//!
+//! ## Writing a checkpoint
+//!
+//! - **A directory, committed by rename.** `mkdir /ckpt/job/step_100.tmp`, write files (and
+//!   subdirectories) into it, close them, then `mv /ckpt/job/step_100.tmp /ckpt/job/step_100`: the
+//!   rename commits the whole tree atomically as one checkpoint. The step is the **last number in
+//!   the new name** (`step_100` → 100; a name without digits is `EINVAL`). Afterwards the tree is
+//!   `/ckpt/job/100/`; this mount also keeps resolving the name it was committed under.
+//!   Renaming while a file in it is still open for writing is `EBUSY`; a step that already has a
+//!   committed checkpoint is `EEXIST`. This is the write-to-temp-then-rename convention of
+//!   Orbax and 3FS.
+//! - **A single file.** A file created directly in `/ckpt/<job>/` (`torch.save(sd,
+//!   "/ckpt/job/step_100.pt")`) becomes a one-file checkpoint, step = the last number in its name,
+//!   when it is closed (committed in `flush`, so `close()` reports a failure). It then also appears
+//!   as `/ckpt/job/100/step_100.pt`.
+//!
+//! Files are written sequentially: bytes go to a staging buffer and each full chunk is uploaded at
+//! once (memory per open file: one chunk plus the uploads in flight, all from the SDK's bounded
+//! staging pool). `fsync` returns once every byte written so far is durable on the targets. A
+//! checkpoint must be committed within the control plane's GC grace period (1 h by default) of its
+//! first bytes; past that, unreferenced chunks may have been collected and the commit fails with
+//! `EIO` rather than commit a hole.
+//!
+//! ## What is refused, at once
+//!
+//! | operation                                        | errno     |
+//! |--------------------------------------------------|-----------|
+//! | write, truncate, chmod, create in a committed checkpoint | `EROFS` |
+//! | a write not at the end of the file (random or sparse writes), truncating a file being written | `ENOTSUP` |
+//! | reading a file of a draft before it is committed | `ENOTSUP` |
+//! | hard links, symlinks                             | `EPERM`   |
+//! | a file directly in `/ckpt/` (outside a job)      | `EPERM`   |
+//! | a name without a step number where one is needed | `EINVAL`  |
+//!
+//! `rmdir /ckpt/job/<step>` (or unlinking a one-file checkpoint by its name) deletes that
+//! checkpoint (its chunks are freed by GC). Killing the mount in the middle of a write commits
+//! nothing: drafts live only in the mount process.
+//!
+//! ## Caching
+//!
+//! Job and checkpoint listings, and `latest`, are cached for 1 s (here and in the kernel), so a
+//! checkpoint committed elsewhere appears within a second. A committed checkpoint's files never
+//! change: their attributes are cached for 60 s and their pages kept across opens.
+//!
+//! ## Performance
+//!
+//! Requests are served by several threads. Reads of committed files fetch whole chunks, verified,
+//! and keep `read_ahead_chunks` (4) chunks in flight ahead of a sequential reader. The mount asks
+//! for 16 MiB requests; the kernel grants at most `/proc/sys/fs/fuse/max_pages_limit` pages (256 =
+//! 1 MiB by default): `echo 4096 > /proc/sys/fs/fuse/max_pages_limit` before mounting allows 16 MiB.
+
+pub mod fs;
+pub mod tree;
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+pub use fs::{CkptFs, MountConfig};
+use starckpt_client::Client;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum MountError {
+    #[error(
+        "/dev/fuse is missing: load the fuse kernel module (modprobe fuse), or run the container with --device /dev/fuse --cap-add SYS_ADMIN"
+    )]
+    NoFuseDevice,
+    #[error("mount point {0} does not exist or is not a directory")]
+    NotADirectory(PathBuf),
+    #[error("mount point {0} is already a mount point (busy); unmount it first with fusermount3 -u")]
+    Busy(PathBuf),
+    #[error("mounting on {path} needs root or the fusermount3 helper (install the fuse3 package): {source}")]
+    Permission { path: PathBuf, source: io::Error },
+    #[error("mount {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// A mounted filesystem; unmounts when dropped.
+pub struct Mount {
+    session: Option<fuser::BackgroundSession>,
+    mountpoint: PathBuf,
+}
+
+/// Whether `path` is a mount point of this mount namespace right now.
+pub fn is_mount_point(path: &Path) -> bool {
+    let Ok(canonical) = path.canonicalize() else { return false };
+    let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    table.lines().any(|line| {
+        // Field 5 is the mount point, with spaces and the like octal-escaped.
+        line.split(' ').nth(4).is_some_and(|point| unescape(point) == canonical.as_os_str().to_string_lossy())
+    })
+}
+
+fn unescape(field: &str) -> String {
+    field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+}
+
+/// Mounts starckpt at `mountpoint`, served by `threads` threads. `runtime` runs the SDK's I/O.
+pub fn mount(
+    client: Client,
+    runtime: tokio::runtime::Handle,
+    mountpoint: &Path,
+    config: MountConfig,
+    threads: usize,
+) -> Result<Mount, MountError> {
+    if !Path::new("/dev/fuse").exists() {
+        return Err(MountError::NoFuseDevice);
+    }
+    if !mountpoint.is_dir() {
+        return Err(MountError::NotADirectory(mountpoint.to_path_buf()));
+    }
+    if is_mount_point(mountpoint) {
+        return Err(MountError::Busy(mountpoint.to_path_buf()));
+    }
+    let mut options = fuser::Config::default();
+    options.mount_options = vec![
+        fuser::MountOption::FSName("starckpt".into()),
+        fuser::MountOption::Subtype("starckpt".into()),
+        fuser::MountOption::NoAtime,
+    ];
+    options.n_threads = Some(threads.max(1));
+    options.clone_fd = true;
+    let fs = CkptFs::new(client, runtime, config);
+    let session = fuser::spawn_mount(fs, mountpoint, &options).map_err(|source| {
+        let path = mountpoint.to_path_buf();
+        match source.kind() {
+            io::ErrorKind::PermissionDenied | io::ErrorKind::NotFound => MountError::Permission { path, source },
+            _ => MountError::Io { path, source },
+        }
+    })?;
+    Ok(Mount { session: Some(session), mountpoint: mountpoint.to_path_buf() })
+}
+
+impl Mount {
+    pub fn mountpoint(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// False once someone else unmounted it (`fusermount3 -u`, `umount`).
+    pub fn is_mounted(&self) -> bool {
+        is_mount_point(&self.mountpoint)
+    }
+
+    /// Unmounts (if still mounted) and waits for the request threads to finish.
+    pub fn unmount(mut self) -> io::Result<()> {
+        match self.session.take() {
+            Some(session) if self.is_mounted() => session.umount_and_join(),
+            Some(session) => session.join(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Some(session) = self.session.take() {
+            let _ = session.umount_and_join();
+        }
+    }
+}

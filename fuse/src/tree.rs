@@ -1,0 +1,106 @@
+//! Directory views: a committed checkpoint's manifest as a tree, and the step-number rule.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use starckpt_client::CheckpointManifest;
+
+/// One entry of a directory of a committed checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Child {
+    Dir,
+    /// Index into the manifest's files.
+    File(usize),
+}
+
+/// A committed checkpoint's files and directories, indexed by directory ("" is its root).
+pub struct StepTree {
+    pub manifest: Arc<CheckpointManifest>,
+    pub dirs: HashMap<String, BTreeMap<String, Child>>,
+}
+
+impl StepTree {
+    pub fn new(manifest: CheckpointManifest) -> StepTree {
+        let mut dirs: HashMap<String, BTreeMap<String, Child>> = HashMap::new();
+        dirs.entry(String::new()).or_default();
+        let add_dirs = |dirs: &mut HashMap<String, BTreeMap<String, Child>>, path: &str| {
+            // Every ancestor directory of `path` exists and names its child directory.
+            let mut parent = String::new();
+            for component in path.split('/') {
+                let full = join(&parent, component);
+                dirs.entry(parent.clone()).or_default().entry(component.to_owned()).or_insert(Child::Dir);
+                dirs.entry(full.clone()).or_default();
+                parent = full;
+            }
+        };
+        for directory in &manifest.directories {
+            add_dirs(&mut dirs, directory.as_str());
+        }
+        for (index, file) in manifest.files.iter().enumerate() {
+            let path = file.path.as_str();
+            let (parent, name) = split(path);
+            if !parent.is_empty() {
+                add_dirs(&mut dirs, parent);
+            }
+            dirs.entry(parent.to_owned()).or_default().insert(name.to_owned(), Child::File(index));
+        }
+        StepTree { manifest: Arc::new(manifest), dirs }
+    }
+
+    pub fn child(&self, dir: &str, name: &str) -> Option<&Child> {
+        self.dirs.get(dir)?.get(name)
+    }
+}
+
+/// `parent/name`, or `name` at the root.
+pub fn join(parent: &str, name: &str) -> String {
+    if parent.is_empty() { name.to_owned() } else { format!("{parent}/{name}") }
+}
+
+/// (parent, name) of a relative path.
+pub fn split(path: &str) -> (&str, &str) {
+    match path.rsplit_once('/') {
+        Some((parent, name)) => (parent, name),
+        None => ("", path),
+    }
+}
+
+/// The step a name stands for: its last run of decimal digits (`step_100` → 100,
+/// `step_100.pt` → 100, `000042` → 42). None if it has no digits or they overflow.
+pub fn step_of(name: &str) -> Option<u64> {
+    let end = name.rfind(|c: char| c.is_ascii_digit())? + 1;
+    let start = name[..end].rfind(|c: char| !c.is_ascii_digit()).map_or(0, |i| i + 1);
+    name[start..end].parse().ok()
+}
+
+/// A committed step's directory name: its decimal step.
+pub fn step_name(step: u64) -> String {
+    step.to_string()
+}
+
+/// The step a committed-step directory name denotes: plain decimal digits only, canonical.
+pub fn parse_step_name(name: &str) -> Option<u64> {
+    let step: u64 = name.parse().ok()?;
+    (step_name(step) == name).then_some(step)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_numbers_from_names() {
+        assert_eq!(step_of("step_100"), Some(100));
+        assert_eq!(step_of("step_100.pt"), Some(100));
+        assert_eq!(step_of("ckpt-7.tmp"), Some(7));
+        assert_eq!(step_of("000042"), Some(42));
+        assert_eq!(step_of("weights"), None);
+        assert_eq!(step_of("99999999999999999999999"), None);
+        assert_eq!(parse_step_name("100"), Some(100));
+        assert_eq!(parse_step_name("0100"), None);
+        assert_eq!(parse_step_name("step_1"), None);
+        assert_eq!(split("a/b/c"), ("a/b", "c"));
+        assert_eq!(split("c"), ("", "c"));
+        assert_eq!(join("", "c"), "c");
+    }
+}
