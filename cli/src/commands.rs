@@ -267,6 +267,13 @@ pub async fn ls(server: &str, job: Option<String>, all: bool, out: &Output) -> a
     Ok(())
 }
 
+pub async fn cat(server: &str, job: &str, step: u64, path: &str) -> anyhow::Result<()> {
+    let client = connect(server, None).await?;
+    let manifest = client.manifest(job, Some(step)).await?;
+    client.copy_file_to(&manifest, path, &mut tokio::io::stdout()).await?;
+    Ok(())
+}
+
 pub async fn show(server: &str, job: &str, step: u64, out: &Output) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     let manifest = client.manifest(job, Some(step)).await?;

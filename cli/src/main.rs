@@ -114,6 +114,8 @@ enum Command {
     },
     /// Show a checkpoint's files.
     Show { job: String, step: u64 },
+    /// Write one file of a checkpoint to stdout, verified.
+    Cat { job: String, step: u64, path: String },
     /// Restore a checkpoint into a directory.
     Restore {
         #[command(flatten)]
@@ -159,7 +161,7 @@ enum Command {
         #[arg(long, default_value_t = 4)]
         threads: usize,
         /// Chunks read ahead of a sequential reader.
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 8)]
         read_ahead_chunks: usize,
     },
     /// Targets, their capacity and health.
@@ -241,6 +243,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Ls { job, all } => commands::ls(&cli.server, job, all, &out).await,
         Command::Show { job, step } => commands::show(&cli.server, &job, step, &out).await,
+        Command::Cat { job, step, path } => commands::cat(&cli.server, &job, step, &path).await,
         Command::Restore { job, latest: _, step, to, force } => {
             commands::restore(&cli.server, &job.job, step, &to, force, &out).await
         }

@@ -135,6 +135,12 @@ fn checkpoints_through_the_mount_with_everyday_tools() {
     sh_ok(&format!("rsync -a {m}/llama/100/ {}/", synced.display()));
     assert_eq!(tree(&source), tree(&synced));
     assert_eq!(sh_ok(&format!("readlink {m}/llama/latest")).trim(), "100");
+    // `starckpt cat` streams one verified file through the SDK.
+    let cat = cluster.cli(&["cat", "llama", "100", "model/weights.bin"]);
+    assert!(cat.status.success());
+    assert_eq!(cat.stdout, std::fs::read(source.join("model/weights.bin")).unwrap());
+    let stderr = cluster.fails(&["cat", "llama", "100", "model/absent.bin"]);
+    assert!(stderr.contains("has no file model/absent.bin"), "{stderr}");
     assert!(sh_ok(&format!("ls {m}")).lines().any(|l| l == "llama"));
 
     // Python open/write/read: a file written straight into the job is a one-file checkpoint.

@@ -205,6 +205,31 @@ impl Client {
         self.read_range(manifest, path, 0, size).await
     }
 
+    /// Streams the verified contents of `path` to `out`, in order, fetching up to
+    /// `restore_concurrency` chunks ahead. Returns the bytes written.
+    pub async fn copy_file_to<W: tokio::io::AsyncWrite + Unpin>(
+        &self,
+        manifest: &CheckpointManifest,
+        path: &str,
+        out: &mut W,
+    ) -> Result<u64> {
+        use tokio::io::AsyncWriteExt;
+        let file = manifest.file(path).ok_or_else(|| Error::NotFound {
+            op: "read",
+            message: format!("{} step {} has no file {path}", manifest.info.job, manifest.info.step),
+        })?;
+        let mut fetched = futures::stream::iter(file.chunks.iter().map(|chunk| self.read_chunk(manifest, chunk)))
+            .buffered(self.inner.config.restore_concurrency.max(1));
+        let mut written = 0;
+        while let Some(data) = fetched.next().await {
+            let data = data?;
+            out.write_all(&data).await.map_err(Error::io("write", "output"))?;
+            written += data.len() as u64;
+        }
+        out.flush().await.map_err(Error::io("write", "output"))?;
+        Ok(written)
+    }
+
     /// Fills `target` (exactly the file's size) with the verified contents of `path`.
     pub async fn read_into(&self, manifest: &CheckpointManifest, path: &str, target: &mut [u8]) -> Result<()> {
         let file = manifest.file(path).ok_or_else(|| Error::NotFound {
