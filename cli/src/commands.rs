@@ -81,12 +81,14 @@ pub async fn target(
     listen: &str,
     advertise: Option<SocketAddr>,
     engine: EngineKind,
+    assumed_uptime: Duration,
     server: &str,
 ) -> anyhow::Result<()> {
     let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
     let mut config = TargetConfig::new(dir, server.to_owned());
     config.advertise = advertise;
     config.engine = engine;
+    config.assumed_uptime = assumed_uptime;
     let shutdown = shutdown_signal();
     // The address line is for scripts and tests that start targets on port 0.
     banner(&format!("target data plane listening on {}", listener.local_addr()?));

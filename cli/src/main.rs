@@ -71,6 +71,10 @@ enum Command {
         /// whose seccomp profile blocks io_uring).
         #[arg(long, default_value = "uring")]
         io_engine: EngineKind,
+        /// Count chunk ages as if the target had run this many seconds longer. For tests of
+        /// garbage collection only.
+        #[arg(long, hide = true, default_value_t = 0)]
+        assume_uptime_secs: u64,
     },
     /// Run a control plane and N targets in one process, data kept in DIR across restarts.
     Dev {
@@ -233,8 +237,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             commands::server(&listen, &db, args).await
         }
-        Command::Target { dir, listen, advertise, io_engine } => {
-            commands::target(dir, &listen, advertise, io_engine, &cli.server).await
+        Command::Target { dir, listen, advertise, io_engine, assume_uptime_secs } => {
+            let assumed_uptime = Duration::from_secs(assume_uptime_secs);
+            commands::target(dir, &listen, advertise, io_engine, assumed_uptime, &cli.server).await
         }
         Command::Dev { data, targets, listen, io_engine } => commands::dev(&data, targets, &listen, io_engine).await,
         Command::Save { job, step, rank, world_size, run_id, chunk_size, paths } => {

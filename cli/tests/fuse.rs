@@ -203,6 +203,7 @@ fn checkpoints_through_the_mount_with_everyday_tools() {
         python_errno(&format!("os.mkdir('{m}/llama/dup.tmp')\nos.rename('{m}/llama/dup.tmp', '{m}/llama/step_100')")),
         "EEXIST"
     );
+    assert_eq!(python_errno(&format!("os.rmdir('{m}/llama')")), "ENOTEMPTY");
     // rmdir of a committed step deletes the checkpoint.
     sh_ok(&format!("rmdir {m}/llama/400"));
     let listed = cluster.json(&["ls", "llama", "--all"]);
@@ -246,6 +247,31 @@ fn killing_the_mount_mid_write_commits_nothing_and_unmount_paths_work() {
     assert_eq!(listed.as_array().unwrap().len(), 1, "only step 1 exists: {listed}");
     assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 1);
     sh_ok(&format!("umount -l {m}"));
+
+    // A writer killed in the middle of a one-file checkpoint: its descriptors are closed by the
+    // kernel as it exits, which must not commit the truncated file.
+    let mount_again = Mounted::start(&cluster, &point);
+    let killed = Command::new("python3")
+        .args([
+            "-c",
+            &format!(
+                "import os
+f = open('{m}/job/partial_7.bin', 'wb')
+f.write(os.urandom(9 << 20))
+f.flush()
+                 os.kill(os.getpid(), 9)"
+            ),
+        ])
+        .output()
+        .unwrap();
+    assert!(!killed.status.success());
+    // The kernel does not wait for the dying writer's flush: give a wrong commit time to land.
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(100));
+        let listed = cluster.json(&["ls", "job", "--all"]);
+        assert_eq!(listed.as_array().unwrap().len(), 1, "the killed writer's file was committed: {listed}");
+    }
+    drop(mount_again);
 
     // fusermount3 -u from outside: the daemon notices and exits cleanly.
     let mut mount = Mounted::start(&cluster, &point);

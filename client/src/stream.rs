@@ -105,8 +105,15 @@ impl Client {
             .map_err(self.status("begin checkpoint"))?
             .into_inner();
         if let Err(error) = self.recheck_chunks(&files).await {
-            // Abort the checkpoint now rather than leave it pending until the timeout.
-            let _ = self.delete(job.as_str(), step).await;
+            // Abort the checkpoint now rather than leave it pending until the timeout; only if it
+            // is still this one and still pending (never someone's committed step).
+            let ours_pending = self.list_checkpoints(job.as_str(), false).await.is_ok_and(|list| {
+                list.iter()
+                    .any(|c| c.checkpoint_id == begin.checkpoint_id && c.state == pb::CheckpointState::Pending as i32)
+            });
+            if ours_pending {
+                let _ = self.delete(job.as_str(), step).await;
+            }
             return Err(error);
         }
         let written_bytes = files.iter().map(|f| f.written_bytes).sum();
@@ -252,7 +259,13 @@ impl StreamingFile {
 
     async fn reap(&mut self) -> Result<()> {
         let Some(joined) = self.uploads.next().await else { return Ok(()) };
-        let (index, result) = joined.map_err(|e| Error::Cancelled(e.to_string()))?;
+        let (index, result) = match joined {
+            Ok(joined) => joined,
+            Err(e) => {
+                self.failed = Some(e.to_string());
+                return Err(Error::Cancelled(e.to_string()));
+            }
+        };
         match result {
             Ok(chunk) => {
                 self.done.insert(index, chunk);

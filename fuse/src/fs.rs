@@ -98,6 +98,8 @@ struct Draft {
     dirs: BTreeSet<String>,
     /// Path → file id.
     files: BTreeMap<String, u64>,
+    /// A rename-to-commit is in progress: changes inside are refused (EBUSY).
+    committing: bool,
 }
 
 enum Writer {
@@ -120,6 +122,10 @@ struct DraftFile {
     size: AtomicU64,
     created: SystemTime,
     writer: tokio::sync::Mutex<Writer>,
+    /// Open write handles (create/open to release).
+    open_handles: AtomicU64,
+    /// Unlinked while open: never committed.
+    abandoned: std::sync::atomic::AtomicBool,
 }
 
 impl DraftFile {
@@ -292,8 +298,13 @@ impl CkptFs {
     }
 
     fn tree(&self, job: &str, step: u64) -> Result<Arc<StepTree>, Errno> {
-        if let Some(tree) = self.state().trees.get(&(job.to_owned(), step)) {
-            return Ok(Arc::clone(tree));
+        let cached = self.state().trees.get(&(job.to_owned(), step)).cloned();
+        if let Some(tree) = cached {
+            // The step may have been deleted and written again elsewhere: same step, new id.
+            let current = self.step_info(job, step)?.map(|c| c.checkpoint_id);
+            if current == Some(tree.manifest.info.checkpoint_id) {
+                return Ok(tree);
+            }
         }
         let manifest = self
             .block_on(self.client.manifest(job, Some(step)))
@@ -372,9 +383,12 @@ impl CkptFs {
     }
 
     fn reply_entry(&self, node: Node, reply: ReplyEntry) {
-        let ino = self.remember(node.clone());
-        match self.node_attr(ino, &node) {
-            Ok((attr, ttl)) => reply.entry(&ttl, &attr, Generation(0)),
+        // Attributes first: a lookup is counted only when the kernel is told about the inode.
+        match self.node_attr(0, &node) {
+            Ok((mut attr, ttl)) => {
+                attr.ino = INodeNo(self.remember(node));
+                reply.entry(&ttl, &attr, Generation(0));
+            }
             Err(e) => reply.error(e),
         }
     }
@@ -461,10 +475,15 @@ impl CkptFs {
             size: AtomicU64::new(0),
             created: SystemTime::now(),
             writer: tokio::sync::Mutex::new(Writer::Open(writer)),
+            open_handles: AtomicU64::new(0),
+            abandoned: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
     fn add_handle(&self, handle: Handle) -> u64 {
+        if let Handle::Write(file) = &handle {
+            file.open_handles.fetch_add(1, Ordering::Relaxed);
+        }
         let mut state = self.state();
         let fh = state.next_handle;
         state.next_handle += 1;
@@ -475,9 +494,10 @@ impl CkptFs {
     /// Ends a file's writes: its bytes durable, its chunk list final. A one-file checkpoint is
     /// committed here. Idempotent; a failure is reported again on every later call.
     fn finish(&self, file: &Arc<DraftFile>) -> Result<(), Errno> {
-        let path = file.path();
         self.block_on(async {
             let mut writer = file.writer.lock().await;
+            // Read under the writer lock: a rename inside the draft takes that lock too.
+            let path = file.path();
             match std::mem::replace(&mut *writer, Writer::Failed(Errno::EIO)) {
                 Writer::Open(stream) => {
                     let Ok(rel) = RelPath::try_from(path.as_str()) else { return Err(Errno::EINVAL) };
@@ -494,17 +514,15 @@ impl CkptFs {
                 other => *writer = other,
             }
             if file.draft.is_none()
+                && !file.abandoned.load(Ordering::Relaxed)
                 && let Writer::Done(done) = &*writer
             {
                 let step = step_of(&path).ok_or(Errno::EINVAL)?;
                 let metadata = [(NAME_KEY.to_owned(), path.clone())].into_iter().collect();
                 match self.client.commit_streamed(&file.job, step, vec![done.clone()], vec![], metadata).await {
                     Ok(_) => *writer = Writer::Committed,
-                    Err(e) => {
-                        let code = errno("commit", &path, &e);
-                        *writer = Writer::Failed(code);
-                        return Err(code);
-                    }
+                    // Keep the finished file: a later flush or fsync retries the commit.
+                    Err(e) => return Err(errno("commit", &path, &e)),
                 }
                 self.committed_single(file, step);
             }
@@ -520,17 +538,18 @@ impl CkptFs {
     fn committed_single(&self, file: &Arc<DraftFile>, step: u64) {
         let mut state = self.state();
         let key = (file.job.clone(), file.path());
-        if let Some(id) = state.single_files.remove(&key) {
+        let id = state
+            .single_files
+            .get(&key)
+            .copied()
+            .filter(|id| state.files.get(id).is_some_and(|f| Arc::ptr_eq(f, file)));
+        if let Some(id) = id {
+            state.single_files.remove(&key);
             state.files.remove(&id);
-            let old = Node::DraftFile { file: id };
             let new = Node::StepFile { job: file.job.clone(), step, index: 0 };
-            if let Some(ino) = state.by_node.remove(&old) {
-                if let Some(entry) = state.inodes.get_mut(&ino) {
-                    entry.0 = new.clone();
-                }
-                state.by_node.insert(new, ino);
-            }
+            remap(&mut state, &Node::DraftFile { file: id }, new);
         }
+        state.trees.remove(&(file.job.clone(), step));
         state.aliases.insert(key, (step, Some(0)));
         state.jobs = None;
         state.steps.remove(&file.job);
@@ -539,17 +558,54 @@ impl CkptFs {
     /// Commits draft `id` as step `step` of its job, under `name`.
     fn commit_draft(&self, id: u64, step: u64, name: &str) -> Result<(), Errno> {
         let (job, files, dirs) = {
-            let state = self.state();
-            let draft = state.drafts.get(&id).ok_or(Errno::ENOENT)?;
-            let files: Vec<Arc<DraftFile>> = draft.files.values().filter_map(|f| state.files.get(f).cloned()).collect();
-            (draft.job.clone(), files, draft.dirs.clone())
+            let mut state = self.state();
+            let draft = state.drafts.get_mut(&id).ok_or(Errno::ENOENT)?;
+            if draft.committing {
+                return Err(Errno::EBUSY);
+            }
+            draft.committing = true;
+            let (job, dirs) = (draft.job.clone(), draft.dirs.clone());
+            let ids: Vec<u64> = draft.files.values().copied().collect();
+            let files: Vec<Arc<DraftFile>> = ids.iter().filter_map(|f| state.files.get(f).cloned()).collect();
+            (job, files, dirs)
         };
+        let result = self.commit_draft_files(id, step, name, &job, &files, &dirs);
+        if result.is_err()
+            && let Some(draft) = self.state().drafts.get_mut(&id)
+        {
+            draft.committing = false;
+        }
+        result
+    }
+
+    fn commit_draft_files(
+        &self,
+        id: u64,
+        step: u64,
+        name: &str,
+        job: &str,
+        files: &[Arc<DraftFile>],
+        dirs: &BTreeSet<String>,
+    ) -> Result<(), Errno> {
+        let job = job.to_owned();
         let mut streamed = Vec::with_capacity(files.len());
-        for file in &files {
+        for file in files {
+            // A file created and closed without data may still have its release on the way.
+            let deadline = Instant::now() + Duration::from_secs(1);
+            while file.open_handles.load(Ordering::Relaxed) > 0
+                && file.size.load(Ordering::Relaxed) == 0
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if file.open_handles.load(Ordering::Relaxed) > 0 {
+                // Still open for writing: committing could cut it short.
+                return Err(Errno::EBUSY);
+            }
             let writer = self.block_on(file.writer.lock());
             match &*writer {
                 Writer::Done(done) => streamed.push(done.clone()),
-                // Created and closed without data (its release may still be on its way).
+                // Closed without data and never ended by a flush.
                 Writer::Open(stream) if stream.size() == 0 => {
                     drop(writer);
                     self.finish(file)?;
@@ -558,7 +614,7 @@ impl CkptFs {
                         _ => return Err(Errno::EIO),
                     }
                 }
-                // Still being written: committing would cut it short.
+                // Abandoned mid-write (its writer died before a clean close).
                 Writer::Open(_) => return Err(Errno::EBUSY),
                 Writer::Failed(code) => return Err(*code),
                 Writer::Committed => return Err(Errno::EINVAL),
@@ -570,6 +626,7 @@ impl CkptFs {
         self.block_on(self.client.commit_streamed(&job, step, streamed, directories, metadata))
             .map_err(|e| errno("commit", &format!("{job}/{name}"), &e))?;
         // The kernel may still hold inodes of the draft: each becomes its committed counterpart.
+        self.state().trees.remove(&(job.clone(), step));
         let tree = self.tree(&job, step).ok();
         let mut state = self.state();
         let draft_files: HashMap<u64, String> = match state.drafts.remove(&id) {
@@ -582,7 +639,7 @@ impl CkptFs {
             }
             None => HashMap::new(),
         };
-        let remap: Vec<(u64, Node)> = state
+        let moves: Vec<(u64, Node)> = state
             .inodes
             .iter()
             .filter_map(|(ino, (node, _))| {
@@ -600,11 +657,10 @@ impl CkptFs {
                 Some((*ino, new))
             })
             .collect();
-        for (ino, new) in remap {
-            if let Some(entry) = state.inodes.get_mut(&ino) {
-                let old = std::mem::replace(&mut entry.0, new.clone());
-                state.by_node.remove(&old);
-                state.by_node.insert(new, ino);
+        for (ino, new) in moves {
+            let old = state.inodes.get(&ino).map(|(node, _)| node.clone());
+            if let Some(old) = old {
+                remap(&mut state, &old, new);
             }
         }
         if name != step_name(step) {
@@ -739,6 +795,10 @@ impl CkptFs {
                 Errno::EIO
             })?;
             let start = reader.starts[index];
+            if data.len() as u64 != reader.starts[index + 1] - start {
+                tracing::warn!(op = "read", index, got = data.len(), "chunk of unexpected length");
+                return Err(Errno::EIO);
+            }
             let from = offset.saturating_sub(start) as usize;
             let to = (end - start).min(data.len() as u64) as usize;
             out.extend_from_slice(&data[from..to]);
@@ -754,6 +814,30 @@ impl CkptFs {
         });
         async move { task.await.map_err(|e| e.to_string()).and_then(|r| r) }.boxed().shared()
     }
+}
+
+/// Points the inode of `old` at `new`, unless `new` already has an inode of its own (then the
+/// old inode keeps its node and goes stale).
+fn remap(state: &mut State, old: &Node, new: Node) {
+    if state.by_node.contains_key(&new) {
+        return;
+    }
+    if let Some(ino) = state.by_node.remove(old) {
+        if let Some(entry) = state.inodes.get_mut(&ino) {
+            entry.0 = new.clone();
+        }
+        state.by_node.insert(new, ino);
+    }
+}
+
+/// Whether the process behind a request is exiting (killed, or returning from main): its
+/// descriptors are being closed for it, which says nothing about its writes being complete.
+fn requester_exiting(req: &Request) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", req.pid())) else { return true };
+    // After the parenthesised command name: state is field 3, flags field 9.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else { return true };
+    rest.split_whitespace().nth(6).and_then(|f| f.parse::<u64>().ok()).is_none_or(|flags| flags & PF_EXITING != 0)
 }
 
 fn wants_write(flags: OpenFlags) -> bool {
@@ -790,7 +874,10 @@ impl Filesystem for CkptFs {
             }
             _ => false,
         };
-        if remove && let Some((node, _)) = state.inodes.remove(&ino.0) {
+        if remove
+            && let Some((node, _)) = state.inodes.remove(&ino.0)
+            && state.by_node.get(&node) == Some(&ino.0)
+        {
             state.by_node.remove(&node);
         }
     }
@@ -888,6 +975,7 @@ impl Filesystem for CkptFs {
                         name: name.to_owned(),
                         dirs: [String::new()].into_iter().collect(),
                         files: BTreeMap::new(),
+                        committing: false,
                     };
                     state.drafts.insert(id, draft);
                     state.draft_names.insert((job, name.to_owned()), id);
@@ -898,6 +986,9 @@ impl Filesystem for CkptFs {
                     RelPath::try_from(full.as_str()).map_err(|_| Errno::EINVAL)?;
                     let mut state = self.state();
                     let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
+                    if d.committing {
+                        return Err(Errno::EBUSY);
+                    }
                     if d.dirs.contains(&full) || d.files.contains_key(&full) {
                         return Err(Errno::EEXIST);
                     }
@@ -949,6 +1040,9 @@ impl Filesystem for CkptFs {
                     let job = {
                         let state = self.state();
                         let d = state.drafts.get(&draft).ok_or(Errno::ENOENT)?;
+                        if d.committing {
+                            return Err(Errno::EBUSY);
+                        }
                         if d.dirs.contains(&full) || d.files.contains_key(&full) {
                             return Err(Errno::EEXIST);
                         }
@@ -958,8 +1052,12 @@ impl Filesystem for CkptFs {
                     let mut state = self.state();
                     let id = state.next_draft;
                     state.next_draft += 1;
+                    let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
+                    if d.committing || d.files.contains_key(&full) {
+                        return Err(Errno::EBUSY);
+                    }
+                    d.files.insert(full, id);
                     state.files.insert(id, Arc::clone(&file));
-                    state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?.files.insert(full, id);
                     Ok((Node::DraftFile { file: id }, file))
                 }
                 Node::Root => Err(Errno::EPERM),
@@ -1065,7 +1163,7 @@ impl Filesystem for CkptFs {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+    fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
         let file = match self.state().handles.get(&fh.0) {
             Some(Handle::Write(file)) => Arc::clone(file),
             _ => return reply.ok(),
@@ -1073,6 +1171,11 @@ impl Filesystem for CkptFs {
         // close() of a descriptor. A shell's `echo x > f` closes a duplicate before writing, so
         // a file nothing was written to yet is not ended here; it ends at release (or commit).
         if file.size.load(Ordering::Relaxed) == 0 {
+            return reply.ok();
+        }
+        // A writer killed mid-write (or a forked child exiting) closes its descriptors too: that
+        // is not the end of the file, and must never commit a truncated one.
+        if requester_exiting(req) {
             return reply.ok();
         }
         match self.finish(&file) {
@@ -1101,7 +1204,7 @@ impl Filesystem for CkptFs {
 
     fn release(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
@@ -1111,8 +1214,12 @@ impl Filesystem for CkptFs {
     ) {
         let handle = self.state().handles.remove(&fh.0);
         if let Some(Handle::Write(file)) = handle {
-            // Normally flushed already (close flushes); a handle dropped without one ends here.
-            let _ = self.finish(&file);
+            // Normally ended by a flush already. A file closed without data ends here; one whose
+            // last holder died mid-write stays unfinished (a draft holding it cannot commit).
+            if file.size.load(Ordering::Relaxed) == 0 || !requester_exiting(req) {
+                let _ = self.finish(&file);
+            }
+            file.open_handles.fetch_sub(1, Ordering::Relaxed);
         }
         reply.ok();
     }
@@ -1125,7 +1232,9 @@ impl Filesystem for CkptFs {
                     let key = (job.clone(), name.to_owned());
                     let mut state = self.state();
                     if let Some(id) = state.single_files.remove(&key) {
-                        state.files.remove(&id);
+                        if let Some(file) = state.files.remove(&id) {
+                            file.abandoned.store(true, Ordering::Relaxed);
+                        }
                         return Ok(());
                     }
                     let alias = state.aliases.get(&key).copied();
@@ -1145,6 +1254,9 @@ impl Filesystem for CkptFs {
                     let full = join(&path, name);
                     let mut state = self.state();
                     let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
+                    if d.committing {
+                        return Err(Errno::EBUSY);
+                    }
                     if d.dirs.contains(&full) {
                         return Err(Errno::EISDIR);
                     }
@@ -1168,15 +1280,19 @@ impl Filesystem for CkptFs {
             let name = name_str(name)?;
             match self.node(parent)? {
                 Node::Root => {
-                    let mut state = self.state();
-                    let has_children =
-                        state.draft_names.keys().chain(state.single_files.keys()).any(|(j, _)| j == name);
-                    if state.local_jobs.contains(name) && !has_children {
-                        state.local_jobs.remove(name);
-                        drop(state);
-                        if self.jobs()?.iter().any(|j| j == name) { Err(Errno::ENOTEMPTY) } else { Ok(()) }
-                    } else if has_children || self.jobs()?.iter().any(|j| j == name) {
+                    let (local, has_children) = {
+                        let state = self.state();
+                        let children =
+                            state.draft_names.keys().chain(state.single_files.keys()).any(|(j, _)| j == name);
+                        (state.local_jobs.contains(name), children)
+                    };
+                    // Never call jobs() with the state locked: it locks it too.
+                    let on_server = self.jobs()?.iter().any(|j| j == name);
+                    if has_children || on_server {
                         Err(Errno::ENOTEMPTY)
+                    } else if local {
+                        self.state().local_jobs.remove(name);
+                        Ok(())
                     } else {
                         Err(Errno::ENOENT)
                     }
@@ -1262,6 +1378,9 @@ impl Filesystem for CkptFs {
                     RelPath::try_from(to.as_str()).map_err(|_| Errno::EINVAL)?;
                     let mut state = self.state();
                     let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
+                    if d.committing {
+                        return Err(Errno::EBUSY);
+                    }
                     if d.dirs.contains(&from) {
                         // Moving directories inside a draft is not needed by the save tools.
                         return Err(Errno::ENOTSUP);

@@ -83,11 +83,12 @@ impl Cluster {
 
     pub fn start_target(&self, index: usize) -> Proc {
         let dir = self.target_dir(index);
-        Proc::start(
-            &["target", "--dir", dir.to_str().unwrap(), "--listen", "127.0.0.1:0", "--server", &self.server.address],
-            &self.dir.path().join(format!("target-{index}.log")),
-            &[],
-        )
+        // Targets that trust chunk ages as if they had run for a day, so GC tests can age chunks.
+        let args =
+            ["target", "--dir", dir.to_str().unwrap(), "--listen", "127.0.0.1:0", "--server", &self.server.address];
+        let mut args = args.to_vec();
+        args.extend(["--assume-uptime-secs", "86400"]);
+        Proc::start(&args, &self.dir.path().join(format!("target-{index}.log")), &[])
     }
 
     /// SIGKILLs every process, then starts them again on the same data.

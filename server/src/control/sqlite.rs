@@ -155,8 +155,15 @@ async fn retention_policy(tx: &mut Transaction<'_, Sqlite>, job: &str) -> MetaRe
 }
 
 /// Marks the job's committed checkpoints its retention policy does not keep as deleted; returns
-/// their steps.
-async fn apply_retention(tx: &mut Transaction<'_, Sqlite>, job: &str, now_ms: u64) -> MetaResult<Vec<u64>> {
+/// their steps. `spare` (the checkpoint committing in this transaction) is never deleted by it: a
+/// writer is never told "committed" about a checkpoint that is already gone (it goes at the next
+/// commit if the policy still drops it, e.g. a lower step than the kept ones).
+async fn apply_retention(
+    tx: &mut Transaction<'_, Sqlite>,
+    job: &str,
+    now_ms: u64,
+    spare: Option<u64>,
+) -> MetaResult<Vec<u64>> {
     let policy = retention_policy(tx, job).await?;
     if policy.keeps_everything() {
         return Ok(Vec::new());
@@ -172,7 +179,7 @@ async fn apply_retention(tx: &mut Transaction<'_, Sqlite>, job: &str, now_ms: u6
     for (rank, row) in rows.iter().enumerate() {
         let step = get_u64(row, "step")?;
         let tagged: i64 = row.try_get("tagged")?;
-        if policy.keeps(rank, step, tagged != 0) {
+        if policy.keeps(rank, step, tagged != 0) || spare == Some(get_u64(row, "id")?) {
             continue;
         }
         sqlx::query("UPDATE checkpoints SET state = 'deleted', ended_at_ms = ? WHERE id = ?")
@@ -458,7 +465,7 @@ impl MetaStore for SqliteStore {
         let record =
             checkpoint_by_id(&mut tx, id).await?.ok_or_else(|| MetaError::Corrupt("checkpoint vanished".into()))?;
         if record.state == CheckpointState::Committed {
-            apply_retention(&mut tx, &record.job, now_ms).await?;
+            apply_retention(&mut tx, &record.job, now_ms, Some(record.id)).await?;
         }
         tx.commit().await?;
         Ok(record)
@@ -603,7 +610,7 @@ impl MetaStore for SqliteStore {
         .bind(to_i64(now_ms, "time")?)
         .execute(&mut *tx)
         .await?;
-        let deleted = apply_retention(&mut tx, job.as_str(), now_ms).await?;
+        let deleted = apply_retention(&mut tx, job.as_str(), now_ms, None).await?;
         tx.commit().await?;
         Ok(deleted)
     }
@@ -633,7 +640,7 @@ impl MetaStore for SqliteStore {
         sqlx::query(statement).bind(id).bind(tag).execute(&mut *tx).await?;
         if remove {
             // An untagged checkpoint falls back under the policy at once.
-            apply_retention(&mut tx, job.as_str(), crate::control::store::now_ms()).await?;
+            apply_retention(&mut tx, job.as_str(), crate::control::store::now_ms(), None).await?;
         }
         tx.commit().await?;
         Ok(())

@@ -450,6 +450,14 @@ pub(crate) mod conformance {
         store.set_retention(&job("r"), RetentionPolicy { keep_last: 1, keep_every: 0 }, 22).await.unwrap();
         assert_eq!(store.list_checkpoints(&job("r2"), false).await.unwrap().len(), 2);
         assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![8]);
+        // A commit never deletes the checkpoint it commits (the writer is told "committed"): a
+        // lower step survives until the next commit.
+        let lower = store.begin_checkpoint(&begin("r", 5, 1, epoch), 30).await.unwrap();
+        let record = store.commit_part(&part(lower.id, 0, "f", 1), 31, 0).await.unwrap();
+        assert_eq!(record.state, CheckpointState::Committed);
+        assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![5, 8]);
+        save(store, "r", 9, epoch).await;
+        assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![9]);
     }
 
     pub async fn late_commit_is_refused(store: &dyn MetaStore) {

@@ -42,6 +42,10 @@ pub struct TargetConfig {
     /// Reusable I/O buffers. Default 64 (256 MiB): bounds the memory serving puts and gets.
     pub pool_buffers: usize,
     pub limits: DataPlaneLimits,
+    /// Treat the store as open this much longer than it has been, for chunk ages (see
+    /// `UseClock` in `store.rs`). For tests of garbage collection only: in production a target's
+    /// chunks never look older than its uptime. Default zero.
+    pub assumed_uptime: std::time::Duration,
 }
 
 impl TargetConfig {
@@ -55,6 +59,7 @@ impl TargetConfig {
             chunk_size_bytes: 4 << 20,
             pool_buffers: 64,
             limits: DataPlaneLimits::default(),
+            assumed_uptime: std::time::Duration::ZERO,
         }
     }
 }
@@ -96,6 +101,7 @@ pub async fn run(
             .await
             .with_context(|| format!("open chunk store in {}", config.dir.display()))?,
     );
+    store.assume_uptime(config.assumed_uptime);
     let local = listener.local_addr()?;
     let advertise = config.advertise.unwrap_or(local);
     info!(%target_id, data_address = %advertise, dir = %config.dir.display(), engine = ?config.engine, "target starting");

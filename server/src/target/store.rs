@@ -43,8 +43,10 @@
 //! under the same per-chunk lock that HAS and PUT take to refresh it. So a writer that was told
 //! "present" (and will commit a manifest naming the chunk) has refreshed it first, and the chunk
 //! outlives any sweep that could still race with that commit (see `server/src/control/gc.rs`).
-//! The mtime is not fsync'd: after a power loss it may read older than it was, which only makes a
-//! chunk eligible sooner if the writer that relied on it also failed to commit within the grace.
+//! A chunk's age is never taken as more than the time this store has been open, nor than the
+//! time since the wall clock last jumped ([`UseClock`]): the mtime is not fsync'd (after a power
+//! loss it can read older than the last use), and a clock stepped forward would make every chunk
+//! look old. For a grace period after a start or a clock jump, nothing is old enough to collect.
 //!
 //! Crash before 3: a temp file, removed at the next start. Crash between 3 and 4: the chunk may or
 //! may not survive power loss, but it was never acknowledged, so no manifest names it. Readers
@@ -139,6 +141,49 @@ impl UseLocks {
     }
 }
 
+/// Caps chunk ages by what this process has itself observed (module docs): the time since the
+/// store opened or since the wall clock last jumped against the monotonic clock.
+pub struct UseClock {
+    /// (monotonic, wall) at the last baseline.
+    baseline: Mutex<(std::time::Instant, SystemTime)>,
+}
+
+/// A wall clock that moved this far from the monotonic one has jumped.
+const CLOCK_JUMP: Duration = Duration::from_secs(1);
+
+impl UseClock {
+    fn new() -> UseClock {
+        UseClock { baseline: Mutex::new((std::time::Instant::now(), SystemTime::now())) }
+    }
+
+    /// Moves the baseline `by` into the past (`TargetConfig::assumed_uptime`).
+    fn backdate(&self, by: Duration) {
+        let mut baseline = self.baseline.lock().unwrap_or_else(|p| p.into_inner());
+        if let (Some(monotonic), Some(wall)) = (baseline.0.checked_sub(by), baseline.1.checked_sub(by)) {
+            *baseline = (monotonic, wall);
+        }
+    }
+
+    /// The longest a chunk can have gone unused as far as this process can tell.
+    pub fn age_cap(&self) -> Duration {
+        let mut baseline = self.baseline.lock().unwrap_or_else(|p| p.into_inner());
+        let monotonic = baseline.0.elapsed();
+        let wall = SystemTime::now().duration_since(baseline.1).unwrap_or(Duration::ZERO);
+        let drift = wall.abs_diff(monotonic);
+        if drift > CLOCK_JUMP || SystemTime::now() < baseline.1 {
+            tracing::warn!(?drift, "the wall clock jumped; chunk ages restart from now");
+            *baseline = (std::time::Instant::now(), SystemTime::now());
+            return Duration::ZERO;
+        }
+        monotonic
+    }
+
+    /// Time since `last_use`, capped.
+    fn unused_for(&self, last_use: SystemTime) -> Duration {
+        SystemTime::now().duration_since(last_use).unwrap_or_default().min(self.age_cap())
+    }
+}
+
 /// One chunk in a [`ChunkStore::list`] page.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ListedChunk {
@@ -154,6 +199,7 @@ pub struct ChunkStore {
     chunk_count: AtomicU64,
     used_bytes: AtomicU64,
     use_locks: Arc<UseLocks>,
+    clock: Arc<UseClock>,
 }
 
 impl ChunkStore {
@@ -177,6 +223,7 @@ impl ChunkStore {
             chunk_count: AtomicU64::new(count),
             used_bytes: AtomicU64::new(used),
             use_locks: Arc::new(UseLocks::new()),
+            clock: Arc::new(UseClock::new()),
         })
     }
 
@@ -280,8 +327,9 @@ impl ChunkStore {
         }
         let dir = self.chunk_dir(&hash);
         if let Err(source) = self.engine.sync_dir(dir.clone()).await {
-            // Not durable, so not acknowledged; and it must not be reported present later either.
-            let _ = tokio::fs::remove_file(&final_path).await;
+            // Not acknowledged. The file stays: it is complete and its data synced, and a
+            // concurrent HAS may already have reported it present (HAS syncs the directory itself
+            // before saying so), so removing it here could pull it from under that writer.
             return Err(ChunkStoreError::Io { op: "fsync", path: dir, source });
         }
         self.chunk_count.fetch_add(1, Ordering::Relaxed);
@@ -362,8 +410,8 @@ impl ChunkStore {
         after: Option<ChunkHash>,
         limit: usize,
     ) -> Result<(Vec<ListedChunk>, bool), ChunkStoreError> {
-        let chunks = self.root.join("chunks");
-        tokio::task::spawn_blocking(move || list_chunks(&chunks, after, limit))
+        let (chunks, clock) = (self.root.join("chunks"), Arc::clone(&self.clock));
+        tokio::task::spawn_blocking(move || list_chunks(&chunks, &clock, after, limit))
             .await
             .map_err(|e| ChunkStoreError::Io { op: "list", path: PathBuf::new(), source: io::Error::other(e) })?
     }
@@ -381,7 +429,7 @@ impl ChunkStore {
     /// at least that long ago (GC's guard, module docs). Returns how many were removed.
     pub async fn delete(&self, hashes: Vec<ChunkHash>, unused_for: Option<Duration>) -> Result<u64, ChunkStoreError> {
         let paths: Vec<PathBuf> = hashes.iter().map(|h| self.chunk_path(h)).collect();
-        let (root, locks) = (self.root.clone(), self.use_locks.clone());
+        let (root, locks, clock) = (self.root.clone(), self.use_locks.clone(), Arc::clone(&self.clock));
         let removed = tokio::task::spawn_blocking(move || -> Result<Vec<(ChunkHash, u64)>, ChunkStoreError> {
             let mut removed = Vec::new();
             for (hash, path) in hashes.iter().zip(&paths) {
@@ -393,7 +441,7 @@ impl ChunkStore {
                 };
                 if let Some(unused_for) = unused_for {
                     let last_use = meta.modified().map_err(io_error("stat", path))?;
-                    if SystemTime::now().duration_since(last_use).unwrap_or_default() < unused_for {
+                    if clock.unused_for(last_use) < unused_for {
                         continue;
                     }
                 }
@@ -414,6 +462,11 @@ impl ChunkStore {
         let count = removed.len() as u64;
         self.sync_chunk_dirs(removed.into_iter().map(|(hash, _)| hash)).await?;
         Ok(count)
+    }
+
+    /// Counts chunk ages as if the store had been open `by` longer (tests of GC only).
+    pub fn assume_uptime(&self, by: Duration) {
+        self.clock.backdate(by);
     }
 
     pub fn stats(&self) -> StoreStats {
@@ -463,10 +516,10 @@ fn touch(path: &Path) -> io::Result<bool> {
 
 fn list_chunks(
     chunks: &Path,
+    clock: &UseClock,
     after: Option<ChunkHash>,
     limit: usize,
 ) -> Result<(Vec<ListedChunk>, bool), ChunkStoreError> {
-    let now = SystemTime::now();
     let mut page = Vec::new();
     for byte in after.map_or(0, |h| h.0[0])..=255u8 {
         let dir = chunks.join(format!("{byte:02x}"));
@@ -492,7 +545,7 @@ fn list_chunks(
                 Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                 Err(source) => return Err(ChunkStoreError::Io { op: "stat", path, source }),
             };
-            page.push(ListedChunk { hash, unused_for: now.duration_since(last_use).unwrap_or_default() });
+            page.push(ListedChunk { hash, unused_for: clock.unused_for(last_use) });
         }
     }
     Ok((page, true))
@@ -710,6 +763,11 @@ mod conformance {
         for hash in &hashes {
             set_last_use(&store, hash, hour);
         }
+        // A chunk is never older than the store's own uptime: nothing is collectable yet.
+        let (capped, _) = store.list(None, 10).await.unwrap();
+        assert!(capped.iter().all(|c| c.unused_for < Duration::from_secs(60)), "{capped:?}");
+        assert_eq!(store.delete(hashes.clone(), Some(hour / 2)).await.unwrap(), 0);
+        store.assume_uptime(2 * hour);
         let (all, _) = store.list(None, 10).await.unwrap();
         assert!(all.iter().all(|c| c.unused_for >= hour - Duration::from_secs(60)), "{all:?}");
         // HAS and a repeated PUT refresh a chunk's last use, so GC's guarded delete keeps it.
