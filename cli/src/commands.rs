@@ -1,6 +1,5 @@
 //! The subcommands. Each is a thin layer over the server or client library.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -76,19 +75,8 @@ pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<
     starckpt_server::control::run(listener, store, config, shutdown).await
 }
 
-pub async fn target(
-    dir: PathBuf,
-    listen: &str,
-    advertise: Option<SocketAddr>,
-    engine: EngineKind,
-    assumed_uptime: Duration,
-    server: &str,
-) -> anyhow::Result<()> {
+pub async fn target(config: TargetConfig, listen: &str) -> anyhow::Result<()> {
     let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
-    let mut config = TargetConfig::new(dir, server.to_owned());
-    config.advertise = advertise;
-    config.engine = engine;
-    config.assumed_uptime = assumed_uptime;
     let shutdown = shutdown_signal();
     // The address line is for scripts and tests that start targets on port 0.
     banner(&format!("target data plane listening on {}", listener.local_addr()?));
@@ -464,6 +452,15 @@ pub async fn mount(server: &str, mountpoint: &Path, threads: usize, read_ahead_c
     Ok(())
 }
 
+fn target_state(state: i32) -> &'static str {
+    match TargetState::try_from(state) {
+        Ok(TargetState::Alive) => "alive",
+        Ok(TargetState::Suspect) => "suspect",
+        Ok(TargetState::Dead) => "dead",
+        _ => "unknown",
+    }
+}
+
 pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     let targets = client.targets().await?;
@@ -472,7 +469,7 @@ pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
             "server": server,
             "targets": targets.iter().map(|t| json!({
                 "target_id": t.target_id, "data_address": t.data_address,
-                "state": if t.state == TargetState::Alive as i32 { "alive" } else { "dead" },
+                "state": target_state(t.state),
                 "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "chunks": t.chunk_count,
                 "heartbeat_age_ms": t.heartbeat_age_ms, "transport": "tcp",
             })).collect::<Vec<_>>(),
@@ -482,13 +479,13 @@ pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
     let alive = targets.iter().filter(|t| t.state == TargetState::Alive as i32).count();
     println!("control plane {server}: {} targets, {alive} alive", targets.len());
     println!(
-        "{:<38} {:<22} {:<6} {:>10} {:>10} {:>9} {:>10}",
+        "{:<38} {:<22} {:<7} {:>10} {:>10} {:>9} {:>10}",
         "TARGET", "ADDRESS", "STATE", "USED", "CAPACITY", "CHUNKS", "HEARTBEAT"
     );
     for t in &targets {
-        let state = if t.state == TargetState::Alive as i32 { "alive" } else { "dead" };
+        let state = target_state(t.state);
         println!(
-            "{:<38} {:<22} {:<6} {:>10} {:>10} {:>9} {:>10}",
+            "{:<38} {:<22} {:<7} {:>10} {:>10} {:>9} {:>10}",
             t.target_id,
             t.data_address,
             state,

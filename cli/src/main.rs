@@ -75,6 +75,10 @@ enum Command {
         /// garbage collection only.
         #[arg(long, hide = true, default_value_t = 0)]
         assume_uptime_secs: u64,
+        /// Free bytes to keep on the device: puts that would eat into them are refused (NO_SPACE)
+        /// and go to other targets.
+        #[arg(long, default_value_t = 256 << 20)]
+        reserve_bytes: u64,
     },
     /// Run a control plane and N targets in one process, data kept in DIR across restarts.
     Dev {
@@ -237,9 +241,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             commands::server(&listen, &db, args).await
         }
-        Command::Target { dir, listen, advertise, io_engine, assume_uptime_secs } => {
-            let assumed_uptime = Duration::from_secs(assume_uptime_secs);
-            commands::target(dir, &listen, advertise, io_engine, assumed_uptime, &cli.server).await
+        Command::Target { dir, listen, advertise, io_engine, assume_uptime_secs, reserve_bytes } => {
+            let mut config = starckpt_server::target::TargetConfig::new(dir, cli.server.clone());
+            config.advertise = advertise;
+            config.engine = io_engine;
+            config.assumed_uptime = Duration::from_secs(assume_uptime_secs);
+            config.reserve_bytes = reserve_bytes;
+            commands::target(config, &listen).await
         }
         Command::Dev { data, targets, listen, io_engine } => commands::dev(&data, targets, &listen, io_engine).await,
         Command::Save { job, step, rank, world_size, run_id, chunk_size, paths } => {

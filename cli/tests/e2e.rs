@@ -660,3 +660,77 @@ fn restore_of_more_files_than_the_descriptor_limit() {
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     assert_eq!(tree(&source), tree(&restored));
 }
+
+#[test]
+fn full_targets_refuse_puts_and_writers_go_elsewhere_until_none_has_room() {
+    let mut cluster = Cluster::start(2);
+    let data = cluster.dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let file = |name: &str, seed: u64| {
+        let path = data.join(name);
+        std::fs::write(&path, random_bytes(4 << 20, seed)).unwrap();
+        path
+    };
+    let save = |cluster: &Cluster, step: &str, path: &Path| {
+        cluster.cli(&["save", "--job", "full", "--step", step, "--chunk-size", "1048576", path.to_str().unwrap()])
+    };
+    assert!(save(&cluster, "1", &file("one.bin", 1)).status.success());
+
+    // Target 0 is (nearly) full: it keeps more in reserve than its disk holds.
+    let everything = u64::MAX.to_string();
+    cluster.targets[0].kill();
+    cluster.targets[0] = cluster.start_target_with(0, &["--reserve-bytes", &everything]);
+    cluster.wait_alive(2);
+    let on_full_target = cluster.chunk_files(0).len();
+    let two = file("two.bin", 2);
+    let output = save(&cluster, "2", &two);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(cluster.chunk_files(0).len(), on_full_target, "the full target stored nothing new");
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "full", "--step", "2", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("two.bin")).unwrap(), std::fs::read(&two).unwrap());
+
+    // No target has room: the save fails cleanly and the previous checkpoint stays the latest.
+    cluster.targets[1].kill();
+    cluster.targets[1] = cluster.start_target_with(1, &["--reserve-bytes", &everything]);
+    cluster.wait_alive(2);
+    let output = save(&cluster, "3", &file("three.bin", 3));
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("target is full"), "{stderr}");
+    assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 2);
+    let again = cluster.dir.path().join("again");
+    cluster.ok(&["restore", "--job", "full", "--latest", "--to", again.to_str().unwrap()]);
+    assert_eq!(std::fs::read(again.join("two.bin")).unwrap(), std::fs::read(&two).unwrap());
+}
+
+#[test]
+fn a_silent_target_turns_suspect_then_dead_and_gets_no_new_chunks() {
+    let cluster = Cluster::start(2);
+    let state_of = |address: &str| -> String {
+        let status = cluster.json(&["status"]);
+        let targets = status["targets"].as_array().unwrap();
+        targets.iter().find(|t| t["data_address"] == address).unwrap()["state"].as_str().unwrap().to_owned()
+    };
+    let wait_for = |address: &str, wanted: &str| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        while state_of(address) != wanted {
+            assert!(std::time::Instant::now() < deadline, "target never became {wanted}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let frozen = cluster.targets[0].address.clone();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(cluster.targets[0].pid() as i32, libc::SIGSTOP) };
+    wait_for(&frozen, "suspect");
+    let before = cluster.chunk_files(0).len();
+    let file = cluster.dir.path().join("f.bin");
+    std::fs::write(&file, random_bytes(2 << 20, 9)).unwrap();
+    let args = ["save", "--job", "sus", "--step", "1", "--chunk-size", "262144", file.to_str().unwrap()];
+    cluster.ok(&args);
+    assert_eq!(cluster.chunk_files(0).len(), before, "a suspect target got new chunks");
+    wait_for(&frozen, "dead");
+    // SAFETY: as above.
+    unsafe { libc::kill(cluster.targets[0].pid() as i32, libc::SIGCONT) };
+    wait_for(&frozen, "alive");
+}

@@ -130,6 +130,28 @@ async fn reconnects_after_the_target_restarts() {
 }
 
 #[tokio::test]
+async fn a_peer_stalled_mid_header_is_disconnected_after_the_idle_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let store =
+        Arc::new(ChunkStore::open(dir.path(), open_engine(EngineKind::Std, 2).unwrap(), 1 << 20, 2).await.unwrap());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let limits = DataPlaneLimits { idle_timeout: Duration::from_millis(300), ..DataPlaneLimits::default() };
+    let _server = tokio::spawn(dataplane::serve(listener, store, limits, std::future::pending()));
+    let mut stalled = tokio::net::TcpStream::connect(address).await.unwrap();
+    stalled.write_all(b"SCK").await.unwrap();
+    let mut buf = [0u8; 16];
+    let read = tokio::time::timeout(Duration::from_secs(10), stalled.read(&mut buf)).await;
+    assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "the stalled connection was not closed: {read:?}");
+    // A client whose idle connection was closed just reconnects.
+    let transport = tcp(address, 1);
+    transport.stat().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    transport.stat().await.unwrap();
+}
+
+#[tokio::test]
 async fn a_silent_target_times_out_instead_of_hanging() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();

@@ -82,12 +82,18 @@ impl Cluster {
     }
 
     pub fn start_target(&self, index: usize) -> Proc {
+        self.start_target_with(index, &[])
+    }
+
+    /// Starts target `index` with extra flags.
+    pub fn start_target_with(&self, index: usize, extra: &[&str]) -> Proc {
         let dir = self.target_dir(index);
         // Targets that trust chunk ages as if they had run for a day, so GC tests can age chunks.
         let args =
             ["target", "--dir", dir.to_str().unwrap(), "--listen", "127.0.0.1:0", "--server", &self.server.address];
         let mut args = args.to_vec();
         args.extend(["--assume-uptime-secs", "86400"]);
+        args.extend_from_slice(extra);
         Proc::start(&args, &self.dir.path().join(format!("target-{index}.log")), &[])
     }
 

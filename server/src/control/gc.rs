@@ -22,6 +22,12 @@
 //!   "commit that lands during a sweep" of the retention tests.
 //! - Hence `grace` must exceed the pending timeout, with room for the delay between this process
 //!   computing the cutoff and a target applying it; [`GcConfig::validate`] demands a minute.
+//! - Clocks: only durations cross machines (the guard is "unused for", measured by the target on
+//!   its own clock), so offsets between machines do not matter. A target never counts a chunk as
+//!   older than its own uptime, nor than the time since its wall clock last jumped (`UseClock` in
+//!   `target/store.rs`), so a lost mtime after a power loss or a clock stepped forward cannot make
+//!   a fresh chunk collectable. A control-plane clock stepped back by more than the pending timeout
+//!   could admit a late commit; run it with a slewing clock (chrony/ntpd), as any database.
 //!
 //! The mark set is global (a hash named anywhere is kept on every target), which can keep a stray
 //! copy a fallback placement left behind, but never deletes a needed one. Memory: ~100 bytes per

@@ -99,14 +99,20 @@ impl ControlService {
 
     fn target_info(&self, record: &TargetRecord, now: u64) -> pb::TargetInfo {
         let age = now.saturating_sub(record.last_heartbeat_ms);
-        let alive = is_alive(record, now, self.config.liveness_timeout);
+        let state = if !is_alive(record, now, self.config.liveness_timeout) {
+            pb::TargetState::Dead
+        } else if age > 2 * self.config.heartbeat_interval.as_millis() as u64 {
+            pb::TargetState::Suspect
+        } else {
+            pb::TargetState::Alive
+        };
         pb::TargetInfo {
             target_id: record.target_id.clone(),
             data_address: record.data_address.clone(),
             capacity_bytes: record.capacity_bytes,
             used_bytes: record.used_bytes,
             chunk_count: record.chunk_count,
-            state: if alive { pb::TargetState::Alive } else { pb::TargetState::Dead } as i32,
+            state: state as i32,
             heartbeat_age_ms: age,
         }
     }

@@ -43,6 +43,10 @@ pub struct DataPlaneLimits {
     pub max_inflight_bytes: u32,
     /// Time allowed to receive the rest of a frame once its fixed header has arrived. Default 60 s.
     pub frame_timeout: Duration,
+    /// A connection that completes no frame header for this long is closed (idle clients
+    /// reconnect on their next request; a peer stalled in the middle of a header releases its
+    /// connection slot). Default 10 min.
+    pub idle_timeout: Duration,
 }
 
 impl Default for DataPlaneLimits {
@@ -52,6 +56,7 @@ impl Default for DataPlaneLimits {
             max_requests_per_connection: 64,
             max_inflight_bytes: 1 << 30,
             frame_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(600),
         }
     }
 }
@@ -128,7 +133,11 @@ async fn serve_connection(
     let result = loop {
         let head = tokio::select! {
             _ = stop.cancelled() => break Ok(()),
-            head = frame::read_frame_head(&mut reader) => head,
+            head = tokio::time::timeout(limits.idle_timeout, frame::read_frame_head(&mut reader)) => head,
+        };
+        let Ok(head) = head else {
+            debug!(idle = ?limits.idle_timeout, "closing an idle connection");
+            break Ok(());
         };
         let (header, prost_header) = match head {
             Ok(head) => head,
@@ -248,7 +257,7 @@ fn store_error(error: ChunkStoreError) -> data::Response {
         ChunkStoreError::NotFound { .. } => ErrorCode::NotFound,
         ChunkStoreError::Corrupt { .. } => ErrorCode::Corrupt,
         ChunkStoreError::BadRange { .. } => ErrorCode::BadRequest,
-        ChunkStoreError::NoSpace { .. } => ErrorCode::NoSpace,
+        ChunkStoreError::NoSpace { .. } | ChunkStoreError::Full { .. } => ErrorCode::NoSpace,
         ChunkStoreError::Io { .. } => ErrorCode::Internal,
     };
     if code == ErrorCode::Internal || code == ErrorCode::Corrupt {

@@ -46,6 +46,9 @@ pub struct TargetConfig {
     /// `UseClock` in `store.rs`). For tests of garbage collection only: in production a target's
     /// chunks never look older than its uptime. Default zero.
     pub assumed_uptime: std::time::Duration,
+    /// Free space the target never writes into: puts that would eat into it are refused with
+    /// NO_SPACE, and writers place those chunks on other targets. Default 256 MiB.
+    pub reserve_bytes: u64,
 }
 
 impl TargetConfig {
@@ -60,6 +63,7 @@ impl TargetConfig {
             pool_buffers: 64,
             limits: DataPlaneLimits::default(),
             assumed_uptime: std::time::Duration::ZERO,
+            reserve_bytes: 256 << 20,
         }
     }
 }
@@ -102,6 +106,7 @@ pub async fn run(
             .with_context(|| format!("open chunk store in {}", config.dir.display()))?,
     );
     store.assume_uptime(config.assumed_uptime);
+    store.set_reserve(config.reserve_bytes);
     let local = listener.local_addr()?;
     let advertise = config.advertise.unwrap_or(local);
     info!(%target_id, data_address = %advertise, dir = %config.dir.display(), engine = ?config.engine, "target starting");

@@ -82,6 +82,8 @@ pub enum ChunkStoreError {
     BadRange { hash: ChunkHash, offset: u64, length: u64, chunk_len: u64 },
     #[error("no space left on the device while writing chunk {hash}")]
     NoSpace { hash: ChunkHash },
+    #[error("target is full: {available} bytes free, {reserve} kept in reserve; chunk {hash} refused")]
+    Full { hash: ChunkHash, available: u64, reserve: u64 },
     #[error("{op} {path}: {source}")]
     Io { op: &'static str, path: PathBuf, source: io::Error },
 }
@@ -200,6 +202,8 @@ pub struct ChunkStore {
     used_bytes: AtomicU64,
     use_locks: Arc<UseLocks>,
     clock: Arc<UseClock>,
+    /// Free bytes the store never writes into (see [`ChunkStore::set_reserve`]).
+    reserve_bytes: AtomicU64,
 }
 
 impl ChunkStore {
@@ -224,6 +228,7 @@ impl ChunkStore {
             used_bytes: AtomicU64::new(used),
             use_locks: Arc::new(UseLocks::new()),
             clock: Arc::new(UseClock::new()),
+            reserve_bytes: AtomicU64::new(0),
         })
     }
 
@@ -284,6 +289,15 @@ impl ChunkStore {
         encode_header(&mut chunk.buf.aligned_mut().full_mut()[..HEADER_BYTES], &hash, data_len as u64);
         chunk.buf.aligned_mut().set_len(HEADER_BYTES + data_len);
         let file_bytes = round_up(HEADER_BYTES + data_len) as u64;
+        // Refuse before the device is truly full: a full filesystem fails its own metadata
+        // writes (renames, directory syncs), and the writer should go to another target now.
+        let reserve = self.reserve_bytes.load(Ordering::Relaxed);
+        if reserve > 0 {
+            let available = fs_available(&self.root).map_err(io_error("statvfs", &self.root))?;
+            if available < file_bytes.saturating_add(reserve) {
+                return Err(ChunkStoreError::Full { hash, available, reserve });
+            }
+        }
 
         let temp_path = self.root.join("tmp").join(format!("{}.{}", hash.to_hex(), uuid::Uuid::new_v4().simple()));
         if let Err(source) = self.engine.write_new_file(temp_path.clone(), chunk.buf).await {
@@ -464,6 +478,12 @@ impl ChunkStore {
         Ok(count)
     }
 
+    /// Keeps `bytes` of the filesystem free: puts that would eat into them fail with
+    /// [`ChunkStoreError::Full`] (a distinct NO_SPACE answer the client places elsewhere).
+    pub fn set_reserve(&self, bytes: u64) {
+        self.reserve_bytes.store(bytes, Ordering::Relaxed);
+    }
+
     /// Counts chunk ages as if the store had been open `by` longer (tests of GC only).
     pub fn assume_uptime(&self, by: Duration) {
         self.clock.backdate(by);
@@ -478,8 +498,7 @@ impl ChunkStore {
     }
 }
 
-/// Total bytes of the filesystem holding `path`.
-fn fs_capacity(path: &Path) -> io::Result<u64> {
+fn statvfs(path: &Path) -> io::Result<libc::statvfs> {
     use std::os::unix::ffi::OsStrExt;
     let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
     let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
@@ -487,7 +506,17 @@ fn fs_capacity(path: &Path) -> io::Result<u64> {
     if unsafe { libc::statvfs(c_path.as_ptr(), &mut stat) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(stat.f_blocks as u64 * stat.f_frsize as u64)
+    Ok(stat)
+}
+
+/// Total bytes of the filesystem holding `path`.
+fn fs_capacity(path: &Path) -> io::Result<u64> {
+    statvfs(path).map(|stat| stat.f_blocks * stat.f_frsize)
+}
+
+/// Bytes an unprivileged writer may still use on the filesystem holding `path`.
+fn fs_available(path: &Path) -> io::Result<u64> {
+    statvfs(path).map(|stat| stat.f_bavail * stat.f_frsize)
 }
 
 fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
