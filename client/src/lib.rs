@@ -133,7 +133,7 @@ impl Targets {
         let socket: SocketAddr = address
             .parse()
             .map_err(|_| Error::InvalidInput(format!("target {target_id} advertises a bad address {address:?}")))?;
-        let transport: Arc<dyn ChunkTransport> = Arc::new(TcpTransport::new(socket, config.clone()));
+        let transport: Arc<dyn ChunkTransport> = Arc::new(TcpTransport::for_target(socket, target_id, config.clone()));
         map.insert(target_id.to_owned(), (address.to_owned(), Arc::clone(&transport)));
         Ok(transport)
     }

@@ -43,9 +43,16 @@ pub enum TransportError {
 }
 
 impl TransportError {
-    /// Worth retrying on a fresh connection (or another replica).
+    /// Worth retrying on a fresh connection (or another replica). A peer that turned out to be
+    /// another target counts too: the target we want has moved.
     pub fn is_connection(&self) -> bool {
-        matches!(self, TransportError::Connect(_) | TransportError::Connection(_) | TransportError::Timeout(_))
+        matches!(
+            self,
+            TransportError::Connect(_)
+                | TransportError::Connection(_)
+                | TransportError::Timeout(_)
+                | TransportError::Remote { code: ErrorCode::WrongTarget, .. }
+        )
     }
 }
 
@@ -262,6 +269,8 @@ async fn read_loop(mut reader: tokio::net::tcp::OwnedReadHalf, pending: Pending)
 /// The TCP data-plane transport to one target.
 pub struct TcpTransport {
     address: SocketAddr,
+    /// Sent with every request; a target with another id refuses it (WRONG_TARGET).
+    target_id: Option<String>,
     config: TcpConfig,
     connections: Vec<tokio::sync::Mutex<Option<Arc<Connection>>>>,
     next: AtomicUsize,
@@ -270,7 +279,17 @@ pub struct TcpTransport {
 impl TcpTransport {
     pub fn new(address: SocketAddr, config: TcpConfig) -> TcpTransport {
         let connections = (0..config.connections_per_target.max(1)).map(|_| tokio::sync::Mutex::new(None)).collect();
-        TcpTransport { address, config, connections, next: AtomicUsize::new(0) }
+        TcpTransport { address, target_id: None, config, connections, next: AtomicUsize::new(0) }
+    }
+
+    /// A transport to target `target_id` at `address`: requests are refused by any other target
+    /// found at that address.
+    pub fn for_target(address: SocketAddr, target_id: &str, config: TcpConfig) -> TcpTransport {
+        TcpTransport { target_id: Some(target_id.to_owned()), ..TcpTransport::new(address, config) }
+    }
+
+    fn auth(&self) -> Option<data::Auth> {
+        self.target_id.as_ref().map(|id| data::Auth { capability: Bytes::new(), target_id: id.clone() })
     }
 
     pub fn address(&self) -> SocketAddr {
@@ -328,18 +347,18 @@ fn hash_list(hashes: &[ChunkHash]) -> Result<Vec<Bytes>, TransportError> {
 #[async_trait]
 impl ChunkTransport for TcpTransport {
     async fn put(&self, hash: ChunkHash, payload: Bytes) -> Result<bool, TransportError> {
-        let header = data::PutRequest { auth: None, hash: hash.to_bytes() }.encode_to_vec();
+        let header = data::PutRequest { auth: self.auth(), hash: hash.to_bytes() }.encode_to_vec();
         let (response, _) = self.call(Opcode::Put, header, Some(payload)).await?;
         Ok(response.already_present)
     }
 
     async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Bytes, TransportError> {
-        let header = data::GetRequest { auth: None, hash: hash.to_bytes(), offset, length }.encode_to_vec();
+        let header = data::GetRequest { auth: self.auth(), hash: hash.to_bytes(), offset, length }.encode_to_vec();
         Ok(self.call(Opcode::Get, header, None).await?.1)
     }
 
     async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError> {
-        let header = data::HasRequest { auth: None, hashes: hash_list(hashes)? }.encode_to_vec();
+        let header = data::HasRequest { auth: self.auth(), hashes: hash_list(hashes)? }.encode_to_vec();
         let (response, _) = self.call(Opcode::Has, header, None).await?;
         if response.present.len() != hashes.len() {
             return Err(TransportError::Protocol(format!(
@@ -354,13 +373,14 @@ impl ChunkTransport for TcpTransport {
     async fn delete(&self, hashes: &[ChunkHash], unused_for: Option<Duration>) -> Result<u64, TransportError> {
         // A zero guard would mean "unconditional" on the wire; the smallest real guard is 1 ms.
         let unused_for_ms = unused_for.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
-        let header = data::DeleteRequest { auth: None, hashes: hash_list(hashes)?, unused_for_ms }.encode_to_vec();
+        let header =
+            data::DeleteRequest { auth: self.auth(), hashes: hash_list(hashes)?, unused_for_ms }.encode_to_vec();
         Ok(self.call(Opcode::Delete, header, None).await?.0.deleted)
     }
 
     async fn list(&self, after: Option<ChunkHash>, limit: u32) -> Result<ChunkPage, TransportError> {
         let after = after.map_or_else(Bytes::new, |h| h.to_bytes());
-        let header = data::ListRequest { auth: None, after, limit }.encode_to_vec();
+        let header = data::ListRequest { auth: self.auth(), after, limit }.encode_to_vec();
         let (response, payload) = self.call(Opcode::List, header, None).await?;
         if payload.len() % LIST_ENTRY_BYTES != 0 || payload.len() / LIST_ENTRY_BYTES > limit as usize {
             return Err(TransportError::Protocol(format!("LIST answered {} payload bytes", payload.len())));
@@ -378,7 +398,7 @@ impl ChunkTransport for TcpTransport {
     }
 
     async fn stat(&self) -> Result<TargetStat, TransportError> {
-        let header = data::StatRequest { auth: None }.encode_to_vec();
+        let header = data::StatRequest { auth: self.auth() }.encode_to_vec();
         let (response, _) = self.call(Opcode::Stat, header, None).await?;
         Ok(TargetStat {
             capacity_bytes: response.capacity_bytes,

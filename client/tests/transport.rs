@@ -17,6 +17,7 @@ use tokio::sync::watch;
 
 struct Target {
     address: std::net::SocketAddr,
+    store: Arc<ChunkStore>,
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -26,10 +27,10 @@ async fn start_target(dir: &std::path::Path, address: &str) -> Target {
     let listener = TcpListener::bind(address).await.unwrap();
     let address = listener.local_addr().unwrap();
     let (stop, mut stopped) = watch::channel(false);
-    let task = tokio::spawn(dataplane::serve(listener, store, DataPlaneLimits::default(), async move {
+    let task = tokio::spawn(dataplane::serve(listener, Arc::clone(&store), DataPlaneLimits::default(), async move {
         let _ = stopped.wait_for(|s| *s).await;
     }));
-    Target { address, stop, task }
+    Target { address, store, stop, task }
 }
 
 fn chunk(len: usize, seed: u8) -> (ChunkHash, Bytes) {
@@ -149,6 +150,25 @@ async fn a_peer_stalled_mid_header_is_disconnected_after_the_idle_timeout() {
     transport.stat().await.unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
     transport.stat().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_meant_for_another_target_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = start_target(dir.path(), "127.0.0.1:0").await;
+    let (hash, data) = chunk(1000, 7);
+    // The harness's store has no id yet: nothing is checked.
+    let anyone = TcpTransport::for_target(target.address, "someone-else", TcpConfig::default());
+    assert!(!anyone.put(hash, data.clone()).await.unwrap());
+    target.store.set_target_id("target-a");
+    let wrong = TcpTransport::for_target(target.address, "target-b", TcpConfig::default());
+    let error = wrong.has(&[hash]).await.unwrap_err();
+    assert!(matches!(error, TransportError::Remote { code: ErrorCode::WrongTarget, .. }), "{error}");
+    assert!(error.is_connection(), "callers look the target up again");
+    assert!(wrong.put(hash, data).await.is_err());
+    let right = TcpTransport::for_target(target.address, "target-a", TcpConfig::default());
+    assert_eq!(right.has(&[hash]).await.unwrap(), vec![true]);
+    assert_eq!(tcp(target.address, 1).has(&[hash]).await.unwrap(), vec![true], "no expectation: unchecked");
 }
 
 #[tokio::test]

@@ -119,7 +119,8 @@ pub async fn collect(
             report.target_errors.push(format!("{}: not alive, skipped", target.target_id));
             continue;
         };
-        let transport = TcpTransport::new(address, TcpConfig { connections_per_target: 1, ..TcpConfig::default() });
+        let tcp = TcpConfig { connections_per_target: 1, ..TcpConfig::default() };
+        let transport = TcpTransport::for_target(address, &target.target_id, tcp);
         match sweep(&transport, &live, marked_at, config, &mut throttle, &mut report).await {
             Ok(()) => report.targets_swept += 1,
             Err(error) => {

@@ -274,6 +274,17 @@ fn decode<M: Message + Default>(prost_header: Bytes) -> Result<M, data::Response
     })
 }
 
+/// Refuses a request meant for another target (see `Auth.target_id` in dataplane.proto).
+fn check_target(store: &ChunkStore, auth: &Option<data::Auth>) -> Result<(), data::Response> {
+    match (auth.as_ref().map(|a| a.target_id.as_str()), store.target_id()) {
+        (Some(wanted), Some(mine)) if !wanted.is_empty() && wanted != mine => Err(error_response(
+            ErrorCode::WrongTarget,
+            format!("this is target {mine}, not {wanted} (the address now belongs to another target)"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn parse_hashes(hashes: &[Bytes]) -> Result<Vec<ChunkHash>, data::Response> {
     if hashes.len() > MAX_BATCH_HASHES {
         return Err(error_response(
@@ -288,6 +299,9 @@ fn parse_hashes(hashes: &[Bytes]) -> Result<Vec<ChunkHash>, data::Response> {
 }
 
 async fn put(store: &ChunkStore, request: data::PutRequest, chunk: super::store::ChunkWrite) -> data::Response {
+    if let Err(response) = check_target(store, &request.auth) {
+        return response;
+    }
     let hash = match ChunkHash::try_from(&request.hash[..]) {
         Ok(hash) => hash,
         Err(error) => return error_response(ErrorCode::BadRequest, error.to_string()),
@@ -308,6 +322,9 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
+            if let Err(response) = check_target(store, &request.auth) {
+                return (response, None);
+            }
             let hash = match ChunkHash::try_from(&request.hash[..]) {
                 Ok(hash) => hash,
                 Err(error) => return (error_response(ErrorCode::BadRequest, error.to_string()), None),
@@ -324,6 +341,9 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
+            if let Err(response) = check_target(store, &request.auth) {
+                return (response, None);
+            }
             let hashes = match parse_hashes(&request.hashes) {
                 Ok(h) => h,
                 Err(response) => return (response, None),
@@ -338,6 +358,9 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
+            if let Err(response) = check_target(store, &request.auth) {
+                return (response, None);
+            }
             let hashes = match parse_hashes(&request.hashes) {
                 Ok(h) => h,
                 Err(response) => return (response, None),
@@ -353,6 +376,9 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
+            if let Err(response) = check_target(store, &request.auth) {
+                return (response, None);
+            }
             if request.limit == 0 || request.limit > MAX_LIST_ENTRIES {
                 let message = format!("list limit {} is outside 1..={MAX_LIST_ENTRIES}", request.limit);
                 return (error_response(ErrorCode::BadRequest, message), None);
@@ -378,8 +404,13 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
             }
         }
         Opcode::Stat => {
-            if let Err(response) = decode::<data::StatRequest>(prost_header) {
-                return (response, None);
+            match decode::<data::StatRequest>(prost_header) {
+                Ok(request) => {
+                    if let Err(response) = check_target(store, &request.auth) {
+                        return (response, None);
+                    }
+                }
+                Err(response) => return (response, None),
             }
             let stats = store.stats();
             let response = data::Response {

@@ -106,6 +106,7 @@ pub async fn run(
             .with_context(|| format!("open chunk store in {}", config.dir.display()))?,
     );
     store.assume_uptime(config.assumed_uptime);
+    store.set_target_id(&target_id);
     store.set_reserve(config.reserve_bytes);
     let local = listener.local_addr()?;
     let advertise = config.advertise.unwrap_or(local);

@@ -204,6 +204,8 @@ pub struct ChunkStore {
     clock: Arc<UseClock>,
     /// Free bytes the store never writes into (see [`ChunkStore::set_reserve`]).
     reserve_bytes: AtomicU64,
+    /// The owning target's id, once known (requests naming another are refused).
+    target_id: std::sync::OnceLock<String>,
 }
 
 impl ChunkStore {
@@ -229,6 +231,7 @@ impl ChunkStore {
             use_locks: Arc::new(UseLocks::new()),
             clock: Arc::new(UseClock::new()),
             reserve_bytes: AtomicU64::new(0),
+            target_id: std::sync::OnceLock::new(),
         })
     }
 
@@ -482,6 +485,15 @@ impl ChunkStore {
     /// [`ChunkStoreError::Full`] (a distinct NO_SPACE answer the client places elsewhere).
     pub fn set_reserve(&self, bytes: u64) {
         self.reserve_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Records the owning target's id (once; later calls are ignored).
+    pub fn set_target_id(&self, id: &str) {
+        let _ = self.target_id.set(id.to_owned());
+    }
+
+    pub fn target_id(&self) -> Option<&str> {
+        self.target_id.get().map(String::as_str)
     }
 
     /// Counts chunk ages as if the store had been open `by` longer (tests of GC only).
