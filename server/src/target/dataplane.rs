@@ -159,7 +159,7 @@ async fn serve_connection(
                 Ok(p) => p,
                 Err(_) => break Err("shutting down".into()),
             };
-            let request = decode::<data::PutRequest>(prost_header);
+            let request = decode_for::<data::PutRequest>(&store, prost_header);
             let mut chunk = store.write_buffer(header.payload_len as usize).await;
             let read = tokio::time::timeout(limits.frame_timeout, reader.read_exact(chunk.data_mut())).await;
             match read {
@@ -274,6 +274,36 @@ fn decode<M: Message + Default>(prost_header: Bytes) -> Result<M, data::Response
     })
 }
 
+/// Requests that carry an `Auth`.
+trait Addressed: Message + Default {
+    fn auth(&self) -> &Option<data::Auth>;
+}
+
+macro_rules! addressed {
+    ($($request:ty),*) => {
+        $(impl Addressed for $request {
+            fn auth(&self) -> &Option<data::Auth> {
+                &self.auth
+            }
+        })*
+    };
+}
+addressed!(
+    data::PutRequest,
+    data::GetRequest,
+    data::HasRequest,
+    data::DeleteRequest,
+    data::ListRequest,
+    data::StatRequest
+);
+
+/// Decodes a request, refusing one meant for another target.
+fn decode_for<M: Addressed>(store: &ChunkStore, prost_header: Bytes) -> Result<M, data::Response> {
+    let request: M = decode(prost_header)?;
+    check_target(store, request.auth())?;
+    Ok(request)
+}
+
 /// Refuses a request meant for another target (see `Auth.target_id` in dataplane.proto).
 fn check_target(store: &ChunkStore, auth: &Option<data::Auth>) -> Result<(), data::Response> {
     match (auth.as_ref().map(|a| a.target_id.as_str()), store.target_id()) {
@@ -299,9 +329,6 @@ fn parse_hashes(hashes: &[Bytes]) -> Result<Vec<ChunkHash>, data::Response> {
 }
 
 async fn put(store: &ChunkStore, request: data::PutRequest, chunk: super::store::ChunkWrite) -> data::Response {
-    if let Err(response) = check_target(store, &request.auth) {
-        return response;
-    }
     let hash = match ChunkHash::try_from(&request.hash[..]) {
         Ok(hash) => hash,
         Err(error) => return error_response(ErrorCode::BadRequest, error.to_string()),
@@ -318,13 +345,10 @@ async fn put(store: &ChunkStore, request: data::PutRequest, chunk: super::store:
 async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) -> (data::Response, Option<Bytes>) {
     match header.opcode {
         Opcode::Get => {
-            let request: data::GetRequest = match decode(prost_header) {
+            let request: data::GetRequest = match decode_for(store, prost_header) {
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
-            if let Err(response) = check_target(store, &request.auth) {
-                return (response, None);
-            }
             let hash = match ChunkHash::try_from(&request.hash[..]) {
                 Ok(hash) => hash,
                 Err(error) => return (error_response(ErrorCode::BadRequest, error.to_string()), None),
@@ -337,13 +361,10 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
             }
         }
         Opcode::Has => {
-            let request: data::HasRequest = match decode(prost_header) {
+            let request: data::HasRequest = match decode_for(store, prost_header) {
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
-            if let Err(response) = check_target(store, &request.auth) {
-                return (response, None);
-            }
             let hashes = match parse_hashes(&request.hashes) {
                 Ok(h) => h,
                 Err(response) => return (response, None),
@@ -354,13 +375,10 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
             }
         }
         Opcode::Delete => {
-            let request: data::DeleteRequest = match decode(prost_header) {
+            let request: data::DeleteRequest = match decode_for(store, prost_header) {
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
-            if let Err(response) = check_target(store, &request.auth) {
-                return (response, None);
-            }
             let hashes = match parse_hashes(&request.hashes) {
                 Ok(h) => h,
                 Err(response) => return (response, None),
@@ -372,13 +390,10 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
             }
         }
         Opcode::List => {
-            let request: data::ListRequest = match decode(prost_header) {
+            let request: data::ListRequest = match decode_for(store, prost_header) {
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
-            if let Err(response) = check_target(store, &request.auth) {
-                return (response, None);
-            }
             if request.limit == 0 || request.limit > MAX_LIST_ENTRIES {
                 let message = format!("list limit {} is outside 1..={MAX_LIST_ENTRIES}", request.limit);
                 return (error_response(ErrorCode::BadRequest, message), None);
@@ -404,13 +419,8 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
             }
         }
         Opcode::Stat => {
-            match decode::<data::StatRequest>(prost_header) {
-                Ok(request) => {
-                    if let Err(response) = check_target(store, &request.auth) {
-                        return (response, None);
-                    }
-                }
-                Err(response) => return (response, None),
+            if let Err(response) = decode_for::<data::StatRequest>(store, prost_header) {
+                return (response, None);
             }
             let stats = store.stats();
             let response = data::Response {
