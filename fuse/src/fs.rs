@@ -480,6 +480,14 @@ impl CkptFs {
         }))
     }
 
+    /// The file behind a write handle; None for read handles and unknown ones.
+    fn write_handle(&self, fh: FileHandle) -> Option<Arc<DraftFile>> {
+        match self.state().handles.get(&fh.0) {
+            Some(Handle::Write(file)) => Some(Arc::clone(file)),
+            _ => None,
+        }
+    }
+
     fn add_handle(&self, handle: Handle) -> u64 {
         if let Handle::Write(file) = &handle {
             file.open_handles.fetch_add(1, Ordering::Relaxed);
@@ -1139,10 +1147,7 @@ impl Filesystem for CkptFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let file = match self.state().handles.get(&fh.0) {
-            Some(Handle::Write(file)) => Arc::clone(file),
-            _ => return reply.error(Errno::EBADF),
-        };
+        let Some(file) = self.write_handle(fh) else { return reply.error(Errno::EBADF) };
         let result = self.block_on(async {
             let mut writer = file.writer.lock().await;
             let Writer::Open(stream) = &mut *writer else {
@@ -1164,10 +1169,7 @@ impl Filesystem for CkptFs {
     }
 
     fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        let file = match self.state().handles.get(&fh.0) {
-            Some(Handle::Write(file)) => Arc::clone(file),
-            _ => return reply.ok(),
-        };
+        let Some(file) = self.write_handle(fh) else { return reply.ok() };
         // close() of a descriptor. A shell's `echo x > f` closes a duplicate before writing, so
         // a file nothing was written to yet is not ended here; it ends at release (or commit).
         if file.size.load(Ordering::Relaxed) == 0 {
@@ -1185,10 +1187,7 @@ impl Filesystem for CkptFs {
     }
 
     fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        let file = match self.state().handles.get(&fh.0) {
-            Some(Handle::Write(file)) => Arc::clone(file),
-            _ => return reply.ok(),
-        };
+        let Some(file) = self.write_handle(fh) else { return reply.ok() };
         let result = self.block_on(async {
             match &mut *file.writer.lock().await {
                 Writer::Open(stream) => stream.sync().await.map_err(|e| errno("fsync", &file.path(), &e)),
