@@ -176,27 +176,43 @@ impl Client {
         offset: u64,
         length: u64,
     ) -> Result<Bytes> {
+        let length = usize::try_from(length)
+            .map_err(|_| Error::InvalidInput(format!("range {offset}+{length} does not fit in memory")))?;
+        let mut out = BytesMut::zeroed(length);
+        self.read_range_into(manifest, path, offset, &mut out).await?;
+        Ok(out.freeze())
+    }
+
+    /// Fills `target` with the verified bytes of `path` from `offset` on (`target.len()` bytes),
+    /// fetching up to `restore_concurrency` chunks at once and copying each straight into place.
+    pub async fn read_range_into(
+        &self,
+        manifest: &CheckpointManifest,
+        path: &str,
+        offset: u64,
+        target: &mut [u8],
+    ) -> Result<()> {
         let file = manifest.file(path).ok_or_else(|| Error::NotFound {
             op: "read",
             message: format!("{} step {} has no file {path}", manifest.info.job, manifest.info.step),
         })?;
+        let length = target.len() as u64;
         let end = offset.checked_add(length).filter(|end| *end <= file.size_bytes).ok_or_else(|| {
             Error::InvalidInput(format!("range {offset}+{length} is outside {path} ({} bytes)", file.size_bytes))
         })?;
-        let pieces: Vec<(u64, &ChunkRef)> = file.chunks_in_range(offset, length).collect();
-        let mut fetched =
-            futures::stream::iter(pieces.iter().map(|(start, chunk)| async move {
-                self.read_chunk(manifest, chunk).await.map(|data| (*start, data))
-            }))
-            .buffered(self.inner.config.restore_concurrency.max(1));
-        let mut out = BytesMut::with_capacity(length as usize);
+        let mut fetched = futures::stream::iter(
+            file.chunks_in_range(offset, length)
+                .map(|(start, chunk)| async move { self.read_chunk(manifest, chunk).await.map(|data| (start, data)) }),
+        )
+        .buffer_unordered(self.inner.config.restore_concurrency.max(1));
         while let Some(result) = fetched.next().await {
             let (start, data) = result?;
             let from = offset.saturating_sub(start) as usize;
             let to = (end - start).min(data.len() as u64) as usize;
-            out.extend_from_slice(&data[from..to]);
+            let at = (start + from as u64 - offset) as usize;
+            target[at..at + (to - from)].copy_from_slice(&data[from..to]);
         }
-        Ok(out.freeze())
+        Ok(())
     }
 
     /// A whole file, verified.
@@ -232,35 +248,11 @@ impl Client {
 
     /// Fills `target` (exactly the file's size) with the verified contents of `path`.
     pub async fn read_into(&self, manifest: &CheckpointManifest, path: &str, target: &mut [u8]) -> Result<()> {
-        let file = manifest.file(path).ok_or_else(|| Error::NotFound {
-            op: "read",
-            message: format!("{} step {} has no file {path}", manifest.info.job, manifest.info.step),
-        })?;
-        if target.len() as u64 != file.size_bytes {
-            return Err(Error::InvalidInput(format!(
-                "{path} is {} bytes, buffer is {}",
-                file.size_bytes,
-                target.len()
-            )));
+        let size = manifest.file(path).map_or(target.len() as u64, |f| f.size_bytes);
+        if target.len() as u64 != size {
+            return Err(Error::InvalidInput(format!("{path} is {size} bytes, buffer is {}", target.len())));
         }
-        let mut starts = Vec::with_capacity(file.chunks.len());
-        let mut offset = 0u64;
-        for chunk in &file.chunks {
-            starts.push(offset);
-            offset += chunk.length_bytes;
-        }
-        let mut fetched = futures::stream::iter(
-            file.chunks
-                .iter()
-                .zip(starts)
-                .map(|(chunk, start)| async move { self.read_chunk(manifest, chunk).await.map(|data| (start, data)) }),
-        )
-        .buffer_unordered(self.inner.config.restore_concurrency.max(1));
-        while let Some(result) = fetched.next().await {
-            let (start, data) = result?;
-            target[start as usize..start as usize + data.len()].copy_from_slice(&data);
-        }
-        Ok(())
+        self.read_range_into(manifest, path, 0, target).await
     }
 
     /// Restores every file and directory of the checkpoint under `to`, which must not exist or be

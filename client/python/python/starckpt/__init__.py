@@ -1,0 +1,317 @@
+"""starckpt: checkpoints for training jobs.
+
+>>> import starckpt, numpy as np
+>>> client = starckpt.Client(job="llama")          # STARCKPT_SERVER / STARCKPT_JOB by default
+>>> handle = client.save(100, {"w": np.ones(4), "step": 100})   # returns once staged
+>>> handle.wait().committed
+True
+>>> client.latest()
+100
+>>> state, metadata = client.load()
+
+``save`` copies every array and tensor straight into the SDK's staging buffers with the GIL
+released (the one copy the trainer waits for); chunking, hashing, deduplication, upload and the
+commit continue in the background. ``load`` reads each leaf, verified against its BLAKE3 hash,
+straight into the array that it returns.
+
+One connection (and one writer lease per job) serves the whole process: every ``Client``,
+``starckpt.torch.Writer`` and ``Reader`` for the same server shares it, so creating a new one per
+save never fences the process's own earlier saves. A new process is a new run and fences the
+previous one (set ``STARCKPT_RUN_ID``, or run under torchrun, to share a run across ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import _native, _state
+from .errors import (
+    AlreadyExistsError,
+    CancelledError,
+    ChecksumError,
+    ClosedError,
+    ConnectionError,
+    FencedError,
+    FormatError,
+    InvalidInputError,
+    NotFoundError,
+    RejectedError,
+    StarckptError,
+    StarckptIOError,
+    TargetError,
+    UnavailableError,
+    UnsupportedTypeError,
+)
+
+__version__ = _native.__version__
+
+DEFAULT_SERVER = "127.0.0.1:7070"
+# Part metadata keys this SDK writes.
+_META_USER = "starckpt.python.metadata"
+_META_FORMAT = "starckpt.python.format"
+
+_shared_lock = threading.Lock()
+_shared: dict[tuple[int, str], _native.NativeClient] = {}
+
+
+def _native_client(server: str) -> _native.NativeClient:
+    """The process's one native client for `server` (a forked child gets its own)."""
+    key = (os.getpid(), server)
+    with _shared_lock:
+        client = _shared.get(key)
+        if client is None:
+            client = _native.NativeClient(server)
+            _shared[key] = client
+        return client
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidInputError(f"${name} is {text!r}, not an integer") from None
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """What a finished save did."""
+
+    checkpoint_id: int
+    job: str
+    step: int
+    #: True when every rank's part is in and the checkpoint is visible to ``latest``.
+    committed: bool
+    #: For a multi-rank checkpoint still waiting for ranks: parts in, of world_size.
+    parts_committed: int | None
+    world_size: int | None
+    epoch: int
+    total_bytes: int
+    uploaded_bytes: int
+    chunks: int
+    deduplicated_chunks: int
+
+
+class SaveHandle:
+    """A save whose bytes are staged; the upload and commit continue in the background."""
+
+    def __init__(self, native: _native.SaveHandle, step: int):
+        self._native = native
+        self.step = step
+
+    def staged(self) -> bool:
+        """True once every byte of the save is in staging buffers (or handed to the uploaders)."""
+        progress = self._native.progress()
+        return progress["staged_bytes"] >= progress["total_bytes"]
+
+    def done(self) -> bool:
+        """True once the upload and commit have finished, successfully or not."""
+        return self._native.done()
+
+    @property
+    def progress(self) -> dict[str, int]:
+        """Live byte and chunk counters (staged, copied, uploaded, deduplicated, done)."""
+        return self._native.progress()
+
+    def wait(self, timeout: float | None = None) -> SaveOutcome:
+        """Blocks (GIL released, Ctrl-C honoured) until the part is committed and returns the
+        outcome; raises the save's error if it failed, ``TimeoutError`` after `timeout` seconds."""
+        return SaveOutcome(**self._native.wait(timeout))
+
+    def __repr__(self) -> str:
+        return f"<starckpt.SaveHandle step={self.step} done={self.done()}>"
+
+
+class Client:
+    """A trainer's handle on one job of a starckpt cluster.
+
+    ``server`` defaults to ``$STARCKPT_SERVER`` (else 127.0.0.1:7070), ``job`` to
+    ``$STARCKPT_JOB``. ``rank``/``world_size`` default to torchrun's ``RANK``/``WORLD_SIZE``
+    (else 0/1): with several ranks each saves its own part of the step and the checkpoint is
+    complete once all parts are in.
+    """
+
+    def __init__(
+        self,
+        server: str | None = None,
+        job: str | None = None,
+        token: str | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ):
+        if token is not None or os.environ.get("STARCKPT_TOKEN"):
+            raise InvalidInputError(
+                "starckpt servers do not authenticate clients yet; a token cannot be checked, so none is accepted"
+            )
+        self.server = server or os.environ.get("STARCKPT_SERVER") or DEFAULT_SERVER
+        self.job = job or os.environ.get("STARCKPT_JOB") or None
+        self.rank = _env_int("RANK", 0) if rank is None else rank
+        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        if not (0 <= self.rank < self.world_size):
+            raise InvalidInputError(f"rank {self.rank} is outside world size {self.world_size}")
+        self._native = _native_client(self.server)
+        self._closed = False
+        self._in_flight: list[SaveHandle] = []
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _client(self) -> _native.NativeClient:
+        if self._closed:
+            raise ClosedError("this starckpt.Client is closed")
+        return self._native
+
+    def _job(self) -> str:
+        if not self.job:
+            raise InvalidInputError("no job: pass job= to starckpt.Client or set $STARCKPT_JOB")
+        return self.job
+
+    def _prefix(self, world_size: int, rank: int) -> str:
+        return "" if world_size == 1 else f"rank{rank:05d}/"
+
+    @property
+    def run_id(self) -> str:
+        """The training run this process writes for (decides the writer lease)."""
+        return self._client().run_id
+
+    # -- API --------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        metadata: Mapping[str, Any] | None = None,
+        blocking: bool = False,
+    ) -> SaveHandle:
+        """Saves this rank's `state` as (job, `step`). Returns once every array, tensor and bytes
+        leaf is copied into staging buffers: the caller may change them right away. The handle
+        resolves when the part is committed; with ``blocking=True`` this waits for that too.
+        If this client's previous save is still uploading, this one first waits for it.
+
+        `metadata` is a JSON-serialisable mapping stored with the part and returned by ``load``.
+        """
+        client = self._client()
+        job = self._job()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise InvalidInputError(f"step must be a non-negative int, not {step!r}")
+        try:
+            user_metadata = json.dumps(dict(metadata or {}), allow_nan=True)
+        except (TypeError, ValueError) as e:
+            raise InvalidInputError(f"metadata must be a JSON-serialisable mapping: {e}") from None
+        prefix = self._prefix(self.world_size, self.rank)
+        flat = _state.flatten(state, prefix)
+        files = [*flat.files, (prefix + _state.TREE_FILE, _state.tree_json(flat))]
+        native = client.save(
+            job,
+            step,
+            files,
+            rank=self.rank,
+            world_size=self.world_size,
+            metadata={_META_USER: user_metadata, _META_FORMAT: str(_state.FORMAT)},
+        )
+        handle = SaveHandle(native, step)
+        self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
+        if blocking:
+            handle.wait()
+        return handle
+
+    def latest(self) -> int | None:
+        """The highest committed step of the job, or None: what to resume from."""
+        return self._client().latest(self._job())
+
+    def list(self, include_inactive: bool = False) -> list[dict[str, Any]]:
+        """The job's checkpoints, oldest first (committed only, unless `include_inactive`)."""
+        return self._client().list(self._job(), include_inactive)
+
+    def load(self, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """This rank's state and metadata of `step` (default: the latest committed step), with the
+        same structure, dtypes and shapes as saved. Tensors come back on the CPU."""
+        manifest = self._manifest(step)
+        world_size = manifest.world_size
+        rank = self.rank if world_size > 1 else 0
+        if rank >= world_size:
+            raise InvalidInputError(f"rank {rank} is outside the checkpoint's world size {world_size}")
+        where = f"{manifest.job} step {manifest.step}"
+        tree_path = self._prefix(world_size, rank) + _state.TREE_FILE
+        if manifest.size(tree_path) is None:
+            raise FormatError(f"{where} has no {tree_path}: it was not written by starckpt.Client.save "
+                              "(read its files with restore(), or starckpt.torch.Reader for DCP checkpoints)")
+        sizes = dict(manifest.files())
+        leaves, build = _state.plan_load(manifest.read(tree_path), sizes, where)
+        manifest.read_many([(leaf.path, leaf.buffer, 0) for leaf in leaves])
+        metadata: dict[str, Any] = {}
+        for part_rank, part_metadata in manifest.metadata():
+            if part_rank == rank and _META_USER in part_metadata:
+                metadata = json.loads(part_metadata[_META_USER])
+        return build(), metadata
+
+    def restore(self, step: int | None = None, to: str | os.PathLike | None = None, force: bool = False) -> Path:
+        """Writes every file of `step` (default: latest) under the directory `to`, verified; the
+        tree appears there only once complete. Returns the directory."""
+        if to is None:
+            raise InvalidInputError("restore needs a destination directory: to=...")
+        destination = Path(to).absolute()
+        self._client().restore(self._job(), str(destination), step, force)
+        return destination
+
+    def delete(self, step: int) -> None:
+        """Deletes a committed checkpoint (its chunks are freed by the next garbage collection)."""
+        self._client().delete(self._job(), step)
+
+    def manifest(self, step: int | None = None) -> _native.Manifest:
+        """The committed manifest of `step` (default: latest): file list and ranged reads."""
+        return self._manifest(step)
+
+    def _manifest(self, step: int | None) -> _native.Manifest:
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise InvalidInputError(f"step must be a non-negative int or None, not {step!r}")
+        return self._client().manifest(self._job(), step)
+
+    def close(self, wait: bool = True) -> None:
+        """Closes this client; with `wait`, first waits for its saves in flight to commit (raising
+        the first failure). The process's shared connection stays open for other clients."""
+        if self._closed:
+            return
+        in_flight, self._in_flight = self._in_flight, []
+        self._closed = True
+        if wait:
+            for handle in in_flight:
+                handle.wait()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close(wait=exc_info[0] is None)
+
+    def __repr__(self) -> str:
+        return f"<starckpt.Client server={self.server!r} job={self.job!r} rank={self.rank}/{self.world_size}>"
+
+
+__all__ = [
+    "Client",
+    "SaveHandle",
+    "SaveOutcome",
+    "StarckptError",
+    "ConnectionError",
+    "NotFoundError",
+    "AlreadyExistsError",
+    "RejectedError",
+    "FencedError",
+    "ChecksumError",
+    "UnavailableError",
+    "TargetError",
+    "InvalidInputError",
+    "UnsupportedTypeError",
+    "FormatError",
+    "StarckptIOError",
+    "CancelledError",
+    "ClosedError",
+]

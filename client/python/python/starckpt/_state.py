@@ -1,0 +1,235 @@
+"""Nested training state <-> files of a checkpoint part.
+
+A state is a nested structure of dicts (any hashable scalar or tuple keys; ``OrderedDict`` kept),
+lists and tuples whose leaves are numpy arrays and scalars, torch tensors (when torch is
+installed), ``bytes``/``bytearray`` and plain Python values (``None``, bool, int, float, str).
+
+Every array, tensor and bytes leaf becomes one file of the part, holding its raw bytes in C
+order; the structure, dtypes and shapes go to ``<prefix>_starckpt/tree.json``. Plain values
+live in the tree itself (floats as ``float.hex`` so NaN, infinities and -0.0 round-trip). Nothing
+is pickled: loading a checkpoint never runs code from it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import FormatError, UnsupportedTypeError
+
+FORMAT = 1
+TREE_FILE = "_starckpt/tree.json"
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _torch():
+    """The torch module if the caller has it (a state can only hold tensors if torch is imported)."""
+    return sys.modules.get("torch")
+
+
+@dataclass
+class Flattened:
+    """A state split into a JSON tree and the buffers of its leaves."""
+
+    tree: Any
+    # (path in the part, buffer exposing the leaf's bytes in C order)
+    files: list[tuple[str, Any]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _file_name(prefix: str, index: int, where: str) -> str:
+    hint = _NAME_UNSAFE.sub("_", where).strip("._-")[:96]
+    return f"{prefix}data/{index:06d}" + (f"-{hint}" if hint else "")
+
+
+def _tensor_buffer(tensor, where: str):
+    """A uint8 numpy view of a CPU copy of `tensor` (no copy when it is CPU and contiguous)."""
+    torch = _torch()
+    if tensor.is_sparse or tensor.is_quantized or tensor.layout != torch.strided:
+        raise UnsupportedTypeError(f"{where}: {tensor.layout} / quantized tensors are not supported; save a dense copy")
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedTypeError(
+            f"{where}: tensor subclass {type(tensor).__name__} is not supported by Client.save; "
+            "save sharded state with torch.distributed.checkpoint and starckpt.torch.Writer"
+        )
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.to("cpu")
+    data = data.contiguous()
+    return data.reshape(-1).view(torch.uint8).numpy()
+
+
+def flatten(state: Any, prefix: str = "") -> Flattened:
+    """Splits `state` into a tree and leaf buffers (files named under `prefix`)."""
+    out = Flattened(tree=None)
+    torch = _torch()
+
+    def leaf_file(where: str, buffer, nbytes: int) -> str:
+        name = _file_name(prefix, len(out.files), where)
+        out.files.append((name, buffer))
+        out.nbytes += nbytes
+        return name
+
+    def walk(value: Any, where: str) -> Any:
+        if value is None:
+            return {"t": "none"}
+        if isinstance(value, bool):
+            return {"t": "bool", "v": value}
+        if isinstance(value, int) and type(value) is int:
+            return {"t": "int", "v": str(value)}
+        if type(value) is float:
+            return {"t": "float", "v": value.hex()}
+        if type(value) is str:
+            return {"t": "str", "v": value}
+        if isinstance(value, (bytes, bytearray)):
+            kind = "bytes" if isinstance(value, bytes) else "bytearray"
+            return {"t": kind, "f": leaf_file(where, value, len(value)), "n": len(value)}
+        if isinstance(value, np.ndarray) or isinstance(value, np.generic):
+            array = np.asarray(value)
+            if array.dtype.hasobject or array.dtype.fields is not None:
+                raise UnsupportedTypeError(f"{where}: numpy dtype {array.dtype} is not supported (object or structured)")
+            contiguous = np.ascontiguousarray(array)
+            return {
+                "t": "npscalar" if isinstance(value, np.generic) else "ndarray",
+                "dtype": array.dtype.str,
+                "shape": list(array.shape),
+                "f": leaf_file(where, contiguous.reshape(-1).view(np.uint8), contiguous.nbytes),
+            }
+        if torch is not None and isinstance(value, torch.Tensor):
+            buffer = _tensor_buffer(value, where)
+            return {
+                "t": "tensor",
+                "dtype": str(value.dtype).removeprefix("torch."),
+                "shape": list(value.shape),
+                "device": str(value.device),
+                "requires_grad": bool(value.requires_grad),
+                "param": isinstance(value, torch.nn.Parameter),
+                "f": leaf_file(where, buffer, buffer.nbytes),
+            }
+        if isinstance(value, dict):
+            keys, values = [], []
+            for key, item in value.items():
+                keys.append(walk_key(key, where))
+                values.append(walk(item, f"{where}.{key}" if where else str(key)))
+            kind = "odict" if isinstance(value, collections.OrderedDict) else "dict"
+            return {"t": kind, "k": keys, "v": values}
+        if isinstance(value, (list, tuple)):
+            kind = "list" if isinstance(value, list) else "tuple"
+            return {"t": kind, "v": [walk(item, f"{where}[{i}]") for i, item in enumerate(value)]}
+        raise UnsupportedTypeError(
+            f"{where or 'state'}: cannot save a {type(value).__module__}.{type(value).__qualname__}; a state holds "
+            "dicts, lists, tuples, numpy arrays, torch tensors, bytes, str, int, float, bool and None"
+        )
+
+    def walk_key(key: Any, where: str) -> Any:
+        if key is None or isinstance(key, (bool, int, float, str)) or (
+            isinstance(key, tuple) and all(k is None or isinstance(k, (bool, int, float, str)) for k in key)
+        ):
+            return walk(key, where)
+        raise UnsupportedTypeError(f"{where or 'state'}: dict key {key!r} ({type(key).__name__}) is not supported")
+
+    out.tree = walk(state, "")
+    return out
+
+
+def tree_json(flat: Flattened) -> bytes:
+    return json.dumps({"format": FORMAT, "root": flat.tree}, separators=(",", ":")).encode()
+
+
+@dataclass
+class Leaf:
+    """A leaf to read: its file, and the buffer to read it into."""
+
+    path: str
+    buffer: Any
+
+
+def plan_load(document: bytes, sizes: dict[str, int], where: str):
+    """Parses a tree document; returns (leaves to read, a function building the state once the
+    leaves' buffers are filled)."""
+    try:
+        parsed = json.loads(document)
+    except ValueError as e:
+        raise FormatError(f"{where}: {TREE_FILE} is not valid JSON: {e}") from None
+    if not isinstance(parsed, dict) or parsed.get("format") != FORMAT:
+        raise FormatError(f"{where}: {TREE_FILE} has format {parsed.get('format') if isinstance(parsed, dict) else '?'}, "
+                          f"this SDK reads format {FORMAT}")
+    leaves: list[Leaf] = []
+
+    def read_into(node: dict, buffer: np.ndarray) -> None:
+        """Queues the leaf's file to be read into `buffer` (a uint8 view of the value's memory)."""
+        path = node["f"]
+        if sizes.get(path) != buffer.nbytes:
+            raise FormatError(f"{where}: {path} is {sizes.get(path)} bytes, its tree entry says {buffer.nbytes}")
+        if buffer.nbytes:
+            leaves.append(Leaf(path, buffer))
+
+    def prepare(node: Any) -> Any:
+        """Allocates buffers; returns a thunk producing the value."""
+        if not isinstance(node, dict) or "t" not in node:
+            raise FormatError(f"{where}: malformed tree node {node!r:.80}")
+        kind = node["t"]
+        if kind == "none":
+            return lambda: None
+        if kind in ("bool", "str"):
+            return lambda: node["v"]
+        if kind == "int":
+            return lambda: int(node["v"])
+        if kind == "float":
+            return lambda: float.fromhex(node["v"])
+        if kind in ("bytes", "bytearray"):
+            data = bytearray(int(node["n"]))
+            read_into(node, np.frombuffer(data, dtype=np.uint8))
+            return (lambda: bytes(data)) if kind == "bytes" else (lambda: data)
+        if kind in ("ndarray", "npscalar"):
+            try:
+                dtype = np.dtype(node["dtype"])
+            except TypeError:
+                raise FormatError(f"{where}: unknown numpy dtype {node['dtype']!r}") from None
+            array = np.empty(tuple(int(d) for d in node["shape"]), dtype=dtype)
+            read_into(node, array.reshape(-1).view(np.uint8))
+            return (lambda: array[()]) if kind == "npscalar" else (lambda: array)
+        if kind == "tensor":
+            return prepare_tensor(node)
+        if kind in ("dict", "odict"):
+            keys = [prepare(k) for k in node["k"]]
+            values = [prepare(v) for v in node["v"]]
+            cls = collections.OrderedDict if kind == "odict" else dict
+            return lambda: cls((k(), v()) for k, v in zip(keys, values))
+        if kind in ("list", "tuple"):
+            items = [prepare(v) for v in node["v"]]
+            cls = list if kind == "list" else tuple
+            return lambda: cls(item() for item in items)
+        raise FormatError(f"{where}: unknown tree node type {kind!r}")
+
+    def prepare_tensor(node: dict):
+        try:
+            import torch
+        except ImportError:
+            raise FormatError(f"{where}: the checkpoint holds torch tensors; install torch to load it") from None
+        dtype = getattr(torch, node["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise FormatError(f"{where}: unknown torch dtype {node['dtype']!r}")
+        tensor = torch.empty(tuple(int(d) for d in node["shape"]), dtype=dtype)
+        if tensor.numel():
+            read_into(node, tensor.reshape(-1).view(torch.uint8).numpy())
+        else:
+            read_into(node, np.empty(0, dtype=np.uint8))
+
+        def build():
+            if node.get("param"):
+                return torch.nn.Parameter(tensor, requires_grad=bool(node.get("requires_grad")))
+            if node.get("requires_grad") and (dtype.is_floating_point or dtype.is_complex):
+                tensor.requires_grad_(True)
+            return tensor
+
+        return build
+
+    build = prepare(parsed.get("root"))
+    return leaves, build

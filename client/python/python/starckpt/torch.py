@@ -1,0 +1,376 @@
+"""PyTorch integration: one-call save/load of a trainer's state, and a
+``torch.distributed.checkpoint`` (DCP) storage writer and reader.
+
+One call for model, optimizer and RNG::
+
+    starckpt.torch.save({"model": model, "optimizer": opt, "epoch": 3}, step)   # async
+    state = starckpt.torch.load({"model": model, "optimizer": opt})             # latest
+
+DCP, synchronous, asynchronous, any world size::
+
+    import torch.distributed.checkpoint as dcp
+    dcp.save(sd, storage_writer=starckpt.torch.Writer(job="llama", step=step))
+    future = dcp.async_save(sd, storage_writer=starckpt.torch.Writer(job="llama", step=step))
+    dcp.load(sd, storage_reader=starckpt.torch.Reader(job="llama"))            # latest
+
+How DCP maps onto starckpt's multi-rank commit: with W ranks, each rank's data is one part of the
+checkpoint (rank r, committed when its ``write_data`` finishes) and DCP's metadata is one more
+part (rank W, written by the coordinator in ``finish``), so the checkpoint has W + 1 parts and is
+complete, and visible to ``latest``, only once every rank's data and the metadata are in. With
+one process the data and the metadata go in a single part committed by ``finish``. Each tensor is
+stored as its raw bytes (no pickling of tensors); the metadata is DCP's pickled ``Metadata``, as
+with ``FileSystemWriter``. Loading with a different world size works: DCP plans which saved
+chunks each rank needs; the reader serves those files.
+
+Ranks of one checkpoint must share a run id (torchrun's ``TORCHELASTIC_RUN_ID`` or
+``STARCKPT_RUN_ID``); every Writer and Reader of a process shares its one connection and lease.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import random
+import uuid
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    LoadItemType,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import Client, SaveHandle, _native_client, _state
+from .errors import FormatError, InvalidInputError
+
+SCHEME = "starckpt://"
+METADATA_FILE = "dcp/.metadata"
+_RNG_KEY = "__starckpt_rng__"
+# Bytes a Reader holds in read buffers at once (per rank).
+READ_BATCH_BYTES = 1 << 30
+
+
+# -- one-call save/load -------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _plain(value: Any) -> Any:
+    """`value`'s state dict if it has one (module, optimizer, scheduler), else `value`."""
+    return value.state_dict() if callable(getattr(value, "state_dict", None)) else value
+
+
+def save(
+    state: Mapping[str, Any],
+    step: int,
+    *,
+    job: str | None = None,
+    server: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    blocking: bool = False,
+) -> SaveHandle:
+    """Saves `state` (a mapping whose values may be modules, optimizers or schedulers, saved by
+    their ``state_dict()``, or any value ``starckpt.Client.save`` takes) as `step`, plus the
+    Python, numpy, torch and CUDA RNG states when `rng`. Returns once staged (see Client.save)."""
+    if not isinstance(state, Mapping):
+        raise InvalidInputError(f"state must be a mapping, not {type(state).__name__}")
+    if _RNG_KEY in state:
+        raise InvalidInputError(f"{_RNG_KEY!r} is reserved")
+    plain = {key: _plain(value) for key, value in state.items()}
+    if rng:
+        plain[_RNG_KEY] = _rng_state()
+    return Client(server, job).save(step, plain, metadata=metadata, blocking=blocking)
+
+
+def load(
+    into: Mapping[str, Any] | None = None,
+    *,
+    step: int | None = None,
+    job: str | None = None,
+    server: str | None = None,
+    rng: bool = True,
+) -> dict[str, Any]:
+    """Loads `step` (default: the latest committed step) and returns its state. Objects in `into`
+    with ``load_state_dict`` (modules, optimizers, schedulers) get their saved state loaded; with
+    `rng` the RNG states saved with it are restored. Raises NotFoundError when there is none."""
+    loaded, _ = Client(server, job).load(step)
+    if not isinstance(loaded, dict):
+        raise FormatError("the checkpoint was not written by starckpt.torch.save")
+    rng_state = loaded.pop(_RNG_KEY, None)
+    for key, target in (into or {}).items():
+        if key not in loaded:
+            raise FormatError(f"the checkpoint has no {key!r} to load (it has {sorted(map(str, loaded))})")
+        if callable(getattr(target, "load_state_dict", None)):
+            target.load_state_dict(loaded[key])
+    if rng and rng_state is not None:
+        _set_rng_state(rng_state)
+    return loaded
+
+
+# -- DCP ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageInfo:
+    """Where one DCP write item lives: a file of the checkpoint holding its raw bytes."""
+
+    path: str
+    length: int
+    #: torch dtype name and shape of a tensor item; None for a bytes item.
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+def parse_checkpoint_id(checkpoint_id: str | os.PathLike) -> tuple[str, int | None]:
+    """``starckpt://<job>/<step>`` (or ``starckpt://<job>`` for the latest) -> (job, step)."""
+    text = os.fspath(checkpoint_id)
+    if not isinstance(text, str) or not text.startswith(SCHEME):
+        raise InvalidInputError(f"checkpoint id {text!r} is not {SCHEME}<job>[/<step>]")
+    job, _, step = text[len(SCHEME) :].partition("/")
+    if not job or (step and not step.isdigit()):
+        raise InvalidInputError(f"checkpoint id {text!r} is not {SCHEME}<job>[/<step>]")
+    return job, int(step) if step else None
+
+
+def _parses(checkpoint_id: str | os.PathLike, need_step: bool) -> bool:
+    try:
+        return not need_step or parse_checkpoint_id(checkpoint_id)[1] is not None
+    except InvalidInputError:
+        return False
+
+
+class _Addressed:
+    """What a Writer or Reader points at: a server, a job and a step (None: the latest)."""
+
+    def _address(self, job: str | None, step: int | None, server: str | None) -> None:
+        self.server = server or os.environ.get("STARCKPT_SERVER") or None
+        self.job = job or os.environ.get("STARCKPT_JOB") or None
+        self.step = step
+
+    def _readdress(self, checkpoint_id: str | os.PathLike | None) -> None:
+        if checkpoint_id:
+            self.job, self.step = parse_checkpoint_id(checkpoint_id)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Writer(StorageWriter, _Addressed):
+    """A DCP StorageWriter saving into starckpt checkpoint (`job`, `step`).
+
+    `job` defaults to ``$STARCKPT_JOB``; either may come from ``checkpoint_id=
+    "starckpt://<job>/<step>"`` given to ``dcp.save`` instead.
+    """
+
+    def __init__(self, job: str | None = None, step: int | None = None, *, server: str | None = None):
+        super().__init__()
+        self._address(job, step, server)
+        self.save_id = uuid.uuid4().hex
+        self.rank, self.world_size = 0, 1
+        self.is_coordinator = True
+        # Single process: the data files wait here for finish(), which commits them with the
+        # metadata in one part.
+        self._pending: list[tuple[str, Any]] = []
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _parses(checkpoint_id, need_step=True)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._readdress(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self._pending = []
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        rank, self.world_size = _world()
+        self.rank = kwargs["rank"] if kwargs.get("rank") is not None else rank
+        self._client()  # fail early, on every rank, on a bad job/step/server
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=f"{SCHEME}{self.job}/{self.step}", save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def _client(self) -> Client:
+        if self.step is None or not isinstance(self.step, int) or self.step < 0:
+            raise InvalidInputError("starckpt.torch.Writer needs a step: Writer(job, step) or checkpoint_id=starckpt://job/step")
+        # One part per rank plus DCP's metadata part (see the module docs).
+        parts = 1 if self.world_size == 1 else self.world_size + 1
+        return Client(self.server, self.job, rank=min(self.rank, parts - 1), world_size=parts)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        files: list[tuple[str, Any]] = []
+        results: list[WriteResult] = []
+        for index, item in enumerate(plan.items):
+            data = planner.resolve_data(item)
+            path = f"dcp/__{self.rank}_{index}"
+            if item.type == WriteItemType.BYTE_IO:
+                buffer = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
+                info = StorageInfo(path, buffer.nbytes)
+            else:
+                tensor = data.detach()
+                buffer = _state._tensor_buffer(tensor, f"{item.index.fqn}")
+                info = StorageInfo(path, buffer.nbytes, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+            files.append((path, buffer))
+            results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
+        if self.world_size == 1:
+            self._pending = files
+        else:
+            self._save(files, rank=self.rank)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
+        metadata.storage_meta = self.storage_meta()
+        files = [*self._pending, (METADATA_FILE, pickle.dumps(metadata))]
+        self._pending = []
+        self._save(files, rank=self.world_size if self.world_size > 1 else 0)
+
+    def _save(self, files: list[tuple[str, Any]], rank: int) -> None:
+        client = self._client()
+        native = client._client().save(client._job(), self.step, files, rank=rank, world_size=client.world_size)
+        native.wait()
+
+
+class Reader(StorageReader, _Addressed):
+    """A DCP StorageReader loading starckpt checkpoint (`job`, `step`); `step` None means the
+    latest committed one (pinned when the metadata is read, so every rank reads the same step)."""
+
+    def __init__(self, job: str | None = None, step: int | None = None, *, server: str | None = None):
+        super().__init__()
+        self._address(job, step, server)
+        self.load_id = uuid.uuid4().hex
+        self.storage_data: dict[MetadataIndex, StorageInfo] = {}
+        self._manifest = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _parses(checkpoint_id, need_step=False)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._readdress(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+        self.storage_data = {}
+        self._manifest = None
+
+    def _fetch_manifest(self, step: int | None):
+        client = Client(self.server, self.job, rank=0, world_size=1)
+        return client.manifest(step)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        manifest = self._fetch_manifest(self.step)
+        if manifest.size(METADATA_FILE) is None:
+            raise FormatError(f"{manifest.job} step {manifest.step} has no {METADATA_FILE}: it is not a DCP checkpoint")
+        metadata = pickle.loads(manifest.read(METADATA_FILE))
+        if not isinstance(metadata, Metadata):
+            raise FormatError(f"{manifest.job} step {manifest.step}: {METADATA_FILE} is not DCP metadata")
+        self._manifest = manifest
+        metadata.storage_meta = StorageMeta(
+            checkpoint_id=f"{SCHEME}{manifest.job}/{manifest.step}", load_id=self.load_id
+        )
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        checkpoint_id = metadata.storage_meta.checkpoint_id if metadata.storage_meta else None
+        if checkpoint_id:
+            job, step = parse_checkpoint_id(checkpoint_id)
+            if self._manifest is None or (self._manifest.job, self._manifest.step) != (job, step):
+                self.job, self.step = job, step
+                self._manifest = self._fetch_manifest(step)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._manifest is None:
+            self._manifest = self._fetch_manifest(self.step)
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            info = self.storage_data.get(item.storage_index)
+            if not isinstance(info, StorageInfo):
+                raise FormatError(f"no starckpt storage entry for {item.storage_index}")
+            by_file.setdefault(info.path, []).append(item)
+        batch: list[tuple[StorageInfo, np.ndarray]] = []
+        batch_bytes = 0
+        for path, items in by_file.items():
+            info = self.storage_data[items[0].storage_index]
+            if batch and batch_bytes + info.length > READ_BATCH_BYTES:
+                self._apply(batch, by_file, planner)
+                batch, batch_bytes = [], 0
+            batch.append((info, np.empty(info.length, dtype=np.uint8)))
+            batch_bytes += info.length
+        if batch:
+            self._apply(batch, by_file, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _apply(self, batch, by_file, planner: LoadPlanner) -> None:
+        self._manifest.read_many([(info.path, buffer, 0) for info, buffer in batch if info.length])
+        for info, buffer in batch:
+            for item in by_file[info.path]:
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(buffer.tobytes()))
+                    continue
+                dtype = getattr(torch, info.dtype or "", None)
+                if not isinstance(dtype, torch.dtype) or info.shape is None:
+                    raise FormatError(f"{info.path}: bad tensor entry {info}")
+                if info.length:
+                    tensor = torch.from_numpy(buffer).view(dtype).reshape(info.shape)
+                else:
+                    tensor = torch.empty(info.shape, dtype=dtype)
+                tensor = _narrow(tensor, item.storage_offsets, item.lengths)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != tensor.size():
+                    raise FormatError(f"{item.storage_index}: stored {tuple(tensor.size())}, asked for {tuple(target.size())}")
+                target.copy_(tensor)
+                planner.commit_tensor(item, target)
+
+
+def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        if offset != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+__all__ = ["save", "load", "Writer", "Reader", "StorageInfo", "parse_checkpoint_id"]

@@ -1,0 +1,548 @@
+//! `starckpt._native`: the Rust client SDK exposed to Python.
+//!
+//! This layer is thin on purpose: it moves bytes between Python buffers and the SDK with the GIL
+//! released, and turns SDK errors into the exception classes of `starckpt.errors`. Everything
+//! about Python values (nested state, dtypes, torch) lives in the pure-Python package.
+//!
+//! One tokio runtime serves the process. A process forked from one that used it gets a fresh
+//! runtime (the parent's worker threads do not exist in the child), and a client created before
+//! the fork refuses to work in the child rather than hang.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::PyTimeoutError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyType};
+use starckpt_client as sdk;
+use tokio::runtime::Runtime;
+use tokio::sync::watch;
+
+/// How often a blocking wait wakes up to let Python handle signals (Ctrl-C).
+const SIGNAL_POLL: Duration = Duration::from_millis(100);
+
+static RUNTIME: Mutex<Option<(u32, &'static Runtime)>> = Mutex::new(None);
+
+/// This process's runtime, made on first use (and again in a forked child).
+fn runtime() -> PyResult<&'static Runtime> {
+    let pid = std::process::id();
+    let mut slot = RUNTIME.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((owner, runtime)) = *slot
+        && owner == pid
+    {
+        return Ok(runtime);
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .thread_name("starckpt-sdk")
+        .enable_all()
+        .build()
+        .map_err(|e| raise("StarckptError", format!("cannot start the SDK runtime: {e}")))?;
+    // Lives as long as the process: clients and save handles hold tasks on it. (A runtime
+    // inherited from a parent by fork is leaked too; dropping it would join threads that the
+    // child does not have.)
+    let runtime: &'static Runtime = Box::leak(Box::new(runtime));
+    *slot = Some((pid, runtime));
+    Ok(runtime)
+}
+
+/// Runs the future `make` returns on the SDK runtime with the GIL released, taking the GIL back
+/// every [`SIGNAL_POLL`] to let Python raise KeyboardInterrupt. `deadline` bounds the wait
+/// (TimeoutError after it). The future is made and polled on this thread, so it need not be
+/// `Send`.
+fn block_on<T: Send, F: Future<Output = T>>(
+    py: Python<'_>,
+    deadline: Option<Instant>,
+    make: impl FnOnce() -> F + Send,
+) -> PyResult<T> {
+    let runtime = runtime()?;
+    py.detach(|| {
+        runtime.block_on(async {
+            let mut future = std::pin::pin!(make());
+            loop {
+                let slice = match deadline {
+                    Some(deadline) => {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            return Err(PyTimeoutError::new_err("timed out"));
+                        }
+                        left.min(SIGNAL_POLL)
+                    }
+                    None => SIGNAL_POLL,
+                };
+                if let Ok(value) = tokio::time::timeout(slice, future.as_mut()).await {
+                    return Ok(value);
+                }
+                Python::attach(|py| py.check_signals())?;
+            }
+        })
+    })
+}
+
+/// The `starckpt.errors` class for an SDK error.
+fn error_class(err: &sdk::Error) -> &'static str {
+    use sdk::Error as E;
+    match err {
+        E::Unreachable { .. } => "ConnectionError",
+        E::NotFound { .. } => "NotFoundError",
+        E::AlreadyExists { .. } => "AlreadyExistsError",
+        E::Rejected { .. } => "RejectedError",
+        E::Fenced { .. } => "FencedError",
+        E::Control { .. } => "StarckptError",
+        E::Target { source, .. } if source.is_connection() => "ConnectionError",
+        E::Target { .. } => "TargetError",
+        E::Checksum { .. } => "ChecksumError",
+        E::ChunkUnavailable { .. } if err.is_checksum() => "ChecksumError",
+        E::ChunkUnavailable { .. } | E::NoTarget { .. } => "UnavailableError",
+        E::Invalid(_) | E::InvalidInput(_) => "InvalidInputError",
+        E::Io { .. } => "StarckptIOError",
+        E::Cancelled(_) => "CancelledError",
+    }
+}
+
+/// An exception of class `starckpt.errors.<class>`.
+fn raise(class: &str, message: String) -> PyErr {
+    Python::attach(|py| {
+        let class = py
+            .import("starckpt.errors")
+            .and_then(|module| module.getattr(class))
+            .and_then(|class| class.cast_into::<PyType>().map_err(PyErr::from));
+        match class {
+            Ok(class) => PyErr::from_type(class, message),
+            Err(import_error) => import_error,
+        }
+    })
+}
+
+fn py_err(err: sdk::Error) -> PyErr {
+    raise(error_class(&err), err.to_string())
+}
+
+/// Fails if `pid` (the creator of an object) is not this process.
+fn same_process(pid: u32, what: &str) -> PyResult<()> {
+    if pid == std::process::id() {
+        Ok(())
+    } else {
+        Err(raise(
+            "StarckptError",
+            format!("this {what} was created in process {pid} and cannot be used after fork; create a new one"),
+        ))
+    }
+}
+
+fn checkpoint_dict<'py>(py: Python<'py>, info: &sdk::CheckpointInfo) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    let state = match info.state() {
+        sdk::CheckpointState::Pending => "pending",
+        sdk::CheckpointState::Committed => "committed",
+        sdk::CheckpointState::Aborted => "aborted",
+        sdk::CheckpointState::Deleted => "deleted",
+        sdk::CheckpointState::Unspecified => "unknown",
+    };
+    dict.set_item("job", &info.job)?;
+    dict.set_item("step", info.step)?;
+    dict.set_item("state", state)?;
+    dict.set_item("world_size", info.world_size)?;
+    dict.set_item("parts_committed", info.parts_committed)?;
+    dict.set_item("total_bytes", info.total_bytes)?;
+    dict.set_item("written_bytes", info.written_bytes)?;
+    dict.set_item("file_count", info.file_count)?;
+    dict.set_item("created_at_ms", info.created_at_ms)?;
+    dict.set_item("committed_at_ms", info.committed_at_ms)?;
+    dict.set_item("epoch", info.epoch)?;
+    dict.set_item("tags", info.tags.clone())?;
+    Ok(dict)
+}
+
+/// A connection to a starckpt cluster (one per process and server, shared by the Python layer).
+#[pyclass(module = "starckpt._native", frozen)]
+struct NativeClient {
+    client: sdk::Client,
+    pid: u32,
+}
+
+impl NativeClient {
+    fn client(&self) -> PyResult<&sdk::Client> {
+        same_process(self.pid, "client")?;
+        Ok(&self.client)
+    }
+}
+
+#[pymethods]
+impl NativeClient {
+    #[new]
+    #[pyo3(signature = (server, *, staging_bytes=None, chunk_size_bytes=None, run_id=None))]
+    fn new(
+        py: Python<'_>,
+        server: String,
+        staging_bytes: Option<usize>,
+        chunk_size_bytes: Option<usize>,
+        run_id: Option<String>,
+    ) -> PyResult<NativeClient> {
+        let mut config = sdk::ClientConfig::new(server);
+        if let Some(bytes) = staging_bytes {
+            config.staging_bytes = bytes;
+        }
+        if let Some(bytes) = chunk_size_bytes {
+            config.chunk_size_bytes = bytes;
+        }
+        if run_id.is_some() {
+            config.run_id = run_id;
+        }
+        let client = block_on(py, None, || sdk::Client::connect(config))?.map_err(py_err)?;
+        Ok(NativeClient { client, pid: std::process::id() })
+    }
+
+    #[getter]
+    fn run_id(&self) -> PyResult<String> {
+        Ok(self.client()?.run_id().to_owned())
+    }
+
+    #[getter]
+    fn server(&self) -> PyResult<String> {
+        Ok(self.client()?.config().server.clone())
+    }
+
+    /// This run's writer-lease epoch for `job`, taken on first use.
+    fn lease(&self, py: Python<'_>, job: String) -> PyResult<u64> {
+        let client = self.client()?;
+        block_on(py, None, || client.lease(&job))?.map_err(py_err)
+    }
+
+    /// The highest committed step of `job`, or None.
+    fn latest(&self, py: Python<'_>, job: String) -> PyResult<Option<u64>> {
+        let client = self.client()?;
+        Ok(block_on(py, None, || client.latest(&job))?.map_err(py_err)?.map(|info| info.step))
+    }
+
+    #[pyo3(signature = (job, include_inactive=false))]
+    fn list<'py>(&self, py: Python<'py>, job: String, include_inactive: bool) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let client = self.client()?;
+        let checkpoints = block_on(py, None, || client.list_checkpoints(&job, include_inactive))?.map_err(py_err)?;
+        checkpoints.iter().map(|info| checkpoint_dict(py, info)).collect()
+    }
+
+    fn delete(&self, py: Python<'_>, job: String, step: u64) -> PyResult<()> {
+        let client = self.client()?;
+        block_on(py, None, || client.delete(&job, step))?.map_err(py_err)
+    }
+
+    /// Saves one rank's part: each `(path, buffer)` becomes a file, copied into staging buffers
+    /// before this returns (the caller may then change its memory). Returns None if
+    /// `skip_if_busy` and this client's previous save is still uploading.
+    #[pyo3(signature = (job, step, files, *, rank=0, world_size=1, metadata=BTreeMap::new(), skip_if_busy=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn save(
+        &self,
+        py: Python<'_>,
+        job: String,
+        step: u64,
+        files: Vec<(String, Bound<'_, PyAny>)>,
+        rank: u32,
+        world_size: u32,
+        metadata: BTreeMap<String, String>,
+        skip_if_busy: bool,
+    ) -> PyResult<Option<SaveHandle>> {
+        let client = self.client()?;
+        let mut lent = Vec::with_capacity(files.len());
+        for (path, object) in files {
+            let buffer = PyUntypedBuffer::get(&object)?;
+            if !buffer.is_c_contiguous() {
+                return Err(raise("InvalidInputError", format!("{path}: the buffer is not C-contiguous")));
+            }
+            lent.push((path, buffer));
+        }
+        // Addresses cross into the GIL-free closure as integers; the buffers above stay
+        // acquired (their exporters cannot free or resize the memory) until this returns.
+        let spans: Vec<(&str, usize, usize)> =
+            lent.iter().map(|(path, buffer)| (path.as_str(), buffer.buf_ptr() as usize, buffer.len_bytes())).collect();
+        let mut part = sdk::SavePart::new(job, step).rank(rank, world_size);
+        part.metadata = metadata;
+        let handle = block_on(py, None, move || async move {
+            let borrowed: Vec<(&str, &[u8])> = spans
+                .iter()
+                .map(|&(path, address, len)| {
+                    let data: &[u8] = if len == 0 {
+                        &[]
+                    } else {
+                        // SAFETY: the buffer export (held in `lent`) keeps `len` bytes at
+                        // `address` valid and unmoved for the duration of this call.
+                        unsafe { std::slice::from_raw_parts(address as *const u8, len) }
+                    };
+                    (path, data)
+                })
+                .collect();
+            if skip_if_busy {
+                client.try_save_borrowed(part, &borrowed).await
+            } else {
+                client.save_borrowed(part, &borrowed).await.map(Some)
+            }
+        })?
+        .map_err(py_err)?;
+        drop(lent);
+        let Some(handle) = handle else { return Ok(None) };
+        Ok(Some(SaveHandle::spawn(handle, runtime()?)))
+    }
+
+    /// The committed manifest of (job, step), or of the latest committed step.
+    #[pyo3(signature = (job, step=None))]
+    fn manifest(&self, py: Python<'_>, job: String, step: Option<u64>) -> PyResult<Manifest> {
+        let client = self.client()?;
+        let manifest = block_on(py, None, || client.manifest(&job, step))?.map_err(py_err)?;
+        Ok(Manifest { client: client.clone(), manifest: Arc::new(manifest), pid: self.pid })
+    }
+
+    /// Restores (job, step) into the directory `to` (which must be empty or absent unless
+    /// `force`). Returns (files, bytes).
+    #[pyo3(signature = (job, to, step=None, force=false))]
+    fn restore(
+        &self,
+        py: Python<'_>,
+        job: String,
+        to: PathBuf,
+        step: Option<u64>,
+        force: bool,
+    ) -> PyResult<(usize, u64)> {
+        let client = self.client()?;
+        let outcome = block_on(py, None, || async {
+            let manifest = client.manifest(&job, step).await?;
+            client.restore(&manifest, &to, sdk::RestoreOptions { force }).await
+        })?
+        .map_err(py_err)?;
+        Ok((outcome.files, outcome.bytes))
+    }
+}
+
+/// A committed checkpoint's files, readable into caller buffers.
+#[pyclass(module = "starckpt._native", frozen)]
+struct Manifest {
+    client: sdk::Client,
+    manifest: Arc<sdk::CheckpointManifest>,
+    pid: u32,
+}
+
+#[pymethods]
+impl Manifest {
+    #[getter]
+    fn job(&self) -> String {
+        self.manifest.info.job.clone()
+    }
+
+    #[getter]
+    fn step(&self) -> u64 {
+        self.manifest.info.step
+    }
+
+    #[getter]
+    fn world_size(&self) -> u32 {
+        self.manifest.info.world_size
+    }
+
+    #[getter]
+    fn total_bytes(&self) -> u64 {
+        self.manifest.total_bytes()
+    }
+
+    /// (path, size in bytes) of every file, all ranks merged.
+    fn files(&self) -> Vec<(String, u64)> {
+        self.manifest.files.iter().map(|f| (f.path.to_string(), f.size_bytes)).collect()
+    }
+
+    /// Each rank's metadata: a list of (rank, {key: value}).
+    fn metadata(&self) -> Vec<(u32, BTreeMap<String, String>)> {
+        self.manifest.metadata.clone()
+    }
+
+    /// The size of `path` in bytes, or None if the checkpoint has no such file.
+    fn size(&self, path: &str) -> Option<u64> {
+        self.manifest.file(path).map(|f| f.size_bytes)
+    }
+
+    /// Fills each writable, C-contiguous `buffer` with the verified bytes of `path` from
+    /// `offset` on (as many bytes as the buffer holds), `files_at_once` files in flight (each
+    /// fetching its chunks in parallel too).
+    #[pyo3(signature = (reads, files_at_once=8))]
+    fn read_many(
+        &self,
+        py: Python<'_>,
+        reads: Vec<(String, Bound<'_, PyAny>, u64)>,
+        files_at_once: usize,
+    ) -> PyResult<()> {
+        use futures::StreamExt;
+        same_process(self.pid, "manifest")?;
+        let mut lent = Vec::with_capacity(reads.len());
+        for (path, object, offset) in reads {
+            let buffer = PyUntypedBuffer::get(&object)?;
+            if buffer.readonly() || !buffer.is_c_contiguous() {
+                return Err(raise(
+                    "InvalidInputError",
+                    format!("{path}: the target buffer must be writable and C-contiguous"),
+                ));
+            }
+            lent.push((path, offset, buffer));
+        }
+        let spans: Vec<(&str, u64, usize, usize)> = lent
+            .iter()
+            .map(|(path, offset, buffer)| (path.as_str(), *offset, buffer.buf_ptr() as usize, buffer.len_bytes()))
+            .collect();
+        let mut ranges: Vec<(usize, usize, &str)> =
+            spans.iter().filter(|s| s.3 > 0).map(|&(path, _, address, len)| (address, address + len, path)).collect();
+        ranges.sort_unstable();
+        if let Some(pair) = ranges.windows(2).find(|pair| pair[1].0 < pair[0].1) {
+            return Err(raise("InvalidInputError", format!("the buffers for {} and {} overlap", pair[0].2, pair[1].2)));
+        }
+        let result = block_on(py, None, move || async move {
+            let mut reads = futures::stream::iter(spans.into_iter().map(|(path, offset, address, len)| {
+                let target: &mut [u8] = if len == 0 {
+                    &mut []
+                } else {
+                    // SAFETY: the writable exports held in `lent` keep `len` bytes at `address` valid
+                    // until this returns, and the buffers were checked not to overlap above.
+                    unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) }
+                };
+                self.client.read_range_into(&self.manifest, path, offset, target)
+            }))
+            .buffer_unordered(files_at_once.max(1));
+            while let Some(result) = reads.next().await {
+                result?;
+            }
+            Ok::<_, sdk::Error>(())
+        })?;
+        drop(lent);
+        result.map_err(py_err)
+    }
+
+    /// The verified bytes of `path` (from `offset`, `length` bytes or to the end).
+    #[pyo3(signature = (path, offset=0, length=None))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        path: String,
+        offset: u64,
+        length: Option<u64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        same_process(self.pid, "manifest")?;
+        let size = self.manifest.file(&path).map_or(0, |f| f.size_bytes);
+        let length = length.unwrap_or(size.saturating_sub(offset));
+        let data =
+            block_on(py, None, || self.client.read_range(&self.manifest, &path, offset, length))?.map_err(py_err)?;
+        Ok(PyBytes::new(py, &data))
+    }
+}
+
+type Finished = Option<Result<sdk::SaveOutcome, (&'static str, String)>>;
+
+/// A save whose bytes are staged; its upload and commit run in the background.
+#[pyclass(module = "starckpt._native", frozen)]
+struct SaveHandle {
+    #[pyo3(get)]
+    checkpoint_id: u64,
+    #[pyo3(get)]
+    total_bytes: u64,
+    progress: Arc<sdk::SaveProgress>,
+    finished: watch::Receiver<Finished>,
+}
+
+impl SaveHandle {
+    fn spawn(handle: sdk::SaveHandle, runtime: &Runtime) -> SaveHandle {
+        let (tx, finished) = watch::channel(None);
+        let progress = Arc::clone(handle.progress());
+        let (checkpoint_id, total_bytes) = (handle.checkpoint_id, handle.total_bytes);
+        runtime.spawn(async move {
+            let outcome = handle.wait().await.map_err(|e| (error_class(&e), e.to_string()));
+            tx.send_replace(Some(outcome));
+        });
+        SaveHandle { checkpoint_id, total_bytes, progress, finished }
+    }
+}
+
+#[pymethods]
+impl SaveHandle {
+    /// True once the upload and commit have finished, successfully or not.
+    fn done(&self) -> bool {
+        self.finished.borrow().is_some()
+    }
+
+    /// Live counters: staged, copied, uploaded and deduplicated bytes, chunks.
+    fn progress<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let p = &self.progress;
+        let dict = PyDict::new(py);
+        dict.set_item("total_bytes", self.total_bytes)?;
+        dict.set_item("staged_bytes", p.staged_bytes.load(Ordering::Relaxed))?;
+        dict.set_item("copied_bytes", p.copied_bytes.load(Ordering::Relaxed))?;
+        dict.set_item("uploaded_bytes", p.uploaded_bytes.load(Ordering::Relaxed))?;
+        dict.set_item("deduplicated_bytes", p.deduplicated_bytes.load(Ordering::Relaxed))?;
+        dict.set_item("done_bytes", p.done_bytes())?;
+        dict.set_item("chunks", p.chunks.load(Ordering::Relaxed))?;
+        dict.set_item("deduplicated_chunks", p.deduplicated_chunks.load(Ordering::Relaxed))?;
+        Ok(dict)
+    }
+
+    /// Waits for the commit (at most `timeout` seconds: TimeoutError after) and returns the
+    /// outcome, or raises the save's error. May be called again after either.
+    #[pyo3(signature = (timeout=None))]
+    fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        let deadline = match timeout {
+            Some(t) if !(t.is_finite() && t >= 0.0) => {
+                return Err(raise("InvalidInputError", format!("timeout must be a non-negative number, not {t}")));
+            }
+            Some(t) => Some(Instant::now() + Duration::from_secs_f64(t.min(1e9))),
+            None => None,
+        };
+        if !self.done() {
+            let mut finished = self.finished.clone();
+            let waited =
+                block_on(py, deadline, move || async move { finished.wait_for(Option::is_some).await.map(|_| ()) });
+            match waited {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(raise("CancelledError", "the save's task ended without a result".into())),
+                Err(e) if e.is_instance_of::<PyTimeoutError>(py) => {
+                    return Err(PyTimeoutError::new_err(format!(
+                        "save of checkpoint {} not committed within {:.3} s",
+                        self.checkpoint_id,
+                        timeout.unwrap_or_default()
+                    )));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let finished = self.finished.borrow();
+        match finished.as_ref() {
+            Some(Ok(outcome)) => {
+                let dict = PyDict::new(py);
+                let (committed, parts, world) = match outcome.state {
+                    sdk::CommitState::Committed => (true, None, None),
+                    sdk::CommitState::WaitingForRanks { parts_committed, world_size } => {
+                        (false, Some(parts_committed), Some(world_size))
+                    }
+                };
+                dict.set_item("checkpoint_id", outcome.checkpoint_id)?;
+                dict.set_item("job", &outcome.job)?;
+                dict.set_item("step", outcome.step)?;
+                dict.set_item("committed", committed)?;
+                dict.set_item("parts_committed", parts)?;
+                dict.set_item("world_size", world)?;
+                dict.set_item("epoch", outcome.epoch)?;
+                dict.set_item("total_bytes", outcome.total_bytes)?;
+                dict.set_item("uploaded_bytes", outcome.uploaded_bytes)?;
+                dict.set_item("chunks", outcome.chunks)?;
+                dict.set_item("deduplicated_chunks", outcome.deduplicated_chunks)?;
+                Ok(dict)
+            }
+            Some(Err((class, message))) => Err(raise(class, message.clone())),
+            None => Err(raise("CancelledError", "the save has no result".into())),
+        }
+    }
+}
+
+#[pymodule]
+fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<NativeClient>()?;
+    module.add_class::<Manifest>()?;
+    module.add_class::<SaveHandle>()?;
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,126 @@
+"""Test harness: a real cluster (a control plane and targets, each a `starckpt` process on
+127.0.0.1) per test module, killed afterwards.
+
+The binary is $STARCKPT_BIN, else the workspace's target/debug/starckpt (built by `cargo test`
+or `cargo build -p starckpt`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+EXAMPLES = REPO / "client" / "python" / "examples"
+
+
+def starckpt_bin() -> str:
+    explicit = os.environ.get("STARCKPT_BIN")
+    if explicit:
+        return explicit
+    built = REPO / "target" / "debug" / "starckpt"
+    if not built.exists():
+        subprocess.run(["cargo", "build", "-q", "-p", "starckpt"], cwd=REPO, check=True)
+    return str(built)
+
+
+class Proc:
+    """A `starckpt` process; its first stdout line ends with the address it listens on."""
+
+    def __init__(self, args: list[str], log: Path):
+        self.log = log
+        with open(log, "ab") as log_file:
+            self.popen = subprocess.Popen(
+                [starckpt_bin(), *args], stdout=subprocess.PIPE, stderr=log_file, env={**os.environ, "RUST_LOG": "info"}
+            )
+        line = self.popen.stdout.readline().decode()
+        self.address = line.strip().rsplit(" ", 1)[-1]
+        if ":" not in self.address:
+            self.kill()
+            raise RuntimeError(f"no address from starckpt {args}: {line!r}; log: {log.read_text()}")
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+
+    def signal(self, signum: int) -> None:
+        self.popen.send_signal(signum)
+
+
+class Cluster:
+    def __init__(self, root: Path, targets: int = 2):
+        self.root = root
+        self.server = Proc(["server", "--listen", "127.0.0.1:0", "--db", str(root / "meta.db")], root / "server.log")
+        self.targets = [
+            Proc(
+                ["target", "--dir", str(root / f"target-{i}"), "--listen", "127.0.0.1:0", "--server", self.server.address],
+                root / f"target-{i}.log",
+            )
+            for i in range(targets)
+        ]
+        self.wait_alive()
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [starckpt_bin(), *args], capture_output=True, env={**os.environ, "STARCKPT_SERVER": self.address}
+        )
+
+    def wait_alive(self) -> None:
+        deadline = time.monotonic() + 20
+        while True:
+            out = self.cli("status", "--json")
+            if out.returncode == 0:
+                listed = json.loads(out.stdout).get("targets", [])
+                if all(any(t["state"] == "alive" and t["data_address"] == p.address for t in listed) for p in self.targets):
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"targets did not come alive: {out.stdout!r} {out.stderr!r}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for proc in [*self.targets, self.server]:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("cluster"))
+    yield cluster
+    cluster.stop()
+
+
+_jobs = iter(range(1_000_000))
+
+
+@pytest.fixture
+def job(request) -> str:
+    """A job name unique to the test."""
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40].strip("-")
+    return f"{name}-{next(_jobs)}"
+
+
+def python_env(cluster: Cluster, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STARCKPT_", "TORCHELASTIC_"))}
+    env.update({"STARCKPT_SERVER": cluster.address, "PYTHONUNBUFFERED": "1", **extra})
+    return env
+
+
+def run_python(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise AssertionError(f"{args} exited {out.returncode}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}")
+    return out
+
+
+__all__ = ["Cluster", "Proc", "EXAMPLES", "python_env", "run_python", "signal"]

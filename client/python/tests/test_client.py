@@ -1,0 +1,343 @@
+"""starckpt.Client against a real cluster: round trips of every supported type, and errors."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import starckpt
+
+torch = pytest.importorskip("torch")
+
+NUMPY_DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+                np.float16, np.float32, np.float64, np.complex64, np.complex128, np.dtype(">i4"), np.dtype("<U3")]
+TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def client(cluster, job, **kwargs) -> starckpt.Client:
+    return starckpt.Client(cluster.address, job, **kwargs)
+
+
+def random_array(dtype, shape, seed):
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    array = raw.view(dtype).reshape(shape)
+    if array.dtype.kind == "b":
+        array = raw[: array.size].reshape(shape) % 2 == 1
+    if array.dtype.kind == "U":
+        array = np.array(["ab", "c", "xyz"] * (array.size // 3 + 1))[: array.size].reshape(shape)
+    return array
+
+
+def random_tensor(dtype, shape, seed):
+    generator = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=generator)
+    if dtype == torch.bool:
+        return (raw[: int(np.prod(shape))] % 2 == 1).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_tensor(a, b) -> bool:
+    """Bitwise equality (NaN payloads included), dtype and shape."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def same_array(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_every_numpy_dtype_round_trips(cluster, job):
+    c = client(cluster, job)
+    state = {str(np.dtype(d)): random_array(d, (3, 5), i) for i, d in enumerate(NUMPY_DTYPES)}
+    c.save(1, state).wait()
+    loaded, metadata = c.load(1)
+    assert metadata == {}
+    assert list(loaded) == list(state)
+    for key in state:
+        assert same_array(loaded[key], state[key]), key
+
+
+def test_every_torch_dtype_round_trips_with_shapes_and_strides(cluster, job):
+    c = client(cluster, job)
+    state = {}
+    for i, dtype in enumerate(TORCH_DTYPES):
+        name = str(dtype).removeprefix("torch.")
+        state[name] = random_tensor(dtype, (4, 6), i)
+        state[f"{name}-empty"] = torch.empty((0, 7), dtype=dtype)
+        state[f"{name}-0d"] = random_tensor(dtype, (), 100 + i)
+        state[f"{name}-transposed"] = random_tensor(dtype, (5, 3), 200 + i).t()
+        state[f"{name}-strided"] = random_tensor(dtype, (8, 9), 300 + i)[::2, 1::3]
+    assert not state["float32-transposed"].is_contiguous() and not state["bfloat16-strided"].is_contiguous()
+    c.save(2, state).wait()
+    loaded, _ = c.load(2)
+    assert list(loaded) == list(state)
+    for key, tensor in state.items():
+        assert same_tensor(loaded[key], tensor), key
+        assert loaded[key].device.type == "cpu"
+
+
+def test_nested_structures_and_plain_values_round_trip(cluster, job):
+    c = client(cluster, job)
+    weight = torch.nn.Parameter(torch.randn(3, 3))
+    state = {
+        "model": collections.OrderedDict([("layer.weight", weight), ("layer.bias", torch.zeros(3))]),
+        "optimizer": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.ones(3, 3)}},
+                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "amsgrad": False}]},
+        "floats": [math.nan, math.inf, -math.inf, -0.0, 1 / 3, 5e-324],
+        "ints": [0, -1, 2**63, -(2**100)],
+        "text": "ünïcode ✓", "none": None, "flags": (True, False),
+        "blob": b"\x00\x01binary", "mutable": bytearray(b"abc"), "empty": {}, "empty_list": [], "empty_bytes": b"",
+        (1, "tuple-key"): "value", 3: "int key", 2.5: "float key", None: "none key",
+        "np_scalar": np.float32(1.5), "np_int": np.int64(-3),
+        "rng": {"python": __import__("random").Random(5).getstate(), "numpy": np.random.RandomState(3).get_state()},
+        "deep": [[[[{"x": [np.arange(3)]}]]]],
+    }
+    c.save(3, state, metadata={"loss": 0.25, "tokens": 10**12, "tags": ["a", "b"]}).wait()
+    loaded, metadata = c.load()
+    assert metadata == {"loss": 0.25, "tokens": 10**12, "tags": ["a", "b"]}
+    assert type(loaded["model"]) is collections.OrderedDict
+    assert isinstance(loaded["model"]["layer.weight"], torch.nn.Parameter) and loaded["model"]["layer.weight"].requires_grad
+    assert torch.equal(loaded["model"]["layer.weight"].detach(), weight.detach())
+    assert loaded["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], torch.ones(3, 3))
+    floats = loaded["floats"]
+    assert math.isnan(floats[0]) and floats[1:3] == [math.inf, -math.inf]
+    assert math.copysign(1, floats[3]) == -1 and floats[4:] == state["floats"][4:]
+    for key in ["ints", "text", "none", "flags", "blob", "empty", "empty_list", "empty_bytes", (1, "tuple-key"), 3, 2.5, None]:
+        assert loaded[key] == state[key] and type(loaded[key]) is type(state[key]), key
+    assert type(loaded["mutable"]) is bytearray and loaded["mutable"] == b"abc"
+    assert type(loaded["np_scalar"]) is np.float32 and loaded["np_scalar"] == 1.5
+    assert type(loaded["np_int"]) is np.int64 and loaded["np_int"] == -3
+    assert loaded["rng"]["python"] == state["rng"]["python"]
+    numpy_rng = np.random.RandomState()
+    numpy_rng.set_state(loaded["rng"]["numpy"])
+    assert numpy_rng.randint(1 << 30) == np.random.RandomState(3).randint(1 << 30)
+    assert same_array(loaded["deep"][0][0][0][0]["x"][0], np.arange(3))
+
+
+def test_save_returns_after_staging_and_the_caller_may_reuse_its_memory(cluster, job):
+    c = client(cluster, job)
+    big = torch.arange(8 << 20, dtype=torch.float32)  # 32 MiB: several chunks
+    expected = big.clone()
+    handle = c.save(4, {"big": big})
+    assert handle.staged()
+    big.fill_(-1)  # the trainer's next optimizer step
+    outcome = handle.wait()
+    assert outcome.committed and outcome.step == 4 and outcome.total_bytes >= expected.numel() * 4
+    assert handle.done() and handle.progress["done_bytes"] == handle.progress["total_bytes"]
+    assert handle.wait() == outcome  # waiting again gives the same outcome
+    loaded, _ = c.load(4)
+    assert torch.equal(loaded["big"], expected)
+    assert c.latest() == 4
+
+
+def test_an_unchanged_tensor_is_deduplicated_and_listed_bytes_add_up(cluster, job):
+    c = client(cluster, job)
+    frozen = torch.randn(1 << 20)
+    c.save(1, {"frozen": frozen, "moving": torch.randn(1 << 20)}).wait()
+    second = c.save(2, {"frozen": frozen, "moving": torch.randn(1 << 20)}).wait()
+    assert second.deduplicated_chunks >= 1
+    listed = {cp["step"]: cp for cp in c.list()}
+    assert set(listed) == {1, 2} and all(cp["state"] == "committed" for cp in listed.values())
+    assert listed[2]["written_bytes"] < listed[2]["total_bytes"]
+
+
+def test_gil_is_released_while_saving_and_loading(cluster, job):
+    """With a 60 s switch interval, a Python thread only runs while the main thread blocks
+    outside the interpreter (the GIL released): it must tick during the save and the load."""
+    c = client(cluster, job)
+    state = {f"t{i}": torch.randn(1 << 20) for i in range(16)}  # 64 MiB
+    ticks = 0
+    stop = threading.Event()
+
+    def count():
+        nonlocal ticks
+        while not stop.is_set():
+            time.sleep(0.0005)  # gives the GIL back at once
+            ticks += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60)
+    thread = threading.Thread(target=count)
+    try:
+        thread.start()
+        before = ticks
+        c.save(1, state, blocking=True)
+        during_save = ticks - before
+        before = ticks
+        c.load(1)
+        during_load = ticks - before
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert during_save > 5 and during_load > 5, (during_save, during_load)
+
+
+RANK_SCRIPT = """
+import json, sys, torch, starckpt
+c = starckpt.Client()  # server, job, rank and world size from the environment
+if sys.argv[1] == "save":
+    outcome = c.save(10, {"rank": c.rank, "w": torch.full((4,), float(c.rank))}).wait()
+    print(json.dumps({"committed": outcome.committed, "parts": outcome.parts_committed, "latest": c.latest()}))
+else:
+    state, _ = c.load()
+    print(json.dumps({"rank": state["rank"], "w": state["w"].tolist()}))
+"""
+
+
+def test_multi_rank_saves_commit_only_when_every_rank_is_in(cluster, job):
+    from conftest import python_env, run_python
+
+    def rank(r, action):
+        env = python_env(cluster, STARCKPT_JOB=job, STARCKPT_RUN_ID=f"run-{job}", RANK=str(r), WORLD_SIZE="2")
+        return json.loads(run_python(["-c", RANK_SCRIPT, action], env).stdout)
+
+    assert rank(0, "save") == {"committed": False, "parts": 1, "latest": None}
+    assert rank(1, "save") == {"committed": True, "parts": None, "latest": 10}
+    for r in range(2):
+        assert rank(r, "load") == {"rank": r, "w": [float(r)] * 4}
+
+
+def test_restore_writes_the_files(cluster, job, tmp_path):
+    c = client(cluster, job)
+    c.save(5, {"a": np.arange(10, dtype=np.int32), "b": b"hello"}).wait()
+    out = c.restore(to=tmp_path / "restored")
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert "_starckpt/tree.json" in files and len(files) == 3
+    contents = {p.read_bytes() for p in out.rglob("data/*")}
+    assert contents == {np.arange(10, dtype=np.int32).tobytes(), b"hello"}
+    with pytest.raises(starckpt.InvalidInputError, match="not empty"):
+        c.restore(to=out)
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def test_unknown_steps_and_jobs_raise_not_found(cluster, job):
+    c = client(cluster, job)
+    assert c.latest() is None
+    with pytest.raises(starckpt.NotFoundError):
+        c.load()
+    c.save(1, {"x": 1}).wait()
+    with pytest.raises(starckpt.NotFoundError, match="step 99"):
+        c.load(99)
+    with pytest.raises(LookupError):  # NotFoundError is a LookupError too
+        c.load(98)
+
+
+@pytest.mark.parametrize("bad", [
+    {"s": {1, 2}},
+    {"obj": np.array([object()], dtype=object)},
+    {"fn": len},
+    {frozenset([1]): 1},
+    {"sparse": torch.eye(3).to_sparse()},
+])
+def test_unsupported_values_are_refused_with_their_key_path(cluster, job, bad):
+    c = client(cluster, job)
+    with pytest.raises(starckpt.UnsupportedTypeError) as info:
+        c.save(1, bad)
+    assert isinstance(info.value, TypeError)
+    assert c.latest() is None and c.list(include_inactive=True) == []
+
+
+def test_bad_arguments_raise_invalid_input(cluster, job):
+    c = client(cluster, job)
+    for step in (-1, "3", 1.5, True):
+        with pytest.raises(starckpt.InvalidInputError):
+            c.save(step, {})
+    with pytest.raises(starckpt.InvalidInputError, match="JSON"):
+        c.save(1, {}, metadata={"x": object()})
+    with pytest.raises(starckpt.InvalidInputError):
+        starckpt.Client(cluster.address, "bad/job name").latest()
+    with pytest.raises(starckpt.InvalidInputError, match="token"):
+        starckpt.Client(cluster.address, job, token="secret")
+    with pytest.raises(starckpt.InvalidInputError, match="no job"):
+        starckpt.Client(cluster.address).latest()
+    with pytest.raises(starckpt.InvalidInputError, match="rank"):
+        starckpt.Client(cluster.address, job, rank=2, world_size=2)
+    with pytest.raises(starckpt.InvalidInputError, match="run id"):
+        starckpt.Client(cluster.address, job, rank=0, world_size=2).save(1, {})
+    handle = c.save(1, {"x": torch.zeros(1)})
+    with pytest.raises(starckpt.InvalidInputError, match="timeout"):
+        handle.wait(timeout=-1)
+    handle.wait()
+    with pytest.raises(starckpt.AlreadyExistsError, match="step 1"):
+        c.save(1, {"x": 2})
+
+
+def test_a_closed_client_refuses_calls_after_finishing_its_saves(cluster, job):
+    c = client(cluster, job)
+    handle = c.save(1, {"x": torch.randn(1 << 20)})
+    c.close()
+    assert handle.done() and handle.wait().committed
+    for call in (c.latest, c.list, lambda: c.save(2, {}), c.load):
+        with pytest.raises(starckpt.ClosedError):
+            call()
+    with client(cluster, job) as other:
+        assert other.latest() == 1
+
+
+def test_an_unreachable_server_raises_connection_error():
+    with pytest.raises(starckpt.ConnectionError) as info:
+        starckpt.Client("127.0.0.1:1", "job").latest()
+    assert isinstance(info.value, ConnectionError)
+
+
+def test_a_checkpoint_not_written_by_the_python_sdk_raises_format_error(cluster, job, tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"x" * 100)
+    out = cluster.cli("save", "--job", job, "--step", "1", str(tmp_path / "weights.bin"))
+    assert out.returncode == 0, out.stderr
+    with pytest.raises(starckpt.FormatError, match="not written by starckpt.Client.save"):
+        client(cluster, job).load()
+
+
+def test_a_newer_run_fences_this_process(cluster, job):
+    c = client(cluster, job)
+    c.save(1, {"x": 1}).wait()
+    code = f"import starckpt; starckpt.Client({cluster.address!r}, {job!r}).save(2, {{'x': 2}}, blocking=True)"
+    subprocess.run([sys.executable, "-c", code], check=True, env={k: v for k, v in os.environ.items() if not k.startswith("STARCKPT_")})
+    with pytest.raises(starckpt.FencedError):
+        c.save(3, {"x": 3})
+    assert c.latest() == 2
+
+
+def test_wait_times_out_while_the_cluster_is_stopped_then_commits(tmp_path, job):
+    from conftest import Cluster
+
+    cluster = Cluster(tmp_path)
+    try:
+        c = client(cluster, job)
+        stopped = [cluster.server, *cluster.targets]
+        for attempt in range(5):
+            handle = c.save(attempt, {"big": torch.randn(16 << 20)})  # 64 MiB
+            for proc in stopped:
+                proc.signal(signal.SIGSTOP)
+            try:
+                if handle.done():
+                    continue  # finished before the stop: try again
+                with pytest.raises(TimeoutError, match="not committed within"):
+                    handle.wait(timeout=0.3)
+                assert not handle.done()
+            finally:
+                for proc in stopped:
+                    proc.signal(signal.SIGCONT)
+            assert handle.wait(timeout=60).committed
+            break
+        else:
+            pytest.fail("every save committed before the cluster could be stopped")
+    finally:
+        cluster.stop()
