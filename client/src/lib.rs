@@ -45,7 +45,9 @@ use tonic::transport::Channel;
 pub use error::{Error, Result};
 pub use manager::{CheckpointManager, CheckpointPolicy, FinalReport, IfBusy, preemption_signal};
 pub use restore::{CheckpointManifest, RestoreOptions, RestoreOutcome, RestoreProgress};
-pub use save::{CommitState, SaveHandle, SaveItem, SaveOutcome, SavePart, SaveProgress, items_from_paths};
+pub use save::{
+    CommitState, FillFn, Lent, SaveHandle, SaveItem, SaveOutcome, SavePart, SaveProgress, items_from_paths,
+};
 pub use starckpt_proto::control::{
     CheckpointInfo, CheckpointState, CollectGarbageResponse as GcReport, JobInfo, RetentionPolicy, TargetInfo,
     TargetState,

@@ -27,11 +27,21 @@ pub struct CheckpointManifest {
     /// Each rank's user metadata, by rank.
     pub metadata: Vec<(u32, std::collections::BTreeMap<String, String>)>,
     pub targets: HashMap<String, TargetInfo>,
+    /// Index into `files` by path (a checkpoint may hold tens of thousands of tensors).
+    by_path: HashMap<String, usize>,
 }
 
 impl CheckpointManifest {
     pub fn file(&self, path: &str) -> Option<&FileEntry> {
-        self.files.iter().find(|f| f.path.as_str() == path)
+        self.by_path.get(path).map(|&index| &self.files[index])
+    }
+
+    /// The entry of `path`, or a NotFound error naming the checkpoint.
+    pub fn require(&self, path: &str) -> Result<&FileEntry> {
+        self.file(path).ok_or_else(|| Error::NotFound {
+            op: "read",
+            message: format!("{} step {} has no file {path}", self.info.job, self.info.step),
+        })
     }
 
     pub fn total_bytes(&self) -> u64 {
@@ -61,7 +71,8 @@ impl CheckpointManifest {
             metadata.push((part.rank, manifest.metadata));
         }
         let targets = response.targets.into_iter().map(|t| (t.target_id.clone(), t)).collect();
-        Ok(CheckpointManifest { info, files, directories, metadata, targets })
+        let by_path = files.iter().enumerate().map(|(index, f)| (f.path.to_string(), index)).collect();
+        Ok(CheckpointManifest { info, files, directories, metadata, targets, by_path })
     }
 }
 
@@ -176,6 +187,11 @@ impl Client {
         offset: u64,
         length: u64,
     ) -> Result<Bytes> {
+        // Checked before allocating: a bad length must be an error, not an abort.
+        let size = manifest.require(path)?.size_bytes;
+        if offset.checked_add(length).is_none_or(|end| end > size) {
+            return Err(Error::InvalidInput(format!("range {offset}+{length} is outside {path} ({size} bytes)")));
+        }
         let length = usize::try_from(length)
             .map_err(|_| Error::InvalidInput(format!("range {offset}+{length} does not fit in memory")))?;
         let mut out = BytesMut::zeroed(length);
@@ -192,10 +208,7 @@ impl Client {
         offset: u64,
         target: &mut [u8],
     ) -> Result<()> {
-        let file = manifest.file(path).ok_or_else(|| Error::NotFound {
-            op: "read",
-            message: format!("{} step {} has no file {path}", manifest.info.job, manifest.info.step),
-        })?;
+        let file = manifest.require(path)?;
         let length = target.len() as u64;
         let end = offset.checked_add(length).filter(|end| *end <= file.size_bytes).ok_or_else(|| {
             Error::InvalidInput(format!("range {offset}+{length} is outside {path} ({} bytes)", file.size_bytes))
@@ -230,10 +243,7 @@ impl Client {
         out: &mut W,
     ) -> Result<u64> {
         use tokio::io::AsyncWriteExt;
-        let file = manifest.file(path).ok_or_else(|| Error::NotFound {
-            op: "read",
-            message: format!("{} step {} has no file {path}", manifest.info.job, manifest.info.step),
-        })?;
+        let file = manifest.require(path)?;
         let mut fetched = futures::stream::iter(file.chunks.iter().map(|chunk| self.read_chunk(manifest, chunk)))
             .buffered(self.inner.config.restore_concurrency.max(1));
         let mut written = 0;

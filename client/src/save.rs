@@ -370,14 +370,26 @@ impl Client {
     /// as the call returns. For trainers whose state lives in their own mutable buffers: the one
     /// copy is the staging copy (with [`SavePart::buffer`] they would first copy into `Bytes`).
     pub async fn save_borrowed(&self, part: SavePart, borrowed: &[(&str, &[u8])]) -> Result<SaveHandle> {
-        let slot = Arc::clone(&self.inner.upload_slot).acquire_owned().await.expect("never closed");
-        self.save_in_slot(part, borrowed, slot).await
+        self.save_lent(part, &as_lent(borrowed)).await
     }
 
     /// [`Client::try_save`] with lent bytes, as [`Client::save_borrowed`].
     pub async fn try_save_borrowed(&self, part: SavePart, borrowed: &[(&str, &[u8])]) -> Result<Option<SaveHandle>> {
+        self.try_save_lent(part, &as_lent(borrowed)).await
+    }
+
+    /// [`Client::save_borrowed`] generalised to [`Lent`] sources: bytes in memory, or a fill
+    /// function that writes each staging buffer itself (a device-to-host copy straight into
+    /// staging, for example). Every source is consumed during this call.
+    pub async fn save_lent(&self, part: SavePart, lent: &[(&str, Lent<'_>)]) -> Result<SaveHandle> {
+        let slot = Arc::clone(&self.inner.upload_slot).acquire_owned().await.expect("never closed");
+        self.save_in_slot(part, lent, slot).await
+    }
+
+    /// [`Client::try_save`] with [`Lent`] sources.
+    pub async fn try_save_lent(&self, part: SavePart, lent: &[(&str, Lent<'_>)]) -> Result<Option<SaveHandle>> {
         match Arc::clone(&self.inner.upload_slot).try_acquire_owned() {
-            Ok(slot) => self.save_in_slot(part, borrowed, slot).await.map(Some),
+            Ok(slot) => self.save_in_slot(part, lent, slot).await.map(Some),
             Err(_) => {
                 tracing::info!(job = %part.job, step = part.step, "previous save still uploading; skipped this one");
                 Ok(None)
@@ -388,14 +400,14 @@ impl Client {
     async fn save_in_slot(
         &self,
         part: SavePart,
-        borrowed: &[(&str, &[u8])],
+        lent: &[(&str, Lent<'_>)],
         slot: tokio::sync::OwnedSemaphorePermit,
     ) -> Result<SaveHandle> {
         let job = JobName::try_from(part.job.as_str())?;
-        let borrowed = borrowed
+        let borrowed = lent
             .iter()
-            .map(|(path, data)| Ok((RelPath::try_from(*path)?, *data)))
-            .collect::<Result<Vec<(RelPath, &[u8])>>>()?;
+            .map(|(path, source)| Ok((RelPath::try_from(*path)?, *source)))
+            .collect::<Result<Vec<(RelPath, Lent<'_>)>>>()?;
         let mut seen = std::collections::HashSet::new();
         if let Some(path) =
             part.items.iter().map(SaveItem::path).chain(borrowed.iter().map(|(p, _)| p)).find(|p| !seen.insert(*p))
@@ -500,7 +512,7 @@ impl Client {
     async fn stage(
         &self,
         items: &[SaveItem],
-        borrowed: &[(RelPath, &[u8])],
+        borrowed: &[(RelPath, Lent<'_>)],
         chunks: &mpsc::Sender<StagedChunk>,
         gate: &UploadGate,
         progress: &SaveProgress,
@@ -514,7 +526,8 @@ impl Client {
                     files.push(StagedFile { path: path.clone(), size: 0, chunks: 0, kind: StagedKind::Directory })
                 }
                 SaveItem::Buffer { path, data } => {
-                    let index = self.stage_copies(file_index, data.as_ref(), chunks, gate, progress).await?;
+                    let index =
+                        self.stage_copies(file_index, path, Lent::Bytes(data.as_ref()), chunks, gate, progress).await?;
                     files.push(StagedFile {
                         path: path.clone(),
                         size: data.len() as u64,
@@ -577,11 +590,11 @@ impl Client {
                 }
             }
         }
-        for (path, data) in borrowed {
-            let index = self.stage_copies(files.len(), data, chunks, gate, progress).await?;
+        for (path, source) in borrowed {
+            let index = self.stage_copies(files.len(), path, *source, chunks, gate, progress).await?;
             files.push(StagedFile {
                 path: path.clone(),
-                size: data.len() as u64,
+                size: source.len(),
                 chunks: index,
                 kind: StagedKind::File { mode: 0 },
             });
@@ -591,8 +604,8 @@ impl Client {
 }
 
 impl Client {
-    /// Copies `data` into staging buffers and hands each staged chunk to the uploaders. Returns
-    /// the number of chunks.
+    /// Copies `source` into staging buffers and hands each staged chunk to the uploaders.
+    /// Returns the number of chunks.
     ///
     /// The copy runs on the caller's task (`block_in_place`), batches of `staging_threads` chunks
     /// split across scoped threads. Measured on 2 cores with uploads running: handing each copy to
@@ -601,16 +614,19 @@ impl Client {
     async fn stage_copies(
         &self,
         file_index: usize,
-        data: &[u8],
+        path: &RelPath,
+        source: Lent<'_>,
         chunks: &mpsc::Sender<StagedChunk>,
         gate: &UploadGate,
         progress: &SaveProgress,
     ) -> Result<usize> {
         let pool = &self.inner.staging;
         let chunk_size = self.inner.config.chunk_size_bytes;
+        let size = usize::try_from(source.len())
+            .map_err(|_| Error::InvalidInput(format!("{path}: {} bytes do not fit in memory", source.len())))?;
         let threads = self.inner.config.staging_threads.max(1);
-        let starts: Vec<usize> = (0..data.len()).step_by(chunk_size).collect();
-        let piece = |index: usize| &data[starts[index]..(starts[index] + chunk_size).min(data.len())];
+        let starts: Vec<usize> = (0..size).step_by(chunk_size).collect();
+        let piece = |index: usize| (starts[index], (starts[index] + chunk_size).min(size) - starts[index]);
         let mut next = 0;
         while next < starts.len() {
             // One batch: every buffer free right now (at least one, waiting for it if need be), so
@@ -623,10 +639,11 @@ impl Client {
                 staged.push((piece(next), buf));
                 next += 1;
             }
-            copy_blocking(&mut staged, threads);
-            for (offset, (source, buf)) in staged.into_iter().enumerate() {
-                progress.staged_bytes.fetch_add(source.len() as u64, Ordering::Relaxed);
-                progress.copied_bytes.fetch_add(source.len() as u64, Ordering::Relaxed);
+            copy_blocking(source, &mut staged, threads)
+                .map_err(|message| Error::InvalidInput(format!("staging {path}: {message}")))?;
+            for (offset, ((_, len), buf)) in staged.into_iter().enumerate() {
+                progress.staged_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                progress.copied_bytes.fetch_add(len as u64, Ordering::Relaxed);
                 gate.send(chunks, StagedChunk { file: file_index, index: first + offset, data: buf.freeze() }).await?;
             }
         }
@@ -634,28 +651,89 @@ impl Client {
     }
 }
 
+/// A function that fills `buffer` with a lent file's bytes from `offset` on (all of it), or says
+/// why it could not.
+pub type FillFn<'f> = dyn Fn(u64, &mut [u8]) -> std::result::Result<(), String> + Sync + 'f;
+
+/// Bytes a save takes from the caller during the call ([`Client::save_lent`]).
+#[derive(Clone, Copy)]
+pub enum Lent<'a> {
+    /// The caller's memory, copied into staging.
+    Bytes(&'a [u8]),
+    /// `size` bytes written by `fill(offset, buffer)` straight into each staging buffer in turn
+    /// (buffers of one file may be filled from several threads, in any order): a device-to-host
+    /// copy, say, which then needs no host copy of its own.
+    Fill { size: u64, fill: &'a FillFn<'a> },
+}
+
+impl Lent<'_> {
+    pub fn len(&self) -> u64 {
+        match self {
+            Lent::Bytes(data) => data.len() as u64,
+            Lent::Fill { size, .. } => *size,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Writes bytes `[offset, offset + out.len())` of the source into `out`.
+    fn copy_into(&self, offset: usize, out: &mut [u8]) -> std::result::Result<(), String> {
+        match self {
+            Lent::Bytes(data) => {
+                out.copy_from_slice(&data[offset..offset + out.len()]);
+                Ok(())
+            }
+            Lent::Fill { fill, .. } => fill(offset as u64, out),
+        }
+    }
+}
+
+impl std::fmt::Debug for Lent<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Lent::Bytes(data) => write!(f, "Lent::Bytes({} bytes)", data.len()),
+            Lent::Fill { size, .. } => write!(f, "Lent::Fill({size} bytes)"),
+        }
+    }
+}
+
+fn as_lent<'a>(borrowed: &[(&'a str, &'a [u8])]) -> Vec<(&'a str, Lent<'a>)> {
+    borrowed.iter().map(|(path, data)| (*path, Lent::Bytes(data))).collect()
+}
+
 /// Most chunks staged in one batch (1 GiB at 4 MiB chunks).
 const MAX_COPY_BATCH: usize = 256;
 
-/// Copies each source into its buffer: the batch split into `threads` runs of chunks, one per
-/// thread (the current one included), without stalling other tasks of a multi-threaded runtime.
-fn copy_blocking(staged: &mut [(&[u8], starckpt_proto::buf::PooledBuf)], threads: usize) {
-    fn copy_run(run: &mut [(&[u8], starckpt_proto::buf::PooledBuf)]) {
-        for (source, buf) in run {
-            buf.buf_mut().full_mut()[..source.len()].copy_from_slice(source);
-            buf.buf_mut().set_len(source.len());
+/// Copies each `(offset, len)` piece of `source` into its buffer: the batch split into `threads`
+/// runs of chunks, one per thread (the current one included), without stalling other tasks of a
+/// multi-threaded runtime. The first failure of a fill is returned (after every run finished).
+fn copy_blocking(
+    source: Lent<'_>,
+    staged: &mut [((usize, usize), starckpt_proto::buf::PooledBuf)],
+    threads: usize,
+) -> std::result::Result<(), String> {
+    let copy_run = |run: &mut [((usize, usize), starckpt_proto::buf::PooledBuf)]| {
+        for ((offset, len), buf) in run {
+            source.copy_into(*offset, &mut buf.buf_mut().full_mut()[..*len])?;
+            buf.buf_mut().set_len(*len);
         }
-    }
+        Ok::<(), String>(())
+    };
     let per_thread = staged.len().div_ceil(threads.max(1)).max(1);
     let mut run = || {
         let mut runs = staged.chunks_mut(per_thread);
-        let Some(own) = runs.next() else { return };
+        let Some(own) = runs.next() else { return Ok(()) };
         std::thread::scope(|scope| {
-            for other in runs {
-                scope.spawn(move || copy_run(other));
+            let others: Vec<_> = runs.map(|other| scope.spawn(move || copy_run(other))).collect();
+            let mut result = copy_run(own);
+            for other in others {
+                let joined = other.join().unwrap_or_else(|_| Err("a staging copy thread panicked".into()));
+                result = result.and(joined);
             }
-            copy_run(own);
-        });
+            result
+        })
     };
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(run),

@@ -80,8 +80,14 @@ def main() -> None:
         return {"model": model_sd, "optim": optim_sd, f"rng/{rank}": torch.get_rng_state()}
 
     client = starckpt.Client(job=args.job, rank=0, world_size=1)
-    start = 0
-    latest = client.latest()
+    # Take the job's writer lease before choosing the step to resume from: no writer of the
+    # preempted run can commit after this, so `latest` stays the newest checkpoint. Rank 0
+    # decides and tells the others, so every rank resumes from the same step.
+    client.take_lease()
+    decision = [client.latest() if rank == 0 else None]
+    if distributed:
+        dist.broadcast_object_list(decision, src=0)
+    start, latest = 0, decision[0]
     if latest is not None:
         restored = state()
         dcp.load(restored, storage_reader=st.Reader(job=args.job, step=latest))

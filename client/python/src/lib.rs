@@ -9,13 +9,14 @@
 //! the fork refuses to work in the child rather than hang.
 
 use std::collections::BTreeMap;
+use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::PyTimeoutError;
+use pyo3::exceptions::{PyBufferError, PyTimeoutError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyType};
 use starckpt_client as sdk;
@@ -58,6 +59,27 @@ fn block_on<T: Send, F: Future<Output = T>>(
     deadline: Option<Instant>,
     make: impl FnOnce() -> F + Send,
 ) -> PyResult<T> {
+    thread_local! {
+        static IN_CALL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    /// Clears the flag however the call ends.
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            IN_CALL.with(|flag| flag.set(false));
+        }
+    }
+    if IN_CALL.with(|flag| flag.replace(true)) {
+        // A Python signal handler (run while this thread waits in a call) called starckpt: the
+        // inner call could wait forever on the outer one (one save uploads at a time).
+        return Err(raise(
+            "StarckptError",
+            "a starckpt call was made while another one is in progress on this thread (from a signal \
+             handler?): have the handler set a flag and save from the training loop"
+                .into(),
+        ));
+    }
+    let _leave = Leave;
     let runtime = runtime()?;
     py.detach(|| {
         runtime.block_on(async {
@@ -76,7 +98,9 @@ fn block_on<T: Send, F: Future<Output = T>>(
                 if let Ok(value) = tokio::time::timeout(slice, future.as_mut()).await {
                     return Ok(value);
                 }
-                Python::attach(|py| py.check_signals())?;
+                // Outside the runtime's context (a handler may call into Python code that starts
+                // one), and not at all while the interpreter is finalizing.
+                tokio::task::block_in_place(|| Python::try_attach(|py| py.check_signals()).unwrap_or(Ok(())))?;
             }
         })
     })
@@ -119,6 +143,86 @@ fn raise(class: &str, message: String) -> PyErr {
 
 fn py_err(err: sdk::Error) -> PyErr {
     raise(error_class(&err), err.to_string())
+}
+
+/// A file of a save, as the caller gave it.
+enum Source {
+    Buffer(PyUntypedBuffer),
+    Fill { size: u64, fill: Py<PyAny> },
+}
+
+/// A [`Source`] as it crosses into GIL-free code: a buffer's address and length, or a fill.
+enum Span<'a> {
+    Bytes(usize, usize),
+    Fill(u64, &'a sdk::FillFn<'a>),
+}
+
+/// A staging buffer lent to a fill function: writable through the buffer protocol, with its
+/// exports counted so that one still held when the fill returns is caught, and closed after the
+/// fill (no new exports) so that keeping the object itself reaches nothing.
+#[pyclass(module = "starckpt._native", frozen)]
+struct StagingView {
+    address: usize,
+    len: usize,
+    exports: AtomicUsize,
+    open: AtomicBool,
+}
+
+#[pymethods]
+impl StagingView {
+    /// # Safety
+    /// Called by Python with a `Py_buffer` to fill.
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut pyo3::ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let this = slf.get();
+        if !this.open.load(Ordering::Acquire) {
+            return Err(PyBufferError::new_err("this staging buffer was handed back; it cannot be used any more"));
+        }
+        let len = pyo3::ffi::Py_ssize_t::try_from(this.len).map_err(|_| PyBufferError::new_err("too large"))?;
+        // SAFETY: `view` is the caller's Py_buffer; the memory is valid while the view is open
+        // (the fill call), and an export still held after that fails the save (see `call_fill`).
+        let filled =
+            unsafe { pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), this.address as *mut c_void, len, 0, flags) };
+        if filled != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        this.exports.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// # Safety
+    /// Called by Python when an export ends.
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {
+        self.exports.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+}
+
+/// Calls `fill(offset, view)` with a [`StagingView`] of `out`, then closes the view. A fill that
+/// still holds an export of it (an array built on it) fails the save; fills are the package's
+/// own functions, which never do.
+fn call_fill(py: Python<'_>, fill: &Py<PyAny>, offset: u64, out: &mut [u8]) -> PyResult<()> {
+    let view = Bound::new(
+        py,
+        StagingView {
+            address: out.as_mut_ptr() as usize,
+            len: out.len(),
+            exports: AtomicUsize::new(0),
+            open: AtomicBool::new(true),
+        },
+    )?;
+    let called = fill.bind(py).call1((offset, &view));
+    view.get().open.store(false, Ordering::Release);
+    called?;
+    match view.get().exports.load(Ordering::Acquire) {
+        0 => Ok(()),
+        held => Err(raise(
+            "InvalidInputError",
+            format!("a fill function kept {held} export(s) of its staging buffer; it must not keep any"),
+        )),
+    }
 }
 
 /// Fails if `pid` (the creator of an object) is not this process.
@@ -230,9 +334,12 @@ impl NativeClient {
         block_on(py, None, || client.delete(&job, step))?.map_err(py_err)
     }
 
-    /// Saves one rank's part: each `(path, buffer)` becomes a file, copied into staging buffers
-    /// before this returns (the caller may then change its memory). Returns None if
-    /// `skip_if_busy` and this client's previous save is still uploading.
+    /// Saves one rank's part: each `(path, source)` becomes a file, taken during this call (the
+    /// caller may then change its memory). A source is a buffer (copied into staging), or a pair
+    /// `(size, fill)` where `fill(offset, view)` writes bytes `[offset, offset + len(view))` of
+    /// the file into the writable memoryview `view` of a staging buffer and must not keep it (a
+    /// device-to-host copy straight into staging). Returns None if `skip_if_busy` and this
+    /// client's previous save is still uploading.
     #[pyo3(signature = (job, step, files, *, rank=0, world_size=1, metadata=BTreeMap::new(), skip_if_busy=false))]
     #[allow(clippy::too_many_arguments)]
     fn save(
@@ -249,40 +356,85 @@ impl NativeClient {
         let client = self.client()?;
         let mut lent = Vec::with_capacity(files.len());
         for (path, object) in files {
-            let buffer = PyUntypedBuffer::get(&object)?;
-            if !buffer.is_c_contiguous() {
-                return Err(raise("InvalidInputError", format!("{path}: the buffer is not C-contiguous")));
-            }
-            lent.push((path, buffer));
+            let source = match PyUntypedBuffer::get(&object) {
+                Ok(buffer) if buffer.is_c_contiguous() => Source::Buffer(buffer),
+                Ok(_) => return Err(raise("InvalidInputError", format!("{path}: the buffer is not C-contiguous"))),
+                Err(not_a_buffer) => match object.extract::<(u64, Bound<'_, PyAny>)>() {
+                    Ok((size, fill)) if fill.is_callable() => Source::Fill { size, fill: fill.unbind() },
+                    _ => {
+                        return Err(raise(
+                            "InvalidInputError",
+                            format!("{path}: neither a buffer nor a (size, fill) pair: {not_a_buffer}"),
+                        ));
+                    }
+                },
+            };
+            lent.push((path, source));
         }
-        // Addresses cross into the GIL-free closure as integers; the buffers above stay
+        // A fill's Python exception, raised in place of the save's error it causes.
+        let fill_error: Mutex<Option<PyErr>> = Mutex::new(None);
+        let fills: Vec<Box<sdk::FillFn<'_>>> = lent
+            .iter()
+            .filter_map(|(_, source)| match source {
+                Source::Fill { fill, .. } => Some(fill),
+                Source::Buffer(_) => None,
+            })
+            .map(|fill| {
+                let fill_error = &fill_error;
+                Box::new(move |offset: u64, out: &mut [u8]| {
+                    Python::attach(|py| call_fill(py, fill, offset, out)).map_err(|e| {
+                        let message = e.to_string();
+                        fill_error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                        message
+                    })
+                }) as Box<sdk::FillFn<'_>>
+            })
+            .collect();
+        // Buffer addresses cross into the GIL-free closure as integers; the buffers above stay
         // acquired (their exporters cannot free or resize the memory) until this returns.
-        let spans: Vec<(&str, usize, usize)> =
-            lent.iter().map(|(path, buffer)| (path.as_str(), buffer.buf_ptr() as usize, buffer.len_bytes())).collect();
+        let mut next_fill = fills.iter();
+        let spans: Vec<(&str, Span<'_>)> = lent
+            .iter()
+            .map(|(path, source)| {
+                let span = match source {
+                    Source::Buffer(buffer) => Span::Bytes(buffer.buf_ptr() as usize, buffer.len_bytes()),
+                    Source::Fill { size, .. } => Span::Fill(*size, &**next_fill.next().expect("one fill per source")),
+                };
+                (path.as_str(), span)
+            })
+            .collect();
         let mut part = sdk::SavePart::new(job, step).rank(rank, world_size);
         part.metadata = metadata;
         let handle = block_on(py, None, move || async move {
-            let borrowed: Vec<(&str, &[u8])> = spans
+            let sources: Vec<(&str, sdk::Lent<'_>)> = spans
                 .iter()
-                .map(|&(path, address, len)| {
-                    let data: &[u8] = if len == 0 {
-                        &[]
-                    } else {
+                .map(|&(path, ref span)| {
+                    let source = match *span {
+                        Span::Bytes(_, 0) => sdk::Lent::Bytes(&[]),
                         // SAFETY: the buffer export (held in `lent`) keeps `len` bytes at
                         // `address` valid and unmoved for the duration of this call.
-                        unsafe { std::slice::from_raw_parts(address as *const u8, len) }
+                        Span::Bytes(address, len) => {
+                            sdk::Lent::Bytes(unsafe { std::slice::from_raw_parts(address as *const u8, len) })
+                        }
+                        Span::Fill(size, fill) => sdk::Lent::Fill { size, fill },
                     };
-                    (path, data)
+                    (path, source)
                 })
                 .collect();
             if skip_if_busy {
-                client.try_save_borrowed(part, &borrowed).await
+                client.try_save_lent(part, &sources).await
             } else {
-                client.save_borrowed(part, &borrowed).await.map(Some)
+                client.save_lent(part, &sources).await.map(Some)
             }
-        })?
-        .map_err(py_err)?;
+        })?;
+        drop(fills);
         drop(lent);
+        let handle = match handle {
+            Ok(handle) => handle,
+            Err(err) => {
+                return Err(fill_error.into_inner().unwrap_or_else(|p| p.into_inner()).unwrap_or_else(|| py_err(err)));
+            }
+        };
         let Some(handle) = handle else { return Ok(None) };
         Ok(Some(SaveHandle::spawn(handle, runtime()?)))
     }
@@ -444,6 +596,7 @@ struct SaveHandle {
     total_bytes: u64,
     progress: Arc<sdk::SaveProgress>,
     finished: watch::Receiver<Finished>,
+    pid: u32,
 }
 
 impl SaveHandle {
@@ -455,15 +608,16 @@ impl SaveHandle {
             let outcome = handle.wait().await.map_err(|e| (error_class(&e), e.to_string()));
             tx.send_replace(Some(outcome));
         });
-        SaveHandle { checkpoint_id, total_bytes, progress, finished }
+        SaveHandle { checkpoint_id, total_bytes, progress, finished, pid: std::process::id() }
     }
 }
 
 #[pymethods]
 impl SaveHandle {
     /// True once the upload and commit have finished, successfully or not.
-    fn done(&self) -> bool {
-        self.finished.borrow().is_some()
+    fn done(&self) -> PyResult<bool> {
+        same_process(self.pid, "save handle")?;
+        Ok(self.finished.borrow().is_some())
     }
 
     /// Live counters: staged, copied, uploaded and deduplicated bytes, chunks.
@@ -485,14 +639,16 @@ impl SaveHandle {
     /// outcome, or raises the save's error. May be called again after either.
     #[pyo3(signature = (timeout=None))]
     fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        same_process(self.pid, "save handle")?;
         let deadline = match timeout {
+            Some(t) if t == f64::INFINITY => None,
             Some(t) if !(t.is_finite() && t >= 0.0) => {
                 return Err(raise("InvalidInputError", format!("timeout must be a non-negative number, not {t}")));
             }
             Some(t) => Some(Instant::now() + Duration::from_secs_f64(t.min(1e9))),
             None => None,
         };
-        if !self.done() {
+        if self.finished.borrow().is_none() {
             let mut finished = self.finished.clone();
             let waited =
                 block_on(py, deadline, move || async move { finished.wait_for(Option::is_some).await.map(|_| ()) });

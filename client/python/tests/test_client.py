@@ -6,6 +6,7 @@ import collections
 import json
 import math
 import os
+import struct
 import signal
 import subprocess
 import sys
@@ -104,6 +105,11 @@ def test_nested_structures_and_plain_values_round_trip(cluster, job):
         "np_scalar": np.float32(1.5), "np_int": np.int64(-3),
         "rng": {"python": __import__("random").Random(5).getstate(), "numpy": np.random.RandomState(3).get_state()},
         "deep": [[[[{"x": [np.arange(3)]}]]]],
+        "nan_payload": struct.unpack("<d", bytes.fromhex("0100000000f8ffff"))[0],  # a negative NaN with a payload
+        "huge_int": 7 ** 20000,  # more digits than int(str) allows
+        "np_bytes": np.bytes_(b"ab\x00c"),
+        "conj": torch.tensor([1 + 2j, 3 - 4j]).conj(),
+        "versioned": torch.nn.BatchNorm1d(2).state_dict(),
     }
     c.save(3, state, metadata={"loss": 0.25, "tokens": 10**12, "tags": ["a", "b"]}).wait()
     loaded, metadata = c.load()
@@ -126,6 +132,12 @@ def test_nested_structures_and_plain_values_round_trip(cluster, job):
     numpy_rng.set_state(loaded["rng"]["numpy"])
     assert numpy_rng.randint(1 << 30) == np.random.RandomState(3).randint(1 << 30)
     assert same_array(loaded["deep"][0][0][0][0]["x"][0], np.arange(3))
+    assert struct.pack("<d", loaded["nan_payload"]) == bytes.fromhex("0100000000f8ffff")
+    assert loaded["huge_int"] == 7 ** 20000
+    assert type(loaded["np_bytes"]) is np.bytes_ and loaded["np_bytes"] == np.bytes_(b"ab\x00c")
+    assert torch.equal(loaded["conj"], torch.tensor([1 - 2j, 3 + 4j]))
+    assert loaded["versioned"]._metadata == state["versioned"]._metadata  # module versions kept
+    torch.nn.BatchNorm1d(2).load_state_dict(loaded["versioned"])
 
 
 def test_save_returns_after_staging_and_the_caller_may_reuse_its_memory(cluster, job):
@@ -240,6 +252,9 @@ def test_unknown_steps_and_jobs_raise_not_found(cluster, job):
 
 
 @pytest.mark.parametrize("bad", [
+    {"masked": np.ma.masked_array([1, 2], mask=[0, 1])},
+    {"void": np.zeros(2, dtype="V4")},
+    {"meta": torch.empty(3, device="meta")},
     {"s": {1, 2}},
     {"obj": np.array([object()], dtype=object)},
     {"fn": len},
@@ -277,6 +292,46 @@ def test_bad_arguments_raise_invalid_input(cluster, job):
     handle.wait()
     with pytest.raises(starckpt.AlreadyExistsError, match="step 1"):
         c.save(1, {"x": 2})
+
+
+def test_bad_read_ranges_are_errors_not_aborts(cluster, job):
+    c = client(cluster, job)
+    c.save(1, {"x": b"0123456789"}).wait()
+    manifest = c.manifest()
+    path = next(p for p, size in manifest.files() if size == 10)
+    assert manifest.read(path, 2, 3) == b"234"
+    with pytest.raises(starckpt.InvalidInputError, match="outside"):
+        manifest.read(path, 0, 1 << 62)
+    with pytest.raises(starckpt.InvalidInputError, match="outside"):
+        manifest.read(path, 8, 5)
+    with pytest.raises(starckpt.NotFoundError):
+        manifest.read("no/such/file", 0, 1 << 62)
+    with pytest.raises(starckpt.InvalidInputError, match="writable"):
+        manifest.read_many([(path, b"immutable!", 0)])
+    target = np.zeros(10, dtype=np.uint8)
+    with pytest.raises(starckpt.InvalidInputError, match="overlap"):
+        manifest.read_many([(path, target[:6], 0), (path, target[4:], 0)])
+
+
+def test_saves_still_in_flight_commit_when_the_interpreter_exits(cluster, job):
+    from conftest import python_env, run_python
+
+    code = "import starckpt, numpy as np; starckpt.Client().save(3, {'w': np.ones(1 << 22)})"
+    run_python(["-c", code], python_env(cluster, STARCKPT_JOB=job))
+    assert client(cluster, job).latest() == 3
+
+
+def test_taking_the_lease_fences_the_previous_run_before_any_save(cluster, job):
+    c = client(cluster, job)
+    c.save(1, {"x": 1}).wait()
+    code = "import starckpt; print(starckpt.Client().take_lease())"
+    from conftest import python_env, run_python
+
+    epoch = int(run_python(["-c", code], python_env(cluster, STARCKPT_JOB=job)).stdout)
+    assert epoch > c.take_lease()  # this process keeps the epoch it took, now superseded
+    with pytest.raises(starckpt.FencedError):
+        c.save(2, {"x": 2})
+    assert c.latest() == 1
 
 
 def test_a_closed_client_refuses_calls_after_finishing_its_saves(cluster, job):
@@ -339,5 +394,74 @@ def test_wait_times_out_while_the_cluster_is_stopped_then_commits(tmp_path, job)
             break
         else:
             pytest.fail("every save committed before the cluster could be stopped")
+
+        # A signal handler that calls starckpt while a call waits on this thread gets an error
+        # (rather than a deadlock behind the call it interrupted).
+        def handler(signum, frame):
+            c.list()
+
+        previous = signal.signal(signal.SIGALRM, handler)
+        cluster.server.signal(signal.SIGSTOP)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(starckpt.StarckptError, match="in progress on this thread"):
+                c.latest()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            cluster.server.signal(signal.SIGCONT)
+        assert c.latest() == attempt
     finally:
         cluster.stop()
+
+
+# -- staging by fill functions (the device-to-host path) ---------------------------------------
+
+
+def test_tensors_staged_by_fill_functions_round_trip(cluster, job, monkeypatch):
+    """Accelerator tensors are copied by torch straight into staging buffers through fill
+    functions; routing CPU tensors the same way tests that path here, without a GPU."""
+    from starckpt import _state
+
+    monkeypatch.setattr(_state, "FILL_DEVICE_TYPES", {"cpu"})
+    c = client(cluster, job)
+    state = {
+        "big": random_tensor(torch.bfloat16, (3, 5 << 20), 1),  # 30 MiB: several staging buffers
+        "strided": random_tensor(torch.float32, (64, 96), 2)[::3, 5::2],
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+    }
+    assert isinstance(_state.tensor_source(state["big"], "big"), tuple)
+    handle = c.save(1, state)
+    assert handle.progress["copied_bytes"] == handle.progress["total_bytes"]
+    assert handle.wait().committed
+    loaded, _ = c.load(1)
+    for key, tensor in state.items():
+        assert same_tensor(loaded[key], tensor), key
+
+
+def test_a_failing_fill_fails_the_save_with_its_own_exception(cluster, job):
+    c = client(cluster, job)
+    native = c._client()
+
+    def boom(offset, view):
+        raise KeyError(f"no bytes at {offset}")
+
+    with pytest.raises(KeyError, match="no bytes at 0"):
+        native.save(job, 1, [("a", (10, boom))])
+    kept = []
+
+    def keeps_an_array_on_its_view(offset, view):
+        kept.append(np.frombuffer(view, dtype=np.uint8))
+
+    def keeps_the_view(offset, view):
+        kept.append(view)
+
+    with pytest.raises(starckpt.InvalidInputError, match="kept 1 export"):
+        native.save(job, 2, [("b", (10, keeps_an_array_on_its_view))])
+    native.save(job, 2, [("b", (10, keeps_the_view))]).wait()  # the object alone reaches nothing:
+    with pytest.raises(BufferError, match="handed back"):
+        memoryview(kept[-1])
+    with pytest.raises(starckpt.InvalidInputError, match="neither a buffer nor"):
+        native.save(job, 3, [("c", "not bytes")])
+    assert c.latest() == 2  # only the save whose fill behaved committed

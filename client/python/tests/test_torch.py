@@ -145,6 +145,14 @@ def test_dcp_with_two_ranks_and_loading_with_another_world_size(cluster, job):
     assert torch.equal(state["sharded"], FULL) and torch.equal(state["rank/1"], torch.ones(3))
     assert torch.equal(state["replicated"], torch.linspace(0, 1, 10)) and state["epoch"] == 7
 
+    # And the other way: saved whole by one process, loaded as shards by two (each rank reads
+    # only its rows of the stored tensor).
+    whole = {"sharded": FULL, "replicated": torch.linspace(0, 1, 10), "rank/0": torch.zeros(3), "rank/1": torch.ones(3),
+             "epoch": 7}
+    dcp.save(whole, storage_writer=st.Writer(job=f"{job}-whole", step=6, server=cluster.address))
+    out = torchrun(cluster, job, [str(HERE / "dcp_ranks.py"), "load", f"{job}-whole", "6"])
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"loaded": True}
+
 
 # -- the example trainer: SIGKILL and resume --------------------------------------------------
 
@@ -241,3 +249,22 @@ def test_example_trainer_with_two_ranks_resumes_after_sigkill(cluster, job, tmp_
     assert [s for s in range(steps) if interrupted[s] != reference[s]] == []
     checkpoints = starckpt.Client(cluster.address, job).list()
     assert checkpoints[-1]["step"] == steps - 1 and checkpoints[-1]["world_size"] == 3
+
+
+def test_a_reader_fetches_only_the_rows_a_shard_needs():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from starckpt.torch import StorageInfo, _rows_needed
+
+    info = StorageInfo("dcp/__0_0", 64 * 6 * 2, "bfloat16", (64, 6))
+
+    def read(offsets, lengths):
+        index = MetadataIndex("w", [0, 0])
+        return ReadItem(LoadItemType.TENSOR, index, [0, 0], index, offsets, lengths)
+
+    rows = _rows_needed(info, [read([32, 0], [32, 6])])
+    assert (rows.first, rows.count, rows.offset, rows.nbytes) == (32, 32, 32 * 12, 32 * 12)
+    rows = _rows_needed(info, [read([8, 0], [8, 6]), read([40, 0], [4, 6])])
+    assert (rows.first, rows.count) == (8, 36)
+    assert _rows_needed(info, [read([0, 2], [64, 4])]).count is None  # a column slice: whole file

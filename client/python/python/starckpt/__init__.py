@@ -22,8 +22,10 @@ previous one (set ``STARCKPT_RUN_ID``, or run under torchrun, to share a run acr
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +72,31 @@ def _native_client(server: str) -> _native.NativeClient:
         return client
 
 
+# Saves not known to be finished: waited for at interpreter exit, so a script whose last line
+# is a non-blocking save still commits it (or says why not).
+_unfinished: set[SaveHandle] = set()
+_unfinished_lock = threading.Lock()
+
+
+def _track(handle: SaveHandle) -> None:
+    with _unfinished_lock:
+        for done in [h for h in _unfinished if h._finished_here()]:
+            _unfinished.discard(done)
+        _unfinished.add(handle)
+
+
+@atexit.register
+def _wait_for_saves_at_exit() -> None:
+    with _unfinished_lock:
+        pending = [h for h in _unfinished if h._pid == os.getpid()]
+        _unfinished.clear()
+    for handle in pending:
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001 - reported, the interpreter is exiting anyway
+            print(f"starckpt: the save of step {handle.step} failed: {e}", file=sys.stderr)
+
+
 def _env_int(name: str, default: int) -> int:
     text = os.environ.get(name)
     if not text:
@@ -105,6 +132,10 @@ class SaveHandle:
     def __init__(self, native: _native.SaveHandle, step: int):
         self._native = native
         self.step = step
+        self._pid = os.getpid()
+
+    def _finished_here(self) -> bool:
+        return self._pid != os.getpid() or self._native.done()
 
     def staged(self) -> bool:
         """True once every byte of the save is in staging buffers (or handed to the uploaders)."""
@@ -217,10 +248,17 @@ class Client:
             metadata={_META_USER: user_metadata, _META_FORMAT: str(_state.FORMAT)},
         )
         handle = SaveHandle(native, step)
+        _track(handle)
         self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
         if blocking:
             handle.wait()
         return handle
+
+    def take_lease(self) -> int:
+        """Takes this run's writer lease on the job now (the first save does otherwise) and
+        returns its epoch. A resuming trainer calls it before it asks ``latest()``: from then on
+        no writer of the preempted run can commit, so the step it resumes from stays the newest."""
+        return self._client().lease(self._job())
 
     def latest(self) -> int | None:
         """The highest committed step of the job, or None: what to resume from."""

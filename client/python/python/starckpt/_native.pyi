@@ -1,7 +1,7 @@
 """Type stubs of the Rust extension (client/python/src/lib.rs). Use the `starckpt` package API;
 this layer moves bytes between Python buffers and the SDK with the GIL released."""
 
-from collections.abc import Buffer, Sequence
+from collections.abc import Buffer, Callable, Sequence
 from typing import Any
 
 __version__: str
@@ -29,15 +29,16 @@ class NativeClient:
         self,
         job: str,
         step: int,
-        files: Sequence[tuple[str, Buffer]],
+        files: Sequence[tuple[str, Buffer | tuple[int, Callable[[int, memoryview], None]]]],
         *,
         rank: int = 0,
         world_size: int = 1,
         metadata: dict[str, str] = ...,
         skip_if_busy: bool = False,
     ) -> SaveHandle | None:
-        """Copies every buffer into staging before returning; None if `skip_if_busy` and the
-        previous save is still uploading."""
+        """Takes every file during the call: a buffer is copied into staging; for a `(size, fill)`
+        pair, `fill(offset, view)` writes that byte range into the staging buffer `view` (and must
+        not keep it). None if `skip_if_busy` and the previous save is still uploading."""
     def manifest(self, job: str, step: int | None = None) -> Manifest: ...
     def restore(self, job: str, to: str, step: int | None = None, force: bool = False) -> tuple[int, int]: ...
 

@@ -6,7 +6,9 @@ installed), ``bytes``/``bytearray`` and plain Python values (``None``, bool, int
 
 Every array, tensor and bytes leaf becomes one file of the part, holding its raw bytes in C
 order; the structure, dtypes and shapes go to ``<prefix>_starckpt/tree.json``. Plain values
-live in the tree itself (floats as ``float.hex`` so NaN, infinities and -0.0 round-trip). Nothing
+live in the tree itself (floats as their 8 IEEE bytes, so NaN payloads, infinities and -0.0
+round-trip; ints in hex, any size). dict subclasses other than ``OrderedDict`` come back as
+dicts, tuple subclasses (namedtuples) as tuples. Nothing
 is pickled: loading a checkpoint never runs code from it.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import collections
 import json
 import re
+import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +51,16 @@ def _file_name(prefix: str, index: int, where: str) -> str:
     return f"{prefix}data/{index:06d}" + (f"-{hint}" if hint else "")
 
 
-def _tensor_buffer(tensor, where: str):
-    """A uint8 numpy view of a CPU copy of `tensor` (no copy when it is CPU and contiguous)."""
+# Tensors on these devices are staged by a fill function (below) rather than as a host buffer.
+# Tests add "cpu" to exercise that path without a GPU.
+FILL_DEVICE_TYPES: set[str] = set()
+
+
+def tensor_source(tensor, where: str):
+    """What ``_native.NativeClient.save`` takes for `tensor`'s bytes (C order): a uint8 numpy
+    view of a host tensor (copied into staging, no copy before that when it is contiguous), or,
+    for a tensor on an accelerator, ``(size, fill)``: ``fill(offset, view)`` copies that byte
+    range device-to-host straight into the staging buffer ``view``, so no host copy is made."""
     torch = _torch()
     if tensor.is_sparse or tensor.is_quantized or tensor.layout != torch.strided:
         raise UnsupportedTypeError(f"{where}: {tensor.layout} / quantized tensors are not supported; save a dense copy")
@@ -58,11 +69,26 @@ def _tensor_buffer(tensor, where: str):
             f"{where}: tensor subclass {type(tensor).__name__} is not supported by Client.save; "
             "save sharded state with torch.distributed.checkpoint and starckpt.torch.Writer"
         )
-    data = tensor.detach()
-    if data.device.type != "cpu":
-        data = data.to("cpu")
-    data = data.contiguous()
-    return data.reshape(-1).view(torch.uint8).numpy()
+    data = tensor.detach().resolve_conj().resolve_neg()  # lazy conjugate/negative views, made real
+    if data.device.type == "meta":
+        raise UnsupportedTypeError(f"{where}: a meta tensor has no data to save")
+    if data.device.type == "cpu" and "cpu" not in FILL_DEVICE_TYPES:
+        return data.contiguous().reshape(-1).view(torch.uint8).numpy()
+    if data.device.type not in ("cpu", "cuda") and data.device.type not in FILL_DEVICE_TYPES:
+        data = data.to("cpu")  # devices without a tested direct copy: one host copy first
+        return data.contiguous().reshape(-1).view(torch.uint8).numpy()
+    flat = data.contiguous().reshape(-1).view(torch.uint8)  # on the device; a device copy if strided
+
+    def fill(offset: int, view) -> None:
+        target = torch.frombuffer(view, dtype=torch.uint8)
+        target.copy_(flat[offset : offset + target.numel()])
+        del target  # release the export of `view` before returning
+
+    return flat.numel(), fill
+
+
+def source_nbytes(source) -> int:
+    return source[0] if isinstance(source, tuple) else source.nbytes
 
 
 def flatten(state: Any, prefix: str = "") -> Flattened:
@@ -81,19 +107,20 @@ def flatten(state: Any, prefix: str = "") -> Flattened:
             return {"t": "none"}
         if isinstance(value, bool):
             return {"t": "bool", "v": value}
-        if isinstance(value, int) and type(value) is int:
-            return {"t": "int", "v": str(value)}
+        if type(value) is int:
+            return {"t": "int", "v": hex(value)}  # no digit limit for base 16
         if type(value) is float:
-            return {"t": "float", "v": value.hex()}
+            return {"t": "float", "v": struct.pack("<d", value).hex()}  # every bit, NaN payloads too
         if type(value) is str:
             return {"t": "str", "v": value}
-        if isinstance(value, (bytes, bytearray)):
-            kind = "bytes" if isinstance(value, bytes) else "bytearray"
-            return {"t": kind, "f": leaf_file(where, value, len(value)), "n": len(value)}
         if isinstance(value, np.ndarray) or isinstance(value, np.generic):
+            if isinstance(value, np.ma.MaskedArray):
+                raise UnsupportedTypeError(f"{where}: masked arrays are not supported; save .data and .mask")
             array = np.asarray(value)
-            if array.dtype.hasobject or array.dtype.fields is not None:
-                raise UnsupportedTypeError(f"{where}: numpy dtype {array.dtype} is not supported (object or structured)")
+            if array.dtype.hasobject or array.dtype.kind == "V":
+                raise UnsupportedTypeError(
+                    f"{where}: numpy dtype {array.dtype} is not supported (object, structured or extension dtypes)"
+                )
             contiguous = np.ascontiguousarray(array)
             return {
                 "t": "npscalar" if isinstance(value, np.generic) else "ndarray",
@@ -101,8 +128,11 @@ def flatten(state: Any, prefix: str = "") -> Flattened:
                 "shape": list(array.shape),
                 "f": leaf_file(where, contiguous.reshape(-1).view(np.uint8), contiguous.nbytes),
             }
+        if isinstance(value, (bytes, bytearray)):
+            kind = "bytes" if isinstance(value, bytes) else "bytearray"
+            return {"t": kind, "f": leaf_file(where, value, len(value)), "n": len(value)}
         if torch is not None and isinstance(value, torch.Tensor):
-            buffer = _tensor_buffer(value, where)
+            source = tensor_source(value, where)
             return {
                 "t": "tensor",
                 "dtype": str(value.dtype).removeprefix("torch."),
@@ -110,15 +140,20 @@ def flatten(state: Any, prefix: str = "") -> Flattened:
                 "device": str(value.device),
                 "requires_grad": bool(value.requires_grad),
                 "param": isinstance(value, torch.nn.Parameter),
-                "f": leaf_file(where, buffer, buffer.nbytes),
+                "f": leaf_file(where, source, source_nbytes(source)),
             }
         if isinstance(value, dict):
             keys, values = [], []
             for key, item in value.items():
                 keys.append(walk_key(key, where))
                 values.append(walk(item, f"{where}.{key}" if where else str(key)))
-            kind = "odict" if isinstance(value, collections.OrderedDict) else "dict"
-            return {"t": kind, "k": keys, "v": values}
+            if isinstance(value, collections.OrderedDict):
+                node = {"t": "odict", "k": keys, "v": values}
+                # A module's state_dict carries its submodules' versions here.
+                if isinstance(getattr(value, "_metadata", None), dict):
+                    node["m"] = walk(value._metadata, f"{where}._metadata")
+                return node
+            return {"t": "dict", "k": keys, "v": values}
         if isinstance(value, (list, tuple)):
             kind = "list" if isinstance(value, list) else "tuple"
             return {"t": kind, "v": [walk(item, f"{where}[{i}]") for i, item in enumerate(value)]}
@@ -180,9 +215,9 @@ def plan_load(document: bytes, sizes: dict[str, int], where: str):
         if kind in ("bool", "str"):
             return lambda: node["v"]
         if kind == "int":
-            return lambda: int(node["v"])
+            return lambda: int(node["v"], 16)
         if kind == "float":
-            return lambda: float.fromhex(node["v"])
+            return lambda: struct.unpack("<d", bytes.fromhex(node["v"]))[0]
         if kind in ("bytes", "bytearray"):
             data = bytearray(int(node["n"]))
             read_into(node, np.frombuffer(data, dtype=np.uint8))
@@ -200,8 +235,17 @@ def plan_load(document: bytes, sizes: dict[str, int], where: str):
         if kind in ("dict", "odict"):
             keys = [prepare(k) for k in node["k"]]
             values = [prepare(v) for v in node["v"]]
-            cls = collections.OrderedDict if kind == "odict" else dict
-            return lambda: cls((k(), v()) for k, v in zip(keys, values))
+            if kind == "dict":
+                return lambda: dict((k(), v()) for k, v in zip(keys, values))
+            metadata = prepare(node["m"]) if "m" in node else None
+
+            def build_odict():
+                result = collections.OrderedDict((k(), v()) for k, v in zip(keys, values))
+                if metadata is not None:
+                    result._metadata = metadata()
+                return result
+
+            return build_odict
         if kind in ("list", "tuple"):
             items = [prepare(v) for v in node["v"]]
             cls = list if kind == "list" else tuple

@@ -24,6 +24,12 @@ chunks each rank needs; the reader serves those files.
 
 Ranks of one checkpoint must share a run id (torchrun's ``TORCHELASTIC_RUN_ID`` or
 ``STARCKPT_RUN_ID``); every Writer and Reader of a process shares its one connection and lease.
+(``async_save`` with ``AsyncCheckpointerType.PROCESS`` saves from another process: give it the
+trainer's run id through ``STARCKPT_RUN_ID``, or it is a new run that fences the trainer.)
+DCP's collective save is required (``use_collectives=True``, the default). Tensors on a GPU are
+copied device-to-host straight into the SDK's staging buffers. A Reader fetches only the rows of
+a stored tensor that its rank's plan needs when the plan slices dim 0 (resharding along dim 0),
+and the whole item otherwise.
 """
 
 from __future__ import annotations
@@ -38,7 +44,6 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
@@ -52,7 +57,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import Client, SaveHandle, _native_client, _state
-from .errors import FormatError, InvalidInputError
+from .errors import FormatError, InvalidInputError, StarckptError
 
 SCHEME = "starckpt://"
 METADATA_FILE = "dcp/.metadata"
@@ -177,10 +182,12 @@ class _Addressed:
             self.job, self.step = parse_checkpoint_id(checkpoint_id)
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """A rank's part of a DCP save: set by the coordinator's global plan."""
+
+    rank: int
+    ranks: int
 
 
 class Writer(StorageWriter, _Addressed):
@@ -194,7 +201,6 @@ class Writer(StorageWriter, _Addressed):
         super().__init__()
         self._address(job, step, server)
         self.save_id = uuid.uuid4().hex
-        self.rank, self.world_size = 0, 1
         self.is_coordinator = True
         # Single process: the data files wait here for finish(), which commits them with the
         # metadata in one part.
@@ -210,10 +216,12 @@ class Writer(StorageWriter, _Addressed):
         self._pending = []
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives") is False:
+            # Then every rank would run finish() with metadata of its own items only, and the
+            # checkpoint would complete with the first of them.
+            raise InvalidInputError("starckpt.torch.Writer needs DCP's collective save (use_collectives=True)")
         self.is_coordinator = is_coordinator
-        rank, self.world_size = _world()
-        self.rank = kwargs["rank"] if kwargs.get("rank") is not None else rank
-        self._client()  # fail early, on every rank, on a bad job/step/server
+        self._check_step()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"{SCHEME}{self.job}/{self.step}", save_id=self.save_id)
@@ -222,34 +230,37 @@ class Writer(StorageWriter, _Addressed):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        # The ranks of *this* save (its process group, or one with no_dist), not the default
+        # group: each rank learns its part and the part count from its plan.
+        return [dataclasses.replace(plan, storage_data=_Part(rank, len(plans))) for rank, plan in enumerate(plans)]
 
-    def _client(self) -> Client:
+    def _check_step(self) -> None:
         if self.step is None or not isinstance(self.step, int) or self.step < 0:
             raise InvalidInputError("starckpt.torch.Writer needs a step: Writer(job, step) or checkpoint_id=starckpt://job/step")
-        # One part per rank plus DCP's metadata part (see the module docs).
-        parts = 1 if self.world_size == 1 else self.world_size + 1
-        return Client(self.server, self.job, rank=min(self.rank, parts - 1), world_size=parts)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        part = plan.storage_data
+        if not isinstance(part, _Part):
+            raise InvalidInputError("starckpt.torch.Writer got a plan without its part: DCP skipped prepare_global_plan")
         files: list[tuple[str, Any]] = []
         results: list[WriteResult] = []
         for index, item in enumerate(plan.items):
             data = planner.resolve_data(item)
-            path = f"dcp/__{self.rank}_{index}"
+            path = f"dcp/__{part.rank}_{index}"
             if item.type == WriteItemType.BYTE_IO:
                 buffer = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
-                info = StorageInfo(path, buffer.nbytes)
+                info = StorageInfo(path, _state.source_nbytes(buffer))
             else:
                 tensor = data.detach()
-                buffer = _state._tensor_buffer(tensor, f"{item.index.fqn}")
-                info = StorageInfo(path, buffer.nbytes, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+                buffer = _state.tensor_source(tensor, f"{item.index.fqn}")
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                info = StorageInfo(path, _state.source_nbytes(buffer), dtype, tuple(tensor.shape))
             files.append((path, buffer))
             results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
-        if self.world_size == 1:
+        if part.ranks == 1:
             self._pending = files
         else:
-            self._save(files, rank=self.rank)
+            self._save(files, rank=part.rank, parts=part.ranks + 1)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -259,12 +270,19 @@ class Writer(StorageWriter, _Addressed):
         metadata.storage_meta = self.storage_meta()
         files = [*self._pending, (METADATA_FILE, pickle.dumps(metadata))]
         self._pending = []
-        self._save(files, rank=self.world_size if self.world_size > 1 else 0)
+        ranks = len(results)
+        outcome = self._save(files, rank=ranks if ranks > 1 else 0, parts=ranks + 1 if ranks > 1 else 1)
+        if not outcome["committed"]:
+            raise StarckptError(
+                f"{self.job} step {self.step}: the metadata part did not complete the checkpoint "
+                f"({outcome['parts_committed']} of {outcome['world_size']} parts in)"
+            )
 
-    def _save(self, files: list[tuple[str, Any]], rank: int) -> None:
-        client = self._client()
-        native = client._client().save(client._job(), self.step, files, rank=rank, world_size=client.world_size)
-        native.wait()
+    def _save(self, files: list[tuple[str, Any]], rank: int, parts: int) -> dict[str, Any]:
+        self._check_step()
+        client = Client(self.server, self.job, rank=rank, world_size=parts)
+        native = client._client().save(client._job(), self.step, files, rank=rank, world_size=parts)
+        return native.wait()
 
 
 class Reader(StorageReader, _Addressed):
@@ -292,7 +310,9 @@ class Reader(StorageReader, _Addressed):
         client = Client(self.server, self.job, rank=0, world_size=1)
         return client.manifest(step)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: Any) -> Metadata:
+        # No **kwargs on purpose: DCP would then retry a failed read per rank, without
+        # collectives, and a rank that failed alone would wait forever for the others.
         manifest = self._fetch_manifest(self.step)
         if manifest.size(METADATA_FILE) is None:
             raise FormatError(f"{manifest.job} step {manifest.step} has no {METADATA_FILE}: it is not a DCP checkpoint")
@@ -315,9 +335,15 @@ class Reader(StorageReader, _Addressed):
                 self._manifest = self._fetch_manifest(step)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        if self._manifest is None:
+            self._manifest = self._fetch_manifest(self.step)
+        return dataclasses.replace(plan, storage_data=(self._manifest.job, self._manifest.step))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        read = sorted({plan.storage_data for plan in plans}, key=repr)
+        if len(read) > 1:
+            # "Latest" moved while the ranks looked it up: they would load different steps.
+            raise FormatError(f"the ranks resolved different checkpoints {read}; load again, or pass step=")
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -329,15 +355,16 @@ class Reader(StorageReader, _Addressed):
             if not isinstance(info, StorageInfo):
                 raise FormatError(f"no starckpt storage entry for {item.storage_index}")
             by_file.setdefault(info.path, []).append(item)
-        batch: list[tuple[StorageInfo, np.ndarray]] = []
+        batch: list[tuple[StorageInfo, _Rows, np.ndarray]] = []
         batch_bytes = 0
         for path, items in by_file.items():
             info = self.storage_data[items[0].storage_index]
-            if batch and batch_bytes + info.length > READ_BATCH_BYTES:
+            rows = _rows_needed(info, items)
+            if batch and batch_bytes + rows.nbytes > READ_BATCH_BYTES:
                 self._apply(batch, by_file, planner)
                 batch, batch_bytes = [], 0
-            batch.append((info, np.empty(info.length, dtype=np.uint8)))
-            batch_bytes += info.length
+            batch.append((info, rows, np.empty(rows.nbytes, dtype=np.uint8)))
+            batch_bytes += rows.nbytes
         if batch:
             self._apply(batch, by_file, planner)
         future: Future[None] = Future()
@@ -345,8 +372,8 @@ class Reader(StorageReader, _Addressed):
         return future
 
     def _apply(self, batch, by_file, planner: LoadPlanner) -> None:
-        self._manifest.read_many([(info.path, buffer, 0) for info, buffer in batch if info.length])
-        for info, buffer in batch:
+        self._manifest.read_many([(info.path, buffer, rows.offset) for info, rows, buffer in batch if rows.nbytes])
+        for info, rows, buffer in batch:
             for item in by_file[info.path]:
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(buffer.tobytes()))
@@ -354,16 +381,59 @@ class Reader(StorageReader, _Addressed):
                 dtype = getattr(torch, info.dtype or "", None)
                 if not isinstance(dtype, torch.dtype) or info.shape is None:
                     raise FormatError(f"{info.path}: bad tensor entry {info}")
-                if info.length:
-                    tensor = torch.from_numpy(buffer).view(dtype).reshape(info.shape)
+                shape = rows.shape(info.shape)
+                if rows.nbytes:
+                    tensor = torch.from_numpy(buffer).view(dtype).reshape(shape)
                 else:
-                    tensor = torch.empty(info.shape, dtype=dtype)
-                tensor = _narrow(tensor, item.storage_offsets, item.lengths)
+                    tensor = torch.empty(shape, dtype=dtype)
+                offsets = list(item.storage_offsets)
+                if offsets:
+                    offsets[0] -= rows.first
+                tensor = _narrow(tensor, offsets, item.lengths)
                 target = planner.resolve_tensor(item).detach()
                 if target.size() != tensor.size():
                     raise FormatError(f"{item.storage_index}: stored {tuple(tensor.size())}, asked for {tuple(target.size())}")
                 target.copy_(tensor)
                 planner.commit_tensor(item, target)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """The part of a stored item a rank reads: rows [first, first + count) of dim 0 (all of it
+    unless every request narrows dim 0 only, as resharding along dim 0 does)."""
+
+    first: int
+    count: int | None  # None: the whole file (bytes items, 0-d tensors)
+    row_bytes: int
+    total: int
+
+    @property
+    def offset(self) -> int:
+        return self.first * self.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.total if self.count is None else self.count * self.row_bytes
+
+    def shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(stored) if self.count is None else (self.count, *stored[1:])
+
+
+def _rows_needed(info: StorageInfo, items) -> _Rows:
+    whole = _Rows(0, None, 0, info.length)
+    if not info.shape or info.dtype is None or any(item.type == LoadItemType.BYTE_IO for item in items):
+        return whole
+    shape = tuple(info.shape)
+    row_bytes = info.length // shape[0] if shape[0] else 0
+    first, end = shape[0], 0
+    for item in items:
+        rest = zip(item.storage_offsets[1:], item.lengths[1:], shape[1:])
+        if len(item.storage_offsets) != len(shape) or any(o != 0 or n != size for o, n, size in rest):
+            return whole
+        first, end = min(first, item.storage_offsets[0]), max(end, item.storage_offsets[0] + item.lengths[0])
+    if not row_bytes or first >= end:
+        return whole
+    return _Rows(first, end - first, row_bytes, info.length)
 
 
 def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
