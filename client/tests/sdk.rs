@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
-use starckpt_client::{Client, ClientConfig, CommitState, Error, SavePart, TargetState};
+use starckpt_client::{Client, ClientConfig, CommitState, Error, Lent, SavePart, TargetState};
 use starckpt_server::dev::DevCluster;
 use starckpt_server::target::EngineKind;
 
@@ -117,6 +117,48 @@ async fn lent_bytes_are_staged_during_the_call_so_the_caller_may_change_them() {
     let error = client.save_borrowed(SavePart::new("lent", 2), &[("../w", &weights)]).await.unwrap_err();
     assert!(matches!(error, Error::Invalid(_)), "{error:?}");
     assert_eq!(client.latest("lent").await.unwrap().unwrap().step, 1);
+    cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fill_sources_write_staging_buffers_themselves_and_their_errors_fail_the_save() {
+    let (_dir, cluster, client) = cluster(2, |c| {
+        c.chunk_size_bytes = 64 * 1024;
+        c.staging_bytes = 256 * 1024;
+        c.staging_threads = 2;
+    })
+    .await;
+    // A "device" the SDK cannot read directly: only the fill function copies out of it, each
+    // call for one staging buffer's range (offset, length), possibly from several threads.
+    let device = random(1_000_003, 11);
+    let calls = std::sync::Mutex::new(Vec::new());
+    let fill = |offset: u64, out: &mut [u8]| {
+        calls.lock().unwrap().push((offset, out.len()));
+        out.copy_from_slice(&device[offset as usize..offset as usize + out.len()]);
+        Ok(())
+    };
+    let sources =
+        [("tensor.bin", Lent::Fill { size: device.len() as u64, fill: &fill }), ("small", Lent::Bytes(b"abc"))];
+    let handle = client.save_lent(SavePart::new("fill", 1), &sources).await.unwrap();
+    assert_eq!(handle.progress().copied_bytes.load(Ordering::Relaxed), device.len() as u64 + 3);
+    assert!(handle.wait().await.unwrap().committed());
+    let mut calls = calls.into_inner().unwrap();
+    calls.sort_unstable();
+    let expected: Vec<(u64, usize)> =
+        (0..device.len()).step_by(64 * 1024).map(|o| (o as u64, (device.len() - o).min(64 * 1024))).collect();
+    assert_eq!(calls, expected, "one call per staging buffer, covering the file exactly once");
+    let manifest = client.manifest("fill", Some(1)).await.unwrap();
+    assert_eq!(&client.read_file(&manifest, "tensor.bin").await.unwrap()[..], &device[..]);
+    assert_eq!(&client.read_file(&manifest, "small").await.unwrap()[..], b"abc");
+
+    let failing = |offset: u64, _: &mut [u8]| if offset >= 128 * 1024 { Err("device lost".to_owned()) } else { Ok(()) };
+    let sources = [("tensor.bin", Lent::Fill { size: device.len() as u64, fill: &failing })];
+    let error = client.save_lent(SavePart::new("fill", 2), &sources).await.unwrap_err();
+    assert!(error.to_string().contains("staging tensor.bin: device lost"), "{error}");
+    assert_eq!(client.latest("fill").await.unwrap().unwrap().step, 1);
+    // The failed save gave its staging buffers and its upload slot back.
+    let handle = client.save_lent(SavePart::new("fill", 3), &[("b", Lent::Bytes(&device))]).await.unwrap();
+    assert!(handle.wait().await.unwrap().committed());
     cluster.shutdown().await.unwrap();
 }
 
