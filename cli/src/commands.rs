@@ -272,6 +272,9 @@ pub async fn show(server: &str, job: &str, step: u64, out: &Output) -> anyhow::R
             "checkpoint": checkpoint_json(&manifest.info),
             "files": manifest.files.iter().map(|f| json!({
                 "path": f.path.as_str(), "bytes": f.size_bytes, "mode": f.mode, "chunks": f.chunks.len(),
+                "chunk_refs": f.chunks.iter().map(|c| json!({
+                    "hash": c.hash.to_hex(), "bytes": c.length_bytes, "replicas": c.replicas,
+                })).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
             "directories": manifest.directories.iter().map(|d| d.as_str()).collect::<Vec<_>>(),
             "metadata": manifest.metadata.iter().map(|(rank, m)| json!({"rank": rank, "metadata": m})).collect::<Vec<_>>(),
@@ -358,6 +361,12 @@ fn describe_retention(policy: &RetentionPolicy) -> String {
         return "keep every checkpoint".into();
     }
     format!("keep {}, tagged checkpoints and the latest", rules.join(", "))
+}
+
+pub async fn replication(server: &str, job: &str, replicas: u32) -> anyhow::Result<()> {
+    connect(server, None).await?.set_replication(job, replicas).await?;
+    println!("{job}: {replicas} replicas per chunk for saves from now on");
+    Ok(())
 }
 
 pub async fn retention(
@@ -471,7 +480,7 @@ pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
                 "target_id": t.target_id, "data_address": t.data_address,
                 "state": target_state(t.state),
                 "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "chunks": t.chunk_count,
-                "heartbeat_age_ms": t.heartbeat_age_ms, "transport": "tcp",
+                "heartbeat_age_ms": t.heartbeat_age_ms, "transport": "tcp", "failure_domain": t.failure_domain,
             })).collect::<Vec<_>>(),
         }));
         return Ok(());
@@ -479,15 +488,16 @@ pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
     let alive = targets.iter().filter(|t| t.state == TargetState::Alive as i32).count();
     println!("control plane {server}: {} targets, {alive} alive", targets.len());
     println!(
-        "{:<38} {:<22} {:<7} {:>10} {:>10} {:>9} {:>10}",
-        "TARGET", "ADDRESS", "STATE", "USED", "CAPACITY", "CHUNKS", "HEARTBEAT"
+        "{:<38} {:<22} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
+        "TARGET", "ADDRESS", "DOMAIN", "STATE", "USED", "CAPACITY", "CHUNKS", "HEARTBEAT"
     );
     for t in &targets {
         let state = target_state(t.state);
         println!(
-            "{:<38} {:<22} {:<7} {:>10} {:>10} {:>9} {:>10}",
+            "{:<38} {:<22} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
             t.target_id,
             t.data_address,
+            if t.failure_domain.is_empty() { "-" } else { &t.failure_domain },
             state,
             output::bytes(t.used_bytes),
             output::bytes(t.capacity_bytes),

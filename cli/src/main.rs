@@ -79,6 +79,10 @@ enum Command {
         /// and go to other targets.
         #[arg(long, default_value_t = 256 << 20)]
         reserve_bytes: u64,
+        /// Failure domain (host, rack, ...): a chunk's replicas go to distinct domains when there
+        /// are enough. Default: a domain of its own.
+        #[arg(long, default_value = "")]
+        failure_domain: String,
     },
     /// Run a control plane and N targets in one process, data kept in DIR across restarts.
     Dev {
@@ -151,6 +155,9 @@ enum Command {
         #[arg(long)]
         keep_every: Option<u64>,
     },
+    /// Set JOB's replication factor: copies of every chunk its saves make from now on, on
+    /// distinct targets and failure domains (default 2; capped by the live targets).
+    Replication { job: String, replicas: u32 },
     /// Tag a committed checkpoint (retention never deletes it), or untag it with --remove.
     Tag {
         job: String,
@@ -241,12 +248,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             commands::server(&listen, &db, args).await
         }
-        Command::Target { dir, listen, advertise, io_engine, assume_uptime_secs, reserve_bytes } => {
+        Command::Target { dir, listen, advertise, io_engine, assume_uptime_secs, reserve_bytes, failure_domain } => {
             let mut config = starckpt_server::target::TargetConfig::new(dir, cli.server.clone());
             config.advertise = advertise;
             config.engine = io_engine;
             config.assumed_uptime = Duration::from_secs(assume_uptime_secs);
             config.reserve_bytes = reserve_bytes;
+            config.failure_domain = failure_domain;
             commands::target(config, &listen).await
         }
         Command::Dev { data, targets, listen, io_engine } => commands::dev(&data, targets, &listen, io_engine).await,
@@ -264,6 +272,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Retention { job, keep_last, keep_every } => {
             commands::retention(&cli.server, &job, keep_last, keep_every, &out).await
         }
+        Command::Replication { job, replicas } => commands::replication(&cli.server, &job, replicas).await,
         Command::Tag { job, step, tag, remove } => commands::tag(&cli.server, &job, step, &tag, remove).await,
         Command::Gc => commands::gc(&cli.server, &out).await,
         Command::Mount { mountpoint, threads, read_ahead_chunks } => {

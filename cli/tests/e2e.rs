@@ -214,6 +214,8 @@ fn a_flipped_byte_fails_restore_naming_chunk_and_target() {
     let source = cluster.dir.path().join("source");
     std::fs::create_dir_all(&source).unwrap();
     std::fs::write(source.join("only.bin"), random_bytes(1 << 20, 3)).unwrap();
+    // One copy: nothing to read around the damage.
+    cluster.ok(&["replication", "rot", "1"]);
     cluster.ok(&["save", "--job", "rot", "--step", "1", source.to_str().unwrap()]);
 
     let (index, chunk) = (0..3).find_map(|i| cluster.chunk_files(i).into_iter().next().map(|c| (i, c))).unwrap();
@@ -234,6 +236,33 @@ fn a_flipped_byte_fails_restore_naming_chunk_and_target() {
         .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().contains("starckpt-partial"))
         .collect();
     assert!(leftovers.is_empty(), "partial restore left behind");
+
+    // Two copies (the default): the restore reads around the same damage, and the bad copy is
+    // rewritten from the good one (read repair).
+    let other = cluster.dir.path().join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("twice.bin"), random_bytes(1 << 20, 4)).unwrap();
+    cluster.ok(&["save", "--job", "rot2", "--step", "1", other.to_str().unwrap()]);
+    let shown = cluster.json(&["show", "rot2", "1"]);
+    let chunk = &shown["files"][0]["chunk_refs"][0];
+    let first = chunk["replicas"][0].as_str().unwrap();
+    let index = (0..3)
+        .find(|i| std::fs::read_to_string(cluster.target_dir(*i).join("target.id")).unwrap().trim() == first)
+        .unwrap();
+    let hash = chunk["hash"].as_str().unwrap();
+    let path = cluster.target_dir(index).join("chunks").join(&hash[..2]).join(hash);
+    let good = std::fs::read(&path).unwrap();
+    let mut bad = good.clone();
+    bad[4096 + 1000] ^= 0x01;
+    std::fs::write(&path, &bad).unwrap();
+    let restored = cluster.dir.path().join("restored-2");
+    cluster.ok(&["restore", "--job", "rot2", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("twice.bin")).unwrap(), random_bytes(1 << 20, 4));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::read(&path).unwrap_or_default() != good {
+        assert!(std::time::Instant::now() < deadline, "the bad copy was not repaired");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
@@ -323,14 +352,22 @@ fn a_dead_target_during_save_and_restore() {
     cluster.ok(&["restore", "--job", "dead", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(tree(&source), tree(&restored));
 
-    // With one replica per chunk, losing a target that holds chunks makes restore fail clearly.
-    let holder = (1..3).find(|i| !cluster.chunk_files(*i).is_empty()).unwrap();
-    cluster.targets[holder].kill();
+    // Two copies of every chunk (the default), on targets 1 and 2 since 0 was dead: losing one
+    // more target still restores everything.
+    assert!(cluster.chunk_files(0).is_empty());
+    assert_eq!(cluster.chunk_files(1).len(), cluster.chunk_files(2).len());
+    cluster.targets[1].kill();
     let again = cluster.dir.path().join("again");
-    let stderr = cluster.fails(&["restore", "--job", "dead", "--latest", "--to", again.to_str().unwrap()]);
-    let target_id = std::fs::read_to_string(cluster.target_dir(holder).join("target.id")).unwrap();
+    cluster.ok(&["restore", "--job", "dead", "--latest", "--to", again.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&again));
+
+    // Losing the last copy makes restore fail clearly, naming the target.
+    cluster.targets[2].kill();
+    let third = cluster.dir.path().join("third");
+    let stderr = cluster.fails(&["restore", "--job", "dead", "--latest", "--to", third.to_str().unwrap()]);
+    let target_id = std::fs::read_to_string(cluster.target_dir(2).join("target.id")).unwrap();
     assert!(stderr.contains(target_id.trim()), "{stderr}");
-    assert!(!again.exists());
+    assert!(!third.exists());
 }
 
 #[test]
@@ -663,7 +700,8 @@ fn restore_of_more_files_than_the_descriptor_limit() {
 
 #[test]
 fn full_targets_refuse_puts_and_writers_go_elsewhere_until_none_has_room() {
-    let mut cluster = Cluster::start(2);
+    // Three targets, two copies of each chunk (the default replication factor).
+    let mut cluster = Cluster::start(3);
     let data = cluster.dir.path().join("data");
     std::fs::create_dir_all(&data).unwrap();
     let file = |name: &str, seed: u64| {
@@ -680,7 +718,7 @@ fn full_targets_refuse_puts_and_writers_go_elsewhere_until_none_has_room() {
     let everything = u64::MAX.to_string();
     cluster.targets[0].kill();
     cluster.targets[0] = cluster.start_target_with(0, &["--reserve-bytes", &everything]);
-    cluster.wait_alive(2);
+    cluster.wait_alive(3);
     let on_full_target = cluster.chunk_files(0).len();
     let two = file("two.bin", 2);
     let output = save(&cluster, "2", &two);
@@ -690,14 +728,15 @@ fn full_targets_refuse_puts_and_writers_go_elsewhere_until_none_has_room() {
     cluster.ok(&["restore", "--job", "full", "--step", "2", "--to", restored.to_str().unwrap()]);
     assert_eq!(std::fs::read(restored.join("two.bin")).unwrap(), std::fs::read(&two).unwrap());
 
-    // No target has room: the save fails cleanly and the previous checkpoint stays the latest.
+    // Fewer targets have room than copies are needed: the save fails cleanly and the previous
+    // checkpoint stays the latest.
     cluster.targets[1].kill();
     cluster.targets[1] = cluster.start_target_with(1, &["--reserve-bytes", &everything]);
-    cluster.wait_alive(2);
+    cluster.wait_alive(3);
     let output = save(&cluster, "3", &file("three.bin", 3));
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("target is full"), "{stderr}");
+    assert!(stderr.contains("target is full") && stderr.contains("on 1 of the 2 targets"), "{stderr}");
     assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 2);
     let again = cluster.dir.path().join("again");
     cluster.ok(&["restore", "--job", "full", "--latest", "--to", again.to_str().unwrap()]);
@@ -733,4 +772,57 @@ fn a_silent_target_turns_suspect_then_dead_and_gets_no_new_chunks() {
     // SAFETY: as above.
     unsafe { libc::kill(cluster.targets[0].pid() as i32, libc::SIGCONT) };
     wait_for(&frozen, "alive");
+}
+
+#[test]
+fn replicas_span_failure_domains_so_a_whole_domain_can_die() {
+    let mut cluster = Cluster::start(0);
+    for (index, domain) in ["rack-a", "rack-a", "rack-b", "rack-b"].into_iter().enumerate() {
+        let target = cluster.start_target_with(index, &["--failure-domain", domain]);
+        cluster.targets.push(target);
+    }
+    cluster.wait_alive(4);
+    let status = cluster.json(&["status"]);
+    let domain_of: std::collections::HashMap<String, String> = status["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["target_id"].as_str().unwrap().to_owned(), t["failure_domain"].as_str().unwrap().to_owned()))
+        .collect();
+    assert!(cluster.ok(&["status"]).contains("rack-b"));
+
+    let source = cluster.dir.path().join("weights.bin");
+    std::fs::write(&source, common::random_bytes(3_000_000, 5)).unwrap();
+    let saved =
+        cluster.json(&["save", "--job", "ha", "--step", "1", "--chunk-size", "262144", source.to_str().unwrap()]);
+    assert_eq!(saved["committed"], true);
+    let shown = cluster.json(&["show", "ha", "1"]);
+    let chunks = shown["files"][0]["chunk_refs"].as_array().unwrap();
+    assert_eq!(chunks.len(), 12);
+    for chunk in chunks {
+        let domains: std::collections::HashSet<&str> =
+            chunk["replicas"].as_array().unwrap().iter().map(|r| domain_of[r.as_str().unwrap()].as_str()).collect();
+        assert_eq!(domains.len(), 2, "two copies in two racks: {chunk}");
+    }
+
+    // Rack A goes away at once; every chunk still has its rack-B copy.
+    cluster.targets[0].kill();
+    cluster.targets[1].kill();
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "ha", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), std::fs::read(&source).unwrap());
+
+    // With a replication factor of 3 and only rack B left, a save makes copies on both of its
+    // targets (as many as are live) and commits.
+    cluster.ok(&["replication", "ha", "3"]);
+    std::thread::sleep(std::time::Duration::from_secs(6)); // rack A is dead to the control plane
+    let saved = cluster.json(&["save", "--job", "ha", "--step", "2", source.to_str().unwrap()]);
+    assert_eq!(saved["committed"], true);
+    let shown = cluster.json(&["show", "ha", "2"]);
+    for chunk in shown["files"][0]["chunk_refs"].as_array().unwrap() {
+        let replicas: Vec<&str> = chunk["replicas"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
+        assert_eq!(replicas.len(), 2, "{chunk}");
+        assert!(replicas.iter().all(|r| domain_of[*r] == "rack-b"), "{chunk}");
+    }
+    assert!(!cluster.cli(&["replication", "ha", "0"]).status.success());
 }

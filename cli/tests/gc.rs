@@ -66,17 +66,18 @@ fn retention_tags_and_gc_free_exactly_the_garbage() {
     assert_eq!(steps_in(&listing, "deleted"), vec![2]);
     assert_eq!(listing[0]["tags"], serde_json::json!(["best"]));
 
-    // Step 2's 16 chunks are garbage, but too recently used to collect.
+    // Step 2's 16 chunks are garbage (two copies each: the default replication factor, on both
+    // targets), but too recently used to collect.
     let before = cluster.total_chunks();
     let report = cluster.json(&["gc"]);
     assert_eq!((report["chunks_deleted"].as_u64(), report["targets_swept"].as_u64()), (Some(0), Some(2)));
-    assert_eq!(report["chunks_in_grace"], 16);
+    assert_eq!(report["chunks_in_grace"], 2 * 16);
     // Once they are older than the grace period they go; nothing a kept checkpoint names does.
     cluster.age_all_chunks(LONG_AGO);
     let report = cluster.json(&["gc"]);
-    assert_eq!(report["chunks_deleted"], 16, "{report}");
-    assert_eq!(report["live_chunks"], 16 * 3);
-    assert_eq!(cluster.total_chunks(), before - 16);
+    assert_eq!(report["chunks_deleted"], 2 * 16, "{report}");
+    assert_eq!(report["live_chunks"], 16 * 3, "distinct chunks");
+    assert_eq!(cluster.total_chunks(), before - 2 * 16);
     for step in [1, 3, 4] {
         restore_matches(&cluster, "job", step, &files[step as usize - 1]);
     }
@@ -90,8 +91,8 @@ fn retention_tags_and_gc_free_exactly_the_garbage() {
     assert_eq!(steps_in(&cluster.json(&["ls", "job"]), "committed"), vec![4]);
     cluster.age_all_chunks(LONG_AGO);
     let report = cluster.json(&["gc"]);
-    assert_eq!(report["chunks_deleted"], 16, "step 1's chunks; step 3's are all in step 4");
-    assert_eq!(cluster.total_chunks(), 32);
+    assert_eq!(report["chunks_deleted"], 2 * 16, "step 1's chunks; step 3's are all in step 4");
+    assert_eq!(cluster.total_chunks(), 2 * 32);
     restore_matches(&cluster, "job", 4, &files[3]);
 
     // Bad input gets clear errors.

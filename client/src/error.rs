@@ -32,6 +32,9 @@ pub enum Error {
     ChunkUnavailable { hash: ChunkHash, last: Box<Error> },
     #[error("no storage target accepted chunk {hash}: {last}")]
     NoTarget { hash: ChunkHash, last: Box<Error> },
+    /// Fewer targets than the replication factor accepted a chunk.
+    #[error("chunk {hash} is stored on {stored} of the {wanted} targets it needs: {last}")]
+    Underreplicated { hash: ChunkHash, stored: usize, wanted: usize, last: Box<Error> },
     /// A name, path or manifest failed validation.
     #[error("{0}")]
     Invalid(#[from] ModelError),

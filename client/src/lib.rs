@@ -86,6 +86,10 @@ pub struct ClientConfig {
     /// run), else a fresh id for this client alone, which suits single-process trainers: every
     /// restart of the process is then a new run that fences the previous one.
     pub run_id: Option<String>,
+    /// Copies of each chunk of a streamed file ([`Client::streaming_file`], the FUSE mount's
+    /// writes), whose job is unknown until commit. Default 2, the control plane's default
+    /// replication factor. (Saves use their job's factor, which the control plane sends.)
+    pub stream_replicas: u32,
     pub tcp: TcpConfig,
 }
 
@@ -101,6 +105,7 @@ impl ClientConfig {
             rpc_timeout: Duration::from_secs(30),
             tcp: TcpConfig::default(),
             run_id: run_id_from_env(),
+            stream_replicas: 2,
         }
     }
 }
@@ -154,7 +159,16 @@ struct Inner {
     control: ControlClient<Channel>,
     staging: BufPool,
     targets: Targets,
+    /// Read repairs queued or running in the background (see `read_chunk`), and those running.
+    repairs: Arc<tokio::sync::Semaphore>,
+    repairs_running: Arc<tokio::sync::Semaphore>,
 }
+
+/// Most read repairs a client holds at once, queued or running (each holds one chunk in memory);
+/// more are skipped (a later read, or the target's scrub, finds the copy again).
+pub const REPAIRS_IN_FLIGHT: usize = 32;
+/// Most read repairs sent at once.
+const REPAIRS_RUNNING: usize = 4;
 
 /// A connection to a starckpt cluster. Cheap to clone; clones share connections and the staging
 /// pool.
@@ -200,6 +214,8 @@ impl Client {
                 control,
                 staging,
                 targets: Targets::default(),
+                repairs: Arc::new(tokio::sync::Semaphore::new(REPAIRS_IN_FLIGHT)),
+                repairs_running: Arc::new(tokio::sync::Semaphore::new(REPAIRS_RUNNING)),
             }),
         })
     }
@@ -277,6 +293,17 @@ impl Client {
             .delete_checkpoint(pb::DeleteCheckpointRequest { job: job.to_string(), step })
             .await
             .map_err(self.status("delete checkpoint"))?;
+        Ok(())
+    }
+
+    /// Sets `job`'s replication factor: copies of every chunk its saves make from now on, on
+    /// distinct targets (and failure domains, while there are enough).
+    pub async fn set_replication(&self, job: &str, replicas: u32) -> Result<()> {
+        let job = JobName::try_from(job)?;
+        self.control()
+            .set_replication(pb::SetReplicationRequest { job: job.to_string(), replicas })
+            .await
+            .map_err(self.status("set replication"))?;
         Ok(())
     }
 

@@ -16,7 +16,9 @@ use starckpt_proto::control::{self as pb};
 use starckpt_proto::model::{ChunkRef, FileEntry, Manifest};
 use starckpt_proto::{JobName, RelPath};
 
+use crate::transport::TransportError;
 use crate::{CheckpointInfo, Client, Error, Result, TargetInfo};
+use starckpt_proto::data::ErrorCode;
 
 /// A committed checkpoint's files (all ranks merged) and where its chunks live.
 #[derive(Clone, Debug)]
@@ -128,6 +130,9 @@ impl Client {
     /// wins. Errors name the chunk and each target that failed.
     pub async fn read_chunk(&self, manifest: &CheckpointManifest, chunk: &ChunkRef) -> Result<Bytes> {
         let mut last = None;
+        // Replicas that answered with bad bytes or without the chunk: repaired once a good copy
+        // is found.
+        let mut damaged: Vec<&TargetInfo> = Vec::new();
         for (attempt_index, target_id) in chunk.replicas.iter().enumerate() {
             let Some(target) = manifest.targets.get(target_id) else {
                 last = Some(Error::InvalidInput(format!("chunk {} names unknown target {target_id}", chunk.hash)));
@@ -159,8 +164,23 @@ impl Client {
                 Ok(data)
             };
             match attempt.await {
-                Ok(data) => return Ok(data),
+                Ok(data) => {
+                    for target in damaged {
+                        self.repair_copy(target, chunk.hash, data.clone());
+                    }
+                    return Ok(data);
+                }
                 Err(error) => {
+                    let bad_copy = match &error {
+                        Error::Checksum { .. } => true,
+                        Error::Target { source: TransportError::Remote { code, .. }, .. } => {
+                            matches!(code, ErrorCode::NotFound | ErrorCode::Corrupt)
+                        }
+                        _ => false,
+                    };
+                    if bad_copy {
+                        damaged.push(target);
+                    }
                     // Handled here by trying the next replica; the last failure is returned instead.
                     if attempt_index + 1 < chunk.replicas.len() {
                         tracing::warn!(%error, "replica read failed; trying the next replica");
@@ -176,6 +196,31 @@ impl Client {
         } else {
             Err(Error::ChunkUnavailable { hash: chunk.hash, last: Box::new(last) })
         }
+    }
+
+    /// Read repair, in the background: sends `data` (verified) to a target whose copy of `hash`
+    /// was bad or missing; it replaces its copy unless that verifies now. Bounded: when
+    /// [`crate::REPAIRS_IN_FLIGHT`] repairs are queued or running, this one is skipped (logged).
+    fn repair_copy(&self, target: &TargetInfo, hash: ChunkHash, data: Bytes) {
+        let Ok(permit) = Arc::clone(&self.inner.repairs).try_acquire_owned() else {
+            tracing::warn!(chunk = %hash, target = %target.target_id, "read repair skipped: too many in flight");
+            return;
+        };
+        let transport = match self.transport(&target.target_id, &target.data_address) {
+            Ok(transport) => transport,
+            Err(error) => return tracing::warn!(%error, "read repair skipped"),
+        };
+        let target_id = target.target_id.clone();
+        let running = Arc::clone(&self.inner.repairs_running);
+        tokio::spawn(async move {
+            let _permit = permit;
+            let Ok(_running) = running.acquire_owned().await else { return };
+            match transport.repair(hash, data).await {
+                Ok(false) => tracing::info!(chunk = %hash, target = %target_id, "read repair rewrote a bad copy"),
+                Ok(true) => tracing::info!(chunk = %hash, target = %target_id, "read repair: the copy verifies now"),
+                Err(error) => tracing::warn!(%error, chunk = %hash, target = %target_id, "read repair failed"),
+            }
+        });
     }
 
     /// `length` bytes of `path` starting at `offset`, verified. Whole chunks are fetched (a chunk

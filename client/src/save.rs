@@ -311,6 +311,10 @@ pub(crate) struct Placement {
     pub(crate) ids: Vec<String>,
     pub(crate) transports: Vec<Arc<dyn ChunkTransport>>,
     pub(crate) addresses: Vec<String>,
+    /// Each target's failure domain (its own id when unlabelled).
+    pub(crate) domains: Vec<String>,
+    /// Copies of each chunk to make (at most the number of targets).
+    pub(crate) replicas: usize,
 }
 
 impl Client {
@@ -340,12 +344,20 @@ impl Client {
         })
     }
 
-    pub(crate) fn placement(&self, targets: &[pb::TargetInfo]) -> Result<Placement> {
-        let mut placement = Placement { ids: vec![], transports: vec![], addresses: vec![] };
+    pub(crate) fn placement(&self, targets: &[pb::TargetInfo], replicas: u32) -> Result<Placement> {
+        let mut placement = Placement {
+            ids: vec![],
+            transports: vec![],
+            addresses: vec![],
+            domains: vec![],
+            replicas: (replicas as usize).clamp(1, targets.len().max(1)),
+        };
         for target in targets {
             placement.transports.push(self.transport(&target.target_id, &target.data_address)?);
             placement.ids.push(target.target_id.clone());
             placement.addresses.push(target.data_address.clone());
+            let domain = if target.failure_domain.is_empty() { &target.target_id } else { &target.failure_domain };
+            placement.domains.push(domain.clone());
         }
         Ok(placement)
     }
@@ -436,7 +448,7 @@ impl Client {
             .await
             .map_err(self.status("begin checkpoint"))?
             .into_inner();
-        let placement = self.placement(&begin.placement)?;
+        let placement = self.placement(&begin.placement, begin.replicas)?;
 
         let progress = Arc::new(SaveProgress::default());
         // Every message holds a staging buffer, so the pool already bounds this queue; a smaller
@@ -799,9 +811,10 @@ async fn upload_all(
     Ok(refs)
 }
 
-/// Hashes one staged chunk and makes it durable on the first target (in rendezvous order) that
-/// accepts it. A target that is unreachable or full is skipped for the next candidate; the
-/// manifest records where the chunk really went.
+/// Hashes one staged chunk and makes it durable on `placement.replicas` distinct targets: the
+/// first ones in rendezvous order, skipping targets in a failure domain that already holds a copy
+/// while other domains remain. A target that is unreachable or full is skipped for the next
+/// candidate; the manifest records where each copy really is. Fails unless every copy is made.
 pub(crate) async fn upload_one(
     client: &Client,
     data: Bytes,
@@ -815,64 +828,111 @@ pub(crate) async fn upload_one(
         .map_err(|e| Error::Cancelled(e.to_string()))?;
     progress.chunks.fetch_add(1, Ordering::Relaxed);
     let ids: Vec<&str> = placement.ids.iter().map(String::as_str).collect();
+    let order = rank_targets(&hash, &ids);
+    let wanted = placement.replicas.clamp(1, order.len().max(1));
+    let mut stored: Vec<usize> = Vec::with_capacity(wanted);
+    let mut tried = vec![false; placement.ids.len()];
+    let mut uploaded = false;
     let mut last_error = None;
-    for index in rank_targets(&hash, &ids) {
-        let store = |transport: Arc<dyn ChunkTransport>| {
-            let data = data.clone();
-            async move {
-                if transport.has(&[hash]).await?.first() == Some(&true) {
-                    return Ok::<bool, TransportError>(true);
-                }
-                transport.put(hash, data).await
-            }
-        };
-        let mut address = placement.addresses[index].clone();
-        let mut outcome = store(Arc::clone(&placement.transports[index])).await;
-        if let Err(error) = &outcome
-            && error.is_connection()
-            && let Some((moved, transport)) = client.refreshed_transport(&placement.ids[index], &address).await
-        {
-            address = moved;
-            outcome = store(transport).await;
+    loop {
+        let missing = wanted - stored.len();
+        if missing == 0 {
+            break;
         }
-        match outcome {
-            Ok(already_present) => {
-                if already_present {
-                    progress.deduplicated_chunks.fetch_add(1, Ordering::Relaxed);
-                    progress.deduplicated_bytes.fetch_add(length, Ordering::Relaxed);
-                } else {
-                    progress.uploaded_bytes.fetch_add(length, Ordering::Relaxed);
+        // The next candidates: untried, in domains without a copy first, then any.
+        let used: std::collections::HashSet<&str> = stored.iter().map(|&i| placement.domains[i].as_str()).collect();
+        let mut batch: Vec<usize> = Vec::with_capacity(missing);
+        for prefer_new_domain in [true, false] {
+            for &index in &order {
+                let new_domain = !used.contains(placement.domains[index].as_str())
+                    && !batch.iter().any(|&b| placement.domains[b] == placement.domains[index]);
+                if batch.len() < missing
+                    && !tried[index]
+                    && !batch.contains(&index)
+                    && (new_domain || !prefer_new_domain)
+                {
+                    batch.push(index);
                 }
-                return Ok(ChunkRef {
-                    hash,
-                    length_bytes: length,
-                    stored_length_bytes: length,
-                    codec: Codec::None,
-                    replicas: vec![placement.ids[index].clone()],
-                });
             }
-            Err(source) => {
-                let retry_elsewhere = source.is_connection()
-                    || matches!(
-                        source,
-                        TransportError::Remote {
-                            code: starckpt_proto::data::ErrorCode::NoSpace
-                                | starckpt_proto::data::ErrorCode::Busy
-                                | starckpt_proto::data::ErrorCode::Internal,
-                            ..
-                        }
-                    );
-                let error = Error::Target { target_id: placement.ids[index].clone(), address, source };
-                if !retry_elsewhere {
-                    return Err(error);
+        }
+        if batch.is_empty() {
+            break;
+        }
+        let attempts = batch.iter().map(|&index| {
+            tried[index] = true;
+            store_on(client, placement, index, hash, &data)
+        });
+        for (index, outcome) in batch.iter().zip(futures::future::join_all(attempts).await) {
+            match outcome {
+                Ok(already_present) => {
+                    uploaded |= !already_present;
+                    stored.push(*index);
                 }
-                tracing::warn!(%error, chunk = %hash, "target failed; placing the chunk on the next candidate");
-                last_error = Some(error);
+                Err(error) => {
+                    let Error::Target { source, .. } = &error else { return Err(error) };
+                    let retry_elsewhere = source.is_connection()
+                        || matches!(
+                            source,
+                            TransportError::Remote {
+                                code: starckpt_proto::data::ErrorCode::NoSpace
+                                    | starckpt_proto::data::ErrorCode::Busy
+                                    | starckpt_proto::data::ErrorCode::Internal,
+                                ..
+                            }
+                        );
+                    if !retry_elsewhere {
+                        return Err(error);
+                    }
+                    tracing::warn!(%error, chunk = %hash, "target failed; placing the copy on the next candidate");
+                    last_error = Some(error);
+                }
             }
         }
     }
-    Err(Error::NoTarget {
+    if stored.len() < wanted {
+        let last = last_error.unwrap_or_else(|| Error::InvalidInput("no live targets were offered".into()));
+        return Err(if stored.is_empty() {
+            Error::NoTarget { hash, last: Box::new(last) }
+        } else {
+            Error::Underreplicated { hash, stored: stored.len(), wanted, last: Box::new(last) }
+        });
+    }
+    // Counted once per chunk, whatever the replication: `done_bytes` compares with the save's size.
+    if uploaded {
+        progress.uploaded_bytes.fetch_add(length, Ordering::Relaxed);
+    } else {
+        progress.deduplicated_chunks.fetch_add(1, Ordering::Relaxed);
+        progress.deduplicated_bytes.fetch_add(length, Ordering::Relaxed);
+    }
+    Ok(ChunkRef {
         hash,
-        last: Box::new(last_error.unwrap_or_else(|| Error::InvalidInput("no live targets were offered".into()))),
+        length_bytes: length,
+        stored_length_bytes: length,
+        codec: Codec::None,
+        replicas: stored.iter().map(|&i| placement.ids[i].clone()).collect(),
     })
+}
+
+/// Makes `data` durable on target `index` of the placement (HAS, then PUT if missing), following
+/// the target to a new address once if it moved. Ok(true): it was there already.
+async fn store_on(client: &Client, placement: &Placement, index: usize, hash: ChunkHash, data: &Bytes) -> Result<bool> {
+    let store = |transport: Arc<dyn ChunkTransport>| {
+        let data = data.clone();
+        async move {
+            if transport.has(&[hash]).await?.first() == Some(&true) {
+                return Ok::<bool, TransportError>(true);
+            }
+            transport.put(hash, data).await
+        }
+    };
+    let mut address = placement.addresses[index].clone();
+    let mut outcome = store(Arc::clone(&placement.transports[index])).await;
+    if let Err(error) = &outcome
+        && error.is_connection()
+        && let Some((moved, transport)) = client.refreshed_transport(&placement.ids[index], &address).await
+    {
+        address = moved;
+        outcome = store(transport).await;
+    }
+    outcome.map_err(|source| Error::Target { target_id: placement.ids[index].clone(), address, source })
 }

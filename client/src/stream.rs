@@ -64,7 +64,9 @@ pub struct StreamedFile {
 }
 
 impl Client {
-    /// A new streaming file, placing its chunks on the targets live now.
+    /// A new streaming file, placing its chunks on the targets live now, each on
+    /// [`crate::ClientConfig::stream_replicas`] of them (the job is not known yet, so its own
+    /// replication factor does not apply).
     pub async fn streaming_file(&self) -> Result<StreamingFile> {
         let live: Vec<pb::TargetInfo> =
             self.targets().await?.into_iter().filter(|t| t.state == TargetState::Alive as i32).collect();
@@ -73,7 +75,7 @@ impl Client {
         }
         Ok(StreamingFile {
             client: self.clone(),
-            placement: Arc::new(self.placement(&live)?),
+            placement: Arc::new(self.placement(&live, self.config().stream_replicas)?),
             progress: Arc::new(SaveProgress::default()),
             current: None,
             filled: 0,

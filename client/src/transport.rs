@@ -77,6 +77,9 @@ pub struct ChunkPage {
 pub trait ChunkTransport: Send + Sync + 'static {
     /// Stores a chunk; true if the target already had it.
     async fn put(&self, hash: ChunkHash, payload: Bytes) -> Result<bool, TransportError>;
+    /// Read repair: stores a chunk unless the target holds a copy that verifies (a copy that
+    /// fails is replaced); true if the stored copy was good.
+    async fn repair(&self, hash: ChunkHash, payload: Bytes) -> Result<bool, TransportError>;
     /// Reads `length` bytes at `offset` of a chunk (`length` 0: to the end).
     async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Bytes, TransportError>;
     async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError>;
@@ -344,12 +347,22 @@ fn hash_list(hashes: &[ChunkHash]) -> Result<Vec<Bytes>, TransportError> {
     Ok(hashes.iter().map(|h| h.to_bytes()).collect())
 }
 
+impl TcpTransport {
+    async fn put_request(&self, hash: ChunkHash, payload: Bytes, repair: bool) -> Result<bool, TransportError> {
+        let header = data::PutRequest { auth: self.auth(), hash: hash.to_bytes(), repair }.encode_to_vec();
+        let (response, _) = self.call(Opcode::Put, header, Some(payload)).await?;
+        Ok(response.already_present)
+    }
+}
+
 #[async_trait]
 impl ChunkTransport for TcpTransport {
     async fn put(&self, hash: ChunkHash, payload: Bytes) -> Result<bool, TransportError> {
-        let header = data::PutRequest { auth: self.auth(), hash: hash.to_bytes() }.encode_to_vec();
-        let (response, _) = self.call(Opcode::Put, header, Some(payload)).await?;
-        Ok(response.already_present)
+        self.put_request(hash, payload, false).await
+    }
+
+    async fn repair(&self, hash: ChunkHash, payload: Bytes) -> Result<bool, TransportError> {
+        self.put_request(hash, payload, true).await
     }
 
     async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Bytes, TransportError> {

@@ -162,6 +162,80 @@ async fn fill_sources_write_staging_buffers_themselves_and_their_errors_fail_the
     cluster.shutdown().await.unwrap();
 }
 
+/// Target id -> data directory of a dev cluster's targets.
+fn target_dirs(dir: &std::path::Path, targets: usize) -> std::collections::HashMap<String, std::path::PathBuf> {
+    (0..targets)
+        .map(|i| {
+            let target_dir = dir.join(format!("target-{i}"));
+            (std::fs::read_to_string(target_dir.join("target.id")).unwrap().trim().to_owned(), target_dir)
+        })
+        .collect()
+}
+
+/// The file holding `hash` in a target's data directory (see `ChunkStore::chunk_path`).
+fn chunk_file(target_dir: &std::path::Path, hash: &starckpt_proto::ChunkHash) -> std::path::PathBuf {
+    target_dir.join("chunks").join(format!("{:02x}", hash.0[0])).join(hash.to_hex())
+}
+
+/// Whether a chunk file's payload (after its 4 KiB header) hashes to `hash`.
+fn copy_verifies(path: &std::path::Path, hash: &starckpt_proto::ChunkHash, length: u64) -> bool {
+    let bytes = std::fs::read(path).unwrap_or_default();
+    bytes.len() as u64 >= 4096 + length && starckpt_proto::ChunkHash::of(&bytes[4096..4096 + length as usize]) == *hash
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_are_replicated_and_a_read_repairs_the_bad_copies_it_meets() {
+    let (dir, cluster, client) = cluster(2, |c| c.chunk_size_bytes = 64 * 1024).await;
+    let data = random(1_000_000, 21);
+    let part = SavePart::new("replicated", 1).buffer("w.bin", Bytes::from(data.clone())).unwrap();
+    assert!(client.save(part).await.unwrap().wait().await.unwrap().committed());
+    let manifest = client.manifest("replicated", Some(1)).await.unwrap();
+    let chunks = &manifest.file("w.bin").unwrap().chunks;
+    // The default replication factor: every chunk on both targets.
+    assert!(chunks.iter().all(|c| c.replicas.len() == 2 && c.replicas[0] != c.replicas[1]), "{chunks:?}");
+
+    // Rot the copy each chunk is read from first (its first replica).
+    let dirs = target_dirs(dir.path(), 2);
+    for chunk in chunks {
+        let path = chunk_file(&dirs[&chunk.replicas[0]], &chunk.hash);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[4096 + 100] ^= 0x40;
+        std::fs::write(&path, bytes).unwrap();
+        assert!(!copy_verifies(&path, &chunk.hash, chunk.length_bytes));
+    }
+    // The read detects each bad copy, returns the good one, and has the bad one rewritten.
+    assert_eq!(&client.read_file(&manifest, "w.bin").await.unwrap()[..], &data[..]);
+    let repaired =
+        || chunks.iter().all(|c| copy_verifies(&chunk_file(&dirs[&c.replicas[0]], &c.hash), &c.hash, c.length_bytes));
+    for _ in 0..100 {
+        if repaired() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(repaired(), "every bad copy was rewritten");
+
+    // A chunk bad on every replica is an error, never unverified bytes.
+    let chunk = &chunks[3];
+    for target in &chunk.replicas {
+        let path = chunk_file(&dirs[target], &chunk.hash);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[4096] ^= 1;
+        std::fs::write(&path, bytes).unwrap();
+    }
+    let error = client.read_file(&manifest, "w.bin").await.unwrap_err();
+    assert!(error.is_checksum(), "{error}");
+
+    // With one replica asked for, one copy is made.
+    client.set_replication("single", 1).await.unwrap();
+    let part = SavePart::new("single", 1).buffer("x", Bytes::from(random(200_000, 22))).unwrap();
+    assert!(client.save(part).await.unwrap().wait().await.unwrap().committed());
+    let manifest = client.manifest("single", None).await.unwrap();
+    assert!(manifest.files[0].chunks.iter().all(|c| c.replicas.len() == 1));
+    assert!(client.set_replication("single", 0).await.is_err());
+    cluster.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_files_commit_together_and_a_collected_chunk_fails_the_commit() {
     let (_dir, cluster, client) = cluster(2, |c| {
@@ -410,6 +484,7 @@ async fn a_save_while_the_previous_one_uploads_waits_or_skips() {
             data_address: silent_address,
             capacity_bytes: 1 << 30,
             used_bytes: 0,
+            failure_domain: String::new(),
         })
         .await
         .unwrap();

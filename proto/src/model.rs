@@ -463,7 +463,12 @@ pub struct TargetRegistration {
     pub data_address: std::net::SocketAddr,
     pub capacity_bytes: u64,
     pub used_bytes: u64,
+    /// Empty: a failure domain of its own.
+    pub failure_domain: String,
 }
+
+/// Most replicas of a chunk a job may ask for.
+pub const MAX_REPLICAS: u32 = 16;
 
 impl TryFrom<pb::RegisterTargetRequest> for TargetRegistration {
     type Error = ModelError;
@@ -473,11 +478,19 @@ impl TryFrom<pb::RegisterTargetRequest> for TargetRegistration {
             .data_address
             .parse()
             .map_err(|_| field("data_address", format!("{:?} is not host:port", request.data_address)))?;
+        let domain = &request.failure_domain;
+        if domain.len() > 128 || domain.chars().any(char::is_control) {
+            return Err(field(
+                "failure_domain",
+                format!("{domain:?} is not a label of at most 128 printable characters"),
+            ));
+        }
         Ok(TargetRegistration {
             target_id: request.target_id,
             data_address,
             capacity_bytes: request.capacity_bytes,
             used_bytes: request.used_bytes,
+            failure_domain: request.failure_domain,
         })
     }
 }

@@ -13,7 +13,9 @@ CREATE TABLE IF NOT EXISTS targets (
     used_bytes        BIGINT NOT NULL,
     chunk_count       BIGINT NOT NULL DEFAULT 0,
     registered_at_ms  BIGINT NOT NULL,
-    last_heartbeat_ms BIGINT NOT NULL
+    last_heartbeat_ms BIGINT NOT NULL,
+    -- '' = a failure domain of its own. (Added in schema version 2; see sqlite.rs.)
+    failure_domain    TEXT NOT NULL DEFAULT ''
 );
 
 -- Writer leases: one row per run that ever wrote a job. The job's current lease is its highest
@@ -71,6 +73,13 @@ CREATE TABLE IF NOT EXISTS retention (
     job           TEXT PRIMARY KEY,
     keep_last     BIGINT NOT NULL,
     keep_every    BIGINT NOT NULL,
+    updated_at_ms BIGINT NOT NULL
+);
+
+-- A job's replication factor (absent: the control plane's default).
+CREATE TABLE IF NOT EXISTS replication (
+    job           TEXT PRIMARY KEY,
+    replicas      INTEGER NOT NULL,
     updated_at_ms BIGINT NOT NULL
 );
 

@@ -39,6 +39,10 @@ pub struct ControlConfig {
     /// Period of the background GC pass; None runs GC only on request (`starckpt gc`).
     /// Default 10 min.
     pub gc_interval: Option<Duration>,
+    /// Replication factor of jobs that did not set one (`starckpt replication`). Default 2: a
+    /// committed checkpoint survives the loss of any one target. Capped, per save, by the number
+    /// of live targets.
+    pub default_replicas: u32,
 }
 
 impl Default for ControlConfig {
@@ -49,6 +53,7 @@ impl Default for ControlConfig {
             pending_timeout: Duration::from_secs(30 * 60),
             gc: GcConfig { grace: Duration::from_secs(60 * 60), deletes_per_second: 2000 },
             gc_interval: Some(Duration::from_secs(10 * 60)),
+            default_replicas: 2,
         }
     }
 }
@@ -114,6 +119,7 @@ impl ControlService {
             chunk_count: record.chunk_count,
             state: state as i32,
             heartbeat_age_ms: age,
+            failure_domain: record.failure_domain.clone(),
         }
     }
 }
@@ -235,8 +241,10 @@ impl Control for ControlService {
         if placement.is_empty() {
             return Err(Status::failed_precondition("no live storage targets: start one with `starckpt target`"));
         }
+        let wanted = self.store.replication(&request.job).await.map_err(meta_status)?;
+        let replicas = wanted.unwrap_or(self.config.default_replicas).clamp(1, placement.len() as u32);
         let record = self.store.begin_checkpoint(&request, now).await.map_err(meta_status)?;
-        Ok(Response::new(pb::BeginCheckpointResponse { checkpoint_id: record.id, placement }))
+        Ok(Response::new(pb::BeginCheckpointResponse { checkpoint_id: record.id, placement, replicas }))
     }
 
     async fn commit_part(
@@ -363,6 +371,17 @@ impl Control for ControlService {
         Ok(Response::new(pb::GetRetentionResponse {
             policy: Some(pb::RetentionPolicy { keep_last: policy.keep_last, keep_every: policy.keep_every }),
         }))
+    }
+
+    async fn set_replication(
+        &self,
+        request: Request<pb::SetReplicationRequest>,
+    ) -> Result<Response<pb::SetReplicationResponse>, Status> {
+        let request = request.into_inner();
+        let job = job(request.job)?;
+        self.store.set_replication(&job, request.replicas, now_ms()).await.map_err(meta_status)?;
+        tracing::info!(%job, replicas = request.replicas, "replication factor set");
+        Ok(Response::new(pb::SetReplicationResponse {}))
     }
 
     async fn tag_checkpoint(

@@ -27,7 +27,8 @@ use super::store::{
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
-const SCHEMA_VERSION: i64 = 1;
+/// 2: targets.failure_domain (a v1 database is migrated on open), the replication table.
+const SCHEMA_VERSION: i64 = 2;
 const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
      written_bytes, file_count, created_at_ms, committed_at_ms, \
      (SELECT GROUP_CONCAT(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags";
@@ -69,6 +70,14 @@ impl SqliteStore {
                     .await?;
             }
             Some(SCHEMA_VERSION) => {}
+            Some(1) => {
+                let mut tx = writer.begin().await?;
+                sqlx::query("ALTER TABLE targets ADD COLUMN failure_domain TEXT NOT NULL DEFAULT ''")
+                    .execute(&mut *tx)
+                    .await?;
+                sqlx::query("UPDATE schema_version SET version = ?").bind(SCHEMA_VERSION).execute(&mut *tx).await?;
+                tx.commit().await?;
+            }
             Some(other) => {
                 return Err(MetaError::Corrupt(format!(
                     "database schema version {other}; this build understands {SCHEMA_VERSION}"
@@ -207,11 +216,13 @@ async fn checkpoint_by_id(tx: &mut Transaction<'_, Sqlite>, id: i64) -> MetaResu
 impl MetaStore for SqliteStore {
     async fn upsert_target(&self, registration: &TargetRegistration, now_ms: u64) -> MetaResult<()> {
         sqlx::query(
-            "INSERT INTO targets (target_id, data_address, capacity_bytes, used_bytes, registered_at_ms, last_heartbeat_ms)
-             VALUES (?, ?, ?, ?, ?, ?)
+            "INSERT INTO targets (target_id, data_address, capacity_bytes, used_bytes, registered_at_ms, last_heartbeat_ms,
+                 failure_domain)
+             VALUES (?, ?, ?, ?, ?, ?, ?)
              ON CONFLICT (target_id) DO UPDATE SET data_address = excluded.data_address,
                  capacity_bytes = excluded.capacity_bytes, used_bytes = excluded.used_bytes,
-                 registered_at_ms = excluded.registered_at_ms, last_heartbeat_ms = excluded.last_heartbeat_ms",
+                 registered_at_ms = excluded.registered_at_ms, last_heartbeat_ms = excluded.last_heartbeat_ms,
+                 failure_domain = excluded.failure_domain",
         )
         .bind(&registration.target_id)
         .bind(registration.data_address.to_string())
@@ -219,6 +230,7 @@ impl MetaStore for SqliteStore {
         .bind(to_i64(registration.used_bytes, "used bytes")?)
         .bind(to_i64(now_ms, "time")?)
         .bind(to_i64(now_ms, "time")?)
+        .bind(&registration.failure_domain)
         .execute(&self.writer)
         .await?;
         Ok(())
@@ -243,7 +255,7 @@ impl MetaStore for SqliteStore {
 
     async fn list_targets(&self) -> MetaResult<Vec<TargetRecord>> {
         let rows = sqlx::query(
-            "SELECT target_id, data_address, capacity_bytes, used_bytes, chunk_count, last_heartbeat_ms
+            "SELECT target_id, data_address, capacity_bytes, used_bytes, chunk_count, last_heartbeat_ms, failure_domain
              FROM targets ORDER BY target_id",
         )
         .fetch_all(&self.reader)
@@ -257,6 +269,7 @@ impl MetaStore for SqliteStore {
                     used_bytes: get_u64(row, "used_bytes")?,
                     chunk_count: get_u64(row, "chunk_count")?,
                     last_heartbeat_ms: get_u64(row, "last_heartbeat_ms")?,
+                    failure_domain: row.try_get("failure_domain")?,
                 })
             })
             .collect()
@@ -620,6 +633,35 @@ impl MetaStore for SqliteStore {
         retention_policy(&mut tx, job.as_str()).await
     }
 
+    async fn set_replication(&self, job: &JobName, replicas: u32, now_ms: u64) -> MetaResult<()> {
+        if !(1..=starckpt_proto::model::MAX_REPLICAS).contains(&replicas) {
+            return Err(MetaError::InvalidArgument(format!(
+                "replication factor {replicas} is outside 1..={}",
+                starckpt_proto::model::MAX_REPLICAS
+            )));
+        }
+        sqlx::query(
+            "INSERT INTO replication (job, replicas, updated_at_ms) VALUES (?, ?, ?)
+             ON CONFLICT (job) DO UPDATE SET replicas = excluded.replicas, updated_at_ms = excluded.updated_at_ms",
+        )
+        .bind(job.as_str())
+        .bind(i64::from(replicas))
+        .bind(to_i64(now_ms, "time")?)
+        .execute(&self.writer)
+        .await?;
+        Ok(())
+    }
+
+    async fn replication(&self, job: &JobName) -> MetaResult<Option<u32>> {
+        let replicas: Option<i64> = sqlx::query_scalar("SELECT replicas FROM replication WHERE job = ?")
+            .bind(job.as_str())
+            .fetch_optional(&self.reader)
+            .await?;
+        replicas
+            .map(|r| u32::try_from(r).map_err(|_| MetaError::Corrupt(format!("replication factor {r}"))))
+            .transpose()
+    }
+
     async fn tag_checkpoint(&self, job: &JobName, step: u64, tag: &str, remove: bool) -> MetaResult<()> {
         starckpt_proto::model::validate_tag(tag).map_err(|e| MetaError::InvalidArgument(e.to_string()))?;
         let mut tx = self.writer.begin().await?;
@@ -701,6 +743,40 @@ mod tests {
     #[tokio::test]
     async fn stale_pending_is_aborted() {
         conformance::stale_pending_is_aborted(&open().await.1).await;
+    }
+
+    #[tokio::test]
+    async fn a_version_1_database_is_migrated_and_keeps_its_targets() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v1.db");
+        {
+            let options = SqliteConnectOptions::new().filename(&path).create_if_missing(true);
+            let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
+            sqlx::raw_sql(
+                "CREATE TABLE schema_version (version INTEGER NOT NULL);
+                 INSERT INTO schema_version (version) VALUES (1);
+                 CREATE TABLE targets (target_id TEXT PRIMARY KEY, data_address TEXT NOT NULL,
+                     capacity_bytes BIGINT NOT NULL, used_bytes BIGINT NOT NULL, chunk_count BIGINT NOT NULL DEFAULT 0,
+                     registered_at_ms BIGINT NOT NULL, last_heartbeat_ms BIGINT NOT NULL);
+                 INSERT INTO targets VALUES ('old', '127.0.0.1:9000', 100, 1, 0, 5, 5);",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            pool.close().await;
+        }
+        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+        let targets = store.list_targets().await.unwrap();
+        assert_eq!((targets[0].target_id.as_str(), targets[0].failure_domain.as_str()), ("old", ""));
+        drop(store);
+        // Opening again finds version 2 and changes nothing.
+        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+        assert_eq!(store.list_targets().await.unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn replication() {
+        conformance::replication(&open().await.1).await;
     }
 
     #[tokio::test]

@@ -94,6 +94,7 @@ pub struct TargetRecord {
     pub used_bytes: u64,
     pub chunk_count: u64,
     pub last_heartbeat_ms: u64,
+    pub failure_domain: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -183,6 +184,10 @@ pub trait MetaStore: Send + Sync + 'static {
     /// Sets the job's retention policy and applies it now; returns the steps it deleted.
     async fn set_retention(&self, job: &JobName, policy: RetentionPolicy, now_ms: u64) -> MetaResult<Vec<u64>>;
     async fn get_retention(&self, job: &JobName) -> MetaResult<RetentionPolicy>;
+    /// Sets the job's replication factor (1..=MAX_REPLICAS) for checkpoints begun from now on.
+    async fn set_replication(&self, job: &JobName, replicas: u32, now_ms: u64) -> MetaResult<()>;
+    /// The job's replication factor, if one was set.
+    async fn replication(&self, job: &JobName) -> MetaResult<Option<u32>>;
     /// Adds (or removes) `tag` on the committed checkpoint (job, step). NotFound if there is none.
     async fn tag_checkpoint(&self, job: &JobName, step: u64, tag: &str, remove: bool) -> MetaResult<()>;
     /// Every chunk hash a part of a pending or committed checkpoint names: GC's mark set.
@@ -246,6 +251,7 @@ pub(crate) mod conformance {
             data_address: "127.0.0.1:9000".parse().unwrap(),
             capacity_bytes: 100,
             used_bytes: 1,
+            failure_domain: "rack-1".into(),
         };
         assert!(matches!(store.heartbeat("t1", 1, 1, 1, 5).await, Err(MetaError::NotFound(_))));
         store.upsert_target(&registration, 10).await.unwrap();
@@ -264,6 +270,7 @@ pub(crate) mod conformance {
                 used_bytes: 50,
                 chunk_count: 7,
                 last_heartbeat_ms: 30,
+                failure_domain: "rack-1".into(),
             }]
         );
     }
@@ -403,6 +410,20 @@ pub(crate) mod conformance {
 
     fn steps(records: &[CheckpointRecord]) -> Vec<u64> {
         records.iter().map(|c| c.step).collect()
+    }
+
+    pub async fn replication(store: &dyn MetaStore) {
+        assert_eq!(store.replication(&job("rep")).await.unwrap(), None);
+        store.set_replication(&job("rep"), 3, 10).await.unwrap();
+        store.set_replication(&job("other"), 1, 10).await.unwrap();
+        assert_eq!(store.replication(&job("rep")).await.unwrap(), Some(3));
+        store.set_replication(&job("rep"), 2, 20).await.unwrap();
+        assert_eq!(store.replication(&job("rep")).await.unwrap(), Some(2));
+        assert_eq!(store.replication(&job("other")).await.unwrap(), Some(1));
+        for bad in [0, starckpt_proto::model::MAX_REPLICAS + 1] {
+            assert!(matches!(store.set_replication(&job("rep"), bad, 30).await, Err(MetaError::InvalidArgument(_))));
+        }
+        assert_eq!(store.replication(&job("rep")).await.unwrap(), Some(2));
     }
 
     pub async fn retention_and_tags(store: &dyn MetaStore) {

@@ -336,7 +336,8 @@ async fn put(store: &ChunkStore, request: data::PutRequest, chunk: super::store:
     if chunk.data().is_empty() {
         return error_response(ErrorCode::BadRequest, "empty chunk".into());
     }
-    match store.put(hash, chunk).await {
+    let stored = if request.repair { store.repair(hash, chunk).await } else { store.put(hash, chunk).await };
+    match stored {
         Ok(outcome) => data::Response { already_present: outcome == PutOutcome::AlreadyPresent, ..Default::default() },
         Err(error) => store_error(error),
     }

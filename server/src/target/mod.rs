@@ -49,6 +49,8 @@ pub struct TargetConfig {
     /// Free space the target never writes into: puts that would eat into it are refused with
     /// NO_SPACE, and writers place those chunks on other targets. Default 256 MiB.
     pub reserve_bytes: u64,
+    /// Failure domain label sent at registration (a host, a rack); empty: its own.
+    pub failure_domain: String,
 }
 
 impl TargetConfig {
@@ -64,6 +66,7 @@ impl TargetConfig {
             limits: DataPlaneLimits::default(),
             assumed_uptime: std::time::Duration::ZERO,
             reserve_bytes: 256 << 20,
+            failure_domain: String::new(),
         }
     }
 }
@@ -114,10 +117,16 @@ pub async fn run(
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut heartbeat_stop = stop_rx.clone();
-    let heartbeat_task =
-        tokio::spawn(heartbeat_loop(config.server.clone(), target_id, advertise, Arc::clone(&store), async move {
+    let heartbeat_task = tokio::spawn(heartbeat_loop(
+        config.server.clone(),
+        target_id,
+        advertise,
+        config.failure_domain.clone(),
+        Arc::clone(&store),
+        async move {
             let _ = heartbeat_stop.wait_for(|stopped| *stopped).await;
-        }));
+        },
+    ));
     // Aborted with this future, so a target killed in-process stops heartbeating too.
     let heartbeat = tokio_util::task::AbortOnDropHandle::new(heartbeat_task);
     let mut serve_stop = stop_rx;
@@ -141,6 +150,7 @@ async fn heartbeat_loop(
     server: String,
     target_id: String,
     advertise: SocketAddr,
+    failure_domain: String,
     store: Arc<ChunkStore>,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -175,6 +185,7 @@ async fn heartbeat_loop(
                     data_address: advertise.to_string(),
                     capacity_bytes: stats.capacity_bytes,
                     used_bytes: stats.used_bytes,
+                    failure_domain: failure_domain.clone(),
                 })
                 .await
                 .map(|response| {

@@ -354,6 +354,39 @@ impl ChunkStore {
         Ok(PutOutcome::Stored)
     }
 
+    /// Reads `hash` whole and checks its payload against the hash (the header alone is checked by
+    /// `get`). NotFound if absent; Corrupt if the bytes are not the chunk's.
+    pub async fn verify(&self, hash: ChunkHash) -> Result<(), ChunkStoreError> {
+        let (bytes, _) = self.get(hash, 0, 0).await?;
+        let actual = tokio::task::spawn_blocking(move || ChunkHash::of(&bytes)).await.map_err(|e| {
+            ChunkStoreError::Io { op: "hash", path: self.chunk_path(&hash), source: io::Error::other(e) }
+        })?;
+        if actual == hash {
+            Ok(())
+        } else {
+            Err(ChunkStoreError::Corrupt { hash, reason: format!("payload hashes to {actual}") })
+        }
+    }
+
+    /// Read repair: stores `chunk` unless a copy of `hash` is present *and verifies*. A copy that
+    /// fails verification (bit rot, a torn or truncated file) is removed first, so the put writes
+    /// a good one. A reader that found a bad copy here and a good one elsewhere sends it.
+    pub async fn repair(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
+        match self.verify(hash).await {
+            Ok(()) => {
+                self.mark_used(vec![hash]).await?;
+                return Ok(PutOutcome::AlreadyPresent);
+            }
+            Err(ChunkStoreError::NotFound { .. }) => {}
+            Err(ChunkStoreError::Corrupt { reason, .. }) => {
+                tracing::warn!(chunk = %hash, %reason, "replacing a corrupt copy (read repair)");
+                self.delete(vec![hash], None).await?;
+            }
+            Err(other) => return Err(other),
+        }
+        self.put(hash, chunk).await
+    }
+
     /// Bytes a read of `hash` will buffer (its file size), for admission control; None if absent.
     pub async fn file_len(&self, hash: &ChunkHash) -> Option<u64> {
         tokio::fs::metadata(self.chunk_path(hash)).await.ok().map(|m| m.len())
