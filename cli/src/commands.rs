@@ -55,6 +55,8 @@ pub struct ServerArgs {
     pub gc_interval: Option<Duration>,
     pub gc_grace: Duration,
     pub gc_deletes_per_sec: u32,
+    pub lost_after: Duration,
+    pub repair_interval: Option<Duration>,
 }
 
 pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<()> {
@@ -70,6 +72,8 @@ pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<
         pending_timeout: args.pending_timeout,
         gc,
         gc_interval: args.gc_interval,
+        repair: starckpt_server::control::repair::RepairConfig { lost_after: args.lost_after, ..Default::default() },
+        repair_interval: args.repair_interval,
         ..Default::default()
     };
     starckpt_server::control::run(listener, store, config, shutdown).await
@@ -363,6 +367,31 @@ fn describe_retention(policy: &RetentionPolicy) -> String {
     format!("keep {}, tagged checkpoints and the latest", rules.join(", "))
 }
 
+pub async fn repair(server: &str, out: &Output) -> anyhow::Result<()> {
+    let report = connect(server, None).await?.rereplicate().await?;
+    if out.json {
+        out.json(json!({
+            "chunks": report.chunks, "under_replicated": report.under_replicated,
+            "copies_made": report.copies_made, "still_under_replicated": report.still_under_replicated,
+            "unreadable": report.unreadable, "errors": report.errors, "duration_ms": report.duration_ms,
+        }));
+        return Ok(());
+    }
+    println!(
+        "re-replication: {} chunks, {} short of copies, {} copies made, {} still short ({} unreadable) in {} ms",
+        report.chunks,
+        report.under_replicated,
+        report.copies_made,
+        report.still_under_replicated,
+        report.unreadable,
+        report.duration_ms
+    );
+    for error in &report.errors {
+        println!("  {error}");
+    }
+    Ok(())
+}
+
 pub async fn replication(server: &str, job: &str, replicas: u32) -> anyhow::Result<()> {
     connect(server, None).await?.set_replication(job, replicas).await?;
     println!("{job}: {replicas} replicas per chunk for saves from now on");
@@ -472,10 +501,13 @@ fn target_state(state: i32) -> &'static str {
 
 pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
-    let targets = client.targets().await?;
+    let status = client.cluster_status().await?;
+    let targets = status.targets;
     if out.json {
         out.json(json!({
             "server": server,
+            "under_replicated_chunks": status.under_replicated_chunks,
+            "repair_pass_age_ms": status.repair_pass_age_ms,
             "targets": targets.iter().map(|t| json!({
                 "target_id": t.target_id, "data_address": t.data_address,
                 "state": target_state(t.state),
@@ -487,6 +519,13 @@ pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
     }
     let alive = targets.iter().filter(|t| t.state == TargetState::Alive as i32).count();
     println!("control plane {server}: {} targets, {alive} alive", targets.len());
+    match status.under_replicated_chunks {
+        Some(count) => println!(
+            "under-replicated chunks: {count} (re-replication pass {:.0}s ago)",
+            status.repair_pass_age_ms as f64 / 1000.0
+        ),
+        None => println!("under-replicated chunks: unknown until the first re-replication pass"),
+    }
     println!(
         "{:<38} {:<22} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
         "TARGET", "ADDRESS", "DOMAIN", "STATE", "USED", "CAPACITY", "CHUNKS", "HEARTBEAT"

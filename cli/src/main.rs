@@ -57,6 +57,13 @@ enum Command {
         /// GC deletes at most this many chunks per second.
         #[arg(long, default_value_t = 2000)]
         gc_deletes_per_sec: u32,
+        /// A target silent this many seconds is lost: the copies it held are made again on live
+        /// targets by the re-replication pass.
+        #[arg(long, default_value_t = 300)]
+        lost_after_secs: u64,
+        /// Seconds between background re-replication passes (0: only on `starckpt repair`).
+        #[arg(long, default_value_t = 60)]
+        repair_interval_secs: u64,
     },
     /// Run a storage target on one device or directory.
     Target {
@@ -155,6 +162,9 @@ enum Command {
         #[arg(long)]
         keep_every: Option<u64>,
     },
+    /// Run a re-replication pass now: chunks that lost copies with a lost target (silent for
+    /// `--lost-after-secs`) get them back on live targets. Prints the report.
+    Repair,
     /// Set JOB's replication factor: copies of every chunk its saves make from now on, on
     /// distinct targets and failure domains (default 2; capped by the live targets).
     Replication { job: String, replicas: u32 },
@@ -236,7 +246,16 @@ fn describe(error: &anyhow::Error) -> String {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let out = output::Output { json: cli.json };
     match cli.command {
-        Command::Server { listen, db, pending_timeout_secs, gc_interval_secs, gc_grace_secs, gc_deletes_per_sec } => {
+        Command::Server {
+            listen,
+            db,
+            pending_timeout_secs,
+            gc_interval_secs,
+            gc_grace_secs,
+            gc_deletes_per_sec,
+            lost_after_secs,
+            repair_interval_secs,
+        } => {
             let pending_timeout = pending_timeout_secs.max(1);
             let args = commands::ServerArgs {
                 pending_timeout: Duration::from_secs(pending_timeout),
@@ -245,6 +264,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     gc_grace_secs.unwrap_or(pending_timeout.saturating_mul(2).max(pending_timeout + 60)),
                 ),
                 gc_deletes_per_sec,
+                lost_after: Duration::from_secs(lost_after_secs),
+                repair_interval: (repair_interval_secs > 0).then(|| Duration::from_secs(repair_interval_secs)),
             };
             commands::server(&listen, &db, args).await
         }
@@ -275,6 +296,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Replication { job, replicas } => commands::replication(&cli.server, &job, replicas).await,
         Command::Tag { job, step, tag, remove } => commands::tag(&cli.server, &job, step, &tag, remove).await,
         Command::Gc => commands::gc(&cli.server, &out).await,
+        Command::Repair => commands::repair(&cli.server, &out).await,
         Command::Mount { mountpoint, threads, read_ahead_chunks } => {
             commands::mount(&cli.server, &mountpoint, threads, read_ahead_chunks).await
         }

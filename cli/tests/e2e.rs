@@ -826,3 +826,47 @@ fn replicas_span_failure_domains_so_a_whole_domain_can_die() {
     }
     assert!(!cluster.cli(&["replication", "ha", "0"]).status.success());
 }
+
+#[test]
+fn copies_lost_with_a_target_are_made_again_elsewhere() {
+    // Targets silent for 3 s are lost (they heartbeat every second); passes run on request.
+    let mut cluster = Cluster::start_with(3, &["--lost-after-secs", "3", "--repair-interval-secs", "0"]);
+    let source = cluster.dir.path().join("weights.bin");
+    std::fs::write(&source, random_bytes(4 << 20, 9)).unwrap();
+    cluster.ok(&["save", "--job", "heal", "--step", "1", "--chunk-size", "262144", source.to_str().unwrap()]);
+    let status = cluster.json(&["status"]);
+    assert!(status["under_replicated_chunks"].is_null(), "no pass yet: {status}");
+
+    // Nothing lost: a pass finds every chunk with its two copies.
+    let report = cluster.json(&["repair"]);
+    assert_eq!((report["chunks"].as_u64(), report["under_replicated"].as_u64()), (Some(16), Some(0)), "{report}");
+    assert_eq!(cluster.json(&["status"])["under_replicated_chunks"], 0);
+
+    // Target 0 dies; once it is lost, the pass copies what it held onto the others.
+    let held = cluster.chunk_files(0).len() as u64;
+    assert!(held > 0);
+    cluster.targets[0].kill();
+    std::thread::sleep(Duration::from_secs(6));
+    let report = cluster.json(&["repair"]);
+    assert_eq!(report["under_replicated"], held, "{report}");
+    assert_eq!(report["copies_made"], held, "{report}");
+    assert_eq!(report["still_under_replicated"], 0, "{report}");
+    assert_eq!(cluster.json(&["status"])["under_replicated_chunks"], 0);
+    // Targets 1 and 2 now hold both copies of every chunk.
+    assert_eq!(cluster.chunk_files(1).len(), 16);
+    assert_eq!(cluster.chunk_files(2).len(), 16);
+
+    // So losing one more target still restores everything, the readers finding the copies
+    // the manifests do not list.
+    cluster.targets[1].kill();
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "heal", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), std::fs::read(&source).unwrap());
+
+    // With one target left, every chunk stays one copy short, and status says so.
+    std::thread::sleep(Duration::from_secs(6));
+    let report = cluster.json(&["repair"]);
+    assert_eq!((report["copies_made"].as_u64(), report["still_under_replicated"].as_u64()), (Some(0), Some(16)));
+    let status = cluster.ok(&["status"]);
+    assert!(status.contains("under-replicated chunks: 16"), "{status}");
+}

@@ -296,6 +296,13 @@ impl Client {
         Ok(())
     }
 
+    /// Runs a re-replication pass at the control plane now and returns its report.
+    pub async fn rereplicate(&self) -> Result<pb::RereplicateResponse> {
+        let response =
+            self.control().rereplicate(pb::RereplicateRequest {}).await.map_err(self.status("re-replicate"))?;
+        Ok(response.into_inner())
+    }
+
     /// Sets `job`'s replication factor: copies of every chunk its saves make from now on, on
     /// distinct targets (and failure domains, while there are enough).
     pub async fn set_replication(&self, job: &str, replicas: u32) -> Result<()> {
@@ -352,9 +359,14 @@ impl Client {
     }
 
     pub async fn targets(&self) -> Result<Vec<TargetInfo>> {
+        Ok(self.cluster_status().await?.targets)
+    }
+
+    /// The targets and the last re-replication pass's count of chunks still short of copies.
+    pub async fn cluster_status(&self) -> Result<pb::ListTargetsResponse> {
         let response =
             self.control().list_targets(pb::ListTargetsRequest {}).await.map_err(self.status("list targets"))?;
-        Ok(response.into_inner().targets)
+        Ok(response.into_inner())
     }
 
     /// Asks a target for its own view of its store (over the data plane).

@@ -189,6 +189,14 @@ impl Client {
                 }
             }
         }
+        // None of the listed copies: the control plane's re-replication puts lost copies on other
+        // live targets, in the chunk's rendezvous order; look there.
+        if let Some(data) = self.read_elsewhere(chunk).await {
+            for target in damaged {
+                self.repair_copy(target, chunk.hash, data.clone());
+            }
+            return Ok(data);
+        }
         let last = last.unwrap_or_else(|| Error::InvalidInput(format!("chunk {} has no replicas", chunk.hash)));
         // With a single replica the underlying error is the clearest message.
         if chunk.replicas.len() == 1 {
@@ -196,6 +204,34 @@ impl Client {
         } else {
             Err(Error::ChunkUnavailable { hash: chunk.hash, last: Box::new(last) })
         }
+    }
+
+    /// A verified copy of `chunk` from a live target its manifest does not list, trying them in
+    /// the chunk's rendezvous order (where re-replication puts new copies). None if none has one.
+    async fn read_elsewhere(&self, chunk: &ChunkRef) -> Option<Bytes> {
+        let live: Vec<TargetInfo> = match self.targets().await {
+            Ok(targets) => targets
+                .into_iter()
+                .filter(|t| t.state == pb::TargetState::Alive as i32 && !chunk.replicas.contains(&t.target_id))
+                .collect(),
+            Err(error) => {
+                tracing::warn!(%error, "could not list targets to look for another copy");
+                return None;
+            }
+        };
+        let ids: Vec<&str> = live.iter().map(|t| t.target_id.as_str()).collect();
+        for index in crate::placement::rank_targets(&chunk.hash, &ids) {
+            let target = &live[index];
+            let Ok(transport) = self.transport(&target.target_id, &target.data_address) else { continue };
+            let Ok(data) = transport.get(chunk.hash, 0, 0).await else { continue };
+            let verified = data.clone();
+            let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&verified)).await.ok()?;
+            if hash == chunk.hash && data.len() as u64 == chunk.length_bytes {
+                tracing::info!(chunk = %chunk.hash, target = %target.target_id, "read a copy the manifest does not list");
+                return Some(data);
+            }
+        }
+        None
     }
 
     /// Read repair, in the background: sends `data` (verified) to a target whose copy of `hash`

@@ -16,6 +16,7 @@ use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
 use super::gc::{self, GcConfig, GcReport};
+use super::repair::{self, LastRepair, RepairConfig, RepairReport};
 use super::store::{CheckpointRecord, CheckpointState, MetaError, MetaStore, RetentionPolicy, TargetRecord, now_ms};
 
 /// Largest gRPC message either way. A rank's manifest is ~100 bytes per 4 MiB chunk, so 64 MiB
@@ -39,6 +40,11 @@ pub struct ControlConfig {
     /// Period of the background GC pass; None runs GC only on request (`starckpt gc`).
     /// Default 10 min.
     pub gc_interval: Option<Duration>,
+    /// Re-replication of chunks whose copies were on lost targets (see `repair.rs`).
+    pub repair: RepairConfig,
+    /// Period of the background re-replication pass; None runs it only on request
+    /// (`starckpt repair`). Default 1 min.
+    pub repair_interval: Option<Duration>,
     /// Replication factor of jobs that did not set one (`starckpt replication`). Default 2: a
     /// committed checkpoint survives the loss of any one target. Capped, per save, by the number
     /// of live targets.
@@ -54,6 +60,8 @@ impl Default for ControlConfig {
             gc: GcConfig { grace: Duration::from_secs(60 * 60), deletes_per_second: 2000 },
             gc_interval: Some(Duration::from_secs(10 * 60)),
             default_replicas: 2,
+            repair: RepairConfig::default(),
+            repair_interval: Some(Duration::from_secs(60)),
         }
     }
 }
@@ -63,13 +71,14 @@ struct Collector {
     store: Arc<dyn MetaStore>,
     config: ControlConfig,
     running: tokio::sync::Mutex<()>,
+    repairing: tokio::sync::Mutex<()>,
+    last_repair: LastRepair,
 }
 
 impl Collector {
-    async fn run(&self) -> Result<GcReport, MetaError> {
-        let _one_at_a_time = self.running.lock().await;
-        let now = now_ms();
-        let targets = self
+    /// Every registered target, with its data address when it is alive.
+    async fn targets(&self, now: u64) -> Result<Vec<(TargetRecord, Option<std::net::SocketAddr>)>, MetaError> {
+        Ok(self
             .store
             .list_targets()
             .await?
@@ -80,8 +89,25 @@ impl Collector {
                     .flatten();
                 (target, address)
             })
-            .collect();
+            .collect())
+    }
+
+    async fn run(&self) -> Result<GcReport, MetaError> {
+        let _one_at_a_time = self.running.lock().await;
+        let targets = self.targets(now_ms()).await?;
         gc::collect(self.store.as_ref(), targets, &self.config.gc).await
+    }
+
+    /// One re-replication pass (one at a time, like GC, whose sweeps it must not race for disks).
+    async fn rereplicate(&self) -> Result<RepairReport, MetaError> {
+        let _one_at_a_time = self.repairing.lock().await;
+        let now = now_ms();
+        let targets = self.targets(now).await?;
+        let report =
+            repair::rereplicate(self.store.as_ref(), targets, now, self.config.default_replicas, &self.config.repair)
+                .await?;
+        self.last_repair.record(now_ms(), &report);
+        Ok(report)
     }
 }
 
@@ -97,8 +123,13 @@ pub struct ControlService {
 
 impl ControlService {
     pub fn new(store: Arc<dyn MetaStore>, config: ControlConfig) -> ControlService {
-        let collector =
-            Arc::new(Collector { store: Arc::clone(&store), config: config.clone(), running: Default::default() });
+        let collector = Arc::new(Collector {
+            store: Arc::clone(&store),
+            config: config.clone(),
+            running: Default::default(),
+            repairing: Default::default(),
+            last_repair: LastRepair::default(),
+        });
         ControlService { store, config, collector }
     }
 
@@ -206,8 +237,11 @@ impl Control for ControlService {
     ) -> Result<Response<pb::ListTargetsResponse>, Status> {
         let now = now_ms();
         let targets = self.store.list_targets().await.map_err(meta_status)?;
+        let last = self.collector.last_repair.get();
         Ok(Response::new(pb::ListTargetsResponse {
             targets: targets.iter().map(|t| self.target_info(t, now)).collect(),
+            under_replicated_chunks: last.as_ref().map(|(_, r)| r.still_under_replicated),
+            repair_pass_age_ms: last.map_or(0, |(at, _)| now.saturating_sub(at)),
         }))
     }
 
@@ -410,6 +444,28 @@ impl Control for ControlService {
             duration_ms: report.duration.as_millis() as u64,
         }))
     }
+
+    async fn rereplicate(
+        &self,
+        _: Request<pb::RereplicateRequest>,
+    ) -> Result<Response<pb::RereplicateResponse>, Status> {
+        Ok(Response::new(self.rereplicate_now().await?))
+    }
+}
+
+impl ControlService {
+    async fn rereplicate_now(&self) -> Result<pb::RereplicateResponse, Status> {
+        let report = self.collector.rereplicate().await.map_err(meta_status)?;
+        Ok(pb::RereplicateResponse {
+            chunks: report.chunks,
+            under_replicated: report.under_replicated,
+            copies_made: report.copies_made,
+            still_under_replicated: report.still_under_replicated,
+            unreadable: report.unreadable,
+            errors: report.errors,
+            duration_ms: report.duration.as_millis() as u64,
+        })
+    }
 }
 
 /// Opens the metadata store named by `url` (a SQLite path or `sqlite://` URL).
@@ -435,17 +491,20 @@ pub async fn run(
         config.pending_timeout,
     )));
     let gc_interval = config.gc_interval;
+    let repair_interval = config.repair_interval;
     let service = ControlService::new(store, config);
     let collector = Arc::clone(&service.collector);
-    let periodic_gc = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
-        let Some(interval) = gc_interval else { return };
-        loop {
-            tokio::time::sleep(interval).await;
-            if let Err(error) = collector.run().await {
-                tracing::error!(%error, "garbage collection pass failed");
-            }
+    let periodic_repair = every(repair_interval, "re-replication", {
+        let collector = Arc::clone(&collector);
+        move || {
+            let collector = Arc::clone(&collector);
+            async move { collector.rereplicate().await.map(drop) }
         }
-    }));
+    });
+    let periodic_gc = every(gc_interval, "garbage collection", move || {
+        let collector = Arc::clone(&collector);
+        async move { collector.run().await.map(drop) }
+    });
     let service = ControlServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -455,8 +514,26 @@ pub async fn run(
         .add_service(service)
         .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
         .await?;
-    drop((reaper, periodic_gc));
+    drop((reaper, periodic_gc, periodic_repair));
     Ok(())
+}
+
+/// Runs `pass` every `interval` (never when None) until the returned handle is dropped; a failed
+/// pass is logged and the next one runs on time.
+fn every<F, Fut>(interval: Option<Duration>, what: &'static str, pass: F) -> tokio_util::task::AbortOnDropHandle<()>
+where
+    F: Fn() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<(), MetaError>> + Send,
+{
+    tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+        let Some(interval) = interval else { return };
+        loop {
+            tokio::time::sleep(interval).await;
+            if let Err(error) = pass().await {
+                tracing::error!(%error, "{what} pass failed");
+            }
+        }
+    }))
 }
 
 /// Aborts checkpoints whose ranks never all committed within `timeout`, checking ten times per

@@ -6,7 +6,7 @@
 //! write lock (which fails with SQLITE_BUSY instead of waiting). Reads use a separate pool and,
 //! thanks to WAL, never wait for the writer.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -22,8 +22,8 @@ use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest,
 use starckpt_proto::{ChunkHash, JobName};
 
 use super::store::{
-    CheckpointRecord, CheckpointState, JobRecord, LeaseGrant, MetaError, MetaResult, MetaStore, RetentionPolicy,
-    TargetRecord,
+    CheckpointRecord, CheckpointState, CommittedChunk, JobRecord, LeaseGrant, MetaError, MetaResult, MetaStore,
+    RetentionPolicy, TargetRecord,
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
@@ -705,6 +705,33 @@ impl MetaStore for SqliteStore {
         }
         Ok(live)
     }
+
+    async fn committed_chunks(&self, default_replicas: u32) -> MetaResult<HashMap<ChunkHash, CommittedChunk>> {
+        let mut tx = self.reader.begin().await?;
+        let mut rows = sqlx::query(
+            "SELECT p.checkpoint_id, p.rank, p.manifest, r.replicas FROM parts p
+             JOIN checkpoints c ON c.id = p.checkpoint_id LEFT JOIN replication r ON r.job = c.job
+             WHERE c.state = 'committed'",
+        )
+        .fetch(&mut *tx);
+        let mut chunks: HashMap<ChunkHash, CommittedChunk> = HashMap::new();
+        while let Some(row) = rows.try_next().await? {
+            let (id, rank) = (get_u64(&row, "checkpoint_id")?, get_u64(&row, "rank")? as u32);
+            let replicas: Option<i64> = row.try_get("replicas")?;
+            let wanted = replicas.map_or(default_replicas, |r| u32::try_from(r).unwrap_or(default_replicas));
+            let blob: Vec<u8> = row.try_get("manifest")?;
+            for chunk in decode_manifest(&blob, id, rank)?.files.iter().flat_map(|f| f.chunks.iter()) {
+                let entry = chunks.entry(chunk.hash).or_insert_with(|| CommittedChunk {
+                    length: chunk.length_bytes,
+                    replicas: Default::default(),
+                    wanted,
+                });
+                entry.replicas.extend(chunk.replicas.iter().cloned());
+                entry.wanted = entry.wanted.max(wanted);
+            }
+        }
+        Ok(chunks)
+    }
 }
 
 #[cfg(test)]
@@ -787,6 +814,11 @@ mod tests {
     #[tokio::test]
     async fn late_commit_is_refused() {
         conformance::late_commit_is_refused(&open().await.1).await;
+    }
+
+    #[tokio::test]
+    async fn committed_chunks() {
+        conformance::committed_chunks(&open().await.1).await;
     }
 
     #[tokio::test]

@@ -29,7 +29,7 @@
 //! enforces it). The transition to COMMITTED happens in the same transaction as the insertion of
 //! the last part, so `latest` can never observe a checkpoint with a missing part.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use async_trait::async_trait;
 use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest, TargetRegistration};
@@ -95,6 +95,16 @@ pub struct TargetRecord {
     pub chunk_count: u64,
     pub last_heartbeat_ms: u64,
     pub failure_domain: String,
+}
+
+/// A chunk of committed checkpoints, as the manifests describe it ([`MetaStore::committed_chunks`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommittedChunk {
+    pub length: u64,
+    /// Targets the manifests list for it.
+    pub replicas: std::collections::BTreeSet<String>,
+    /// Copies it should have.
+    pub wanted: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -192,6 +202,10 @@ pub trait MetaStore: Send + Sync + 'static {
     async fn tag_checkpoint(&self, job: &JobName, step: u64, tag: &str, remove: bool) -> MetaResult<()>;
     /// Every chunk hash a part of a pending or committed checkpoint names: GC's mark set.
     async fn live_chunks(&self) -> MetaResult<HashSet<ChunkHash>>;
+    /// Every chunk a committed checkpoint names, with every target a manifest lists for it and
+    /// the copies it should have: the highest replication factor among the jobs naming it
+    /// (`default_replicas` for a job that set none). Re-replication's work list.
+    async fn committed_chunks(&self, default_replicas: u32) -> MetaResult<HashMap<ChunkHash, CommittedChunk>>;
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -517,6 +531,39 @@ pub(crate) mod conformance {
         store.delete_checkpoint(&job("g"), 4, 10).await.unwrap();
         let live = store.live_chunks().await.unwrap();
         assert_eq!(live, [ChunkHash([1; 32]), ChunkHash([3; 32])].into_iter().collect());
+    }
+
+    pub async fn committed_chunks(store: &dyn MetaStore) {
+        let epoch = lease(store, "cc", "run").await.unwrap().epoch;
+        let other = lease(store, "cc2", "run").await.unwrap().epoch;
+        store.set_replication(&job("cc2"), 3, 1).await.unwrap();
+        let with = |checkpoint_id: u64, byte: u8, replicas: &[&str]| {
+            let mut part = part_with_hash(checkpoint_id, 0, byte);
+            part.manifest.files[0].chunks[0].replicas = replicas.iter().map(|r| r.to_string()).collect();
+            part
+        };
+        let a = store.begin_checkpoint(&begin("cc", 1, 1, epoch), 1).await.unwrap();
+        store.commit_part(&with(a.id, 1, &["t1", "t2"]), 2, 0).await.unwrap();
+        // The same chunk in another job, listed on another target, and a chunk of its own.
+        let b = store.begin_checkpoint(&begin("cc2", 1, 1, other), 3).await.unwrap();
+        store.commit_part(&with(b.id, 1, &["t3"]), 4, 0).await.unwrap();
+        let c = store.begin_checkpoint(&begin("cc2", 2, 1, other), 5).await.unwrap();
+        store.commit_part(&with(c.id, 2, &["t1"]), 6, 0).await.unwrap();
+        // Pending and deleted checkpoints are not in the list.
+        let pending = store.begin_checkpoint(&begin("cc", 2, 2, epoch), 7).await.unwrap();
+        store.commit_part(&with(pending.id, 5, &["t1"]), 8, 0).await.unwrap();
+        let deleted = store.begin_checkpoint(&begin("cc", 3, 1, epoch), 9).await.unwrap();
+        store.commit_part(&with(deleted.id, 6, &["t1"]), 10, 0).await.unwrap();
+        store.delete_checkpoint(&job("cc"), 3, 11).await.unwrap();
+
+        let chunks = store.committed_chunks(2).await.unwrap();
+        assert_eq!(chunks.len(), 2, "{chunks:?}");
+        let shared = &chunks[&ChunkHash([1; 32])];
+        assert_eq!(shared.replicas.iter().map(String::as_str).collect::<Vec<_>>(), ["t1", "t2", "t3"]);
+        assert_eq!((shared.wanted, shared.length), (3, 1), "the highest factor of the jobs naming it");
+        assert_eq!(chunks[&ChunkHash([2; 32])].wanted, 3);
+        store.set_replication(&job("cc2"), 1, 12).await.unwrap();
+        assert_eq!(store.committed_chunks(2).await.unwrap()[&ChunkHash([1; 32])].wanted, 2, "cc's default");
     }
 
     pub async fn concurrent_last_parts(store: std::sync::Arc<dyn MetaStore>) {

@@ -1,0 +1,219 @@
+//! Re-replication: restores the copies of committed chunks that a lost target took with it.
+//!
+//! A pass:
+//!
+//! 1. Lists every chunk of a committed checkpoint with the targets its manifests name and the
+//!    copies it should have ([`MetaStore::committed_chunks`]).
+//! 2. Counts a chunk's copies: those on targets that are not *lost* (a target is lost once it has
+//!    been silent for `lost_after`, minutes by default, so a restarting target is not copied
+//!    around), plus copies an earlier pass made on other live targets (found with HAS, in the
+//!    chunk's rendezvous order, which is where passes put them).
+//! 3. For a chunk short of copies, reads one verified copy from a live target and puts it on the
+//!    next live targets in rendezvous order that lack it, preferring failure domains without a
+//!    copy, until it has enough (or no target is left), at most `copies_per_second`.
+//!
+//! Manifests are not rewritten: a reader that finds none of the listed copies looks for the
+//! chunk on the live targets in its rendezvous order (`read_chunk` in the SDK). GC keeps every
+//! copy of a hash that any retained checkpoint names, so the new copies live as long as the
+//! chunk is needed.
+
+use std::collections::{BTreeSet, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use starckpt_client::placement::rank_targets;
+use starckpt_client::transport::{ChunkTransport, TcpConfig, TcpTransport};
+use starckpt_proto::ChunkHash;
+
+use super::store::{CommittedChunk, MetaResult, MetaStore, TargetRecord};
+
+#[derive(Clone, Debug)]
+pub struct RepairConfig {
+    /// A target silent this long is lost: its copies are made again elsewhere. Default 5 min.
+    pub lost_after: Duration,
+    /// New copies per second, over all targets (they compete with saves for disks).
+    pub copies_per_second: u32,
+}
+
+impl Default for RepairConfig {
+    fn default() -> Self {
+        RepairConfig { lost_after: Duration::from_secs(300), copies_per_second: 200 }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RepairReport {
+    /// Distinct chunks of committed checkpoints.
+    pub chunks: u64,
+    /// Of those, chunks that had fewer copies than they should when the pass looked.
+    pub under_replicated: u64,
+    pub copies_made: u64,
+    /// Chunks still short after the pass (no live source, or no target left to copy to).
+    pub still_under_replicated: u64,
+    /// Chunks no live target could provide a verified copy of.
+    pub unreadable: u64,
+    pub errors: Vec<String>,
+    pub duration: Duration,
+}
+
+/// A target the pass may read from or write to.
+struct Live {
+    id: String,
+    domain: String,
+    transport: Arc<dyn ChunkTransport>,
+}
+
+/// Runs one pass. `targets` are every registered target with its data address when alive;
+/// `silent_ms` says how long each has been silent.
+pub async fn rereplicate(
+    store: &dyn MetaStore,
+    targets: Vec<(TargetRecord, Option<SocketAddr>)>,
+    now_ms: u64,
+    default_replicas: u32,
+    config: &RepairConfig,
+) -> MetaResult<RepairReport> {
+    let started = Instant::now();
+    let chunks = store.committed_chunks(default_replicas).await?;
+    let lost: HashSet<String> = targets
+        .iter()
+        .filter(|(t, _)| now_ms.saturating_sub(t.last_heartbeat_ms) > config.lost_after.as_millis() as u64)
+        .map(|(t, _)| t.target_id.clone())
+        .collect();
+    let known: HashSet<&str> = targets.iter().map(|(t, _)| t.target_id.as_str()).collect();
+    let live: Vec<Live> = targets
+        .iter()
+        .filter_map(|(t, address)| {
+            let address = (*address)?;
+            let tcp = TcpConfig { connections_per_target: 1, ..TcpConfig::default() };
+            Some(Live {
+                id: t.target_id.clone(),
+                domain: if t.failure_domain.is_empty() { t.target_id.clone() } else { t.failure_domain.clone() },
+                transport: Arc::new(TcpTransport::for_target(address, &t.target_id, tcp)),
+            })
+        })
+        .collect();
+    let live_ids: Vec<&str> = live.iter().map(|l| l.id.as_str()).collect();
+    let mut report = RepairReport { chunks: chunks.len() as u64, ..RepairReport::default() };
+    let mut made = 0u64;
+    for (hash, chunk) in &chunks {
+        // Copies that count: listed on a target neither lost nor forgotten.
+        let listed: BTreeSet<&str> =
+            chunk.replicas.iter().map(String::as_str).filter(|r| known.contains(r) && !lost.contains(*r)).collect();
+        if listed.len() as u32 >= chunk.wanted {
+            continue;
+        }
+        report.under_replicated += 1;
+        match restore_copies(*hash, chunk, &listed, &live, &live_ids, config, started, &mut made).await {
+            Ok(Outcome::Complete) => {}
+            Ok(Outcome::Short) => report.still_under_replicated += 1,
+            Ok(Outcome::Unreadable) => {
+                report.unreadable += 1;
+                report.still_under_replicated += 1;
+            }
+            Err(error) => {
+                report.still_under_replicated += 1;
+                if report.errors.len() < 20 {
+                    report.errors.push(format!("chunk {hash}: {error}"));
+                }
+            }
+        }
+    }
+    report.copies_made = made;
+    report.duration = started.elapsed();
+    if report.under_replicated > 0 {
+        tracing::info!(?report, "re-replication pass done");
+    }
+    Ok(report)
+}
+
+enum Outcome {
+    Complete,
+    /// Not enough live targets to hold the copies it should have.
+    Short,
+    /// No live copy could be read and verified.
+    Unreadable,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn restore_copies(
+    hash: ChunkHash,
+    chunk: &CommittedChunk,
+    listed: &BTreeSet<&str>,
+    live: &[Live],
+    live_ids: &[&str],
+    config: &RepairConfig,
+    started: Instant,
+    made: &mut u64,
+) -> Result<Outcome, starckpt_client::transport::TransportError> {
+    let order = rank_targets(&hash, live_ids);
+    // Live targets holding it: listed ones, and ones an earlier pass copied it to.
+    let mut holders: Vec<usize> = Vec::new();
+    for &index in &order {
+        let target = &live[index];
+        let holds = if listed.contains(target.id.as_str()) {
+            true
+        } else {
+            target.transport.has(&[hash]).await?.first() == Some(&true)
+        };
+        if holds {
+            holders.push(index);
+        }
+    }
+    let wanted = chunk.wanted as usize;
+    if holders.len() >= wanted {
+        return Ok(Outcome::Complete);
+    }
+    // One verified copy to spread.
+    let mut data = None;
+    for &index in &holders {
+        match live[index].transport.get(hash, 0, 0).await {
+            Ok(bytes) if bytes.len() as u64 == chunk.length && ChunkHash::of(&bytes) == hash => {
+                data = Some(bytes);
+                break;
+            }
+            Ok(_) => tracing::warn!(chunk = %hash, target = %live[index].id, "a copy failed verification"),
+            Err(error) => tracing::warn!(chunk = %hash, target = %live[index].id, %error, "a copy could not be read"),
+        }
+    }
+    let Some(data) = data else { return Ok(Outcome::Unreadable) };
+    // New copies: the next targets in rendezvous order without one, new failure domains first.
+    for prefer_new_domain in [true, false] {
+        for &index in &order {
+            if holders.len() >= wanted {
+                return Ok(Outcome::Complete);
+            }
+            let target = &live[index];
+            let new_domain = !holders.iter().any(|&h| live[h].domain == target.domain);
+            if holders.contains(&index) || (prefer_new_domain && !new_domain) {
+                continue;
+            }
+            let due = Duration::from_secs_f64(*made as f64 / f64::from(config.copies_per_second.max(1)));
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+            match target.transport.put(hash, data.clone()).await {
+                Ok(_) => {
+                    *made += 1;
+                    holders.push(index);
+                }
+                Err(error) => tracing::warn!(chunk = %hash, target = %target.id, %error, "could not place a new copy"),
+            }
+        }
+    }
+    Ok(if holders.len() >= wanted { Outcome::Complete } else { Outcome::Short })
+}
+
+/// The under-replicated count of the last pass, for `starckpt status`.
+#[derive(Default)]
+pub struct LastRepair(pub std::sync::Mutex<Option<(u64, RepairReport)>>);
+
+impl LastRepair {
+    pub fn record(&self, now_ms: u64, report: &RepairReport) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some((now_ms, report.clone()));
+    }
+
+    pub fn get(&self) -> Option<(u64, RepairReport)> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
