@@ -90,6 +90,13 @@ enum Command {
         /// are enough. Default: a domain of its own.
         #[arg(long, default_value = "")]
         failure_domain: String,
+        /// Scrub rate: stored chunks are re-verified at this many MiB/s, and a corrupt copy is
+        /// removed (and copied back from another replica). 0 turns scrubbing off.
+        #[arg(long, default_value_t = 64)]
+        scrub_mib_per_sec: u64,
+        /// Pause between scrub passes, in seconds.
+        #[arg(long, default_value_t = 3600)]
+        scrub_pause_secs: u64,
     },
     /// Run a control plane and N targets in one process, data kept in DIR across restarts.
     Dev {
@@ -269,13 +276,27 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             commands::server(&listen, &db, args).await
         }
-        Command::Target { dir, listen, advertise, io_engine, assume_uptime_secs, reserve_bytes, failure_domain } => {
+        Command::Target {
+            dir,
+            listen,
+            advertise,
+            io_engine,
+            assume_uptime_secs,
+            reserve_bytes,
+            failure_domain,
+            scrub_mib_per_sec,
+            scrub_pause_secs,
+        } => {
             let mut config = starckpt_server::target::TargetConfig::new(dir, cli.server.clone());
             config.advertise = advertise;
             config.engine = io_engine;
             config.assumed_uptime = Duration::from_secs(assume_uptime_secs);
             config.reserve_bytes = reserve_bytes;
             config.failure_domain = failure_domain;
+            config.scrub = starckpt_server::target::scrub::ScrubConfig {
+                bytes_per_second: scrub_mib_per_sec.saturating_mul(1 << 20),
+                pause: Duration::from_secs(scrub_pause_secs),
+            };
             commands::target(config, &listen).await
         }
         Command::Dev { data, targets, listen, io_engine } => commands::dev(&data, targets, &listen, io_engine).await,

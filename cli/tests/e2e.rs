@@ -870,3 +870,40 @@ fn copies_lost_with_a_target_are_made_again_elsewhere() {
     let status = cluster.ok(&["status"]);
     assert!(status.contains("under-replicated chunks: 16"), "{status}");
 }
+
+#[test]
+fn the_scrubber_removes_a_rotted_copy_and_re_replication_restores_it() {
+    let mut cluster = Cluster::start_with(0, &["--lost-after-secs", "3", "--repair-interval-secs", "0"]);
+    for index in 0..2 {
+        let target = cluster.start_target_with(index, &["--scrub-mib-per-sec", "1024", "--scrub-pause-secs", "1"]);
+        cluster.targets.push(target);
+    }
+    cluster.wait_alive(2);
+    let source = cluster.dir.path().join("weights.bin");
+    std::fs::write(&source, random_bytes(1 << 20, 12)).unwrap();
+    cluster.ok(&["save", "--job", "scrub", "--step", "1", "--chunk-size", "262144", source.to_str().unwrap()]);
+    assert_eq!((cluster.chunk_files(0).len(), cluster.chunk_files(1).len()), (4, 4));
+
+    // Rot one copy on target 0: the scrubber finds it and removes it.
+    let rotten = cluster.chunk_files(0).into_iter().next().unwrap();
+    let good = std::fs::read(&rotten).unwrap();
+    let mut bad = good.clone();
+    bad[4096 + 7] ^= 0x10;
+    std::fs::write(&rotten, &bad).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while rotten.exists() {
+        assert!(std::time::Instant::now() < deadline, "the scrubber did not remove the corrupt copy");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // The re-replication pass sees the listed copy gone and makes it again.
+    let report = cluster.json(&["repair"]);
+    assert_eq!((report["under_replicated"].as_u64(), report["copies_made"].as_u64()), (Some(1), Some(1)), "{report}");
+    assert_eq!(std::fs::read(&rotten).unwrap(), good);
+
+    // Target 0 alone now serves the whole checkpoint.
+    cluster.targets[1].kill();
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "scrub", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), std::fs::read(&source).unwrap());
+}

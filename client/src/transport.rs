@@ -61,6 +61,11 @@ pub struct TargetStat {
     pub capacity_bytes: u64,
     pub used_bytes: u64,
     pub chunk_count: u64,
+    /// The target's scrubber since it started: passes finished, chunks verified, corrupt copies
+    /// found and removed.
+    pub scrub_passes: u64,
+    pub scrub_verified_chunks: u64,
+    pub scrub_corrupt_removed: u64,
 }
 
 /// A page of a target's chunk list.
@@ -417,6 +422,9 @@ impl ChunkTransport for TcpTransport {
             capacity_bytes: response.capacity_bytes,
             used_bytes: response.used_bytes,
             chunk_count: response.chunk_count,
+            scrub_passes: response.scrub_passes,
+            scrub_verified_chunks: response.scrub_verified_chunks,
+            scrub_corrupt_removed: response.scrub_corrupt_removed,
         })
     }
 

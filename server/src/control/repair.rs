@@ -4,9 +4,10 @@
 //!
 //! 1. Lists every chunk of a committed checkpoint with the targets its manifests name and the
 //!    copies it should have ([`MetaStore::committed_chunks`]).
-//! 2. Counts a chunk's copies: those on targets that are not *lost* (a target is lost once it has
-//!    been silent for `lost_after`, minutes by default, so a restarting target is not copied
-//!    around), plus copies an earlier pass made on other live targets (found with HAS, in the
+//! 2. Counts a chunk's copies: those listed on targets that are not *lost* (a target is lost once
+//!    it has been silent for `lost_after`, minutes by default, so a restarting target is not
+//!    copied around) and, on live targets, still there (batched HAS: the scrubber removes corrupt
+//!    copies), plus copies an earlier pass made on other live targets (found with HAS, in the
 //!    chunk's rendezvous order, which is where passes put them).
 //! 3. For a chunk short of copies, reads one verified copy from a live target and puts it on the
 //!    next live targets in rendezvous order that lack it, preferring failure domains without a
@@ -25,6 +26,7 @@ use std::time::{Duration, Instant};
 use starckpt_client::placement::rank_targets;
 use starckpt_client::transport::{ChunkTransport, TcpConfig, TcpTransport};
 use starckpt_proto::ChunkHash;
+use starckpt_proto::frame::MAX_BATCH_HASHES;
 
 use super::store::{CommittedChunk, MetaResult, MetaStore, TargetRecord};
 
@@ -95,11 +97,33 @@ pub async fn rereplicate(
         .collect();
     let live_ids: Vec<&str> = live.iter().map(|l| l.id.as_str()).collect();
     let mut report = RepairReport { chunks: chunks.len() as u64, ..RepairReport::default() };
+    // Which listed copies on live targets are really there (a scrub may have removed a corrupt
+    // one): one batched HAS per live target. A target that cannot answer is given the benefit of
+    // the doubt until the next pass.
+    let mut missing: HashSet<(&str, ChunkHash)> = HashSet::new();
+    for target in &live {
+        let listed_here: Vec<ChunkHash> =
+            chunks.iter().filter(|(_, c)| c.replicas.contains(&target.id)).map(|(h, _)| *h).collect();
+        for batch in listed_here.chunks(MAX_BATCH_HASHES) {
+            match target.transport.has(batch).await {
+                Ok(present) => missing
+                    .extend(batch.iter().zip(present).filter(|(_, here)| !here).map(|(h, _)| (target.id.as_str(), *h))),
+                Err(error) => {
+                    report.errors.push(format!("{}: {error}", target.id));
+                    break;
+                }
+            }
+        }
+    }
     let mut made = 0u64;
     for (hash, chunk) in &chunks {
-        // Copies that count: listed on a target neither lost nor forgotten.
-        let listed: BTreeSet<&str> =
-            chunk.replicas.iter().map(String::as_str).filter(|r| known.contains(r) && !lost.contains(*r)).collect();
+        // Copies that count: listed on a target neither lost nor forgotten, and there.
+        let listed: BTreeSet<&str> = chunk
+            .replicas
+            .iter()
+            .map(String::as_str)
+            .filter(|r| known.contains(r) && !lost.contains(*r) && !missing.contains(&(*r, *hash)))
+            .collect();
         if listed.len() as u32 >= chunk.wanted {
             continue;
         }

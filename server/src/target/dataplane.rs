@@ -424,10 +424,14 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
                 return (response, None);
             }
             let stats = store.stats();
+            let scrub = store.scrub_stats();
             let response = data::Response {
                 capacity_bytes: stats.capacity_bytes,
                 used_bytes: stats.used_bytes,
                 chunk_count: stats.chunk_count,
+                scrub_passes: scrub.passes.load(std::sync::atomic::Ordering::Relaxed),
+                scrub_verified_chunks: scrub.verified_chunks.load(std::sync::atomic::Ordering::Relaxed),
+                scrub_corrupt_removed: scrub.corrupt_removed.load(std::sync::atomic::Ordering::Relaxed),
                 ..Default::default()
             };
             (response, None)

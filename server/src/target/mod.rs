@@ -5,6 +5,7 @@
 
 pub mod dataplane;
 pub mod engine;
+pub mod scrub;
 pub mod store;
 
 use std::future::Future;
@@ -51,6 +52,8 @@ pub struct TargetConfig {
     pub reserve_bytes: u64,
     /// Failure domain label sent at registration (a host, a rack); empty: its own.
     pub failure_domain: String,
+    /// Background re-verification of stored chunks (`scrub.rs`).
+    pub scrub: scrub::ScrubConfig,
 }
 
 impl TargetConfig {
@@ -67,6 +70,7 @@ impl TargetConfig {
             assumed_uptime: std::time::Duration::ZERO,
             reserve_bytes: 256 << 20,
             failure_domain: String::new(),
+            scrub: scrub::ScrubConfig::default(),
         }
     }
 }
@@ -129,6 +133,8 @@ pub async fn run(
     ));
     // Aborted with this future, so a target killed in-process stops heartbeating too.
     let heartbeat = tokio_util::task::AbortOnDropHandle::new(heartbeat_task);
+    let _scrubber =
+        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(scrub::run(Arc::clone(&store), config.scrub.clone())));
     let mut serve_stop = stop_rx;
     let serving = dataplane::serve(listener, store, config.limits.clone(), async move {
         let _ = serve_stop.wait_for(|stopped| *stopped).await;

@@ -206,6 +206,7 @@ pub struct ChunkStore {
     reserve_bytes: AtomicU64,
     /// The owning target's id, once known (requests naming another are refused).
     target_id: std::sync::OnceLock<String>,
+    scrub_stats: super::scrub::ScrubStats,
 }
 
 impl ChunkStore {
@@ -232,6 +233,7 @@ impl ChunkStore {
             clock: Arc::new(UseClock::new()),
             reserve_bytes: AtomicU64::new(0),
             target_id: std::sync::OnceLock::new(),
+            scrub_stats: Default::default(),
         })
     }
 
@@ -355,14 +357,14 @@ impl ChunkStore {
     }
 
     /// Reads `hash` whole and checks its payload against the hash (the header alone is checked by
-    /// `get`). NotFound if absent; Corrupt if the bytes are not the chunk's.
-    pub async fn verify(&self, hash: ChunkHash) -> Result<(), ChunkStoreError> {
-        let (bytes, _) = self.get(hash, 0, 0).await?;
+    /// `get`); returns its length. NotFound if absent; Corrupt if the bytes are not the chunk's.
+    pub async fn verify(&self, hash: ChunkHash) -> Result<u64, ChunkStoreError> {
+        let (bytes, length) = self.get(hash, 0, 0).await?;
         let actual = tokio::task::spawn_blocking(move || ChunkHash::of(&bytes)).await.map_err(|e| {
             ChunkStoreError::Io { op: "hash", path: self.chunk_path(&hash), source: io::Error::other(e) }
         })?;
         if actual == hash {
-            Ok(())
+            Ok(length)
         } else {
             Err(ChunkStoreError::Corrupt { hash, reason: format!("payload hashes to {actual}") })
         }
@@ -373,7 +375,7 @@ impl ChunkStore {
     /// a good one. A reader that found a bad copy here and a good one elsewhere sends it.
     pub async fn repair(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
         match self.verify(hash).await {
-            Ok(()) => {
+            Ok(_) => {
                 self.mark_used(vec![hash]).await?;
                 return Ok(PutOutcome::AlreadyPresent);
             }
@@ -532,6 +534,11 @@ impl ChunkStore {
     /// Counts chunk ages as if the store had been open `by` longer (tests of GC only).
     pub fn assume_uptime(&self, by: Duration) {
         self.clock.backdate(by);
+    }
+
+    /// What the scrubber found so far (`scrub.rs`).
+    pub fn scrub_stats(&self) -> &super::scrub::ScrubStats {
+        &self.scrub_stats
     }
 
     pub fn stats(&self) -> StoreStats {
@@ -859,6 +866,41 @@ mod conformance {
         assert_eq!(store.list(None, 10).await.unwrap(), (vec![], true));
     }
 
+    async fn verify_and_repair_replace_only_bad_copies(kind: EngineKind) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(kind, dir.path()).await;
+        let data = random(100_000, 31);
+        let (hash, _) = put(&store, &data).await;
+        assert_eq!(store.verify(hash).await.unwrap(), 100_000);
+        // A good copy is left alone by a repair.
+        let mut write = store.write_buffer(data.len()).await;
+        write.data_mut().copy_from_slice(&data);
+        assert_eq!(store.repair(hash, write).await.unwrap(), PutOutcome::AlreadyPresent);
+        // Rot in the payload (the header still names the chunk): verify catches it, a plain put
+        // would not replace it, a repair does.
+        let path = store.chunk_path(&hash);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[HEADER_BYTES + 5] ^= 0xff;
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(matches!(store.verify(hash).await, Err(ChunkStoreError::Corrupt { .. })));
+        assert_eq!(put(&store, &data).await.1, PutOutcome::AlreadyPresent);
+        let mut write = store.write_buffer(data.len()).await;
+        write.data_mut().copy_from_slice(&data);
+        assert_eq!(store.repair(hash, write).await.unwrap(), PutOutcome::Stored);
+        assert_eq!(store.verify(hash).await.unwrap(), 100_000);
+        assert_eq!(store.stats().chunk_count, 1);
+        // A repair of a missing copy stores it; a payload that is not the chunk is refused.
+        store.delete(vec![hash], None).await.unwrap();
+        assert!(matches!(store.verify(hash).await, Err(ChunkStoreError::NotFound { .. })));
+        let mut write = store.write_buffer(data.len()).await;
+        write.data_mut().copy_from_slice(&random(100_000, 32));
+        assert!(matches!(store.repair(hash, write).await, Err(ChunkStoreError::HashMismatch { .. })));
+        let mut write = store.write_buffer(data.len()).await;
+        write.data_mut().copy_from_slice(&data);
+        assert_eq!(store.repair(hash, write).await.unwrap(), PutOutcome::Stored);
+        assert_eq!(&store.get(hash, 0, 0).await.unwrap().0[..], &data[..]);
+    }
+
     macro_rules! suite {
         ($engine:ident, $kind:expr) => {
             mod $engine {
@@ -882,6 +924,10 @@ mod conformance {
                 #[tokio::test]
                 async fn list_and_guarded_delete() {
                     list_pages_and_guarded_delete($kind).await
+                }
+                #[tokio::test]
+                async fn verify_and_repair() {
+                    verify_and_repair_replace_only_bad_copies($kind).await
                 }
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn concurrent_puts() {
