@@ -97,6 +97,16 @@ impl Cluster {
         Proc::start(&args, &self.dir.path().join(format!("target-{index}.log")), &[])
     }
 
+    /// SIGKILLs the control plane and starts it again on the same address and database (the
+    /// targets keep heartbeating to that address and re-register when it answers again).
+    pub fn restart_server(&mut self) {
+        let address = self.server.address.clone();
+        self.server.kill();
+        let db = self.dir.path().join("meta.db");
+        let args = ["server", "--listen", &address, "--db", db.to_str().unwrap()];
+        self.server = Proc::start(&args, &self.dir.path().join("server.log"), &[]);
+    }
+
     /// SIGKILLs every process, then starts them again on the same data.
     pub fn kill_and_restart(&mut self) {
         self.server.kill();
