@@ -48,7 +48,9 @@ impl Default for RepairConfig {
 pub struct RepairReport {
     /// Distinct chunks of committed checkpoints.
     pub chunks: u64,
-    /// Of those, chunks that had fewer copies than they should when the pass looked.
+    /// Of those, chunks with fewer listed copies (on targets not lost, and there) than they should
+    /// have: including chunks whose extra copies an earlier pass already made (manifests are not
+    /// rewritten), so this does not fall to 0 after a repair; `still_under_replicated` does.
     pub under_replicated: u64,
     pub copies_made: u64,
     /// Chunks still short after the pass (no live source, or no target left to copy to).
@@ -115,7 +117,8 @@ pub async fn rereplicate(
             }
         }
     }
-    let mut made = 0u64;
+    let mut throttle = CopyThrottle { per_second: config.copies_per_second, first: None, made: 0 };
+    let mut unreachable: HashSet<usize> = HashSet::new();
     for (hash, chunk) in &chunks {
         // Copies that count: listed on a target neither lost nor forgotten, and there.
         let listed: BTreeSet<&str> = chunk
@@ -128,22 +131,19 @@ pub async fn rereplicate(
             continue;
         }
         report.under_replicated += 1;
-        match restore_copies(*hash, chunk, &listed, &live, &live_ids, config, started, &mut made).await {
-            Ok(Outcome::Complete) => {}
-            Ok(Outcome::Short) => report.still_under_replicated += 1,
-            Ok(Outcome::Unreadable) => {
+        match restore_copies(*hash, chunk, &listed, &live, &live_ids, &mut unreachable, &mut throttle).await {
+            Outcome::Complete => {}
+            Outcome::Short => report.still_under_replicated += 1,
+            Outcome::Unreadable => {
                 report.unreadable += 1;
                 report.still_under_replicated += 1;
             }
-            Err(error) => {
-                report.still_under_replicated += 1;
-                if report.errors.len() < 20 {
-                    report.errors.push(format!("chunk {hash}: {error}"));
-                }
-            }
         }
     }
-    report.copies_made = made;
+    report.copies_made = throttle.made;
+    for index in unreachable {
+        report.errors.push(format!("{}: unreachable, skipped for the rest of the pass", live[index].id));
+    }
     report.duration = started.elapsed();
     if report.under_replicated > 0 {
         tracing::info!(?report, "re-replication pass done");
@@ -159,73 +159,112 @@ enum Outcome {
     Unreadable,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Spaces new copies out to `per_second`, from the first copy on (scans before it earn no burst).
+struct CopyThrottle {
+    per_second: u32,
+    first: Option<Instant>,
+    made: u64,
+}
+
+impl CopyThrottle {
+    async fn admit(&mut self) {
+        let first = *self.first.get_or_insert_with(Instant::now);
+        let due = Duration::from_secs_f64(self.made as f64 / f64::from(self.per_second.max(1)));
+        if let Some(wait) = due.checked_sub(first.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
 async fn restore_copies(
     hash: ChunkHash,
     chunk: &CommittedChunk,
     listed: &BTreeSet<&str>,
     live: &[Live],
     live_ids: &[&str],
-    config: &RepairConfig,
-    started: Instant,
-    made: &mut u64,
-) -> Result<Outcome, starckpt_client::transport::TransportError> {
-    let order = rank_targets(&hash, live_ids);
-    // Live targets holding it: listed ones, and ones an earlier pass copied it to.
-    let mut holders: Vec<usize> = Vec::new();
+    unreachable: &mut HashSet<usize>,
+    throttle: &mut CopyThrottle,
+) -> Outcome {
+    let wanted = chunk.wanted as usize;
+    let order: Vec<usize> =
+        rank_targets(&hash, live_ids).into_iter().filter(|index| !unreachable.contains(index)).collect();
+    // Live targets holding it: listed ones, then ones an earlier pass copied it to (in rendezvous
+    // order, where passes put them), until there are enough.
+    let mut holders: Vec<usize> = order.iter().copied().filter(|&i| listed.contains(live[i].id.as_str())).collect();
     for &index in &order {
-        let target = &live[index];
-        let holds = if listed.contains(target.id.as_str()) {
-            true
-        } else {
-            target.transport.has(&[hash]).await?.first() == Some(&true)
-        };
-        if holds {
-            holders.push(index);
+        if holders.len() >= wanted {
+            return Outcome::Complete;
+        }
+        if holders.contains(&index) {
+            continue;
+        }
+        match live[index].transport.has(&[hash]).await {
+            Ok(present) if present.first() == Some(&true) => holders.push(index),
+            Ok(_) => {}
+            Err(error) => {
+                // Skipped for the rest of the pass rather than stalling every chunk on it.
+                tracing::warn!(target = %live[index].id, %error, "target unreachable; skipped this pass");
+                unreachable.insert(index);
+            }
         }
     }
-    let wanted = chunk.wanted as usize;
     if holders.len() >= wanted {
-        return Ok(Outcome::Complete);
+        return Outcome::Complete;
     }
-    // One verified copy to spread.
+    let candidates = order.iter().filter(|&&i| !holders.contains(&i) && !unreachable.contains(&i)).count();
+    if candidates == 0 {
+        return Outcome::Short;
+    }
+    // One verified copy to spread; a holder whose copy fails verification is no holder.
     let mut data = None;
+    let mut bad_holders = Vec::new();
     for &index in &holders {
         match live[index].transport.get(hash, 0, 0).await {
-            Ok(bytes) if bytes.len() as u64 == chunk.length && ChunkHash::of(&bytes) == hash => {
-                data = Some(bytes);
-                break;
+            Ok(bytes) if bytes.len() as u64 == chunk.length => {
+                let hashed = bytes.clone();
+                let actual = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed)).await.ok();
+                if actual == Some(hash) {
+                    data = Some(bytes);
+                    break;
+                }
+                bad_holders.push(index);
             }
-            Ok(_) => tracing::warn!(chunk = %hash, target = %live[index].id, "a copy failed verification"),
+            Ok(_) => bad_holders.push(index),
             Err(error) => tracing::warn!(chunk = %hash, target = %live[index].id, %error, "a copy could not be read"),
         }
     }
-    let Some(data) = data else { return Ok(Outcome::Unreadable) };
+    let Some(data) = data else { return Outcome::Unreadable };
+    for &index in &bad_holders {
+        tracing::warn!(chunk = %hash, target = %live[index].id, "a copy failed verification; repairing it");
+        holders.retain(|&h| h != index);
+        if live[index].transport.repair(hash, data.clone()).await.is_ok() {
+            holders.push(index);
+        }
+    }
     // New copies: the next targets in rendezvous order without one, new failure domains first.
     for prefer_new_domain in [true, false] {
         for &index in &order {
             if holders.len() >= wanted {
-                return Ok(Outcome::Complete);
+                return Outcome::Complete;
             }
             let target = &live[index];
             let new_domain = !holders.iter().any(|&h| live[h].domain == target.domain);
-            if holders.contains(&index) || (prefer_new_domain && !new_domain) {
+            if holders.contains(&index) || unreachable.contains(&index) || (prefer_new_domain && !new_domain) {
                 continue;
             }
-            let due = Duration::from_secs_f64(*made as f64 / f64::from(config.copies_per_second.max(1)));
-            if let Some(wait) = due.checked_sub(started.elapsed()) {
-                tokio::time::sleep(wait).await;
-            }
+            throttle.admit().await;
             match target.transport.put(hash, data.clone()).await {
-                Ok(_) => {
-                    *made += 1;
+                Ok(already_present) => {
+                    if !already_present {
+                        throttle.made += 1;
+                    }
                     holders.push(index);
                 }
                 Err(error) => tracing::warn!(chunk = %hash, target = %target.id, %error, "could not place a new copy"),
             }
         }
     }
-    Ok(if holders.len() >= wanted { Outcome::Complete } else { Outcome::Short })
+    if holders.len() >= wanted { Outcome::Complete } else { Outcome::Short }
 }
 
 /// The under-replicated count of the last pass, for `starckpt status`.

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::store::{ChunkStore, ChunkStoreError};
+use super::store::{ChunkStore, ChunkStoreError, Copy};
 
 #[derive(Clone, Debug)]
 pub struct ScrubConfig {
@@ -28,7 +28,8 @@ impl Default for ScrubConfig {
     }
 }
 
-/// Counters since the target started (reported by OP_STAT).
+/// Counters since the target started (reported by OP_STAT): complete passes, chunks verified,
+/// corrupt copies removed.
 #[derive(Debug, Default)]
 pub struct ScrubStats {
     pub passes: AtomicU64,
@@ -42,37 +43,46 @@ pub async fn run(store: Arc<ChunkStore>, config: ScrubConfig) {
         return;
     }
     loop {
-        if let Err(error) = pass(&store, &config).await {
-            tracing::warn!(%error, "scrub pass stopped early");
+        match pass(&store, &config).await {
+            Ok(()) => {
+                store.scrub_stats().passes.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(error) => tracing::warn!(%error, "scrub pass stopped early"),
         }
-        store.scrub_stats().passes.fetch_add(1, Ordering::Relaxed);
-        tokio::time::sleep(config.pause).await;
+        // At least a second between passes, so an empty store is not listed in a loop.
+        tokio::time::sleep(config.pause.max(Duration::from_secs(1))).await;
     }
 }
 
+/// One pass over every stored chunk. Err if it could not go on (listing failed); the counters
+/// say what it got through.
 async fn pass(store: &ChunkStore, config: &ScrubConfig) -> Result<(), ChunkStoreError> {
     let started = Instant::now();
-    let mut verified_bytes = 0u64;
+    let mut read_bytes = 0u64;
     let mut after = None;
     loop {
         let (page, complete) = store.list(after, 256).await?;
         for listed in page {
             after = Some(listed.hash);
-            match store.verify(listed.hash).await {
-                Ok(length) => {
-                    verified_bytes += length;
+            match store.check_copy(listed.hash).await {
+                Ok(Copy::Good { length }) => {
+                    read_bytes += length;
                     store.scrub_stats().verified_chunks.fetch_add(1, Ordering::Relaxed);
                 }
-                Err(ChunkStoreError::Corrupt { reason, .. }) => {
+                Ok(Copy::Bad { inode, reason }) => {
+                    read_bytes += store.file_len(&listed.hash).await.unwrap_or(0);
                     tracing::error!(chunk = %listed.hash, %reason, "scrub found a corrupt copy; removing it");
-                    store.delete(vec![listed.hash], None).await?;
-                    store.scrub_stats().corrupt_removed.fetch_add(1, Ordering::Relaxed);
+                    // Only that file: a good copy a repair swapped in meanwhile stays.
+                    if store.remove_copy_if(listed.hash, inode).await? {
+                        store.scrub_stats().corrupt_removed.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
-                // Deleted (GC, repair) since it was listed.
+                // Deleted (GC) since it was listed.
                 Err(ChunkStoreError::NotFound { .. }) => {}
+                // An I/O error or an unknown format: reported, never deleted on.
                 Err(error) => tracing::warn!(chunk = %listed.hash, %error, "scrub could not verify a chunk"),
             }
-            let due = Duration::from_secs_f64(verified_bytes as f64 / config.bytes_per_second as f64);
+            let due = Duration::from_secs_f64(read_bytes as f64 / config.bytes_per_second as f64);
             if let Some(wait) = due.checked_sub(started.elapsed()) {
                 tokio::time::sleep(wait).await;
             }

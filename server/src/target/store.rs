@@ -106,6 +106,26 @@ pub struct StoreStats {
     pub chunk_count: u64,
 }
 
+/// What [`ChunkStore::check_copy`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Copy {
+    Good {
+        length: u64,
+    },
+    /// Not the chunk's bytes; `inode` names the file judged (see [`ChunkStore::remove_copy_if`]).
+    Bad {
+        inode: u64,
+        reason: String,
+    },
+}
+
+/// How a put's rename ended.
+enum Renamed {
+    Stored,
+    Replaced { old_bytes: u64 },
+    AlreadyPresent,
+}
+
 /// Chunk bytes waiting to be stored: an aligned buffer whose first [`HEADER_BYTES`] are reserved
 /// for the chunk header and whose data follows, so the payload can be received from the network
 /// straight into its final on-disk position.
@@ -279,13 +299,24 @@ impl ChunkStore {
     }
 
     /// Verifies and durably stores a chunk. Acknowledge the client only after this returns Ok.
-    pub async fn put(&self, hash: ChunkHash, mut chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
+    pub async fn put(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
+        self.store_copy(hash, chunk, None).await
+    }
+
+    /// `put`, or with `replacing: Some(inode)`, a put that atomically replaces the file at the
+    /// chunk's path if it is still that inode (a copy found bad): the path never lacks a copy.
+    async fn store_copy(
+        &self,
+        hash: ChunkHash,
+        mut chunk: ChunkWrite,
+        replacing: Option<u64>,
+    ) -> Result<PutOutcome, ChunkStoreError> {
         let actual = ChunkHash::of(chunk.data());
         if actual != hash {
             return Err(ChunkStoreError::HashMismatch { expected: hash, actual });
         }
         let final_path = self.chunk_path(&hash);
-        if self.mark_used(vec![hash]).await? == [true] {
+        if replacing.is_none() && self.mark_used(vec![hash]).await? == [true] {
             // A concurrent put may have renamed it in but not yet made the rename durable.
             self.sync_chunk_dirs([hash]).await?;
             return Ok(PutOutcome::AlreadyPresent);
@@ -317,12 +348,25 @@ impl ChunkStore {
         let renamed = {
             let (from, to, locks) = (temp_path.clone(), final_path.clone(), self.use_locks.clone());
             tokio::task::spawn_blocking(move || {
+                use std::os::unix::fs::MetadataExt;
                 let _guard = locks.lock(&hash);
+                if let Some(inode) = replacing {
+                    match std::fs::metadata(&to) {
+                        // Still the bad copy: swap the good one in, in one rename.
+                        Ok(meta) if meta.ino() == inode => {
+                            return std::fs::rename(&from, &to).map(|()| Renamed::Replaced { old_bytes: meta.len() });
+                        }
+                        // Someone else replaced it already.
+                        Ok(_) => return touch(&to).map(|_| Renamed::AlreadyPresent),
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(e),
+                    }
+                }
                 match rename_noreplace(&from, &to) {
                     Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
-                        touch(&to).map(|_| PutOutcome::AlreadyPresent)
+                        touch(&to).map(|_| Renamed::AlreadyPresent)
                     }
-                    other => other.map(|()| PutOutcome::Stored),
+                    other => other.map(|()| Renamed::Stored),
                 }
             })
             .await
@@ -332,9 +376,10 @@ impl ChunkStore {
                 source: io::Error::other(e),
             })?
         };
-        match renamed {
-            Ok(PutOutcome::Stored) => {}
-            Ok(PutOutcome::AlreadyPresent) => {
+        let replaced = match renamed {
+            Ok(Renamed::Stored) => None,
+            Ok(Renamed::Replaced { old_bytes }) => Some(old_bytes),
+            Ok(Renamed::AlreadyPresent) => {
                 let _ = tokio::fs::remove_file(&temp_path).await;
                 self.sync_chunk_dirs([hash]).await?;
                 return Ok(PutOutcome::AlreadyPresent);
@@ -343,7 +388,7 @@ impl ChunkStore {
                 let _ = tokio::fs::remove_file(&temp_path).await;
                 return Err(ChunkStoreError::Io { op: "rename", path: final_path, source });
             }
-        }
+        };
         let dir = self.chunk_dir(&hash);
         if let Err(source) = self.engine.sync_dir(dir.clone()).await {
             // Not acknowledged. The file stays: it is complete and its data synced, and a
@@ -351,42 +396,119 @@ impl ChunkStore {
             // before saying so), so removing it here could pull it from under that writer.
             return Err(ChunkStoreError::Io { op: "fsync", path: dir, source });
         }
-        self.chunk_count.fetch_add(1, Ordering::Relaxed);
-        self.used_bytes.fetch_add(file_bytes, Ordering::Relaxed);
+        match replaced {
+            None => {
+                self.chunk_count.fetch_add(1, Ordering::Relaxed);
+                self.used_bytes.fetch_add(file_bytes, Ordering::Relaxed);
+            }
+            Some(old_bytes) => {
+                self.used_bytes.fetch_add(file_bytes, Ordering::Relaxed);
+                self.used_bytes.fetch_sub(old_bytes.min(self.used_bytes.load(Ordering::Relaxed)), Ordering::Relaxed);
+            }
+        }
         Ok(PutOutcome::Stored)
     }
 
-    /// Reads `hash` whole and checks its payload against the hash (the header alone is checked by
-    /// `get`); returns its length. NotFound if absent; Corrupt if the bytes are not the chunk's.
-    pub async fn verify(&self, hash: ChunkHash) -> Result<u64, ChunkStoreError> {
-        let (bytes, length) = self.get(hash, 0, 0).await?;
-        let actual = tokio::task::spawn_blocking(move || ChunkHash::of(&bytes)).await.map_err(|e| {
-            ChunkStoreError::Io { op: "hash", path: self.chunk_path(&hash), source: io::Error::other(e) }
-        })?;
-        if actual == hash {
-            Ok(length)
-        } else {
-            Err(ChunkStoreError::Corrupt { hash, reason: format!("payload hashes to {actual}") })
-        }
+    /// Reads the stored copy of `hash` whole (outside the I/O buffer pool, which the caller may
+    /// be holding a buffer of) and checks it: header, length and payload hash. NotFound if absent;
+    /// an I/O error, or a header of a format this build does not know, is an error, never `Bad`
+    /// (nothing may delete what it cannot judge).
+    pub async fn check_copy(&self, hash: ChunkHash) -> Result<Copy, ChunkStoreError> {
+        let path = self.chunk_path(&hash);
+        tokio::task::spawn_blocking(move || {
+            use std::io::Read;
+            use std::os::unix::fs::MetadataExt;
+            let mut file = match std::fs::File::open(&path) {
+                Ok(file) => file,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ChunkStoreError::NotFound { hash }),
+                Err(source) => return Err(ChunkStoreError::Io { op: "open", path, source }),
+            };
+            let meta = file.metadata().map_err(io_error("stat", &path))?;
+            let bad = |reason: String| Ok(Copy::Bad { inode: meta.ino(), reason });
+            let limit = (HEADER_BYTES + starckpt_proto::frame::MAX_PAYLOAD_BYTES as usize + 4096) as u64;
+            if meta.len() < HEADER_BYTES as u64 || meta.len() > limit {
+                return bad(format!("file is {} bytes", meta.len()));
+            }
+            let mut bytes = Vec::with_capacity(meta.len() as usize);
+            file.read_to_end(&mut bytes).map_err(io_error("read", &path))?;
+            if bytes[0..8] == MAGIC[..]
+                && bytes[64..72] == header_sum(&bytes)
+                && u16::from_le_bytes([bytes[8], bytes[9]]) != FORMAT_VERSION
+            {
+                return Err(ChunkStoreError::Io {
+                    op: "verify",
+                    path,
+                    source: io::Error::other("a chunk format this build does not know"),
+                });
+            }
+            let length = match decode_header(&bytes, &hash) {
+                Ok(length) => length,
+                Err(ChunkStoreError::Corrupt { reason, .. }) => return bad(reason),
+                Err(other) => return Err(other),
+            };
+            let Some(payload) = bytes.get(HEADER_BYTES..HEADER_BYTES + length as usize) else {
+                return bad(format!("header says {length} bytes, file holds {}", bytes.len() - HEADER_BYTES));
+            };
+            let actual = ChunkHash::of(payload);
+            if actual == hash { Ok(Copy::Good { length }) } else { bad(format!("payload hashes to {actual}")) }
+        })
+        .await
+        .map_err(|e| ChunkStoreError::Io {
+            op: "verify",
+            path: self.chunk_path(&hash),
+            source: io::Error::other(e),
+        })?
     }
 
-    /// Read repair: stores `chunk` unless a copy of `hash` is present *and verifies*. A copy that
-    /// fails verification (bit rot, a torn or truncated file) is removed first, so the put writes
-    /// a good one. A reader that found a bad copy here and a good one elsewhere sends it.
-    pub async fn repair(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
-        match self.verify(hash).await {
-            Ok(_) => {
-                self.mark_used(vec![hash]).await?;
-                return Ok(PutOutcome::AlreadyPresent);
+    /// Removes the copy of `hash` if it is still the file `inode` (one found bad): a good copy
+    /// that replaced it meanwhile stays. Returns whether it removed it.
+    pub async fn remove_copy_if(&self, hash: ChunkHash, inode: u64) -> Result<bool, ChunkStoreError> {
+        let (path, locks) = (self.chunk_path(&hash), self.use_locks.clone());
+        let removed = tokio::task::spawn_blocking(move || {
+            use std::os::unix::fs::MetadataExt;
+            let _guard = locks.lock(&hash);
+            match std::fs::metadata(&path) {
+                Ok(meta) if meta.ino() == inode => std::fs::remove_file(&path).map(|()| Some(meta.len())),
+                Ok(_) => Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(e),
             }
-            Err(ChunkStoreError::NotFound { .. }) => {}
-            Err(ChunkStoreError::Corrupt { reason, .. }) => {
-                tracing::warn!(chunk = %hash, %reason, "replacing a corrupt copy (read repair)");
-                self.delete(vec![hash], None).await?;
-            }
-            Err(other) => return Err(other),
+            .map_err(io_error("unlink", &path))
+        })
+        .await
+        .map_err(|e| ChunkStoreError::Io {
+            op: "unlink",
+            path: self.chunk_path(&hash),
+            source: io::Error::other(e),
+        })??;
+        if let Some(bytes) = removed {
+            self.chunk_count.fetch_sub(1, Ordering::Relaxed);
+            self.used_bytes.fetch_sub(bytes.min(self.used_bytes.load(Ordering::Relaxed)), Ordering::Relaxed);
         }
-        self.put(hash, chunk).await
+        Ok(removed.is_some())
+    }
+
+    /// Read repair: stores `chunk` unless a copy of `hash` is present *and checks out*. A copy
+    /// that fails (bit rot, a torn or truncated file) is replaced in one rename, so the path is
+    /// never without a copy and a good copy someone else wrote meanwhile is kept.
+    pub async fn repair(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
+        let actual = ChunkHash::of(chunk.data());
+        if actual != hash {
+            return Err(ChunkStoreError::HashMismatch { expected: hash, actual });
+        }
+        match self.check_copy(hash).await {
+            Ok(Copy::Good { .. }) => {
+                self.mark_used(vec![hash]).await?;
+                self.sync_chunk_dirs([hash]).await?;
+                Ok(PutOutcome::AlreadyPresent)
+            }
+            Ok(Copy::Bad { inode, reason }) => {
+                tracing::warn!(chunk = %hash, %reason, "replacing a corrupt copy (read repair)");
+                self.store_copy(hash, chunk, Some(inode)).await
+            }
+            Err(ChunkStoreError::NotFound { .. }) => self.put(hash, chunk).await,
+            Err(other) => Err(other),
+        }
     }
 
     /// Bytes a read of `hash` will buffer (its file size), for admission control; None if absent.
@@ -871,7 +993,7 @@ mod conformance {
         let store = store(kind, dir.path()).await;
         let data = random(100_000, 31);
         let (hash, _) = put(&store, &data).await;
-        assert_eq!(store.verify(hash).await.unwrap(), 100_000);
+        assert_eq!(store.check_copy(hash).await.unwrap(), Copy::Good { length: 100_000 });
         // A good copy is left alone by a repair.
         let mut write = store.write_buffer(data.len()).await;
         write.data_mut().copy_from_slice(&data);
@@ -882,16 +1004,28 @@ mod conformance {
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[HEADER_BYTES + 5] ^= 0xff;
         std::fs::write(&path, &bytes).unwrap();
-        assert!(matches!(store.verify(hash).await, Err(ChunkStoreError::Corrupt { .. })));
+        let Copy::Bad { inode, .. } = store.check_copy(hash).await.unwrap() else { panic!("rot not found") };
         assert_eq!(put(&store, &data).await.1, PutOutcome::AlreadyPresent);
         let mut write = store.write_buffer(data.len()).await;
         write.data_mut().copy_from_slice(&data);
         assert_eq!(store.repair(hash, write).await.unwrap(), PutOutcome::Stored);
-        assert_eq!(store.verify(hash).await.unwrap(), 100_000);
+        assert_eq!(store.check_copy(hash).await.unwrap(), Copy::Good { length: 100_000 });
         assert_eq!(store.stats().chunk_count, 1);
+        // The bad file is gone: removing "it" leaves the good copy that replaced it.
+        assert!(!store.remove_copy_if(hash, inode).await.unwrap());
+        assert_eq!(store.check_copy(hash).await.unwrap(), Copy::Good { length: 100_000 });
+        // A file of a format this build does not know is an error, never judged bad.
+        let good = std::fs::read(&path).unwrap();
+        let mut newer = good.clone();
+        newer[8] = newer[8].wrapping_add(1);
+        let sum = header_sum(&newer);
+        newer[64..72].copy_from_slice(&sum);
+        std::fs::write(&path, &newer).unwrap();
+        assert!(matches!(store.check_copy(hash).await, Err(ChunkStoreError::Io { .. })));
+        std::fs::write(&path, &good).unwrap();
         // A repair of a missing copy stores it; a payload that is not the chunk is refused.
         store.delete(vec![hash], None).await.unwrap();
-        assert!(matches!(store.verify(hash).await, Err(ChunkStoreError::NotFound { .. })));
+        assert!(matches!(store.check_copy(hash).await, Err(ChunkStoreError::NotFound { .. })));
         let mut write = store.write_buffer(data.len()).await;
         write.data_mut().copy_from_slice(&random(100_000, 32));
         assert!(matches!(store.repair(hash, write).await, Err(ChunkStoreError::HashMismatch { .. })));
