@@ -224,6 +224,11 @@ async fn main() -> ExitCode {
         _ => "warn",
     };
     init_logging(cli.verbose, default_level);
+    // Fault points for the crash matrix (test builds only; a no-op otherwise).
+    if let Err(error) = starckpt_client::faults::setup() {
+        eprintln!("error: {error}");
+        return ExitCode::FAILURE;
+    }
     match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

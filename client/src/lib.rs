@@ -24,6 +24,7 @@
 //! ```
 
 mod error;
+pub mod faults;
 mod manager;
 pub mod placement;
 mod restore;

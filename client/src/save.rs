@@ -326,6 +326,8 @@ impl Client {
         manifest: &Manifest,
         written_bytes: u64,
     ) -> Result<CommitState> {
+        let injected = |e: std::io::Error| tonic::Status::unavailable(e.to_string());
+        crate::faults::point("client.commit").map_err(injected).map_err(self.status("commit part"))?;
         let response = self
             .control()
             .commit_part(pb::CommitPartRequest {
@@ -337,6 +339,7 @@ impl Client {
             .await
             .map_err(self.status("commit part"))?
             .into_inner();
+        crate::faults::point("client.commit.reply").map_err(injected).map_err(self.status("commit part"))?;
         Ok(if response.state == pb::CheckpointState::Committed as i32 {
             CommitState::Committed
         } else {
@@ -919,6 +922,7 @@ async fn store_on(client: &Client, placement: &Placement, index: usize, hash: Ch
     let store = |transport: Arc<dyn ChunkTransport>| {
         let data = data.clone();
         async move {
+            crate::faults::point("client.put").map_err(|e| TransportError::Connection(e.to_string()))?;
             if transport.has(&[hash]).await?.first() == Some(&true) {
                 return Ok::<bool, TransportError>(true);
             }

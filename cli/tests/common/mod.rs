@@ -57,6 +57,8 @@ pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub server: Proc,
     pub targets: Vec<Proc>,
+    /// The control plane's extra flags, kept across restarts.
+    pub server_flags: Vec<String>,
 }
 
 impl Cluster {
@@ -68,7 +70,8 @@ impl Cluster {
     pub fn start_with(targets: usize, server_flags: &[&str]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let server = start_server_with(dir.path(), server_flags);
-        let mut cluster = Cluster { dir, server, targets: Vec::new() };
+        let server_flags = server_flags.iter().map(|f| f.to_string()).collect();
+        let mut cluster = Cluster { dir, server, targets: Vec::new(), server_flags };
         for index in 0..targets {
             let target = cluster.start_target(index);
             cluster.targets.push(target);
@@ -87,6 +90,11 @@ impl Cluster {
 
     /// Starts target `index` with extra flags.
     pub fn start_target_with(&self, index: usize, extra: &[&str]) -> Proc {
+        self.start_target_env(index, extra, &[])
+    }
+
+    /// Starts target `index` with extra flags and environment variables.
+    pub fn start_target_env(&self, index: usize, extra: &[&str], env: &[(&str, &str)]) -> Proc {
         let dir = self.target_dir(index);
         // Targets that trust chunk ages as if they had run for a day, so GC tests can age chunks.
         let args =
@@ -94,17 +102,23 @@ impl Cluster {
         let mut args = args.to_vec();
         args.extend(["--assume-uptime-secs", "86400"]);
         args.extend_from_slice(extra);
-        Proc::start(&args, &self.dir.path().join(format!("target-{index}.log")), &[])
+        Proc::start(&args, &self.dir.path().join(format!("target-{index}.log")), env)
     }
 
     /// SIGKILLs the control plane and starts it again on the same address and database (the
     /// targets keep heartbeating to that address and re-register when it answers again).
     pub fn restart_server(&mut self) {
+        self.restart_server_env(&[]);
+    }
+
+    /// `restart_server`, the new process started with extra environment variables.
+    pub fn restart_server_env(&mut self, env: &[(&str, &str)]) {
         let address = self.server.address.clone();
         self.server.kill();
         let db = self.dir.path().join("meta.db");
-        let args = ["server", "--listen", &address, "--db", db.to_str().unwrap()];
-        self.server = Proc::start(&args, &self.dir.path().join("server.log"), &[]);
+        let mut args = vec!["server", "--listen", &address, "--db", db.to_str().unwrap()];
+        args.extend(self.server_flags.iter().map(String::as_str));
+        self.server = Proc::start(&args, &self.dir.path().join("server.log"), env);
     }
 
     /// SIGKILLs every process, then starts them again on the same data.
@@ -113,7 +127,8 @@ impl Cluster {
         for target in &mut self.targets {
             target.kill();
         }
-        self.server = start_server(self.dir.path());
+        let flags: Vec<&str> = self.server_flags.iter().map(String::as_str).collect();
+        self.server = start_server_with(self.dir.path(), &flags);
         let count = self.targets.len();
         self.targets = (0..count).map(|i| self.start_target(i)).collect();
         self.wait_alive(count);
@@ -210,10 +225,6 @@ impl Cluster {
         }
         out
     }
-}
-
-fn start_server(dir: &Path) -> Proc {
-    start_server_with(dir, &[])
 }
 
 /// Starts a control plane on the cluster's database with extra flags.

@@ -41,7 +41,7 @@ use starckpt_client::transport::{ChunkTransport, TcpConfig, TcpTransport, Transp
 use starckpt_proto::ChunkHash;
 use starckpt_proto::frame::MAX_LIST_ENTRIES;
 
-use super::store::{MetaResult, MetaStore, TargetRecord};
+use super::store::{MetaResult, MetaStore, TargetRecord, fault};
 
 #[derive(Clone, Debug)]
 pub struct GcConfig {
@@ -112,6 +112,7 @@ pub async fn collect(
     let started = Instant::now();
     let marked_at = Instant::now();
     let live = store.live_chunks().await?;
+    fault("control.gc.mark")?;
     let mut report = GcReport { live_chunks: live.len() as u64, ..GcReport::default() };
     let mut throttle = Throttle { per_second: config.deletes_per_second, started: Instant::now(), granted: 0 };
     for (target, address) in targets {
@@ -183,6 +184,7 @@ async fn delete(
     throttle.admit(doomed.len()).await;
     // The guard is computed after the throttle's wait, so it still means "before M − grace".
     let guard = config.grace + marked_at.elapsed();
+    starckpt_client::faults::point("control.gc.delete").map_err(|e| TransportError::Connection(e.to_string()))?;
     let deleted = transport.delete(doomed, Some(guard)).await?;
     // Chunks used since listing were kept by the target; count them with the recent ones.
     report.chunks_in_grace += doomed.len() as u64 - deleted.min(doomed.len() as u64);

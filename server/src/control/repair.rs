@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use starckpt_client::placement::rank_targets;
-use starckpt_client::transport::{ChunkTransport, TcpConfig, TcpTransport};
+use starckpt_client::transport::{ChunkTransport, TcpConfig, TcpTransport, TransportError};
 use starckpt_proto::ChunkHash;
 use starckpt_proto::frame::MAX_BATCH_HASHES;
 
@@ -253,7 +253,11 @@ async fn restore_copies(
                 continue;
             }
             throttle.admit().await;
-            match target.transport.put(hash, data.clone()).await {
+            let put = match starckpt_client::faults::point("control.repair.copy") {
+                Ok(()) => target.transport.put(hash, data.clone()).await,
+                Err(injected) => Err(TransportError::Connection(injected.to_string())),
+            };
+            match put {
                 Ok(already_present) => {
                     if !already_present {
                         throttle.made += 1;

@@ -17,7 +17,9 @@ use tonic::{Request, Response, Status};
 
 use super::gc::{self, GcConfig, GcReport};
 use super::repair::{self, LastRepair, RepairConfig, RepairReport};
-use super::store::{CheckpointRecord, CheckpointState, MetaError, MetaStore, RetentionPolicy, TargetRecord, now_ms};
+use super::store::{
+    CheckpointRecord, CheckpointState, MetaError, MetaStore, RetentionPolicy, TargetRecord, fault, now_ms,
+};
 
 /// Largest gRPC message either way. A rank's manifest is ~100 bytes per 4 MiB chunk, so 64 MiB
 /// describes ~2.5 PB in one part: generous, but still a bound.
@@ -276,8 +278,18 @@ impl Control for ControlService {
             return Err(Status::failed_precondition("no live storage targets: start one with `starckpt target`"));
         }
         let wanted = self.store.replication(&request.job).await.map_err(meta_status)?;
-        let replicas = wanted.unwrap_or(self.config.default_replicas).clamp(1, placement.len() as u32);
+        let wanted = wanted.unwrap_or(self.config.default_replicas);
+        let replicas = wanted.clamp(1, placement.len() as u32);
+        if replicas < wanted {
+            tracing::warn!(
+                job = %request.job,
+                wanted,
+                live_targets = placement.len(),
+                "fewer live targets than the job's replication factor: this checkpoint gets {replicas} copies per chunk"
+            );
+        }
         let record = self.store.begin_checkpoint(&request, now).await.map_err(meta_status)?;
+        fault("control.begin.reply").map_err(meta_status)?;
         Ok(Response::new(pb::BeginCheckpointResponse { checkpoint_id: record.id, placement, replicas }))
     }
 
@@ -301,7 +313,9 @@ impl Control for ControlService {
         }
         let now = now_ms();
         let begun_after = now.saturating_sub(self.config.pending_timeout.as_millis() as u64);
+        fault("control.commit.record").map_err(meta_status)?;
         let record = self.store.commit_part(&part, now, begun_after).await.map_err(meta_status)?;
+        fault("control.commit.reply").map_err(meta_status)?;
         if record.state == CheckpointState::Committed && record.parts_committed == record.world_size {
             tracing::info!(job = %record.job, step = record.step, bytes = record.total_bytes, "checkpoint committed");
         }

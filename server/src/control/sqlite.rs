@@ -23,7 +23,7 @@ use starckpt_proto::{ChunkHash, JobName};
 
 use super::store::{
     CheckpointRecord, CheckpointState, CommittedChunk, JobRecord, LeaseGrant, MetaError, MetaResult, MetaStore,
-    RetentionPolicy, TargetRecord,
+    RetentionPolicy, TargetRecord, fault,
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
@@ -480,6 +480,7 @@ impl MetaStore for SqliteStore {
         if record.state == CheckpointState::Committed {
             apply_retention(&mut tx, &record.job, now_ms, Some(record.id)).await?;
         }
+        fault("control.commit.txn")?;
         tx.commit().await?;
         Ok(record)
     }

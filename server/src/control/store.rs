@@ -57,6 +57,12 @@ pub enum MetaError {
 
 pub type MetaResult<T> = Result<T, MetaError>;
 
+/// A fault point (`starckpt_client::faults`) on the control plane: an injected failure reads as a
+/// database error.
+pub fn fault(name: &'static str) -> MetaResult<()> {
+    starckpt_client::faults::point(name).map_err(|e| MetaError::Backend(sqlx::Error::Io(e)))
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CheckpointState {
     Pending,

@@ -337,6 +337,9 @@ async fn put(store: &ChunkStore, request: data::PutRequest, chunk: super::store:
         return error_response(ErrorCode::BadRequest, "empty chunk".into());
     }
     let stored = if request.repair { store.repair(hash, chunk).await } else { store.put(hash, chunk).await };
+    if let (Ok(_), Err(injected)) = (&stored, starckpt_client::faults::point("target.put.ack")) {
+        return error_response(ErrorCode::Internal, injected.to_string());
+    }
     match stored {
         Ok(outcome) => data::Response { already_present: outcome == PutOutcome::AlreadyPresent, ..Default::default() },
         Err(error) => store_error(error),

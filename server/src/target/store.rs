@@ -336,6 +336,7 @@ impl ChunkStore {
         }
 
         let temp_path = self.root.join("tmp").join(format!("{}.{}", hash.to_hex(), uuid::Uuid::new_v4().simple()));
+        starckpt_client::faults::point("target.store.write").map_err(io_error("write", &temp_path))?;
         if let Err(source) = self.engine.write_new_file(temp_path.clone(), chunk.buf).await {
             let _ = tokio::fs::remove_file(&temp_path).await;
             if source.raw_os_error() == Some(libc::ENOSPC) {
@@ -349,6 +350,7 @@ impl ChunkStore {
             let (from, to, locks) = (temp_path.clone(), final_path.clone(), self.use_locks.clone());
             tokio::task::spawn_blocking(move || {
                 use std::os::unix::fs::MetadataExt;
+                starckpt_client::faults::point("target.store.rename")?;
                 let _guard = locks.lock(&hash);
                 if let Some(inode) = replacing {
                     match std::fs::metadata(&to) {
@@ -390,7 +392,11 @@ impl ChunkStore {
             }
         };
         let dir = self.chunk_dir(&hash);
-        if let Err(source) = self.engine.sync_dir(dir.clone()).await {
+        let synced = match starckpt_client::faults::point("target.store.sync_dir") {
+            Ok(()) => self.engine.sync_dir(dir.clone()).await,
+            Err(injected) => Err(injected),
+        };
+        if let Err(source) = synced {
             // Not acknowledged. The file stays: it is complete and its data synced, and a
             // concurrent HAS may already have reported it present (HAS syncs the directory itself
             // before saying so), so removing it here could pull it from under that writer.
@@ -468,7 +474,9 @@ impl ChunkStore {
             use std::os::unix::fs::MetadataExt;
             let _guard = locks.lock(&hash);
             match std::fs::metadata(&path) {
-                Ok(meta) if meta.ino() == inode => std::fs::remove_file(&path).map(|()| Some(meta.len())),
+                Ok(meta) if meta.ino() == inode => starckpt_client::faults::point("target.remove_bad")
+                    .and_then(|()| std::fs::remove_file(&path))
+                    .map(|()| Some(meta.len())),
                 Ok(_) => Ok(None),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
                 Err(e) => Err(e),
@@ -604,38 +612,51 @@ impl ChunkStore {
     pub async fn delete(&self, hashes: Vec<ChunkHash>, unused_for: Option<Duration>) -> Result<u64, ChunkStoreError> {
         let paths: Vec<PathBuf> = hashes.iter().map(|h| self.chunk_path(h)).collect();
         let (root, locks, clock) = (self.root.clone(), self.use_locks.clone(), Arc::clone(&self.clock));
-        let removed = tokio::task::spawn_blocking(move || -> Result<Vec<(ChunkHash, u64)>, ChunkStoreError> {
-            let mut removed = Vec::new();
+        // Stops at the first error, but what it removed before is still counted and synced.
+        let (removed, failed) = tokio::task::spawn_blocking(move || {
+            let mut removed: Vec<(ChunkHash, u64)> = Vec::new();
             for (hash, path) in hashes.iter().zip(&paths) {
                 let _guard = locks.lock(hash);
                 let meta = match std::fs::metadata(path) {
                     Ok(meta) => meta,
                     Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                    Err(source) => return Err(ChunkStoreError::Io { op: "stat", path: path.clone(), source }),
+                    Err(source) => {
+                        return (removed, Some(ChunkStoreError::Io { op: "stat", path: path.clone(), source }));
+                    }
                 };
                 if let Some(unused_for) = unused_for {
-                    let last_use = meta.modified().map_err(io_error("stat", path))?;
-                    if clock.unused_for(last_use) < unused_for {
-                        continue;
+                    match meta.modified() {
+                        Ok(last_use) if clock.unused_for(last_use) < unused_for => continue,
+                        Ok(_) => {}
+                        Err(source) => {
+                            return (removed, Some(ChunkStoreError::Io { op: "stat", path: path.clone(), source }));
+                        }
                     }
                 }
-                match std::fs::remove_file(path) {
+                let unlinked =
+                    starckpt_client::faults::point("target.delete.unlink").and_then(|()| std::fs::remove_file(path));
+                match unlinked {
                     Ok(()) => removed.push((*hash, meta.len())),
                     Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                    Err(source) => return Err(ChunkStoreError::Io { op: "unlink", path: path.clone(), source }),
+                    Err(source) => {
+                        return (removed, Some(ChunkStoreError::Io { op: "unlink", path: path.clone(), source }));
+                    }
                 }
             }
-            Ok(removed)
+            (removed, None)
         })
         .await
-        .map_err(|e| ChunkStoreError::Io { op: "unlink", path: root, source: io::Error::other(e) })??;
+        .map_err(|e| ChunkStoreError::Io { op: "unlink", path: root, source: io::Error::other(e) })?;
         for (_, len) in &removed {
             self.chunk_count.fetch_sub(1, Ordering::Relaxed);
             self.used_bytes.fetch_sub(*len, Ordering::Relaxed);
         }
         let count = removed.len() as u64;
         self.sync_chunk_dirs(removed.into_iter().map(|(hash, _)| hash)).await?;
-        Ok(count)
+        match failed {
+            Some(error) => Err(error),
+            None => Ok(count),
+        }
     }
 
     /// Keeps `bytes` of the filesystem free: puts that would eat into them fail with

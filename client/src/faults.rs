@@ -1,0 +1,104 @@
+//! Fault points: named places on the put, commit, GC and repair paths where a test makes a
+//! process fail the operation in hand or die on the spot. The crash matrix
+//! (`cli/tests/crash_matrix.rs`) starts processes with `FAILPOINTS` set to strike them.
+//!
+//! Compiled in only with the `testing` feature, which only test builds turn on (the CLI's
+//! dev-dependencies): in every other build [`point`] is an inlined `Ok(())` and `FAILPOINTS` is
+//! ignored.
+//!
+//! `FAILPOINTS` is `name=actions;name=actions`, with the `fail` crate's action syntax: `return`
+//! makes the point fail with an injected I/O error, `return(crash)` SIGKILLs the process where it
+//! stands (no unwinding, no flushing: what a power cut does to the process), and counts and
+//! sequences select which hit strikes (`2*off->1*return(crash)`: the third).
+
+/// Every fault point, by path. Tests iterate this list; a point missing here is never struck.
+pub const POINTS: &[&str] = &[
+    // Client, per chunk copy: before it is sent to its target.
+    "client.put",
+    // Client: every copy durable, before committing the part; after the commit is answered.
+    "client.commit",
+    "client.commit.reply",
+    // Target, storing a copy: before the temp file is written; written and synced, before its
+    // rename; renamed, before the directory sync; durable, before the put is acknowledged.
+    "target.store.write",
+    "target.store.rename",
+    "target.store.sync_dir",
+    "target.put.ack",
+    // Target: before each GC unlink; before a bad copy found by scrub or read repair is removed.
+    "target.delete.unlink",
+    "target.remove_bad",
+    // Control plane: after recording a begun checkpoint, before answering; before and inside the
+    // commit's transaction; committed, before answering.
+    "control.begin.reply",
+    "control.commit.record",
+    "control.commit.txn",
+    "control.commit.reply",
+    // Control plane GC: live set marked, before sweeping; before each batch of deletes.
+    "control.gc.mark",
+    "control.gc.delete",
+    // Control plane re-replication: before each new copy is sent.
+    "control.repair.copy",
+];
+
+/// Configures the points named in `FAILPOINTS`. A malformed entry is an error (a test that
+/// asked for a fault must not silently run without it).
+#[cfg(feature = "testing")]
+pub fn setup() -> Result<(), String> {
+    let Ok(spec) = std::env::var("FAILPOINTS") else { return Ok(()) };
+    for entry in spec.split(';').filter(|e| !e.trim().is_empty()) {
+        let (name, actions) =
+            entry.split_once('=').ok_or_else(|| format!("FAILPOINTS entry {entry:?} is not name=actions"))?;
+        let name = name.trim();
+        if !POINTS.contains(&name) {
+            return Err(format!("FAILPOINTS names unknown fault point {name:?}"));
+        }
+        fail::cfg(name, actions.trim()).map_err(|e| format!("FAILPOINTS entry {entry:?}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Without the `testing` feature there are no points to configure.
+#[cfg(not(feature = "testing"))]
+pub fn setup() -> Result<(), String> {
+    Ok(())
+}
+
+/// A fault point. Returns the injected error when the point is set to `return`; never returns
+/// when it is set to `return(crash)`.
+#[cfg(feature = "testing")]
+pub fn point(name: &'static str) -> std::io::Result<()> {
+    debug_assert!(POINTS.contains(&name), "fault point {name} is not listed in POINTS");
+    fail::fail_point!(name, |arg: Option<String>| {
+        if arg.as_deref() == Some("crash") {
+            eprintln!("fault point {name}: crashing");
+            // SAFETY: kill(2) on our own pid with a valid signal number.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            // Not reached: SIGKILL cannot be caught.
+            std::process::abort();
+        }
+        Err(std::io::Error::other(format!("fault point {name}: injected error")))
+    });
+    Ok(())
+}
+
+/// Without the `testing` feature every point passes.
+#[cfg(not(feature = "testing"))]
+#[inline(always)]
+pub fn point(_name: &'static str) -> std::io::Result<()> {
+    Ok(())
+}
+
+#[cfg(all(test, feature = "testing"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_point_set_to_return_fails_with_an_injected_error() {
+        assert!(point("client.put").is_ok());
+        fail::cfg("client.put", "1*return").unwrap();
+        let error = point("client.put").unwrap_err();
+        assert!(error.to_string().contains("fault point client.put: injected error"), "{error}");
+        assert!(point("client.put").is_ok(), "the count of one is spent");
+        fail::remove("client.put");
+    }
+}
