@@ -19,6 +19,7 @@ use starckpt_client::{Client, ClientConfig, SavePart, TargetState};
 use starckpt_server::dev::DevCluster;
 use starckpt_server::target::EngineKind;
 
+use crate::baseline::{self, ratio};
 use crate::output;
 
 #[derive(Args)]
@@ -90,57 +91,15 @@ struct Baselines {
     direct_read: Duration,
 }
 
-/// memcpy (best of three) into touched memory, and dd-style O_DIRECT sequential write (+fsync) and read of the
-/// same bytes in 16 MiB blocks, in the cluster's data directory.
-fn measure_baselines(state: &[Bytes], dir: &Path) -> anyhow::Result<Baselines> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let total: usize = state.iter().map(|t| t.len()).sum();
-    // Best of three copies into memory already touched: the machine's real copy speed, which is
-    // what the staging copy should approach.
-    let mut target = vec![1u8; total];
-    let mut memcpy = Duration::MAX;
-    for _ in 0..3 {
-        let started = Instant::now();
-        let mut offset = 0;
-        for tensor in state {
-            target[offset..offset + tensor.len()].copy_from_slice(tensor);
-            offset += tensor.len();
-        }
-        memcpy = memcpy.min(started.elapsed());
+impl Baselines {
+    fn measure(state: &[Bytes], dir: &Path) -> anyhow::Result<Baselines> {
+        let total = state.iter().map(|t| t.len() as u64).sum();
+        let direct = baseline::direct(total, dir)?;
+        Ok(Baselines { memcpy: baseline::memcpy(state), direct_write: direct.write, direct_read: direct.read })
     }
-    drop(target);
-
-    let block = 16 << 20;
-    let mut buf = starckpt_proto::buf::AlignedBuf::new(block);
-    rand::rngs::SmallRng::seed_from_u64(7).fill_bytes(buf.full_mut());
-    buf.set_len(block);
-    let path = dir.join("baseline-odirect.bin");
-    let blocks = total.div_ceil(block);
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(&path)
-        .with_context(|| format!("open {} with O_DIRECT", path.display()))?;
-    let started = Instant::now();
-    for i in 0..blocks {
-        std::os::unix::fs::FileExt::write_all_at(&file, buf.as_ref(), (i * block) as u64)?;
-    }
-    file.sync_all()?;
-    let direct_write = started.elapsed();
-    drop(file);
-    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path)?;
-    let started = Instant::now();
-    for i in 0..blocks {
-        std::os::unix::fs::FileExt::read_exact_at(&file, buf.full_mut(), (i * block) as u64)?;
-    }
-    let direct_read = started.elapsed();
-    std::fs::remove_file(&path)?;
-    Ok(Baselines { memcpy, direct_write, direct_read })
 }
 
-async fn wait_for_targets(client: &Client, count: usize) -> anyhow::Result<()> {
+pub(crate) async fn wait_for_targets(client: &Client, count: usize) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let alive = client.targets().await?.iter().filter(|t| t.state == TargetState::Alive as i32).count();
@@ -160,10 +119,6 @@ fn client_config(address: String, size: u64) -> ClientConfig {
     // uploads to free buffers.
     config.staging_bytes = size as usize + config.chunk_size_bytes;
     config
-}
-
-fn ratio(a: Duration, b: Duration) -> f64 {
-    a.as_secs_f64() / b.as_secs_f64().max(1e-9)
 }
 
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
@@ -198,7 +153,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     wait_for_targets(&client, args.targets).await?;
 
     let first_state = model_state(size, 100);
-    let baselines = measure_baselines(&first_state, &data_dir)?;
+    let baselines = Baselines::measure(&first_state, &data_dir)?;
     say(format!(
         "baselines on this machine: memcpy {} ({}), O_DIRECT write+fsync {} ({}), O_DIRECT read {} ({})",
         format_args!("{:.2?}", baselines.memcpy),

@@ -907,3 +907,55 @@ fn the_scrubber_removes_a_rotted_copy_and_re_replication_restores_it() {
     cluster.ok(&["restore", "--job", "scrub", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), std::fs::read(&source).unwrap());
 }
+
+/// `starckpt bench` end to end: its own dev cluster, two ranks, two runs; JSON with every phase
+/// beside its baseline, and a PNG chart. Bad flags are refused. (No timing is asserted.)
+#[test]
+fn bench_reports_every_phase_beside_its_baseline() {
+    let dir = tempfile::tempdir().unwrap();
+    let chart = dir.path().join("bench.png");
+    let data = dir.path().join("data");
+    let output = std::process::Command::new(common::BIN)
+        .args(["bench", "--size", "64MiB", "--ranks", "2", "--runs", "2", "--targets", "2", "--json", "--data"])
+        .arg(&data)
+        .arg("--chart")
+        .arg(&chart)
+        .output()
+        .unwrap();
+    // (The chart needs a TrueType font: .ci/run installs fonts-dejavu-core.)
+    assert!(output.status.success(), "bench failed: {}", String::from_utf8_lossy(&output.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let bytes = report["bytes"].as_u64().unwrap();
+    assert!(bytes > 60 << 20 && bytes <= 64 << 20, "{report}");
+    assert_eq!(report["ranks"], 2);
+    assert_eq!(report["runs"], 2);
+    for phase in ["blocking", "committed", "restore"] {
+        let seconds = report["starckpt"][phase]["seconds"].as_f64().unwrap();
+        let cpu = report["starckpt"][phase]["cpu_seconds_per_gb"].as_f64().unwrap();
+        assert!(seconds > 0.0 && cpu > 0.0, "{phase}: {report}");
+    }
+    for baseline in ["memcpy", "odirect_write_fsync", "buffered_write_fsync", "odirect_read"] {
+        assert!(report["baselines"][baseline]["seconds"].as_f64().unwrap() > 0.0, "{baseline}: {report}");
+    }
+    for ratio in [
+        "blocking_vs_memcpy",
+        "committed_vs_odirect_write",
+        "committed_vs_buffered_write_fsync",
+        "restore_vs_odirect_read",
+    ] {
+        let value = report["ratios"][ratio].as_f64().unwrap();
+        assert!(value.is_finite() && value > 0.0, "{ratio}: {report}");
+    }
+    let png = std::fs::read(&chart).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    // The baselines' files are removed; the cluster's data stays in --data.
+    let left: Vec<String> =
+        std::fs::read_dir(&data).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(left, ["cluster"], "{left:?}");
+
+    for bad in [&["--size", "1MiB"][..], &["--ranks", "0"], &["--size", "lots"], &["--io-engine", "magic"]] {
+        let output = std::process::Command::new(common::BIN).arg("bench").args(bad).output().unwrap();
+        assert!(!output.status.success(), "{bad:?} should fail");
+        assert!(!String::from_utf8_lossy(&output.stderr).contains("panicked"), "{bad:?}");
+    }
+}

@@ -194,6 +194,10 @@ pub struct SaveProgress {
     pub deduplicated_bytes: AtomicU64,
     pub chunks: AtomicU64,
     pub deduplicated_chunks: AtomicU64,
+    /// Times staging had to wait for uploads to free staging memory or queue slots: then the
+    /// caller's stall includes upload time. Non-zero when a save is larger than
+    /// [`crate::ClientConfig::staging_bytes`].
+    pub staging_waits: AtomicU64,
 }
 
 impl SaveProgress {
@@ -266,7 +270,7 @@ impl SaveHandle {
 }
 
 /// Holds the uploaders back until staging is done or has to wait for a buffer (module docs).
-struct UploadGate(tokio::sync::watch::Sender<bool>);
+struct UploadGate(tokio::sync::watch::Sender<bool>, Arc<SaveProgress>);
 
 impl UploadGate {
     fn open(&self) {
@@ -279,6 +283,7 @@ impl UploadGate {
             Some(buf) => buf,
             None => {
                 self.open();
+                self.1.staging_waits.fetch_add(1, Ordering::Relaxed);
                 pool.acquire().await
             }
         }
@@ -291,6 +296,7 @@ impl UploadGate {
             Ok(()) => Ok(()),
             Err(mpsc::error::TrySendError::Full(chunk)) => {
                 self.open();
+                self.1.staging_waits.fetch_add(1, Ordering::Relaxed);
                 chunks.send(chunk).await.map_err(|_| closed())
             }
             Err(mpsc::error::TrySendError::Closed(_)) => Err(closed()),
@@ -454,12 +460,14 @@ impl Client {
         let placement = self.placement(&begin.placement, begin.replicas)?;
 
         let progress = Arc::new(SaveProgress::default());
-        // Every message holds a staging buffer, so the pool already bounds this queue; a smaller
-        // channel would make staging wait for uploads while buffers sit free (the trainer would
-        // stall for the upload instead of the copy).
-        let (chunks, receiver) = mpsc::channel::<StagedChunk>(self.inner.staging.max_buffers());
+        // Every message holds a staging buffer or a slice of a shared one, so the pool bounds the
+        // memory behind this queue; a channel with fewer slots than messages would make staging
+        // wait for uploads while buffers sit free (the trainer would stall for the upload instead
+        // of the copy). Whole chunks take one slot per buffer; packed small pieces (many per
+        // buffer) get MAX_PACKED_PIECES more. The slots are allocated as used.
+        let (chunks, receiver) = mpsc::channel::<StagedChunk>(self.inner.staging.max_buffers() + MAX_PACKED_PIECES);
         let (gate, gate_open) = tokio::sync::watch::channel(false);
-        let gate = UploadGate(gate);
+        let gate = UploadGate(gate, Arc::clone(&progress));
         let uploads = tokio::spawn(upload_all(
             self.clone(),
             receiver,
@@ -535,14 +543,15 @@ impl Client {
         let pool = &self.inner.staging;
         let chunk_size = self.inner.config.chunk_size_bytes;
         let mut files = Vec::with_capacity(items.len());
+        let mut packer = Packer { current: None, gate, chunks };
         for (file_index, item) in items.iter().enumerate() {
             match item {
                 SaveItem::Directory { path } => {
                     files.push(StagedFile { path: path.clone(), size: 0, chunks: 0, kind: StagedKind::Directory })
                 }
                 SaveItem::Buffer { path, data } => {
-                    let index =
-                        self.stage_copies(file_index, path, Lent::Bytes(data.as_ref()), chunks, gate, progress).await?;
+                    let source = Lent::Bytes(data.as_ref());
+                    let index = self.stage_copies(file_index, path, source, &mut packer, progress).await?;
                     files.push(StagedFile {
                         path: path.clone(),
                         size: data.len() as u64,
@@ -606,7 +615,7 @@ impl Client {
             }
         }
         for (path, source) in borrowed {
-            let index = self.stage_copies(files.len(), path, *source, chunks, gate, progress).await?;
+            let index = self.stage_copies(files.len(), path, *source, &mut packer, progress).await?;
             files.push(StagedFile {
                 path: path.clone(),
                 size: source.len(),
@@ -614,7 +623,64 @@ impl Client {
                 kind: StagedKind::File { mode: 0 },
             });
         }
+        packer.flush().await?;
         Ok(files)
+    }
+}
+
+/// Pieces smaller than a chunk (a file's tail, a small file) share staging buffers: copied one
+/// after another into the current buffer and handed to the uploaders as slices of it once it is
+/// full or staging ends (the buffer returns to the pool when the last slice is uploaded). Without
+/// this each would hold a whole chunk-sized buffer, and a model's hundreds of small tensors
+/// (norms, biases) would exhaust staging long before its bytes do, making the trainer wait for
+/// uploads.
+struct Packer<'a> {
+    current: Option<Packing>,
+    gate: &'a UploadGate,
+    chunks: &'a mpsc::Sender<StagedChunk>,
+}
+
+struct Packing {
+    buf: starckpt_proto::buf::PooledBuf,
+    used: usize,
+    /// (file, chunk index, start in the buffer, length)
+    pieces: Vec<(usize, usize, usize, usize)>,
+}
+
+impl Packer<'_> {
+    /// Copies a piece in with `copy`, starting a new buffer when the current one has no room.
+    async fn add(
+        &mut self,
+        pool: &starckpt_proto::buf::BufPool,
+        chunk_size: usize,
+        (file, index, len): (usize, usize, usize),
+        copy: impl FnOnce(&mut [u8]) -> std::result::Result<(), String>,
+    ) -> Result<std::result::Result<(), String>> {
+        if self.current.as_ref().is_some_and(|p| p.used + len > chunk_size) {
+            self.flush().await?;
+        }
+        if self.current.is_none() {
+            self.current = Some(Packing { buf: self.gate.buffer(pool).await, used: 0, pieces: Vec::new() });
+        }
+        let packing = self.current.as_mut().expect("just set");
+        let start = packing.used;
+        if let Err(message) = copy(&mut packing.buf.buf_mut().full_mut()[start..start + len]) {
+            return Ok(Err(message));
+        }
+        packing.pieces.push((file, index, start, len));
+        packing.used += len;
+        Ok(Ok(()))
+    }
+
+    /// Hands the current buffer's pieces to the uploaders.
+    async fn flush(&mut self) -> Result<()> {
+        let Some(mut packing) = self.current.take() else { return Ok(()) };
+        packing.buf.buf_mut().set_len(packing.used);
+        let data = packing.buf.freeze();
+        for (file, index, start, len) in packing.pieces {
+            self.gate.send(self.chunks, StagedChunk { file, index, data: data.slice(start..start + len) }).await?;
+        }
+        Ok(())
     }
 }
 
@@ -631,10 +697,10 @@ impl Client {
         file_index: usize,
         path: &RelPath,
         source: Lent<'_>,
-        chunks: &mpsc::Sender<StagedChunk>,
-        gate: &UploadGate,
+        packer: &mut Packer<'_>,
         progress: &SaveProgress,
     ) -> Result<usize> {
+        let (gate, chunks) = (packer.gate, packer.chunks);
         let pool = &self.inner.staging;
         let chunk_size = self.inner.config.chunk_size_bytes;
         let size = usize::try_from(source.len())
@@ -642,25 +708,42 @@ impl Client {
         let threads = self.inner.config.staging_threads.max(1);
         let starts: Vec<usize> = (0..size).step_by(chunk_size).collect();
         let piece = |index: usize| (starts[index], (starts[index] + chunk_size).min(size) - starts[index]);
+        let staging_error = |message| Error::InvalidInput(format!("staging {path}: {message}"));
+        // Whole chunks get buffers of their own; a last piece smaller than a chunk is packed.
+        let whole = if size % chunk_size == 0 { starts.len() } else { starts.len() - 1 };
         let mut next = 0;
-        while next < starts.len() {
+        while next < whole {
             // One batch: every buffer free right now (at least one, waiting for it if need be), so
             // the copy leaves the async runtime once per batch rather than once per chunk.
             let first = next;
-            let mut staged = vec![(piece(next), gate.buffer(pool).await)];
+            let buf = match pool.try_acquire() {
+                Some(buf) => buf,
+                None => {
+                    // The packer's buffer may be the one this waits for.
+                    packer.flush().await?;
+                    gate.buffer(pool).await
+                }
+            };
+            let mut staged = vec![(piece(next), buf)];
             next += 1;
-            while next < starts.len() && staged.len() < MAX_COPY_BATCH {
+            while next < whole && staged.len() < MAX_COPY_BATCH {
                 let Some(buf) = pool.try_acquire() else { break };
                 staged.push((piece(next), buf));
                 next += 1;
             }
-            copy_blocking(source, &mut staged, threads)
-                .map_err(|message| Error::InvalidInput(format!("staging {path}: {message}")))?;
+            copy_blocking(source, &mut staged, threads).map_err(staging_error)?;
             for (offset, ((_, len), buf)) in staged.into_iter().enumerate() {
                 progress.staged_bytes.fetch_add(len as u64, Ordering::Relaxed);
                 progress.copied_bytes.fetch_add(len as u64, Ordering::Relaxed);
                 gate.send(chunks, StagedChunk { file: file_index, index: first + offset, data: buf.freeze() }).await?;
             }
+        }
+        if whole < starts.len() {
+            let (offset, len) = piece(whole);
+            let copy = |out: &mut [u8]| source.copy_into(offset, out);
+            packer.add(pool, chunk_size, (file_index, whole, len), copy).await?.map_err(staging_error)?;
+            progress.staged_bytes.fetch_add(len as u64, Ordering::Relaxed);
+            progress.copied_bytes.fetch_add(len as u64, Ordering::Relaxed);
         }
         Ok(starts.len())
     }
@@ -720,6 +803,10 @@ fn as_lent<'a>(borrowed: &[(&'a str, &'a [u8])]) -> Vec<(&'a str, Lent<'a>)> {
 
 /// Most chunks staged in one batch (1 GiB at 4 MiB chunks).
 const MAX_COPY_BATCH: usize = 256;
+
+/// Queue slots for packed small pieces beyond one per staging buffer (a model's small tensors);
+/// a save with more waits for uploads to drain them.
+const MAX_PACKED_PIECES: usize = 16 << 10;
 
 /// Copies each `(offset, len)` piece of `source` into its buffer: the batch split into `threads`
 /// runs of chunks, one per thread (the current one included), without stalling other tasks of a

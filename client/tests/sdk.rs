@@ -88,6 +88,46 @@ async fn a_save_larger_than_staging_memory_streams_through_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_tensors_share_staging_buffers() {
+    // One 64 KiB staging buffer. 150 tensors of 400 bytes (a model's norms and biases) fit in it
+    // together: staging never waits for an upload. Then tensors with tails (whole chunks plus a
+    // remainder) and more small ones: the packed buffer is handed over when whole chunks need the
+    // pool, so a one-buffer pool still completes, and every byte comes back.
+    let (_dir, cluster, client) = cluster(2, |c| {
+        c.chunk_size_bytes = 64 * 1024;
+        c.staging_bytes = 64 * 1024;
+    })
+    .await;
+    let small: Vec<(String, Vec<u8>)> = (0..150).map(|i| (format!("norm/{i}"), random(400, 1000 + i))).collect();
+    let mut part = SavePart::new("packed", 1);
+    for (path, data) in &small {
+        part = part.buffer(path, Bytes::from(data.clone())).unwrap();
+    }
+    let handle = client.save(part).await.unwrap();
+    assert_eq!(handle.progress().staging_waits.load(Ordering::Relaxed), 0, "small tensors waited for uploads");
+    let outcome = handle.wait().await.unwrap();
+    assert_eq!(outcome.chunks, 150);
+
+    let mut files = small.clone();
+    for i in 0..6u64 {
+        files.push((format!("layer/{i}"), random(2 * 64 * 1024 + 1000 * i as usize + 1, 2000 + i)));
+        files.push((format!("bias/{i}"), random(100 + i as usize, 3000 + i)));
+    }
+    let mut part = SavePart::new("packed", 2);
+    for (path, data) in &files {
+        part = part.buffer(path, Bytes::from(data.clone())).unwrap();
+    }
+    client.save(part).await.unwrap().wait().await.unwrap();
+    let manifest = client.manifest("packed", Some(2)).await.unwrap();
+    for (path, data) in &files {
+        assert_eq!(&client.read_file(&manifest, path).await.unwrap()[..], &data[..], "{path}");
+        let chunks = manifest.file(path).unwrap().chunks.len();
+        assert_eq!(chunks, data.len().div_ceil(64 * 1024), "{path}: a packed piece is still its own chunk");
+    }
+    cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lent_bytes_are_staged_during_the_call_so_the_caller_may_change_them() {
     let (_dir, cluster, client) = cluster(2, |c| {
         c.chunk_size_bytes = 64 * 1024;

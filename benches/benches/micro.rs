@@ -1,0 +1,199 @@
+//! Micro-benchmarks of the data path's parts, each reported as throughput so it reads against the
+//! machine's limits (../shared/MACHINE.md: BLAKE3 ~2.7 GB/s per core, O_DIRECT write ~1.5 GB/s):
+//!
+//! - `hash`: a chunk's BLAKE3 at several chunk sizes;
+//! - `chunk_and_hash`: a 64 MiB staged buffer cut into 4 MiB chunks and hashed, on one thread and
+//!   on two (the client hashes chunks concurrently);
+//! - `frame`: the data-plane frame codec, header alone and a whole PUT frame of 4 MiB through an
+//!   in-memory pipe (writer and reader);
+//! - `store_put` / `store_get`: the target's chunk store with each I/O engine (io_uring and
+//!   blocking std I/O, both O_DIRECT), durable puts of new 4 MiB chunks and verified-header gets.
+//!
+//! `cargo bench -p starckpt-benches` (add `-- hash` to run one group).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // benchmarks: a failure is a bug to see
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use rand::{RngCore, SeedableRng};
+use starckpt_proto::ChunkHash;
+use starckpt_proto::frame::{FIXED_HEADER_BYTES, FrameHeader, Opcode, read_frame_head, write_frame};
+use starckpt_server::target::EngineKind;
+use starckpt_server::target::engine::open_engine;
+use starckpt_server::target::store::ChunkStore;
+use tokio::io::AsyncReadExt;
+
+const CHUNK: usize = 4 << 20;
+
+fn random(len: usize, seed: u64) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    rand::rngs::SmallRng::seed_from_u64(seed).fill_bytes(&mut out);
+    out
+}
+
+fn hash(c: &mut Criterion) {
+    let mut group = c.benchmark_group("hash");
+    for size in [64 << 10, 1 << 20, CHUNK] {
+        let data = random(size, 1);
+        group.throughput(Throughput::Bytes(size as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(size), &data, |b, data| {
+            b.iter(|| ChunkHash::of(black_box(data)));
+        });
+    }
+    group.finish();
+}
+
+fn chunk_and_hash(c: &mut Criterion) {
+    let staged = random(64 << 20, 2);
+    let mut group = c.benchmark_group("chunk_and_hash");
+    group.throughput(Throughput::Bytes(staged.len() as u64));
+    group.sample_size(20);
+    for threads in [1usize, 2] {
+        group.bench_with_input(BenchmarkId::new("threads", threads), &threads, |b, &threads| {
+            b.iter(|| {
+                let chunks: Vec<&[u8]> = staged.chunks(CHUNK).collect();
+                let per_thread = chunks.len().div_ceil(threads);
+                std::thread::scope(|scope| {
+                    let workers: Vec<_> = chunks
+                        .chunks(per_thread)
+                        .map(|mine| scope.spawn(move || mine.iter().map(|c| ChunkHash::of(c)).collect::<Vec<_>>()))
+                        .collect();
+                    workers.into_iter().flat_map(|w| w.join().unwrap()).collect::<Vec<_>>()
+                })
+            });
+        });
+    }
+    group.finish();
+}
+
+fn frame(c: &mut Criterion) {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let mut group = c.benchmark_group("frame");
+    let header = FrameHeader { opcode: Opcode::Put, request_id: 42, header_len: 70, payload_len: CHUNK as u32 };
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("header_encode_decode", |b| {
+        b.iter(|| {
+            let bytes: [u8; FIXED_HEADER_BYTES] = black_box(&header).encode();
+            FrameHeader::decode(black_box(&bytes)).unwrap()
+        });
+    });
+    let payload = Bytes::from(random(CHUNK, 3));
+    let prost_header = vec![7u8; 70];
+    group.throughput(Throughput::Bytes(CHUNK as u64));
+    group.bench_function("put_frame_4MiB_through_a_pipe", |b| {
+        b.to_async(&runtime).iter(|| {
+            let (payload, prost_header) = (payload.clone(), prost_header.clone());
+            async move {
+                let (mut writer, mut reader) = tokio::io::duplex(1 << 20);
+                let send = tokio::spawn(async move {
+                    write_frame(&mut writer, Opcode::Put, 1, &prost_header, &[payload]).await.unwrap();
+                });
+                let (head, _) = read_frame_head(&mut reader).await.unwrap();
+                let mut body = vec![0u8; head.payload_len as usize];
+                reader.read_exact(&mut body).await.unwrap();
+                send.await.unwrap();
+                body
+            }
+        });
+    });
+    group.finish();
+}
+
+/// A store on the machine's disk (TMPDIR), with `engine`.
+fn open_store(runtime: &tokio::runtime::Runtime, engine: EngineKind) -> (tempfile::TempDir, Arc<ChunkStore>) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = runtime.block_on(async {
+        let engine = open_engine(engine, 16).unwrap();
+        ChunkStore::open(dir.path(), engine, CHUNK, 16).await.unwrap()
+    });
+    (dir, Arc::new(store))
+}
+
+fn store(c: &mut Criterion) {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let data = random(CHUNK, 4);
+    let mut group = c.benchmark_group("store_put");
+    group.throughput(Throughput::Bytes(CHUNK as u64));
+    group.sample_size(10).measurement_time(Duration::from_secs(8));
+    for engine in [EngineKind::Uring, EngineKind::Std] {
+        let (_dir, store) = open_store(&runtime, engine);
+        let mut counter = 0u64;
+        group.bench_function(format!("{engine:?}"), |b| {
+            b.iter_custom(|iters| {
+                runtime.block_on(async {
+                    // Distinct chunks (a counter in the first bytes), each a durable new file; 4 in
+                    // flight, as a target serves several writers.
+                    let mut chunks = Vec::with_capacity(iters as usize);
+                    for _ in 0..iters {
+                        counter += 1;
+                        let mut chunk = data.clone();
+                        chunk[..8].copy_from_slice(&counter.to_le_bytes());
+                        chunks.push(chunk);
+                    }
+                    let hashes: Vec<ChunkHash> = chunks.iter().map(|c| ChunkHash::of(c)).collect();
+                    let started = Instant::now();
+                    let mut pending = spawn_puts(&store, &chunks, &hashes);
+                    while let Some(result) = pending.join_next().await {
+                        result.unwrap();
+                    }
+                    let elapsed = started.elapsed();
+                    // Untimed: free the disk for the next sample.
+                    store.delete(hashes, None).await.unwrap();
+                    elapsed
+                })
+            });
+        });
+    }
+    group.finish();
+
+    let mut group = c.benchmark_group("store_get");
+    group.throughput(Throughput::Bytes(CHUNK as u64));
+    group.sample_size(10).measurement_time(Duration::from_secs(8));
+    for engine in [EngineKind::Uring, EngineKind::Std] {
+        let (_dir, store) = open_store(&runtime, engine);
+        let hashes: Vec<ChunkHash> = runtime.block_on(async {
+            let mut hashes = Vec::new();
+            for i in 0..32u64 {
+                let mut chunk = data.clone();
+                chunk[..8].copy_from_slice(&i.to_le_bytes());
+                let hash = ChunkHash::of(&chunk);
+                let mut write = store.write_buffer(chunk.len()).await;
+                write.data_mut().copy_from_slice(&chunk);
+                store.put(hash, write).await.unwrap();
+                hashes.push(hash);
+            }
+            hashes
+        });
+        let mut next = 0;
+        group.bench_function(format!("{engine:?}"), |b| {
+            b.to_async(&runtime).iter(|| {
+                next = (next + 1) % hashes.len();
+                let (store, hash) = (Arc::clone(&store), hashes[next]);
+                async move { store.get(hash, 0, 0).await.unwrap() }
+            });
+        });
+    }
+    group.finish();
+}
+
+/// Puts `chunks` with at most 4 in flight.
+fn spawn_puts(store: &Arc<ChunkStore>, chunks: &[Vec<u8>], hashes: &[ChunkHash]) -> tokio::task::JoinSet<()> {
+    let mut set = tokio::task::JoinSet::new();
+    let permits = Arc::new(tokio::sync::Semaphore::new(4));
+    for (chunk, hash) in chunks.iter().zip(hashes) {
+        let (store, chunk, hash, permits) = (Arc::clone(store), chunk.clone(), *hash, Arc::clone(&permits));
+        set.spawn(async move {
+            let _permit = permits.acquire_owned().await.unwrap();
+            let mut write = store.write_buffer(chunk.len()).await;
+            write.data_mut().copy_from_slice(&chunk);
+            store.put(hash, write).await.unwrap();
+        });
+    }
+    set
+}
+
+criterion_group!(benches, hash, chunk_and_hash, frame, store);
+criterion_main!(benches);

@@ -1,0 +1,452 @@
+//! `starckpt bench`: starckpt against the hardware and against `torch.save`, side by side, in one
+//! run on the same bytes and the same disk.
+//!
+//! The state is synthetic but laid out like mixed-precision Adam training of a transformer: for
+//! every parameter tensor (embedding, per-layer QKV/output/MLP matrices, norms) a bf16 weight, an
+//! fp32 master copy and two fp32 Adam moments (14 bytes per parameter), with values drawn like
+//! real ones (small weights, smaller first moments, tiny positive second moments), sharded across
+//! `--ranks` ranks by size. Each rank is its own client with its own staging memory; the ranks
+//! save one checkpoint together.
+//!
+//! Phases, each timed and charged the process's CPU time (client, and with the built-in dev
+//! cluster the targets and control plane too), each beside its baseline:
+//! - blocking: until every rank's `save` returned (the trainer's stall) ÷ a memcpy into touched
+//!   memory;
+//! - committed: until the checkpoint is committed (every chunk durable on its targets) ÷ an
+//!   O_DIRECT sequential write+fsync, and ÷ a buffered write+fsync (what `torch.save` does);
+//! - restore: every rank reading its tensors into touched buffers, every chunk verified ÷ an
+//!   O_DIRECT sequential read.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use clap::Args;
+use futures::{StreamExt, TryStreamExt};
+use rand::{RngCore, SeedableRng};
+use serde_json::json;
+use starckpt_client::{Client, ClientConfig, SavePart};
+use starckpt_server::dev::DevCluster;
+use starckpt_server::target::EngineKind;
+
+use crate::baseline::{self, ratio};
+use crate::demo::parse_size;
+use crate::output;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Bytes of model state across all ranks (e.g. 2GiB): 14 bytes per parameter.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    size: u64,
+    /// Ranks saving the checkpoint together, each with its own client and staging memory.
+    #[arg(long, default_value_t = 1)]
+    ranks: u32,
+    /// Checkpoints saved (each with new values); each figure is the median.
+    #[arg(long, default_value_t = 3)]
+    runs: u32,
+    /// Copies of each chunk. 1 compares the data path with the disk; more multiplies the bytes
+    /// written.
+    #[arg(long, default_value_t = 1)]
+    replicas: u32,
+    /// Chunk size in bytes.
+    #[arg(long, default_value = "4MiB", value_parser = parse_size)]
+    chunk_size: u64,
+    /// Benchmark a running cluster at this control-plane address instead of starting one.
+    #[arg(long)]
+    cluster: Option<String>,
+    /// Targets of the built-in cluster.
+    #[arg(long, default_value_t = 3)]
+    targets: usize,
+    #[arg(long, default_value = "uring")]
+    io_engine: EngineKind,
+    /// Directory of the built-in cluster's data and of the baselines' files (default: a temporary
+    /// directory). With --cluster, put it on the targets' disk so the baselines measure that disk.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Also draw throughput per phase, starckpt beside its baselines, as a PNG chart here.
+    #[arg(long)]
+    chart: Option<PathBuf>,
+}
+
+/// A parameter tensor of the synthetic model.
+struct Param {
+    name: String,
+    elements: usize,
+}
+
+/// Transformer parameter tensors totalling `params` elements: an embedding, then layers of QKV,
+/// output, MLP up and down projections and two norms (the last tensor cut to fit).
+fn transformer(params: usize) -> (usize, Vec<Param>) {
+    // The widest hidden size that still gives four layers.
+    let hidden = [8192, 5120, 4096, 2048, 1024, 512, 256].into_iter().find(|h| 4 * 12 * h * h <= params).unwrap_or(64);
+    let vocab = 32_000.min((params / 4 / hidden).max(1));
+    let mut out = vec![Param { name: "embed.weight".into(), elements: vocab * hidden }];
+    let mut remaining = params.saturating_sub(vocab * hidden);
+    let shapes = [("attn.qkv", 3 * hidden * hidden), ("attn.out", hidden * hidden), ("mlp.up", 4 * hidden * hidden)];
+    let shapes = shapes.into_iter().chain([("mlp.down", 4 * hidden * hidden), ("norm1", hidden), ("norm2", hidden)]);
+    let shapes: Vec<(&str, usize)> = shapes.collect();
+    let mut layer = 0;
+    while remaining > 0 {
+        for (name, elements) in &shapes {
+            let elements = (*elements).min(remaining);
+            if elements == 0 {
+                break;
+            }
+            out.push(Param { name: format!("layers.{layer}.{name}.weight"), elements });
+            remaining -= elements;
+        }
+        layer += 1;
+    }
+    (hidden, out)
+}
+
+/// One rank's tensors: (path, bytes).
+type Shard = Vec<(String, Bytes)>;
+
+/// Values like training's: weights ~ ±scale around 0 (the sum of two uniforms), moments smaller,
+/// second moments positive. `seed` differs per run, so no chunk repeats between checkpoints.
+fn fill_f32(out: &mut [u8], seed: u64, scale: f32, positive: bool) {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    for value in out.chunks_exact_mut(4) {
+        let bits = rng.next_u64();
+        let (a, b) = ((bits >> 40) as f32, ((bits >> 16) & 0xFF_FFFF) as f32);
+        let unit = (a + b) / (1u32 << 24) as f32 - 1.0;
+        let x = if positive { unit * unit * scale } else { unit * scale };
+        value.copy_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// The model's state split into `ranks` shards of about equal bytes: per parameter a bf16 weight
+/// (the master copy's high half), the fp32 master copy and the two fp32 Adam moments.
+fn model_state(params: &[Param], ranks: u32, seed: u64) -> Vec<Shard> {
+    let mut shards: Vec<(u64, Shard)> = (0..ranks).map(|_| (0, Vec::new())).collect();
+    for (index, param) in params.iter().enumerate() {
+        let seed = seed.wrapping_mul(1_000_003).wrapping_add(index as u64 * 4);
+        let mut master = vec![0u8; param.elements * 4];
+        fill_f32(&mut master, seed, 0.02, false);
+        let weight: Vec<u8> = master.chunks_exact(4).flat_map(|v| [v[2], v[3]]).collect();
+        let mut exp_avg = vec![0u8; param.elements * 4];
+        fill_f32(&mut exp_avg, seed + 1, 1e-3, false);
+        let mut exp_avg_sq = vec![0u8; param.elements * 4];
+        fill_f32(&mut exp_avg_sq, seed + 2, 1e-6, true);
+        let (bytes, shard) = shards.iter_mut().min_by_key(|(bytes, _)| *bytes).expect("at least one rank");
+        *bytes += param.elements as u64 * 14;
+        shard.push((format!("model/{}", param.name), Bytes::from(weight)));
+        shard.push((format!("optim/master/{}", param.name), Bytes::from(master)));
+        shard.push((format!("optim/exp_avg/{}", param.name), Bytes::from(exp_avg)));
+        shard.push((format!("optim/exp_avg_sq/{}", param.name), Bytes::from(exp_avg_sq)));
+    }
+    shards.into_iter().map(|(_, shard)| shard).collect()
+}
+
+/// One phase's time and the CPU the process spent in it.
+#[derive(Clone, Copy)]
+struct Timed {
+    wall: Duration,
+    cpu: f64,
+}
+
+async fn timed<T>(work: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<(T, Timed)> {
+    let (cpu, started) = (baseline::cpu_seconds(), Instant::now());
+    let value = work.await?;
+    Ok((value, Timed { wall: started.elapsed(), cpu: baseline::cpu_seconds() - cpu }))
+}
+
+fn median(mut values: Vec<Timed>) -> Timed {
+    values.sort_by_key(|t| t.wall);
+    values[values.len() / 2]
+}
+
+struct Run {
+    blocking: Timed,
+    committed: Timed,
+    restore: Timed,
+    /// Times a rank's staging waited for uploads (staging memory or queue slots ran out).
+    staging_waits: u64,
+}
+
+/// Saves `state` as `step` from every rank at once, then restores it from every rank.
+async fn run_once(clients: &[Client], job: &str, step: u64, state: &[Shard]) -> anyhow::Result<Run> {
+    let ranks = clients.len() as u32;
+    let parts: Vec<SavePart> = state
+        .iter()
+        .enumerate()
+        .map(|(rank, shard)| {
+            shard.iter().try_fold(SavePart::new(job, step).rank(rank as u32, ranks), |part, (path, data)| {
+                part.buffer(path, data.clone())
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let started = Instant::now();
+    let cpu = baseline::cpu_seconds();
+    let handles =
+        futures::future::try_join_all(clients.iter().zip(parts).map(|(client, part)| client.save(part))).await?;
+    let blocking = Timed { wall: started.elapsed(), cpu: baseline::cpu_seconds() - cpu };
+    let staging_waits = handles.iter().map(|h| h.progress().staging_waits.load(Ordering::Relaxed)).sum();
+    let outcomes = futures::future::try_join_all(handles.into_iter().map(|h| h.wait())).await?;
+    let committed = Timed { wall: started.elapsed(), cpu: baseline::cpu_seconds() - cpu };
+    if !outcomes.iter().any(|o| o.committed()) {
+        bail!("step {step} did not commit");
+    }
+
+    // Destination buffers are allocated and touched first, as a trainer's tensors would be.
+    let mut buffers: Vec<Vec<Vec<u8>>> =
+        state.iter().map(|shard| shard.iter().map(|(_, data)| vec![1u8; data.len()]).collect()).collect();
+    let manifest = Arc::new(clients[0].manifest(job, Some(step)).await?);
+    let (_, restore) = timed(async {
+        let reads = clients.iter().zip(state).zip(buffers.iter_mut()).map(|((client, shard), buffers)| {
+            let manifest = Arc::clone(&manifest);
+            async move {
+                futures::stream::iter(shard.iter().zip(buffers.iter_mut()))
+                    .map(|((path, _), buffer)| client.read_into(&manifest, path, buffer))
+                    .buffer_unordered(4)
+                    .try_collect::<Vec<()>>()
+                    .await
+            }
+        });
+        futures::future::try_join_all(reads).await?;
+        Ok(())
+    })
+    .await?;
+    for (shard, buffers) in state.iter().zip(&buffers) {
+        for ((path, data), buffer) in shard.iter().zip(buffers) {
+            if buffer[..] != data[..] {
+                bail!("restored {path} of step {step} differs from what was saved");
+            }
+        }
+    }
+    Ok(Run { blocking, committed, restore, staging_waits })
+}
+
+pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
+    if args.size < 64 << 20 {
+        bail!("--size must be at least 64MiB (it was {})", output::bytes(args.size));
+    }
+    if args.ranks == 0 || args.runs == 0 || args.replicas == 0 || args.targets == 0 {
+        bail!("--ranks, --runs, --replicas and --targets must be at least 1");
+    }
+    let temp;
+    let data_dir = match &args.data {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+            dir.clone()
+        }
+        None => {
+            temp = tempfile::Builder::new().prefix("starckpt-bench-").tempdir().context("create a temp dir")?;
+            temp.path().to_path_buf()
+        }
+    };
+    let params = (args.size / 14) as usize;
+    let (hidden, layout) = transformer(params);
+    let total = params as u64 * 14;
+    let say = |line: String| {
+        if !json {
+            println!("{line}");
+        }
+    };
+
+    let cluster = match &args.cluster {
+        Some(_) => None,
+        None => Some(DevCluster::start(&data_dir.join("cluster"), "127.0.0.1:0", args.targets, args.io_engine).await?),
+    };
+    let address = match (&args.cluster, &cluster) {
+        (Some(address), _) => address.clone(),
+        (None, Some(cluster)) => cluster.control_address.to_string(),
+        (None, None) => unreachable!("a cluster was started"),
+    };
+    // Shards differ by at most one tensor; each rank's staging holds its whole shard.
+    let largest = layout.iter().map(|p| p.elements as u64 * 14).max().unwrap_or(0);
+    let staging = (total / u64::from(args.ranks) + largest + args.chunk_size) as usize;
+    let run_id = format!("bench-{}", uuid::Uuid::new_v4().simple());
+    let mut clients = Vec::new();
+    for _ in 0..args.ranks {
+        let mut config = ClientConfig::new(address.clone());
+        config.chunk_size_bytes = args.chunk_size as usize;
+        // Room for the rank's whole shard, so `save` returns after the staging copy.
+        config.staging_bytes = staging;
+        config.run_id = Some(run_id.clone());
+        clients.push(Client::connect(config).await?);
+    }
+    crate::demo::wait_for_targets(&clients[0], if cluster.is_some() { args.targets } else { 1 }).await?;
+    let targets = clients[0].targets().await?.len();
+    let job = format!("bench-{}", &run_id[6..14]);
+    clients[0].set_replication(&job, args.replicas).await?;
+    say(format!(
+        "starckpt bench: {} of mixed-precision Adam state ({:.0}M parameters, hidden {hidden}, {} tensors: bf16 \
+         weights, fp32 master weights, 2 fp32 moments) from {} rank(s) to {targets} target(s), {} cop{} per chunk, \
+         {} chunks, {} run(s); data in {}",
+        output::bytes(total),
+        params as f64 / 1e6,
+        layout.len() * 4,
+        args.ranks,
+        args.replicas,
+        if args.replicas == 1 { "y" } else { "ies" },
+        output::bytes(args.chunk_size),
+        args.runs,
+        data_dir.display()
+    ));
+    let warm = Instant::now();
+    for client in &clients {
+        client.warm_staging(staging);
+    }
+    say(format!("staging memory allocated and pre-faulted once in {:.2?} (not counted)", warm.elapsed()));
+
+    let mut runs = Vec::new();
+    let mut memcpy = Vec::new();
+    let mut direct_write = Vec::new();
+    let mut direct_read = Vec::new();
+    let mut buffered = Vec::new();
+    for n in 0..args.runs {
+        let state = model_state(&layout, args.ranks, u64::from(n) + 1);
+        let flat: Vec<Bytes> = state.iter().flatten().map(|(_, data)| data.clone()).collect();
+        // The baselines of this run, interleaved with it so drift hits both alike.
+        let direct = baseline::direct(total, &data_dir)?;
+        let copy = baseline::memcpy(&flat);
+        let torch_save = baseline::buffered_fsync(&flat, &data_dir)?;
+        let baselines = [copy, direct.write, torch_save, direct.read];
+        for (all, this) in [&mut memcpy, &mut direct_write, &mut buffered, &mut direct_read].into_iter().zip(baselines)
+        {
+            all.push(Timed { wall: this, cpu: 0.0 });
+        }
+        let run = run_once(&clients, &job, u64::from(n) + 1, &state).await?;
+        say(format!(
+            "run {}: blocking {:.2?} ({} staging waits), committed {:.2?}, restore {:.2?} | memcpy {:.2?}, \
+             O_DIRECT write {:.2?}, buffered write+fsync {:.2?}, O_DIRECT read {:.2?}",
+            n + 1,
+            run.blocking.wall,
+            run.staging_waits,
+            run.committed.wall,
+            run.restore.wall,
+            copy,
+            direct.write,
+            torch_save,
+            direct.read
+        ));
+        runs.push(run);
+    }
+    let blocking = median(runs.iter().map(|r| r.blocking).collect());
+    let committed = median(runs.iter().map(|r| r.committed).collect());
+    let restore = median(runs.iter().map(|r| r.restore).collect());
+    let (memcpy, direct_write, direct_read, buffered) =
+        (median(memcpy), median(direct_write), median(direct_read), median(buffered));
+    if let Some(cluster) = cluster {
+        cluster.shutdown().await?;
+    }
+
+    let gb = total as f64 / 1e9;
+    let gbps = |t: Timed| gb / t.wall.as_secs_f64().max(1e-9);
+    let rows = [
+        ("blocking", blocking, "memcpy into touched memory", memcpy),
+        ("committed", committed, "O_DIRECT write + fsync", direct_write),
+        ("committed", committed, "buffered write + fsync (torch.save)", buffered),
+        ("restore", restore, "O_DIRECT read", direct_read),
+    ];
+    if json {
+        let phase =
+            |t: Timed| json!({"seconds": t.wall.as_secs_f64(), "gb_per_s": gbps(t), "cpu_seconds_per_gb": t.cpu / gb});
+        let baseline = |t: Timed| json!({"seconds": t.wall.as_secs_f64(), "gb_per_s": gbps(t)});
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "bytes": total, "parameters": params, "tensors": layout.len() * 4, "ranks": args.ranks,
+                "targets": targets, "replicas": args.replicas, "chunk_bytes": args.chunk_size, "runs": args.runs,
+                "built_in_cluster": args.cluster.is_none(),
+                "starckpt": {"blocking": phase(blocking), "committed": phase(committed), "restore": phase(restore)},
+                "baselines": {
+                    "memcpy": baseline(memcpy), "odirect_write_fsync": baseline(direct_write),
+                    "buffered_write_fsync": baseline(buffered), "odirect_read": baseline(direct_read),
+                },
+                "ratios": {
+                    "blocking_vs_memcpy": ratio(blocking.wall, memcpy.wall),
+                    "committed_vs_odirect_write": ratio(committed.wall, direct_write.wall),
+                    "committed_vs_buffered_write_fsync": ratio(committed.wall, buffered.wall),
+                    "restore_vs_odirect_read": ratio(restore.wall, direct_read.wall),
+                },
+            }))?
+        );
+    } else {
+        println!();
+        println!(
+            "{:<10} {:>9} {:>8} {:>9}   {:<36} {:>9} {:>8}   {:>10}",
+            "phase", "starckpt", "GB/s", "CPU s/GB", "baseline (same bytes, same disk)", "time", "GB/s", "time ratio"
+        );
+        for (phase, ours, name, base) in rows {
+            println!(
+                "{:<10} {:>8.2}s {:>8.2} {:>9.2}   {:<36} {:>8.2}s {:>8.2}   {:>9.2}x",
+                phase,
+                ours.wall.as_secs_f64(),
+                gbps(ours),
+                ours.cpu / gb,
+                name,
+                base.wall.as_secs_f64(),
+                gbps(base),
+                ratio(ours.wall, base.wall)
+            );
+        }
+        println!(
+            "(time ratio: starckpt's time ÷ the baseline's; below 1 is faster. CPU: {}.)",
+            if args.cluster.is_none() {
+                "this process, which runs the client, the targets and the control plane"
+            } else {
+                "the client process only"
+            }
+        );
+    }
+    if let Some(path) = &args.chart {
+        let bars = [
+            ("blocking", vec![("memcpy", gbps(memcpy)), ("starckpt", gbps(blocking))]),
+            (
+                "committed",
+                vec![
+                    ("O_DIRECT write", gbps(direct_write)),
+                    ("buffered+fsync", gbps(buffered)),
+                    ("starckpt", gbps(committed)),
+                ],
+            ),
+            ("restore", vec![("O_DIRECT read", gbps(direct_read)), ("starckpt", gbps(restore))]),
+        ];
+        let title =
+            format!("starckpt bench: {} from {} rank(s), {} cop(ies)", output::bytes(total), args.ranks, args.replicas);
+        crate::chart::throughput(path, &title, &bars)?;
+        if !json {
+            println!("chart: {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_layout_adds_up_to_the_requested_parameters() {
+        for params in [5_000_000usize, 77_000_000, 1_000_000_000] {
+            let (hidden, layout) = transformer(params);
+            assert_eq!(layout.iter().map(|p| p.elements).sum::<usize>(), params, "{params}");
+            assert!(layout.len() >= 4 * 6, "{params}: at least four layers, got {} tensors", layout.len());
+            assert!(hidden >= 256, "{params}: hidden {hidden}");
+        }
+    }
+
+    #[test]
+    fn shards_are_balanced_and_hold_every_tensor_once() {
+        let (_, layout) = transformer(3_000_000);
+        let state = model_state(&layout, 3, 1);
+        let sizes: Vec<usize> = state.iter().map(|s| s.iter().map(|(_, d)| d.len()).sum()).collect();
+        assert_eq!(sizes.iter().sum::<usize>(), 3_000_000 * 14);
+        let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+        assert!(max - min <= layout.iter().map(|p| p.elements * 14).max().unwrap(), "{sizes:?}");
+        let mut names: Vec<&str> = state.iter().flatten().map(|(n, _)| n.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), layout.len() * 4);
+        // The bf16 weight is the high half of the master copy.
+        let weight = &state.iter().flatten().find(|(n, _)| n == "model/embed.weight").unwrap().1;
+        let master = &state.iter().flatten().find(|(n, _)| n == "optim/master/embed.weight").unwrap().1;
+        assert_eq!(&weight[..2], &master[2..4]);
+    }
+}
