@@ -12,23 +12,33 @@ use anyhow::Context;
 use bytes::Bytes;
 use rand::{RngCore, SeedableRng};
 
-/// Best of three copies of `state` into memory already touched: the machine's real copy speed,
-/// which the staging copy should approach.
+/// The median of three copies of `state` into memory already touched: the machine's real copy
+/// speed, which the staging copy should approach.
 pub fn memcpy(state: &[Bytes]) -> Duration {
     let total: usize = state.iter().map(|t| t.len()).sum();
     let mut target = vec![1u8; total];
-    let mut best = Duration::MAX;
-    for _ in 0..3 {
+    let mut times = [Duration::ZERO; 3];
+    for time in &mut times {
         let started = Instant::now();
         let mut offset = 0;
         for tensor in state {
             target[offset..offset + tensor.len()].copy_from_slice(tensor);
             offset += tensor.len();
         }
-        best = best.min(started.elapsed());
+        *time = started.elapsed();
     }
     std::hint::black_box(&target);
-    best
+    times.sort_unstable();
+    times[1]
+}
+
+/// Removes a baseline's file however its measurement ends (it may be gigabytes).
+struct RemoveOnDrop<'a>(&'a Path);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
 }
 
 pub struct Direct {
@@ -44,6 +54,7 @@ pub fn direct(total: u64, dir: &Path) -> anyhow::Result<Direct> {
     rand::rngs::SmallRng::seed_from_u64(7).fill_bytes(buf.full_mut());
     buf.set_len(block);
     let path = dir.join(".starckpt-baseline-odirect.bin");
+    let _remove = RemoveOnDrop(&path);
     let blocks = (total as usize).div_ceil(block);
     let file = std::fs::OpenOptions::new()
         .write(true)
@@ -65,7 +76,6 @@ pub fn direct(total: u64, dir: &Path) -> anyhow::Result<Direct> {
         file.read_exact_at(buf.full_mut(), (i * block) as u64).with_context(|| format!("read {}", path.display()))?;
     }
     let read = started.elapsed();
-    std::fs::remove_file(&path)?;
     Ok(Direct { write, read })
 }
 
@@ -74,16 +84,14 @@ pub fn direct(total: u64, dir: &Path) -> anyhow::Result<Direct> {
 pub fn buffered_fsync(state: &[Bytes], dir: &Path) -> anyhow::Result<Duration> {
     use std::io::Write;
     let path = dir.join(".starckpt-baseline-buffered.bin");
+    let _remove = RemoveOnDrop(&path);
     let started = Instant::now();
     let mut file = std::fs::File::create(&path).with_context(|| format!("create {}", path.display()))?;
     for tensor in state {
         file.write_all(tensor).with_context(|| format!("write {}", path.display()))?;
     }
     file.sync_all()?;
-    let elapsed = started.elapsed();
-    drop(file);
-    std::fs::remove_file(&path)?;
-    Ok(elapsed)
+    Ok(started.elapsed())
 }
 
 /// CPU seconds (user + system) this process has used so far.

@@ -155,9 +155,11 @@ async fn timed<T>(work: impl std::future::Future<Output = anyhow::Result<T>>) ->
     Ok((value, Timed { wall: started.elapsed(), cpu: baseline::cpu_seconds() - cpu }))
 }
 
+/// The median run (the mean of the middle two for an even count).
 fn median(mut values: Vec<Timed>) -> Timed {
     values.sort_by_key(|t| t.wall);
-    values[values.len() / 2]
+    let (low, high) = (values[(values.len() - 1) / 2], values[values.len() / 2]);
+    Timed { wall: (low.wall + high.wall) / 2, cpu: (low.cpu + high.cpu) / 2.0 }
 }
 
 struct Run {
@@ -182,9 +184,23 @@ async fn run_once(clients: &[Client], job: &str, step: u64, state: &[Shard]) -> 
         .collect::<Result<_, _>>()?;
     let started = Instant::now();
     let cpu = baseline::cpu_seconds();
-    let handles =
-        futures::future::try_join_all(clients.iter().zip(parts).map(|(client, part)| client.save(part))).await?;
-    let blocking = Timed { wall: started.elapsed(), cpu: baseline::cpu_seconds() - cpu };
+    // Each rank on its own task, as ranks are separate processes: their copies run in parallel,
+    // and the stall is the slowest rank's.
+    let saves = clients.iter().zip(parts).map(|(client, part)| {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let handle = client.save(part).await?;
+            Ok::<_, starckpt_client::Error>((started.elapsed(), handle))
+        })
+    });
+    let mut handles = Vec::new();
+    let mut stall = Duration::ZERO;
+    for saved in futures::future::try_join_all(saves).await? {
+        let (elapsed, handle) = saved?;
+        stall = stall.max(elapsed);
+        handles.push(handle);
+    }
+    let blocking = Timed { wall: stall, cpu: baseline::cpu_seconds() - cpu };
     let staging_waits = handles.iter().map(|h| h.progress().staging_waits.load(Ordering::Relaxed)).sum();
     let outcomes = futures::future::try_join_all(handles.into_iter().map(|h| h.wait())).await?;
     let committed = Timed { wall: started.elapsed(), cpu: baseline::cpu_seconds() - cpu };
@@ -257,9 +273,21 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         (None, Some(cluster)) => cluster.control_address.to_string(),
         (None, None) => unreachable!("a cluster was started"),
     };
-    // Shards differ by at most one tensor; each rank's staging holds its whole shard.
-    let largest = layout.iter().map(|p| p.elements as u64 * 14).max().unwrap_or(0);
-    let staging = (total / u64::from(args.ranks) + largest + args.chunk_size) as usize;
+    // Each rank's staging holds its whole shard: every tensor's whole chunks, plus room for the
+    // pieces smaller than a chunk, packed (a packed buffer is handed over when the next piece does
+    // not fit, so at most half of it is wasted).
+    let mut first_state = Some(model_state(&layout, args.ranks, 1));
+    let chunk = args.chunk_size;
+    let staging = first_state
+        .iter()
+        .flatten()
+        .map(|shard| {
+            let whole: u64 = shard.iter().map(|(_, d)| d.len() as u64 / chunk * chunk).sum();
+            let tails: u64 = shard.iter().map(|(_, d)| d.len() as u64 % chunk).sum();
+            whole + 2 * tails + 2 * chunk
+        })
+        .max()
+        .unwrap_or(chunk) as usize;
     let run_id = format!("bench-{}", uuid::Uuid::new_v4().simple());
     let mut clients = Vec::new();
     for _ in 0..args.ranks {
@@ -299,8 +327,18 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let mut direct_write = Vec::new();
     let mut direct_read = Vec::new();
     let mut buffered = Vec::new();
+    // A warm-up save, untimed: connections opened and the job's lease taken before run 1.
+    let (job_name, ranks) = (&job, args.ranks);
+    let warm_up = clients.iter().enumerate().map(|(rank, client)| async move {
+        let part = SavePart::new(job_name, 0).rank(rank as u32, ranks).buffer("warm-up", Bytes::from_static(b"."))?;
+        client.save(part).await?.wait().await
+    });
+    futures::future::try_join_all(warm_up).await?;
     for n in 0..args.runs {
-        let state = model_state(&layout, args.ranks, u64::from(n) + 1);
+        let state = match first_state.take() {
+            Some(state) => state,
+            None => model_state(&layout, args.ranks, u64::from(n) + 1),
+        };
         let flat: Vec<Bytes> = state.iter().flatten().map(|(_, data)| data.clone()).collect();
         // The baselines of this run, interleaved with it so drift hits both alike.
         let direct = baseline::direct(total, &data_dir)?;

@@ -293,8 +293,8 @@ impl Trial {
         };
         for step in 1..=5u64 {
             let fault = choose(&mut trial.rng);
-            trial.step(step, &fault);
-            trial.outcome.faults.push(fault);
+            let struck = trial.step(step, &fault);
+            trial.outcome.faults.push(struck);
         }
         trial.check();
         trial.outcome
@@ -345,7 +345,9 @@ impl Trial {
     }
 
     /// One save with `fault` striking it or following it.
-    fn step(&mut self, step: u64, fault: &Fault) {
+    /// Returns the fault as it struck (a GC fault point needs garbage to collect: without any,
+    /// the pass runs unstruck).
+    fn step(&mut self, step: u64, fault: &Fault) -> Fault {
         let seed = self.seed;
         let mut bytes = self.shared.clone();
         bytes.extend(random_bytes(self.rng.random_range(1 << 20..8 << 20), seed.wrapping_mul(31).wrapping_add(step)));
@@ -443,10 +445,11 @@ impl Trial {
 
         match *fault {
             Fault::FlipByte { crash_on_remove } => self.flip_byte(crash_on_remove),
-            Fault::Gc(point) => self.collect_garbage(point),
+            Fault::Gc(point) => return Fault::Gc(self.collect_garbage(point)),
             Fault::LoseDisk { target, crash_repair } => self.lose_disk(target, crash_repair),
             _ => {}
         }
+        fault.clone()
     }
 
     /// Flips one bit of a stored copy; the target's scrubber must find it.
@@ -487,7 +490,8 @@ impl Trial {
 
     /// Deletes an older committed checkpoint and collects garbage with every chunk aged past the
     /// grace period, maybe with a crash at a GC fault point first.
-    fn collect_garbage(&mut self, point: Option<(Who, &'static str)>) {
+    /// Returns the fault point that struck, if any.
+    fn collect_garbage(&mut self, point: Option<(Who, &'static str)>) -> Option<(Who, &'static str)> {
         let seed = self.seed;
         let committed = self.committed();
         if committed.len() >= 2 {
@@ -498,16 +502,26 @@ impl Trial {
             self.outcome.deleted += 1;
         }
         self.cluster.age_all_chunks(LONG_AGO);
+        // A GC fault point strikes only where there is garbage: a target that holds some.
+        let live = self.live_chunks();
+        let holding_garbage: Vec<usize> = (0..TARGETS)
+            .filter(|&i| {
+                self.cluster.chunk_files(i).iter().any(|p| !live.contains_key(p.file_name().unwrap().to_str().unwrap()))
+            })
+            .collect();
+        let point = match point {
+            _ if holding_garbage.is_empty() => None,
+            Some((Who::Target(_), point)) => {
+                Some((Who::Target(holding_garbage[self.rng.random_range(0..holding_garbage.len())]), point))
+            }
+            other => other,
+        };
         if let Some((who, point)) = point {
-            let spec = crash_env(point, self.rng.random_range(0..2));
-            self.restart(who, &[("FAILPOINTS", &spec)]);
+            self.restart(who, &[("FAILPOINTS", &crash_env(point, 0))]);
             self.cluster.wait_alive(TARGETS);
             let _ = self.cluster.cli(&["gc"]);
-            if self.revive(who) {
-                self.outcome.point_crashes += 1;
-            } else {
-                self.restart(who, &[]);
-            }
+            assert!(self.revive(who), "seed {seed}: {point} was armed, with garbage to collect, but never struck");
+            self.outcome.point_crashes += 1;
             self.cluster.wait_alive(TARGETS);
         }
         let report = self.cluster.json(&["gc"]);
@@ -527,11 +541,21 @@ impl Trial {
                 assert!(live.contains_key(&name), "seed {seed}: GC left garbage {}: {report}", path.display());
             }
         }
+        point
     }
 
     /// Loses target `index`'s disk: SIGKILLed, its directory wiped, started empty (a new target
     /// to the control plane). Re-replication must restore every chunk's copies.
     fn lose_disk(&mut self, index: usize, crash_repair: bool) {
+        let seed = self.seed;
+        // Copies of committed chunks the disk held: what re-replication must make again.
+        let live = self.live_chunks();
+        let held = self
+            .cluster
+            .chunk_files(index)
+            .iter()
+            .filter(|p| live.contains_key(p.file_name().unwrap().to_str().unwrap()))
+            .count();
         self.cluster.targets[index].kill();
         std::fs::remove_dir_all(self.cluster.target_dir(index)).unwrap();
         self.cluster.targets[index] = self.start_target(index, &[]);
@@ -539,12 +563,16 @@ impl Trial {
         // Until the old target counts as lost.
         std::thread::sleep(Duration::from_millis(2500));
         if crash_repair {
-            let spec = crash_env("control.repair.copy", self.rng.random_range(0..3));
-            self.restart(Who::Server, &[("FAILPOINTS", &spec)]);
+            self.restart(Who::Server, &[("FAILPOINTS", &crash_env("control.repair.copy", 0))]);
             let _ = self.cluster.cli(&["repair"]);
             if self.revive(Who::Server) {
                 self.outcome.point_crashes += 1;
             } else {
+                // Only a disk that held no copies leaves nothing to copy.
+                assert_eq!(
+                    held, 0,
+                    "seed {seed}: control.repair.copy was armed, with copies to make, but never struck"
+                );
                 self.restart(Who::Server, &[]);
             }
             self.cluster.wait_alive(TARGETS);

@@ -14,7 +14,8 @@
 //! copy time (~0.1 s per GB), a few percent of the upload.
 //!
 //! Memory is bounded by the staging pool: staging waits for a free buffer, and a buffer returns to
-//! the pool only when its chunk is durable on a target (or found there already). A failed upload
+//! the pool only when its chunk is durable on a target (or found there already). Pieces smaller
+//! than a chunk share buffers ([`Packer`]); such a buffer returns when its last piece is durable. A failed upload
 //! stops staging, and the part is never committed: the checkpoint stays pending until a new
 //! run takes the job's lease (or the pending timeout) aborts it.
 
@@ -578,7 +579,7 @@ impl Client {
                     let mut file = Some(std::fs::File::open(source).map_err(Error::io("open", source))?);
                     let (mut index, mut size) = (0usize, 0u64);
                     loop {
-                        let buf = gate.buffer(pool).await;
+                        let buf = packer.buffer(pool).await?;
                         let taken = file.take().expect("file is returned after each read");
                         let (returned, buf, read) = tokio::task::spawn_blocking(move || {
                             let mut buf = buf;
@@ -648,6 +649,16 @@ struct Packing {
 }
 
 impl Packer<'_> {
+    /// A whole staging buffer for a whole chunk. If none is free, the packed buffer is handed to
+    /// the uploaders first: it may be the one this would wait for.
+    async fn buffer(&mut self, pool: &starckpt_proto::buf::BufPool) -> Result<starckpt_proto::buf::PooledBuf> {
+        if let Some(buf) = pool.try_acquire() {
+            return Ok(buf);
+        }
+        self.flush().await?;
+        Ok(self.gate.buffer(pool).await)
+    }
+
     /// Copies a piece in with `copy`, starting a new buffer when the current one has no room.
     async fn add(
         &mut self,
@@ -664,7 +675,8 @@ impl Packer<'_> {
         }
         let packing = self.current.as_mut().expect("just set");
         let start = packing.used;
-        if let Err(message) = copy(&mut packing.buf.buf_mut().full_mut()[start..start + len]) {
+        // Off the async runtime, like every staging copy (a fill may be a device-to-host copy).
+        if let Err(message) = off_runtime(|| copy(&mut packing.buf.buf_mut().full_mut()[start..start + len])) {
             return Ok(Err(message));
         }
         packing.pieces.push((file, index, start, len));
@@ -716,15 +728,7 @@ impl Client {
             // One batch: every buffer free right now (at least one, waiting for it if need be), so
             // the copy leaves the async runtime once per batch rather than once per chunk.
             let first = next;
-            let buf = match pool.try_acquire() {
-                Some(buf) => buf,
-                None => {
-                    // The packer's buffer may be the one this waits for.
-                    packer.flush().await?;
-                    gate.buffer(pool).await
-                }
-            };
-            let mut staged = vec![(piece(next), buf)];
+            let mut staged = vec![(piece(next), packer.buffer(pool).await?)];
             next += 1;
             while next < whole && staged.len() < MAX_COPY_BATCH {
                 let Some(buf) = pool.try_acquire() else { break };
@@ -824,7 +828,7 @@ fn copy_blocking(
         Ok::<(), String>(())
     };
     let per_thread = staged.len().div_ceil(threads.max(1)).max(1);
-    let mut run = || {
+    let run = || {
         let mut runs = staged.chunks_mut(per_thread);
         let Some(own) = runs.next() else { return Ok(()) };
         std::thread::scope(|scope| {
@@ -837,9 +841,14 @@ fn copy_blocking(
             result
         })
     };
+    off_runtime(run)
+}
+
+/// Runs blocking work (a copy) without stalling other tasks of a multi-threaded runtime.
+fn off_runtime<R>(work: impl FnOnce() -> R) -> R {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(run),
-        _ => run(),
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
     }
 }
 

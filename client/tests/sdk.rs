@@ -93,7 +93,7 @@ async fn small_tensors_share_staging_buffers() {
     // together: staging never waits for an upload. Then tensors with tails (whole chunks plus a
     // remainder) and more small ones: the packed buffer is handed over when whole chunks need the
     // pool, so a one-buffer pool still completes, and every byte comes back.
-    let (_dir, cluster, client) = cluster(2, |c| {
+    let (dir, cluster, client) = cluster(2, |c| {
         c.chunk_size_bytes = 64 * 1024;
         c.staging_bytes = 64 * 1024;
     })
@@ -124,6 +124,19 @@ async fn small_tensors_share_staging_buffers() {
         let chunks = manifest.file(path).unwrap().chunks.len();
         assert_eq!(chunks, data.len().div_ceil(64 * 1024), "{path}: a packed piece is still its own chunk");
     }
+
+    // A small tensor, then a file read from disk: the file's chunks need the one buffer the
+    // packed piece is in (the save must hand it over, not wait for it forever).
+    let on_disk = dir.path().join("on-disk.bin");
+    let disk_bytes = random(3 * 64 * 1024 + 5, 4000);
+    std::fs::write(&on_disk, &disk_bytes).unwrap();
+    let part =
+        SavePart::new("packed", 3).buffer("bias", Bytes::from(vec![7u8; 100])).unwrap().file("w", &on_disk).unwrap();
+    let saved = tokio::time::timeout(Duration::from_secs(60), async { client.save(part).await.unwrap().wait().await });
+    saved.await.expect("a save with a packed piece before a file hung").unwrap();
+    let manifest = client.manifest("packed", Some(3)).await.unwrap();
+    assert_eq!(&client.read_file(&manifest, "w").await.unwrap()[..], &disk_bytes[..]);
+    assert_eq!(&client.read_file(&manifest, "bias").await.unwrap()[..], &[7u8; 100][..]);
     cluster.shutdown().await.unwrap();
 }
 
