@@ -446,8 +446,12 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             ),
             ("restore", vec![("O_DIRECT read", gbps(direct_read)), ("starckpt", gbps(restore))]),
         ];
-        let title =
-            format!("starckpt bench: {} from {} rank(s), {} cop(ies)", output::bytes(total), args.ranks, args.replicas);
+        let title = format!(
+            "starckpt bench: {} from {} rank(s), {} copies per chunk",
+            output::bytes(total),
+            args.ranks,
+            args.replicas
+        );
         crate::chart::throughput(path, &title, &bars)?;
         if !json {
             println!("chart: {}", path.display());
