@@ -6,7 +6,7 @@
 //! and reused through a [`BufPool`] whose capacity bounds the memory a process can pin. The same
 //! buffers carry bytes from the socket (or the caller's memory) to the device without copies.
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::alloc::{Layout, alloc, dealloc};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
@@ -46,8 +46,10 @@ impl AlignedBuf {
     pub fn new(capacity: usize) -> AlignedBuf {
         let capacity = round_up(capacity.max(1));
         let layout = layout_for(capacity);
+        // Not `alloc_zeroed`: for an over-aligned layout it zeroes (and so faults in, with 4 KiB
+        // pages) the memory before the huge-page advice below could apply.
         // SAFETY: layout has non-zero size.
-        let raw = unsafe { alloc_zeroed(layout) };
+        let raw = unsafe { alloc(layout) };
         let Some(ptr) = NonNull::new(raw) else { std::alloc::handle_alloc_error(layout) };
         let buf = AlignedBuf { ptr, len: 0, capacity };
         if layout.align() == HUGE_PAGE {
@@ -57,12 +59,10 @@ impl AlignedBuf {
             // SAFETY: the range is exactly this allocation.
             unsafe { libc::madvise(buf.ptr.as_ptr().cast(), capacity, libc::MADV_HUGEPAGE) };
         }
-        // Large zeroed allocations come straight from mmap and are not yet backed; write one byte
-        // per page to fault them in now rather than on the hot path.
-        for offset in (0..capacity).step_by(ALIGN) {
-            // SAFETY: offset < capacity, inside the allocation.
-            unsafe { buf.ptr.as_ptr().add(offset).write_volatile(0) };
-        }
+        // Zero every byte now: the contents are defined (the allocator may return memory it used
+        // before) and every page is faulted in here rather than on the hot path.
+        // SAFETY: the allocation is `capacity` bytes.
+        unsafe { std::ptr::write_bytes(buf.ptr.as_ptr(), 0, capacity) };
         buf
     }
 
