@@ -15,9 +15,9 @@
 //!
 //! Memory is bounded by the staging pool: staging waits for a free buffer, and a buffer returns to
 //! the pool only when its chunk is durable on a target (or found there already). Pieces smaller
-//! than a chunk share buffers ([`Packer`]); such a buffer returns when its last piece is durable. A failed upload
-//! stops staging, and the part is never committed: the checkpoint stays pending until a new
-//! run takes the job's lease (or the pending timeout) aborts it.
+//! than a chunk share buffers ([`Packer`]); such a buffer returns when its last piece is durable.
+//! A failed upload stops staging, and the part is never committed: the checkpoint stays pending
+//! until a new run takes the job's lease (or the pending timeout) aborts it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
