@@ -4,6 +4,9 @@
 //! - `hash`: a chunk's BLAKE3 at several chunk sizes;
 //! - `chunk_and_hash`: a 64 MiB staged buffer cut into 4 MiB chunks and hashed, on one thread and
 //!   on two (the client hashes chunks concurrently);
+//! - `compress` / `decompress`: the chunk codec on 4 MiB chunks of bf16 weights, fp32 Adam state
+//!   (synthetic, like `starckpt bench`'s) and random bytes (the sample rejects them: the cost of
+//!   trying); `benches/compression_vs_zipnn.py` compares it with ZipNN on real weights;
 //! - `frame`: the data-plane frame codec, header alone and a whole PUT frame of 4 MiB through an
 //!   in-memory pipe (writer and reader);
 //! - `store_put` / `store_get`: the target's chunk store with each I/O engine (io_uring and
@@ -64,6 +67,47 @@ fn chunk_and_hash(c: &mut Criterion) {
                     workers.into_iter().flat_map(|w| w.join().unwrap()).collect::<Vec<_>>()
                 })
             });
+        });
+    }
+    group.finish();
+}
+
+/// 4 MiB of float bytes like a layer's: bf16 weights, or fp32 weights/moments.
+fn floats(bf16: bool, seed: u64) -> Vec<u8> {
+    use rand::Rng;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut out = Vec::with_capacity(CHUNK);
+    while out.len() < CHUNK {
+        // Sum of uniforms: roughly normal, sigma ~0.02.
+        let value = (0..4).map(|_| rng.random::<f32>() - 0.5).sum::<f32>() * 0.035;
+        if bf16 {
+            out.extend_from_slice(&((value.to_bits() >> 16) as u16).to_le_bytes());
+        } else {
+            out.extend_from_slice(&value.to_le_bytes());
+        }
+    }
+    out
+}
+
+fn compression(c: &mut Criterion) {
+    use starckpt_proto::codec::{CompressConfig, compress, decompress_into};
+    let config = CompressConfig::default();
+    let inputs = [("bf16", floats(true, 5)), ("fp32", floats(false, 6)), ("random", random(CHUNK, 7))];
+    let mut group = c.benchmark_group("compress");
+    group.throughput(Throughput::Bytes(CHUNK as u64));
+    for (name, data) in &inputs {
+        group.bench_with_input(BenchmarkId::from_parameter(name), data, |b, data| {
+            b.iter(|| compress(black_box(data), &config));
+        });
+    }
+    group.finish();
+    let mut group = c.benchmark_group("decompress");
+    group.throughput(Throughput::Bytes(CHUNK as u64));
+    for (name, data) in &inputs[..2] {
+        let packed = compress(data, &config).expect("floats compress");
+        let mut out = vec![0u8; CHUNK];
+        group.bench_function(BenchmarkId::from_parameter(name), |b| {
+            b.iter(|| decompress_into(packed.codec, black_box(&packed.bytes), &mut out).unwrap());
         });
     }
     group.finish();
@@ -195,5 +239,5 @@ fn spawn_puts(store: &Arc<ChunkStore>, chunks: &[Vec<u8>], hashes: &[ChunkHash])
     set
 }
 
-criterion_group!(benches, hash, chunk_and_hash, frame, store);
+criterion_group!(benches, hash, chunk_and_hash, compression, frame, store);
 criterion_main!(benches);

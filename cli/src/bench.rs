@@ -28,7 +28,7 @@ use clap::Args;
 use futures::{StreamExt, TryStreamExt};
 use rand::{RngCore, SeedableRng};
 use serde_json::json;
-use starckpt_client::{Client, ClientConfig, SavePart};
+use starckpt_client::{Client, ClientConfig, SavePart, SaveProgress};
 use starckpt_server::dev::DevCluster;
 use starckpt_server::target::EngineKind;
 
@@ -69,6 +69,11 @@ pub struct BenchArgs {
     /// Also draw throughput per phase, starckpt beside its baselines, as a PNG chart here.
     #[arg(long)]
     chart: Option<PathBuf>,
+    #[command(flatten)]
+    compression: crate::CompressArg,
+    /// Reach the targets over TCP even where they share this host (default: shared memory there).
+    #[arg(long)]
+    no_shm: bool,
 }
 
 /// A parameter tensor of the synthetic model.
@@ -168,6 +173,9 @@ struct Run {
     restore: Timed,
     /// Times a rank's staging waited for uploads (staging memory or queue slots ran out).
     staging_waits: u64,
+    /// Bytes uploaded, and what they came to as sent (after compression).
+    uploaded_bytes: u64,
+    stored_bytes: u64,
 }
 
 /// Saves `state` as `step` from every rank at once, then restores it from every rank.
@@ -202,6 +210,7 @@ async fn run_once(clients: &[Client], job: &str, step: u64, state: &[Shard]) -> 
     }
     let blocking = Timed { wall: stall, cpu: baseline::cpu_seconds() - cpu };
     let staging_waits = handles.iter().map(|h| h.progress().staging_waits.load(Ordering::Relaxed)).sum();
+    let progress: Vec<_> = handles.iter().map(|h| Arc::clone(h.progress())).collect();
     let outcomes = futures::future::try_join_all(handles.into_iter().map(|h| h.wait())).await?;
     let committed = Timed { wall: started.elapsed(), cpu: baseline::cpu_seconds() - cpu };
     if !outcomes.iter().any(|o| o.committed()) {
@@ -234,7 +243,11 @@ async fn run_once(clients: &[Client], job: &str, step: u64, state: &[Shard]) -> 
             }
         }
     }
-    Ok(Run { blocking, committed, restore, staging_waits })
+    let sum = |count: fn(&SaveProgress) -> &std::sync::atomic::AtomicU64| {
+        progress.iter().map(|p| count(p).load(Ordering::Relaxed)).sum::<u64>()
+    };
+    let (uploaded_bytes, stored_bytes) = (sum(|p| &p.uploaded_bytes), sum(|p| &p.stored_bytes));
+    Ok(Run { blocking, committed, restore, staging_waits, uploaded_bytes, stored_bytes })
 }
 
 pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
@@ -296,6 +309,8 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         // Room for the rank's whole shard, so `save` returns after the staging copy.
         config.staging_bytes = staging;
         config.run_id = Some(run_id.clone());
+        config.compression = args.compression.config()?;
+        config.shm.enabled = !args.no_shm;
         clients.push(Client::connect(config).await?);
     }
     crate::demo::wait_for_targets(&clients[0], if cluster.is_some() { args.targets } else { 1 }).await?;
@@ -351,12 +366,13 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         }
         let run = run_once(&clients, &job, u64::from(n) + 1, &state).await?;
         say(format!(
-            "run {}: blocking {:.2?} ({} staging waits), committed {:.2?}, restore {:.2?} | memcpy {:.2?}, \
-             O_DIRECT write {:.2?}, buffered write+fsync {:.2?}, O_DIRECT read {:.2?}",
+            "run {}: blocking {:.2?} ({} staging waits), committed {:.2?} (sent {:.3} of the bytes), restore \
+             {:.2?} | memcpy {:.2?}, O_DIRECT write {:.2?}, buffered write+fsync {:.2?}, O_DIRECT read {:.2?}",
             n + 1,
             run.blocking.wall,
             run.staging_waits,
             run.committed.wall,
+            run.stored_bytes as f64 / run.uploaded_bytes.max(1) as f64,
             run.restore.wall,
             copy,
             direct.write,
@@ -368,6 +384,8 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let blocking = median(runs.iter().map(|r| r.blocking).collect());
     let committed = median(runs.iter().map(|r| r.committed).collect());
     let restore = median(runs.iter().map(|r| r.restore).collect());
+    let (uploaded, stored) = runs.iter().fold((0u64, 0u64), |(u, s), r| (u + r.uploaded_bytes, s + r.stored_bytes));
+    let compression_ratio = uploaded as f64 / stored.max(1) as f64;
     let (memcpy, direct_write, direct_read, buffered) =
         (median(memcpy), median(direct_write), median(direct_read), median(buffered));
     if let Some(cluster) = cluster {
@@ -392,6 +410,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                 "bytes": total, "parameters": params, "tensors": layout.len() * 4, "ranks": args.ranks,
                 "targets": targets, "replicas": args.replicas, "chunk_bytes": args.chunk_size, "runs": args.runs,
                 "built_in_cluster": args.cluster.is_none(),
+                "compression": args.compression.compress, "compression_ratio": compression_ratio,
                 "starckpt": {"blocking": phase(blocking), "committed": phase(committed), "restore": phase(restore)},
                 "baselines": {
                     "memcpy": baseline(memcpy), "odirect_write_fsync": baseline(direct_write),
@@ -423,6 +442,9 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                 gbps(base),
                 ratio(ours.wall, base.wall)
             );
+        }
+        if args.compression.compress.is_some() {
+            println!("compression: {compression_ratio:.3}x (bytes saved ÷ bytes sent and stored, all runs)");
         }
         println!(
             "(time ratio: starckpt's time ÷ the baseline's; below 1 is faster. CPU: {}.)",

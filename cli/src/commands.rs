@@ -117,15 +117,22 @@ pub struct SaveArgs {
     pub world_size: u32,
     pub run_id: Option<String>,
     pub chunk_size: Option<usize>,
+    pub compression: Option<starckpt_proto::codec::CompressConfig>,
     pub paths: Vec<PathBuf>,
 }
 
 async fn connect(server: &str, chunk_size: Option<usize>) -> anyhow::Result<Client> {
-    connect_as(server, chunk_size, None).await
+    connect_as(server, chunk_size, None, None).await
 }
 
-async fn connect_as(server: &str, chunk_size: Option<usize>, run_id: Option<String>) -> anyhow::Result<Client> {
+async fn connect_as(
+    server: &str,
+    chunk_size: Option<usize>,
+    run_id: Option<String>,
+    compression: Option<starckpt_proto::codec::CompressConfig>,
+) -> anyhow::Result<Client> {
     let mut config = ClientConfig::new(server);
+    config.compression = compression;
     if run_id.is_some() {
         config.run_id = run_id;
     }
@@ -136,7 +143,7 @@ async fn connect_as(server: &str, chunk_size: Option<usize>, run_id: Option<Stri
 }
 
 pub async fn save(server: &str, args: SaveArgs, out: &Output) -> anyhow::Result<()> {
-    let client = connect_as(server, args.chunk_size, args.run_id).await?;
+    let client = connect_as(server, args.chunk_size, args.run_id, args.compression).await?;
     let items = starckpt_client::items_from_paths(&args.paths)?;
     let part = SavePart::new(&args.job, args.step).items(items).rank(args.rank, args.world_size);
     let started = Instant::now();
@@ -503,16 +510,28 @@ pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     let status = client.cluster_status().await?;
     let targets = status.targets;
+    // How this host reaches each alive target (shared memory on the same host, else TCP), asked
+    // in parallel and briefly: a hung target must not hang `status`.
+    let transports: Vec<&str> = futures::future::join_all(targets.iter().map(|t| async {
+        if t.state != TargetState::Alive as i32 {
+            return "-";
+        }
+        match tokio::time::timeout(Duration::from_secs(2), client.transport_kind(t)).await {
+            Ok(Ok(kind)) => kind,
+            _ => "?",
+        }
+    }))
+    .await;
     if out.json {
         out.json(json!({
             "server": server,
             "under_replicated_chunks": status.under_replicated_chunks,
             "repair_pass_age_ms": status.repair_pass_age_ms,
-            "targets": targets.iter().map(|t| json!({
+            "targets": targets.iter().zip(&transports).map(|(t, transport)| json!({
                 "target_id": t.target_id, "data_address": t.data_address,
                 "state": target_state(t.state),
                 "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "chunks": t.chunk_count,
-                "heartbeat_age_ms": t.heartbeat_age_ms, "transport": "tcp", "failure_domain": t.failure_domain,
+                "heartbeat_age_ms": t.heartbeat_age_ms, "transport": transport, "failure_domain": t.failure_domain,
             })).collect::<Vec<_>>(),
         }));
         return Ok(());
@@ -527,15 +546,16 @@ pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
         None => println!("under-replicated chunks: unknown until the first re-replication pass"),
     }
     println!(
-        "{:<38} {:<22} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
-        "TARGET", "ADDRESS", "DOMAIN", "STATE", "USED", "CAPACITY", "CHUNKS", "HEARTBEAT"
+        "{:<38} {:<22} {:<9} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
+        "TARGET", "ADDRESS", "TRANSPORT", "DOMAIN", "STATE", "USED", "CAPACITY", "CHUNKS", "HEARTBEAT"
     );
-    for t in &targets {
+    for (t, transport) in targets.iter().zip(&transports) {
         let state = target_state(t.state);
         println!(
-            "{:<38} {:<22} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
+            "{:<38} {:<22} {:<9} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
             t.target_id,
             t.data_address,
+            transport,
             if t.failure_domain.is_empty() { "-" } else { &t.failure_domain },
             state,
             output::bytes(t.used_bytes),

@@ -31,6 +31,25 @@ struct Cli {
     command: Command,
 }
 
+/// Chunk compression of a writing command (see `ClientConfig::compression`).
+#[derive(Args, Clone, Debug)]
+pub struct CompressArg {
+    /// Compress chunks before sending them (zstd over float byte planes, each chunk only if it
+    /// shrinks by 5%), at this zstd level (1 if omitted; 1..=19).
+    #[arg(long, num_args = 0..=1, default_missing_value = "1", value_name = "LEVEL")]
+    pub compress: Option<i32>,
+}
+
+impl CompressArg {
+    pub fn config(&self) -> anyhow::Result<Option<starckpt_proto::codec::CompressConfig>> {
+        match self.compress {
+            None => Ok(None),
+            Some(level @ 1..=19) => Ok(Some(starckpt_proto::codec::CompressConfig { level, ..Default::default() })),
+            Some(level) => anyhow::bail!("--compress level {level} is outside 1..=19"),
+        }
+    }
+}
+
 #[derive(Args, Clone)]
 struct JobArg {
     /// Job name.
@@ -100,6 +119,12 @@ enum Command {
         /// Pause between scrub passes, in seconds.
         #[arg(long, default_value_t = 3600)]
         scrub_pause_secs: u64,
+        /// Unix socket where clients on this host attach shared memory (default: DIR/shm.sock).
+        #[arg(long, conflicts_with = "no_shm")]
+        shm_socket: Option<PathBuf>,
+        /// Serve TCP only: same-host clients do not get shared memory.
+        #[arg(long)]
+        no_shm: bool,
     },
     /// Run a control plane and N targets in one process, data kept in DIR across restarts.
     Dev {
@@ -131,6 +156,8 @@ enum Command {
         /// Chunk size in bytes.
         #[arg(long)]
         chunk_size: Option<usize>,
+        #[command(flatten)]
+        compression: CompressArg,
         #[arg(required = true)]
         paths: Vec<PathBuf>,
     },
@@ -298,8 +325,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             failure_domain,
             scrub_mib_per_sec,
             scrub_pause_secs,
+            shm_socket,
+            no_shm,
         } => {
             let mut config = starckpt_server::target::TargetConfig::new(dir, cli.server.clone());
+            if no_shm {
+                config.shm_socket = None;
+            } else if shm_socket.is_some() {
+                config.shm_socket = shm_socket;
+            }
             config.advertise = advertise;
             config.engine = io_engine;
             config.assumed_uptime = Duration::from_secs(assume_uptime_secs);
@@ -312,8 +346,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             commands::target(config, &listen).await
         }
         Command::Dev { data, targets, listen, io_engine } => commands::dev(&data, targets, &listen, io_engine).await,
-        Command::Save { job, step, rank, world_size, run_id, chunk_size, paths } => {
-            let args = commands::SaveArgs { job: job.job, step, rank, world_size, run_id, chunk_size, paths };
+        Command::Save { job, step, rank, world_size, run_id, chunk_size, compression, paths } => {
+            let compression = compression.config()?;
+            let args =
+                commands::SaveArgs { job: job.job, step, rank, world_size, run_id, chunk_size, compression, paths };
             commands::save(&cli.server, args, &out).await
         }
         Command::Ls { job, all } => commands::ls(&cli.server, job, all, &out).await,

@@ -74,6 +74,8 @@ fn save_and_restore_a_tree_across_three_targets() {
     let status = cluster.json(&["status"]);
     assert_eq!(status["targets"].as_array().unwrap().len(), 3);
     assert!(status["targets"][0]["capacity_bytes"].as_u64().unwrap() > 0);
+    // Targets on this host are reached over shared memory.
+    assert!(status["targets"].as_array().unwrap().iter().all(|t| t["transport"] == "shm"), "{status}");
 
     // A second save of unchanged data deduplicates every chunk.
     let again = cluster.json(&["save", "--job", "llama", "--step", "200", source.to_str().unwrap()]);
@@ -958,4 +960,27 @@ fn bench_reports_every_phase_beside_its_baseline() {
         assert!(!output.status.success(), "{bad:?} should fail");
         assert!(!String::from_utf8_lossy(&output.stderr).contains("panicked"), "{bad:?}");
     }
+}
+
+#[test]
+fn same_host_targets_use_shared_memory_unless_they_serve_none() {
+    let mut cluster = Cluster::start(0);
+    cluster.targets.push(cluster.start_target(0));
+    cluster.targets.push(cluster.start_target_with(1, &["--no-shm"]));
+    cluster.wait_alive(2);
+    let source = cluster.dir.path().join("weights.bin");
+    let data = common::random_bytes(5_000_000, 8);
+    std::fs::write(&source, &data).unwrap();
+    let saved =
+        cluster.json(&["save", "--job", "mixed", "--step", "1", "--chunk-size", "1048576", source.to_str().unwrap()]);
+    assert_eq!(saved["committed"], true);
+    let status = cluster.json(&["status"]);
+    let mut transports: Vec<&str> =
+        status["targets"].as_array().unwrap().iter().map(|t| t["transport"].as_str().unwrap()).collect();
+    transports.sort_unstable();
+    assert_eq!(transports, ["shm", "tcp"], "{status}");
+    assert!(cluster.ok(&["status"]).contains("TRANSPORT"));
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "mixed", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), data);
 }

@@ -26,8 +26,10 @@ pub enum Error {
     Control { op: &'static str, status: Box<tonic::Status> },
     #[error("target {target_id} ({address}): {source}")]
     Target { target_id: String, address: String, source: TransportError },
-    #[error("chunk {hash} from target {target_id} ({address}) failed its BLAKE3 check (got {actual})")]
-    Checksum { hash: ChunkHash, actual: ChunkHash, target_id: String, address: String },
+    /// The bytes a target returned are not the chunk: `found` says how (they hash to another
+    /// value, or a compressed copy does not decode).
+    #[error("chunk {hash} from target {target_id} ({address}) failed its BLAKE3 check ({found})")]
+    Checksum { hash: ChunkHash, found: String, target_id: String, address: String },
     #[error("no replica of chunk {hash} could be read: {last}")]
     ChunkUnavailable { hash: ChunkHash, last: Box<Error> },
     #[error("no storage target accepted chunk {hash}: {last}")]

@@ -54,7 +54,7 @@ pub use starckpt_proto::control::{
     TargetState,
 };
 pub use stream::{StreamedFile, StreamingFile};
-use transport::{ChunkTransport, TcpConfig, TcpTransport};
+use transport::{AutoTransport, ChunkTransport, ShmConfig, TcpConfig};
 
 /// Client configuration. Every field has a default chosen for one trainer process on a host with
 /// tens of GB of memory; see each field.
@@ -91,7 +91,15 @@ pub struct ClientConfig {
     /// writes), whose job is unknown until commit. Default 2, the control plane's default
     /// replication factor. (Saves use their job's factor, which the control plane sends.)
     pub stream_replicas: u32,
+    /// Compress chunks before they travel (lossless; floats split into byte planes, see
+    /// `starckpt_proto::codec`), each chunk only if it shrinks by `min_ratio`. Default off:
+    /// compression costs client CPU per byte, and pays where the network or the targets' disks are
+    /// slower than the client's cores compress (`starckpt bench --compress` measures both).
+    pub compression: Option<starckpt_proto::codec::CompressConfig>,
     pub tcp: TcpConfig,
+    /// Shared memory with targets on this host (`transport/shm.rs`): on by default, TCP where
+    /// it is not available.
+    pub shm: ShmConfig,
 }
 
 impl ClientConfig {
@@ -107,6 +115,8 @@ impl ClientConfig {
             tcp: TcpConfig::default(),
             run_id: run_id_from_env(),
             stream_replicas: 2,
+            compression: None,
+            shm: ShmConfig::default(),
         }
     }
 }
@@ -131,7 +141,7 @@ struct Targets {
 }
 
 impl Targets {
-    fn transport(&self, target_id: &str, address: &str, config: &TcpConfig) -> Result<Arc<dyn ChunkTransport>> {
+    fn transport(&self, target_id: &str, address: &str, config: &ClientConfig) -> Result<Arc<dyn ChunkTransport>> {
         let mut map = self.by_id.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((known, transport)) = map.get(target_id)
             && known == address
@@ -141,7 +151,13 @@ impl Targets {
         let socket: SocketAddr = address
             .parse()
             .map_err(|_| Error::InvalidInput(format!("target {target_id} advertises a bad address {address:?}")))?;
-        let transport: Arc<dyn ChunkTransport> = Arc::new(TcpTransport::for_target(socket, target_id, config.clone()));
+        let transport: Arc<dyn ChunkTransport> = Arc::new(AutoTransport::new(
+            socket,
+            target_id,
+            config.tcp.clone(),
+            config.shm.clone(),
+            config.chunk_size_bytes,
+        ));
         map.insert(target_id.to_owned(), (address.to_owned(), Arc::clone(&transport)));
         Ok(transport)
     }
@@ -261,7 +277,7 @@ impl Client {
     }
 
     pub(crate) fn transport(&self, target_id: &str, address: &str) -> Result<Arc<dyn ChunkTransport>> {
-        self.inner.targets.transport(target_id, address, &self.inner.config.tcp)
+        self.inner.targets.transport(target_id, address, &self.inner.config)
     }
 
     /// The highest committed checkpoint of `job`, if any.
@@ -378,6 +394,19 @@ impl Client {
             address: target.data_address.clone(),
             source,
         })
+    }
+
+    /// How this client reaches `target`: "shm" (shared memory, same host) or "tcp". Asks the
+    /// target (STAT) if it has not been asked yet.
+    pub async fn transport_kind(&self, target: &TargetInfo) -> Result<&'static str> {
+        let transport = self.transport(&target.target_id, &target.data_address)?;
+        transport.stat().await.map_err(|source| Error::Target {
+            target_id: target.target_id.clone(),
+            address: target.data_address.clone(),
+            source,
+        })?;
+        transport.settle().await;
+        Ok(transport.kind())
     }
 }
 

@@ -16,9 +16,18 @@ use starckpt_proto::control::{self as pb};
 use starckpt_proto::model::{ChunkRef, FileEntry, Manifest};
 use starckpt_proto::{JobName, RelPath};
 
-use crate::transport::TransportError;
+use crate::transport::{Payload, TransportError};
 use crate::{CheckpointInfo, Client, Error, Result, TargetInfo};
 use starckpt_proto::data::ErrorCode;
+
+/// Decodes a fetched copy of `chunk` and checks it against the manifest, off the runtime: the
+/// chunk's bytes, or `Err(what was wrong)`. The outer error is only a cancelled task.
+async fn verify(chunk: &ChunkRef, payload: Payload) -> Result<std::result::Result<Bytes, String>> {
+    let (hash, length) = (chunk.hash, chunk.length_bytes);
+    tokio::task::spawn_blocking(move || payload.verified(hash, length))
+        .await
+        .map_err(|e| Error::Cancelled(e.to_string()))
+}
 
 /// A committed checkpoint's files (all ranks merged) and where its chunks live.
 #[derive(Clone, Debug)]
@@ -149,19 +158,17 @@ impl Client {
                     (address, transport) = (moved, moved_transport);
                     fetched = transport.get(chunk.hash, 0, 0).await;
                 }
-                let data = fetched.map_err(|source| Error::Target {
+                let payload = fetched.map_err(|source| Error::Target {
                     target_id: target_id.clone(),
                     address: address.clone(),
                     source,
                 })?;
-                let verified = data.clone();
-                let actual = tokio::task::spawn_blocking(move || ChunkHash::of(&verified))
-                    .await
-                    .map_err(|e| Error::Cancelled(e.to_string()))?;
-                if actual != chunk.hash || data.len() as u64 != chunk.length_bytes {
-                    return Err(Error::Checksum { hash: chunk.hash, actual, target_id: target_id.clone(), address });
-                }
-                Ok(data)
+                verify(chunk, payload).await?.map_err(|found| Error::Checksum {
+                    hash: chunk.hash,
+                    found,
+                    target_id: target_id.clone(),
+                    address,
+                })
             };
             match attempt.await {
                 Ok(data) => {
@@ -223,10 +230,8 @@ impl Client {
         for index in crate::placement::rank_targets(&chunk.hash, &ids) {
             let target = &live[index];
             let Ok(transport) = self.transport(&target.target_id, &target.data_address) else { continue };
-            let Ok(data) = transport.get(chunk.hash, 0, 0).await else { continue };
-            let verified = data.clone();
-            let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&verified)).await.ok()?;
-            if hash == chunk.hash && data.len() as u64 == chunk.length_bytes {
+            let Ok(payload) = transport.get(chunk.hash, 0, 0).await else { continue };
+            if let Ok(Ok(data)) = verify(chunk, payload).await {
                 tracing::info!(chunk = %chunk.hash, target = %target.target_id, "read a copy the manifest does not list");
                 return Some(data);
             }
@@ -251,7 +256,7 @@ impl Client {
         tokio::spawn(async move {
             let _permit = permit;
             let Ok(_running) = running.acquire_owned().await else { return };
-            match transport.repair(hash, data).await {
+            match transport.repair(hash, Payload::raw(data)).await {
                 Ok(false) => tracing::info!(chunk = %hash, target = %target_id, "read repair rewrote a bad copy"),
                 Ok(true) => tracing::info!(chunk = %hash, target = %target_id, "read repair: the copy verifies now"),
                 Err(error) => tracing::warn!(%error, chunk = %hash, target = %target_id, "read repair failed"),

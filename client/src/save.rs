@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use futures::StreamExt;
+use starckpt_proto::codec::{self, CompressConfig};
 use starckpt_proto::control as pb;
 use starckpt_proto::model::{ChunkRef, Codec, FileEntry, Manifest};
 use starckpt_proto::{ChunkHash, JobName, RelPath};
@@ -33,7 +34,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::placement::rank_targets;
-use crate::transport::{ChunkTransport, TransportError};
+use crate::transport::{ChunkTransport, Payload, TransportError};
 use crate::{Client, Error, Result};
 
 /// One entry of a checkpoint part.
@@ -192,6 +193,9 @@ pub struct SaveProgress {
     /// Of those, bytes copied into staging buffers (0 for a save of shared bytes only).
     pub copied_bytes: AtomicU64,
     pub uploaded_bytes: AtomicU64,
+    /// What the uploaded chunks came to as sent and stored (after compression; counted once per
+    /// chunk, like `uploaded_bytes`).
+    pub stored_bytes: AtomicU64,
     pub deduplicated_bytes: AtomicU64,
     pub chunks: AtomicU64,
     pub deduplicated_chunks: AtomicU64,
@@ -925,6 +929,7 @@ pub(crate) async fn upload_one(
     let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed))
         .await
         .map_err(|e| Error::Cancelled(e.to_string()))?;
+    let chunk = ChunkBytes { data, compression: client.config().compression, payload: tokio::sync::OnceCell::new() };
     progress.chunks.fetch_add(1, Ordering::Relaxed);
     let ids: Vec<&str> = placement.ids.iter().map(String::as_str).collect();
     let order = rank_targets(&hash, &ids);
@@ -959,7 +964,7 @@ pub(crate) async fn upload_one(
         }
         let attempts = batch.iter().map(|&index| {
             tried[index] = true;
-            store_on(client, placement, index, hash, &data)
+            store_on(client, placement, index, hash, &chunk)
         });
         for (index, outcome) in batch.iter().zip(futures::future::join_all(attempts).await) {
             match outcome {
@@ -997,8 +1002,11 @@ pub(crate) async fn upload_one(
         });
     }
     // Counted once per chunk, whatever the replication: `done_bytes` compares with the save's size.
+    // The stored form, if a copy was sent (a chunk every target had is never encoded).
+    let (codec, stored_length) = chunk.payload.get().map_or((Codec::None, length), |p| (p.codec, p.bytes.len() as u64));
     if uploaded {
         progress.uploaded_bytes.fetch_add(length, Ordering::Relaxed);
+        progress.stored_bytes.fetch_add(stored_length, Ordering::Relaxed);
     } else {
         progress.deduplicated_chunks.fetch_add(1, Ordering::Relaxed);
         progress.deduplicated_bytes.fetch_add(length, Ordering::Relaxed);
@@ -1006,24 +1014,53 @@ pub(crate) async fn upload_one(
     Ok(ChunkRef {
         hash,
         length_bytes: length,
-        stored_length_bytes: length,
-        codec: Codec::None,
+        stored_length_bytes: stored_length,
+        codec,
         replicas: stored.iter().map(|&i| placement.ids[i].clone()).collect(),
     })
 }
 
-/// Makes `data` durable on target `index` of the placement (HAS, then PUT if missing), following
-/// the target to a new address once if it moved. Ok(true): it was there already.
-async fn store_on(client: &Client, placement: &Placement, index: usize, hash: ChunkHash, data: &Bytes) -> Result<bool> {
-    let store = |transport: Arc<dyn ChunkTransport>| {
-        let data = data.clone();
-        async move {
-            crate::faults::point("client.put").map_err(|e| TransportError::Connection(e.to_string()))?;
-            if transport.has(&[hash]).await?.first() == Some(&true) {
-                return Ok::<bool, TransportError>(true);
-            }
-            transport.put(hash, data).await
+/// A chunk's bytes and their stored form, made on first need (a chunk every target already holds
+/// is never compressed) and shared by all its copies.
+struct ChunkBytes {
+    data: Bytes,
+    compression: Option<CompressConfig>,
+    payload: tokio::sync::OnceCell<Payload>,
+}
+
+impl ChunkBytes {
+    async fn payload(&self) -> Result<Payload, TransportError> {
+        let encode = || async {
+            let Some(config) = self.compression else { return Ok(Payload::raw(self.data.clone())) };
+            let data = self.data.clone();
+            tokio::task::spawn_blocking(move || match codec::compress(&data, &config) {
+                Some(compressed) => {
+                    Payload { length: data.len() as u64, codec: compressed.codec, bytes: Bytes::from(compressed.bytes) }
+                }
+                None => Payload::raw(data),
+            })
+            .await
+            .map_err(|e| TransportError::Connection(format!("compression task: {e}")))
+        };
+        self.payload.get_or_try_init(encode).await.cloned()
+    }
+}
+
+/// Makes the chunk durable on target `index` of the placement (HAS, then PUT if missing),
+/// following the target to a new address once if it moved. Ok(true): it was there already.
+async fn store_on(
+    client: &Client,
+    placement: &Placement,
+    index: usize,
+    hash: ChunkHash,
+    chunk: &ChunkBytes,
+) -> Result<bool> {
+    let store = |transport: Arc<dyn ChunkTransport>| async move {
+        crate::faults::point("client.put").map_err(|e| TransportError::Connection(e.to_string()))?;
+        if transport.has(&[hash]).await?.first() == Some(&true) {
+            return Ok::<bool, TransportError>(true);
         }
+        transport.put(hash, chunk.payload().await?).await
     };
     let mut address = placement.addresses[index].clone();
     let mut outcome = store(Arc::clone(&placement.transports[index])).await;

@@ -563,3 +563,81 @@ async fn a_save_while_the_previous_one_uploads_waits_or_skips() {
     assert!(third.wait().await.is_err());
     assert!(client.latest("bp").await.unwrap().is_none(), "nothing half-uploaded is ever committed");
 }
+
+/// Values like a trained layer's bf16 weights: small, so their exponents take few values.
+fn bf16_weights(values: usize, seed: u64) -> Vec<u8> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..values)
+        .flat_map(|_| (((rng.random::<f32>() - 0.5) * 0.05).to_bits() >> 16).to_le_bytes()[..2].to_vec())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compressed_chunks_round_trip_repair_and_dedup_across_codecs() {
+    use starckpt_proto::codec::{Codec, CompressConfig};
+    let (dir, cluster, client) = cluster(2, |c| {
+        c.chunk_size_bytes = 256 * 1024;
+        c.compression = Some(CompressConfig::default());
+    })
+    .await;
+    let weights = bf16_weights(700_001, 31);
+    let noise = random(600_000, 32);
+    let part = SavePart::new("packed", 1)
+        .buffer("w.bf16", Bytes::from(weights.clone()))
+        .unwrap()
+        .buffer("noise", Bytes::from(noise.clone()))
+        .unwrap();
+    let handle = client.save(part).await.unwrap();
+    let progress = std::sync::Arc::clone(handle.progress());
+    assert!(handle.wait().await.unwrap().committed());
+    let (uploaded, stored) =
+        (progress.uploaded_bytes.load(Ordering::Relaxed), progress.stored_bytes.load(Ordering::Relaxed));
+    assert_eq!(uploaded, (weights.len() + noise.len()) as u64);
+    assert!(stored < uploaded - weights.len() as u64 / 5, "weights shrank: {stored} of {uploaded}");
+
+    let manifest = client.manifest("packed", None).await.unwrap();
+    let w = &manifest.file("w.bf16").unwrap().chunks;
+    assert!(
+        w.iter()
+            .all(|c| matches!(c.codec, Codec::Planes16 | Codec::Planes32) && c.stored_length_bytes < c.length_bytes),
+        "{w:?}"
+    );
+    assert!(manifest.file("noise").unwrap().chunks.iter().all(|c| c.codec == Codec::None), "noise is stored as is");
+    assert_eq!(&client.read_file(&manifest, "w.bf16").await.unwrap()[..], &weights[..]);
+    assert_eq!(&client.read_file(&manifest, "noise").await.unwrap()[..], &noise[..]);
+    let got = client.read_range(&manifest, "w.bf16", 300_001, 400_000).await.unwrap();
+    assert_eq!(&got[..], &weights[300_001..700_001]);
+
+    // Rot the stored (compressed) bytes of each chunk's first copy: reads still return the
+    // weights, and read repair rewrites the bad copies.
+    let dirs = target_dirs(dir.path(), 2);
+    for chunk in w {
+        let path = chunk_file(&dirs[&chunk.replicas[0]], &chunk.hash);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[4096 + 40] ^= 0x08;
+        std::fs::write(&path, bytes).unwrap();
+    }
+    assert_eq!(&client.read_file(&manifest, "w.bf16").await.unwrap()[..], &weights[..]);
+    // Read repair sends the decoded bytes, so a rewritten copy is stored uncompressed.
+    let repaired =
+        || w.iter().all(|c| copy_verifies(&chunk_file(&dirs[&c.replicas[0]], &c.hash), &c.hash, c.length_bytes));
+    for _ in 0..100 {
+        if repaired() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(repaired(), "every rotten compressed copy was rewritten");
+
+    // The same bytes saved by a client that does not compress: found present, nothing sent.
+    let mut config = ClientConfig::new(cluster.control_address.to_string());
+    config.chunk_size_bytes = 256 * 1024;
+    let plain = Client::connect(config).await.unwrap();
+    let part = SavePart::new("plain", 1).buffer("w.bf16", Bytes::from(weights.clone())).unwrap();
+    let outcome = plain.save(part).await.unwrap().wait().await.unwrap();
+    assert_eq!((outcome.uploaded_bytes, outcome.deduplicated_chunks), (0, w.len() as u64));
+    let manifest = plain.manifest("plain", None).await.unwrap();
+    assert_eq!(&plain.read_file(&manifest, "w.bf16").await.unwrap()[..], &weights[..]);
+    cluster.shutdown().await.unwrap();
+}

@@ -6,10 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use starckpt_client::transport::{ChunkPage, ChunkTransport, TcpConfig, TcpTransport, TransportError};
+use starckpt_client::transport::{
+    AutoTransport, ChunkPage, ChunkTransport, Payload, ShmConfig, ShmTransport, TcpConfig, TcpTransport, TransportError,
+};
 use starckpt_proto::ChunkHash;
+use starckpt_proto::codec::{self, Codec, CompressConfig};
 use starckpt_proto::data::ErrorCode;
-use starckpt_server::target::dataplane::{self, DataPlaneLimits};
+use starckpt_proto::frame::Opcode;
+use starckpt_server::target::dataplane::{self, DataPlaneLimits, ShmListener};
 use starckpt_server::target::engine::{EngineKind, open_engine};
 use starckpt_server::target::store::ChunkStore;
 use tokio::net::TcpListener;
@@ -23,11 +27,21 @@ struct Target {
 }
 
 async fn start_target(dir: &std::path::Path, address: &str) -> Target {
+    start_target_with(dir, address, None).await
+}
+
+/// A target serving TCP and, with `shm`, same-host shared memory on that Unix socket.
+async fn start_target_with(dir: &std::path::Path, address: &str, shm: Option<&std::path::Path>) -> Target {
     let store = Arc::new(ChunkStore::open(dir, open_engine(EngineKind::Uring, 8).unwrap(), 1 << 20, 8).await.unwrap());
     let listener = TcpListener::bind(address).await.unwrap();
     let address = listener.local_addr().unwrap();
+    let shm = shm.map(|path| {
+        let _ = std::fs::remove_file(path);
+        ShmListener { listener: tokio::net::UnixListener::bind(path).unwrap(), path: path.to_path_buf() }
+    });
     let (stop, mut stopped) = watch::channel(false);
-    let task = tokio::spawn(dataplane::serve(listener, Arc::clone(&store), DataPlaneLimits::default(), async move {
+    let limits = DataPlaneLimits::default();
+    let task = tokio::spawn(dataplane::serve_with_shm(listener, shm, Arc::clone(&store), limits, async move {
         let _ = stopped.wait_for(|s| *s).await;
     }));
     Target { address, store, stop, task }
@@ -45,10 +59,10 @@ fn tcp(address: std::net::SocketAddr, connections: usize) -> TcpTransport {
 async fn operations(transport: &dyn ChunkTransport) {
     let (hash, data) = chunk(300_001, 1);
     assert_eq!(transport.has(&[hash]).await.unwrap(), vec![false]);
-    assert!(!transport.put(hash, data.clone()).await.unwrap());
-    assert!(transport.put(hash, data.clone()).await.unwrap(), "second put reports the chunk present");
-    assert_eq!(transport.get(hash, 0, 0).await.unwrap(), data);
-    assert_eq!(transport.get(hash, 1000, 5000).await.unwrap(), data.slice(1000..6000));
+    assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
+    assert!(transport.put(hash, Payload::raw(data.clone())).await.unwrap(), "second put reports the chunk present");
+    assert_eq!(transport.get(hash, 0, 0).await.unwrap().bytes, data);
+    assert_eq!(transport.get(hash, 1000, 5000).await.unwrap().bytes, data.slice(1000..6000));
     let missing = ChunkHash::of(b"missing");
     assert_eq!(transport.has(&[hash, missing]).await.unwrap(), vec![true, false]);
     let stat = transport.stat().await.unwrap();
@@ -59,12 +73,12 @@ async fn operations(transport: &dyn ChunkTransport) {
     assert!(matches!(error, TransportError::Remote { code: ErrorCode::NotFound, .. }), "{error}");
     let error = transport.get(hash, 300_000, 10).await.unwrap_err();
     assert!(matches!(error, TransportError::Remote { code: ErrorCode::BadRequest, .. }), "{error}");
-    let error = transport.put(missing, data.clone()).await.unwrap_err();
+    let error = transport.put(missing, Payload::raw(data.clone())).await.unwrap_err();
     assert!(matches!(error, TransportError::Remote { code: ErrorCode::HashMismatch, .. }), "{error}");
 
     // LIST pages through the store; a guarded delete keeps a chunk used within the guard.
     let (second, second_data) = chunk(1000, 2);
-    assert!(!transport.put(second, second_data).await.unwrap());
+    assert!(!transport.put(second, Payload::raw(second_data)).await.unwrap());
     let first = transport.list(None, 1).await.unwrap();
     assert_eq!((first.chunks.len(), first.complete), (1, false));
     let rest = transport.list(Some(first.chunks[0].0), 100).await.unwrap();
@@ -82,6 +96,50 @@ async fn operations(transport: &dyn ChunkTransport) {
     assert_eq!(transport.delete(&[hash, missing, second], None).await.unwrap(), 2);
     assert_eq!(transport.has(&[hash]).await.unwrap(), vec![false]);
     assert_eq!(transport.list(None, 10).await.unwrap(), ChunkPage { chunks: vec![], complete: true });
+    compressed(transport).await;
+}
+
+/// bf16-like values: the exponent plane compresses.
+fn float_chunk(values: usize) -> (ChunkHash, Bytes) {
+    let data: Vec<u8> = (0..values)
+        .flat_map(|i| (((((i * 7919) % 2000) as f32 - 1000.0) * 1e-5).to_bits() >> 16).to_le_bytes()[..2].to_vec())
+        .collect();
+    (ChunkHash::of(&data), Bytes::from(data))
+}
+
+/// Compressed payloads: stored as sent, read back encoded (whole) or decoded (a range), checked by
+/// the target against the content hash before they are stored, deduplicated across codecs.
+async fn compressed(transport: &dyn ChunkTransport) {
+    let (hash, data) = float_chunk(200_000);
+    let packed = codec::compress(&data, &CompressConfig::default()).expect("compresses");
+    assert_ne!(packed.codec, Codec::None);
+    let payload = Payload { bytes: Bytes::from(packed.bytes.clone()), codec: packed.codec, length: data.len() as u64 };
+    assert!(!transport.put(hash, payload.clone()).await.unwrap());
+    let whole = transport.get(hash, 0, 0).await.unwrap();
+    assert_eq!(whole, payload, "a whole chunk comes back as stored");
+    assert_eq!(whole.verified(hash, data.len() as u64).unwrap(), data);
+    let range = transport.get(hash, 1001, 7000).await.unwrap();
+    assert_eq!(range, Payload::raw(data.slice(1001..8001)), "a range comes back decoded");
+    assert!(transport.put(hash, Payload::raw(data.clone())).await.unwrap(), "present under another codec");
+    let error = transport.get(hash, data.len() as u64 - 1, 2).await.unwrap_err();
+    assert!(matches!(error, TransportError::Remote { code: ErrorCode::BadRequest, .. }), "{error}");
+
+    // Payloads that lie: wrong decoded length, bytes that do not decode, bytes of another chunk,
+    // zero and absurd lengths. Each is refused and nothing is stored.
+    let (other, other_data) = float_chunk(100_000);
+    let lies = [
+        Payload { length: data.len() as u64 + 1, ..payload.clone() },
+        Payload { bytes: Bytes::from(vec![7u8; 5000]), ..payload.clone() },
+        Payload { length: other_data.len() as u64, ..payload.clone() },
+        Payload { length: 0, ..payload.clone() },
+        Payload { length: u64::MAX, ..payload.clone() },
+    ];
+    for lie in lies {
+        let error = transport.put(other, lie).await.unwrap_err();
+        assert!(matches!(error, TransportError::Remote { code: ErrorCode::HashMismatch, .. }), "{error}");
+    }
+    assert_eq!(transport.has(&[other]).await.unwrap(), vec![false]);
+    assert!(transport.delete(&[hash], None).await.unwrap() == 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,8 +159,8 @@ async fn many_requests_in_flight_on_one_connection() {
             let transport = Arc::clone(&transport);
             tokio::spawn(async move {
                 let (hash, data) = chunk(1000 + i as usize * 97, i as u8);
-                transport.put(hash, data.clone()).await.unwrap();
-                assert_eq!(transport.get(hash, 0, 0).await.unwrap(), data);
+                transport.put(hash, Payload::raw(data.clone())).await.unwrap();
+                assert_eq!(transport.get(hash, 0, 0).await.unwrap().bytes, data);
             })
         })
         .collect();
@@ -119,7 +177,7 @@ async fn reconnects_after_the_target_restarts() {
     let address = target.address;
     let transport = tcp(address, 1);
     let (hash, data) = chunk(10_000, 7);
-    transport.put(hash, data.clone()).await.unwrap();
+    transport.put(hash, Payload::raw(data.clone())).await.unwrap();
 
     let _ = target.stop.send(true);
     target.task.await.unwrap();
@@ -127,7 +185,11 @@ async fn reconnects_after_the_target_restarts() {
     assert!(error.is_connection(), "{error}");
 
     let _restarted = start_target(dir.path(), &address.to_string()).await;
-    assert_eq!(transport.get(hash, 0, 0).await.unwrap(), data, "the chunk survived and the transport reconnected");
+    assert_eq!(
+        transport.get(hash, 0, 0).await.unwrap().bytes,
+        data,
+        "the chunk survived and the transport reconnected"
+    );
 }
 
 #[tokio::test]
@@ -159,13 +221,13 @@ async fn a_request_meant_for_another_target_is_refused() {
     let (hash, data) = chunk(1000, 7);
     // The harness's store has no id yet: nothing is checked.
     let anyone = TcpTransport::for_target(target.address, "someone-else", TcpConfig::default());
-    assert!(!anyone.put(hash, data.clone()).await.unwrap());
+    assert!(!anyone.put(hash, Payload::raw(data.clone())).await.unwrap());
     target.store.set_target_id("target-a");
     let wrong = TcpTransport::for_target(target.address, "target-b", TcpConfig::default());
     let error = wrong.has(&[hash]).await.unwrap_err();
     assert!(matches!(error, TransportError::Remote { code: ErrorCode::WrongTarget, .. }), "{error}");
     assert!(error.is_connection(), "callers look the target up again");
-    assert!(wrong.put(hash, data).await.is_err());
+    assert!(wrong.put(hash, Payload::raw(data)).await.is_err());
     let right = TcpTransport::for_target(target.address, "target-a", TcpConfig::default());
     assert_eq!(right.has(&[hash]).await.unwrap(), vec![true]);
     assert_eq!(tcp(target.address, 1).has(&[hash]).await.unwrap(), vec![true], "no expectation: unchecked");
@@ -186,4 +248,130 @@ async fn a_silent_target_times_out_instead_of_hanging() {
     let transport = TcpTransport::new(address, config);
     let Err(error) = transport.stat().await else { panic!("a silent target answered") };
     assert!(matches!(error, TransportError::Timeout(_)), "{error}");
+}
+
+/// The shared-memory transport against a target serving both, with 1 MiB slots.
+async fn shm_target(dir: &std::path::Path, slots: u32) -> (Target, ShmTransport) {
+    let socket = dir.join("shm.sock");
+    let target = start_target_with(&dir.join("data"), "127.0.0.1:0", Some(&socket)).await;
+    let transport = ShmTransport::connect(socket, None, TcpConfig::default(), slots, 1 << 20).await.unwrap();
+    (target, transport)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_operations() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_target, transport) = shm_target(dir.path(), 4).await;
+    assert_eq!(transport.kind(), "shm");
+    operations(&transport).await;
+    // A payload larger than a slot travels inline on the same socket, both ways.
+    let (hash, data) = chunk(3 << 20, 9);
+    assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
+    assert_eq!(transport.get(hash, 0, 0).await.unwrap().bytes, data);
+    assert_eq!(transport.get(hash, 5, 1 << 20).await.unwrap().bytes, data.slice(5..(1 << 20) + 5));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_requests_share_few_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let (target, transport) = shm_target(dir.path(), 2).await;
+    let transport = Arc::new(transport);
+    let tasks: Vec<_> = (0..100u32)
+        .map(|i| {
+            let transport = Arc::clone(&transport);
+            tokio::spawn(async move {
+                let (hash, data) = chunk(1000 + i as usize * 7919, i as u8);
+                transport.put(hash, Payload::raw(data.clone())).await.unwrap();
+                assert_eq!(transport.get(hash, 0, 0).await.unwrap().bytes, data);
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(target.store.stats().chunk_count, 100);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_uses_shared_memory_on_this_host_and_tcp_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("shm.sock");
+    let with_shm = start_target_with(&dir.path().join("a"), "127.0.0.1:0", Some(&socket)).await;
+    let tcp_only = start_target(&dir.path().join("b"), "127.0.0.1:0").await;
+    let (hash, data) = chunk(200_000, 3);
+    let auto = |address, shm: ShmConfig| AutoTransport::new(address, "t", TcpConfig::default(), shm, 1 << 20);
+
+    let local = auto(with_shm.address, ShmConfig::default());
+    assert_eq!(local.kind(), "tcp", "undecided: TCP, while the target is asked in the background");
+    assert!(!local.put(hash, Payload::raw(data.clone())).await.unwrap());
+    local.settle().await;
+    assert_eq!(local.kind(), "shm");
+    assert_eq!(local.get(hash, 0, 0).await.unwrap().bytes, data);
+    let stat = local.stat().await.unwrap();
+    assert_eq!(stat.shm.unwrap().socket, socket);
+
+    let disabled = auto(with_shm.address, ShmConfig { enabled: false, ..ShmConfig::default() });
+    assert_eq!(disabled.get(hash, 0, 0).await.unwrap().bytes, data);
+    disabled.settle().await;
+    assert_eq!(disabled.kind(), "tcp");
+
+    let remote = auto(tcp_only.address, ShmConfig::default());
+    assert!(!remote.put(hash, Payload::raw(data.clone())).await.unwrap());
+    remote.settle().await;
+    assert_eq!(remote.kind(), "tcp", "a target without shared memory is reached over TCP");
+
+    // The shared-memory socket disappears (a target restarted elsewhere): requests fall back to
+    // TCP instead of failing.
+    let _ = with_shm.stop.send(true);
+    with_shm.task.await.unwrap();
+    let restarted = start_target_with(&dir.path().join("a"), &with_shm.address.to_string(), None).await;
+    assert_eq!(local.get(hash, 0, 0).await.unwrap().bytes, data);
+    drop(restarted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_shared_memory_attach_is_refused() {
+    use starckpt_proto::shm::{self, Attach, Region};
+    use tokio::io::AsyncReadExt;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("shm.sock");
+    let target = start_target_with(&dir.path().join("data"), "127.0.0.1:0", Some(&socket)).await;
+    // A region smaller than the geometry it claims; garbage instead of an attach.
+    let small = Region::create("small", 4096).unwrap();
+    let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
+    shm::send_attach(&stream, Attach { slots: 4, slot_bytes: 4096 }, small.fd()).await.unwrap();
+    let mut answer = [0u8; 8];
+    assert!(stream.read_exact(&mut answer).await.is_err(), "an undersized region was accepted");
+    let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stream, &[7u8; 16]).await.unwrap();
+    assert!(stream.read_exact(&mut answer).await.is_err(), "garbage was accepted");
+    // Attached properly, a frame naming a slot outside the region, or a length beyond its slot,
+    // is a BAD_REQUEST, and the connection goes on serving.
+    let region = Region::create("good", 2 * 4096).unwrap();
+    let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
+    shm::send_attach(&stream, Attach { slots: 2, slot_bytes: 4096 }, region.fd()).await.unwrap();
+    stream.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, shm::ATTACH_OK);
+    let (hash, data) = chunk(4000, 1);
+    region.write_at(4096, &data).unwrap();
+    let put = |slot: u32, length: u64| {
+        use prost::Message;
+        starckpt_proto::data::PutRequest {
+            hash: hash.to_bytes(),
+            shm_slot: slot,
+            shm_length: length,
+            ..Default::default()
+        }
+        .encode_to_vec()
+    };
+    for (id, (slot, length), code) in
+        [(1, (3, 4000), ErrorCode::BadRequest), (2, (2, 4097), ErrorCode::BadRequest), (3, (2, 4000), ErrorCode::Ok)]
+    {
+        let header = put(slot, length);
+        starckpt_proto::frame::write_frame(&mut stream, Opcode::Put, id, &header, &[]).await.unwrap();
+        let (head, response) = starckpt_proto::frame::read_frame_head(&mut stream).await.unwrap();
+        let response = <starckpt_proto::data::Response as prost::Message>::decode(response).unwrap();
+        assert_eq!((head.request_id, response.code), (id, code as i32), "{}", response.message);
+    }
+    assert_eq!(target.store.stats().chunk_count, 1);
 }

@@ -2,8 +2,11 @@
 //!
 //! - [`control`]: the control-plane gRPC service (tonic), generated from `proto/control.proto`.
 //! - [`data`]: the prost headers of data-plane frames, generated from `proto/dataplane.proto`.
+//! - [`codec`]: chunk codecs (zstd, zstd over float byte planes) and their stored formats.
 //! - [`frame`]: the data-plane frame format (fixed binary header, prost header, raw payload),
 //!   with hard size limits and async read/write helpers.
+//! - [`shm`]: same-host shared memory for the data plane (sealed memfd regions, the attach
+//!   handshake over a Unix socket).
 //! - [`model`]: domain types validated on receipt (`TryFrom`), so malformed input never reaches
 //!   server or client logic.
 //!
@@ -16,8 +19,10 @@
 //! ```
 
 pub mod buf;
+pub mod codec;
 pub mod frame;
 pub mod model;
+pub mod shm;
 
 /// Control-plane gRPC messages and service.
 pub mod control {

@@ -219,10 +219,7 @@ impl fmt::Display for RelPath {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Codec {
-    None,
-}
+pub use crate::codec::Codec;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkRef {
@@ -238,15 +235,18 @@ impl TryFrom<pb::ChunkRef> for ChunkRef {
     type Error = ModelError;
     fn try_from(chunk: pb::ChunkRef) -> Result<Self, Self::Error> {
         let hash = ChunkHash::try_from(&chunk.hash[..])?;
-        let codec = match pb::Codec::try_from(chunk.codec) {
-            Ok(pb::Codec::None) => Codec::None,
-            Err(_) => return Err(field("chunk codec", format!("unknown codec {}", chunk.codec))),
-        };
+        let codec = Codec::from_wire(chunk.codec).map_err(|e| field("chunk codec", e.to_string()))?;
         if chunk.length_bytes == 0 || chunk.length_bytes > u64::from(MAX_PAYLOAD_BYTES) {
             return Err(field("chunk length", format!("{} is outside 1..={MAX_PAYLOAD_BYTES}", chunk.length_bytes)));
         }
         if codec == Codec::None && chunk.stored_length_bytes != chunk.length_bytes {
             return Err(field("chunk stored length", "must equal length for an uncompressed chunk"));
+        }
+        if chunk.stored_length_bytes == 0 || chunk.stored_length_bytes > u64::from(MAX_PAYLOAD_BYTES) {
+            return Err(field(
+                "chunk stored length",
+                format!("{} is outside 1..={MAX_PAYLOAD_BYTES}", chunk.stored_length_bytes),
+            ));
         }
         if chunk.replicas.is_empty() {
             return Err(field("chunk replicas", format!("chunk {hash} names no target")));
@@ -270,7 +270,7 @@ impl From<&ChunkRef> for pb::ChunkRef {
             hash: chunk.hash.to_bytes(),
             length_bytes: chunk.length_bytes,
             stored_length_bytes: chunk.stored_length_bytes,
-            codec: pb::Codec::None as i32,
+            codec: chunk.codec.to_wire(),
             replicas: chunk.replicas.clone(),
         }
     }

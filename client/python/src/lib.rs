@@ -20,6 +20,7 @@ use pyo3::exceptions::{PyBufferError, PyTimeoutError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyType};
 use starckpt_client as sdk;
+use starckpt_proto::codec;
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
 
@@ -278,15 +279,17 @@ impl NativeClient {
 #[pymethods]
 impl NativeClient {
     #[new]
-    #[pyo3(signature = (server, *, staging_bytes=None, chunk_size_bytes=None, run_id=None))]
+    #[pyo3(signature = (server, *, staging_bytes=None, chunk_size_bytes=None, run_id=None, compress_level=None))]
     fn new(
         py: Python<'_>,
         server: String,
         staging_bytes: Option<usize>,
         chunk_size_bytes: Option<usize>,
         run_id: Option<String>,
+        compress_level: Option<i32>,
     ) -> PyResult<NativeClient> {
         let mut config = sdk::ClientConfig::new(server);
+        config.compression = compress_config(compress_level)?;
         if let Some(bytes) = staging_bytes {
             config.staging_bytes = bytes;
         }
@@ -628,6 +631,7 @@ impl SaveHandle {
         dict.set_item("staged_bytes", p.staged_bytes.load(Ordering::Relaxed))?;
         dict.set_item("copied_bytes", p.copied_bytes.load(Ordering::Relaxed))?;
         dict.set_item("uploaded_bytes", p.uploaded_bytes.load(Ordering::Relaxed))?;
+        dict.set_item("stored_bytes", p.stored_bytes.load(Ordering::Relaxed))?;
         dict.set_item("deduplicated_bytes", p.deduplicated_bytes.load(Ordering::Relaxed))?;
         dict.set_item("done_bytes", p.done_bytes())?;
         dict.set_item("chunks", p.chunks.load(Ordering::Relaxed))?;
@@ -694,8 +698,38 @@ impl SaveHandle {
     }
 }
 
+fn compress_config(level: Option<i32>) -> PyResult<Option<codec::CompressConfig>> {
+    match level {
+        None => Ok(None),
+        Some(level @ 1..=19) => Ok(Some(codec::CompressConfig { level, ..Default::default() })),
+        Some(level) => Err(raise("InvalidInputError", format!("compression level {level} is outside 1..=19"))),
+    }
+}
+
+/// Encodes one chunk as a client with `compress=level` would: `(codec name, stored bytes)`, or
+/// None when no codec shrinks it enough to pay (it would be stored as it is).
+#[pyfunction]
+#[pyo3(signature = (data, level=1))]
+fn compress_chunk<'py>(py: Python<'py>, data: &[u8], level: i32) -> PyResult<Option<(String, Bound<'py, PyBytes>)>> {
+    let config = compress_config(Some(level))?.expect("a level was given");
+    let packed = py.detach(|| codec::compress(data, &config));
+    Ok(packed.map(|p| (p.codec.name().to_owned(), PyBytes::new(py, &p.bytes))))
+}
+
+/// Decodes what [`compress_chunk`] returned (`length`: the chunk's length).
+#[pyfunction]
+fn decompress_chunk<'py>(py: Python<'py>, codec: &str, data: &[u8], length: usize) -> PyResult<Bound<'py, PyBytes>> {
+    let codec =
+        codec::Codec::from_name(codec).ok_or_else(|| raise("InvalidInputError", format!("unknown codec {codec:?}")))?;
+    let decoded =
+        py.detach(|| codec::decompress(codec, data, length)).map_err(|e| raise("InvalidInputError", e.to_string()))?;
+    Ok(PyBytes::new(py, &decoded))
+}
+
 #[pymodule]
 fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_function(wrap_pyfunction!(compress_chunk, module)?)?;
+    module.add_function(wrap_pyfunction!(decompress_chunk, module)?)?;
     module.add_class::<NativeClient>()?;
     module.add_class::<Manifest>()?;
     module.add_class::<SaveHandle>()?;

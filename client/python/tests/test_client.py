@@ -167,6 +167,30 @@ def test_an_unchanged_tensor_is_deduplicated_and_listed_bytes_add_up(cluster, jo
     assert listed[2]["written_bytes"] < listed[2]["total_bytes"]
 
 
+def test_compressed_saves_shrink_bf16_weights_and_restore_exactly(cluster, job):
+    c = client(cluster, job, compress=1)
+    weights = (torch.randn(3 << 20) * 0.02).to(torch.bfloat16)
+    noise = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), dtype=torch.int32)
+    handle = c.save(1, {"w": weights, "noise": noise})
+    outcome = handle.wait()
+    progress = handle.progress
+    assert progress["uploaded_bytes"] == outcome.uploaded_bytes
+    assert progress["stored_bytes"] < outcome.uploaded_bytes - weights.numel() * 2 // 5
+    loaded, _ = client(cluster, job).load(1)
+    assert torch.equal(loaded["w"], weights) and torch.equal(loaded["noise"], noise)
+
+    # The codec functions: what a save sends for one chunk, and back.
+    chunk = weights[: 1 << 21].view(torch.uint8).numpy().tobytes()
+    codec, packed = starckpt.compress_chunk(chunk)
+    assert codec.startswith("zstd-planes") and len(packed) < len(chunk) * 0.8
+    assert starckpt.decompress_chunk(codec, packed, len(chunk)) == chunk
+    assert starckpt.compress_chunk(noise.numpy().tobytes()) is None
+    with pytest.raises(starckpt.InvalidInputError):
+        starckpt.decompress_chunk(codec, packed[:-3], len(chunk))
+    with pytest.raises(starckpt.InvalidInputError):
+        client(cluster, job, compress=99)
+
+
 def test_gil_is_released_while_saving_and_loading(cluster, job):
     """With a 60 s switch interval, a Python thread only runs while the main thread blocks
     outside the interpreter (the GIL released): it must tick during the save and the load."""

@@ -220,16 +220,16 @@ async fn restore_copies(
     let mut bad_holders = Vec::new();
     for &index in &holders {
         match live[index].transport.get(hash, 0, 0).await {
-            Ok(bytes) if bytes.len() as u64 == chunk.length => {
-                let hashed = bytes.clone();
-                let actual = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed)).await.ok();
-                if actual == Some(hash) {
-                    data = Some(bytes);
+            Ok(payload) => {
+                // Checked decoded; passed on as stored (a compressed copy stays compressed).
+                let (checked, length) = (payload.clone(), chunk.length);
+                let verified = tokio::task::spawn_blocking(move || checked.verified(hash, length).is_ok()).await;
+                if verified.unwrap_or(false) {
+                    data = Some(payload);
                     break;
                 }
                 bad_holders.push(index);
             }
-            Ok(_) => bad_holders.push(index),
             Err(error) => tracing::warn!(chunk = %hash, target = %live[index].id, %error, "a copy could not be read"),
         }
     }

@@ -10,6 +10,10 @@
 //! after it the stream has no trustworthy frame boundary. A frame with a good fixed header but an
 //! undecodable prost header gets a BAD_REQUEST response and the connection stays open.
 
+// A refused request is answered with its `data::Response` (~130 bytes), built once per request:
+// boxing it would only add an allocation.
+#![allow(clippy::result_large_err)]
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,12 +21,14 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
 use starckpt_proto::ChunkHash;
+use starckpt_proto::codec::Codec;
 use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{
     self, FrameHeader, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, MAX_LIST_ENTRIES, Opcode, ReadFrameError,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
-use tokio::net::{TcpListener, TcpStream};
+use starckpt_proto::shm::{self, Attach, Region};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -70,6 +76,23 @@ struct Outgoing {
     charge: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
+/// A Unix socket on which same-host clients attach shared memory ([`starckpt_proto::shm`]).
+pub struct ShmListener {
+    pub listener: UnixListener,
+    /// Its path, as advertised to clients in STAT responses.
+    pub path: std::path::PathBuf,
+}
+
+/// What a connection handler needs besides its stream.
+struct Served {
+    store: Arc<ChunkStore>,
+    limits: DataPlaneLimits,
+    /// Payload bytes buffered across all connections.
+    inflight_bytes: Arc<Semaphore>,
+    /// Advertised in STAT: (this host's id, the shared-memory socket's path).
+    shm: Option<(String, String)>,
+}
+
 /// Serves the data plane on `listener` until `shutdown` resolves; then closes every connection
 /// (requests already being served finish and are answered first) and returns.
 pub async fn serve(
@@ -78,36 +101,79 @@ pub async fn serve(
     limits: DataPlaneLimits,
     shutdown: impl Future<Output = ()>,
 ) {
+    serve_with_shm(listener, None, store, limits, shutdown).await
+}
+
+/// [`serve`], plus same-host clients on `shm`: they attach a shared-memory region and then speak
+/// the same frames, with PUT payloads and GET results in the region's slots instead of the
+/// stream. Both kinds of connection share one set of bounds.
+pub async fn serve_with_shm(
+    listener: TcpListener,
+    shm: Option<ShmListener>,
+    store: Arc<ChunkStore>,
+    limits: DataPlaneLimits,
+    shutdown: impl Future<Output = ()>,
+) {
     let connections = Arc::new(Semaphore::new(limits.max_connections));
     // Never below one maximal frame, or a maximal PUT would wait forever.
     let inflight_bytes = Arc::new(Semaphore::new(limits.max_inflight_bytes.max(frame::MAX_PAYLOAD_BYTES) as usize));
+    let advertised = shm.as_ref().map(|s| (starckpt_proto::shm::host_id(), s.path.to_string_lossy().into_owned()));
+    let served = Arc::new(Served { store, limits, inflight_bytes, shm: advertised });
     let stopping = CancellationToken::new();
     // If this future is dropped (aborted) rather than shut down, its connections still close.
     let _stop_on_drop = stopping.clone().drop_guard();
     let connection_tasks = TaskTracker::new();
+    let unix = shm.map(|s| s.listener);
     tokio::pin!(shutdown);
     loop {
         let permit = tokio::select! {
             _ = &mut shutdown => break,
             permit = Arc::clone(&connections).acquire_owned() => permit.expect("never closed"),
         };
-        let (stream, peer) = tokio::select! {
-            _ = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(pair) => pair,
-                Err(error) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    warn!(%error, "data plane accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
+        let accept_unix = async {
+            match &unix {
+                Some(listener) => listener.accept().await.map(|(stream, _)| stream),
+                None => std::future::pending().await,
+            }
         };
-        let (store, limits, inflight_bytes) = (Arc::clone(&store), limits.clone(), Arc::clone(&inflight_bytes));
+        let accepted = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => accepted.map(|(stream, peer)| Accepted::Tcp(stream, peer)),
+            accepted = accept_unix => accepted.map(Accepted::Unix),
+        };
+        let accepted = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // EMFILE and friends: back off instead of spinning.
+                warn!(%error, "data plane accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let served = Arc::clone(&served);
         let stop = stopping.child_token();
         connection_tasks.spawn(async move {
-            if let Err(reason) = serve_connection(stream, store, limits, inflight_bytes, stop).await {
-                info!(%peer, %reason, "closed data-plane connection");
+            match accepted {
+                Accepted::Tcp(stream, peer) => {
+                    let _ = stream.set_nodelay(true);
+                    let (reader, writer) = stream.into_split();
+                    if let Err(reason) = serve_connection(reader, writer, None, served, stop).await {
+                        info!(%peer, %reason, "closed data-plane connection");
+                    }
+                }
+                Accepted::Unix(stream) => {
+                    let attached = tokio::time::timeout(served.limits.frame_timeout, attach(&stream)).await;
+                    match attached {
+                        Ok(Ok(region)) => {
+                            let (reader, writer) = stream.into_split();
+                            if let Err(reason) = serve_connection(reader, writer, Some(region), served, stop).await {
+                                info!(%reason, "closed shared-memory data-plane connection");
+                            }
+                        }
+                        Ok(Err(error)) => info!(%error, "refused a shared-memory attach"),
+                        Err(_) => info!("no shared-memory attach within the frame timeout"),
+                    }
+                }
             }
             drop(permit);
         });
@@ -117,15 +183,59 @@ pub async fn serve(
     connection_tasks.wait().await;
 }
 
-async fn serve_connection(
-    stream: TcpStream,
-    store: Arc<ChunkStore>,
-    limits: DataPlaneLimits,
-    inflight_bytes: Arc<Semaphore>,
+enum Accepted {
+    Tcp(TcpStream, std::net::SocketAddr),
+    Unix(tokio::net::UnixStream),
+}
+
+/// A region a client shared, split into slots.
+struct Slots {
+    region: Region,
+    attach: Attach,
+}
+
+impl Slots {
+    /// The byte offset of 1-based slot `slot` if `len` bytes fit in it.
+    fn offset(&self, slot: u32, len: u64) -> Result<usize, String> {
+        if slot == 0 || slot > self.attach.slots {
+            return Err(format!("slot {slot} is outside 1..={}", self.attach.slots));
+        }
+        if len > u64::from(self.attach.slot_bytes) {
+            return Err(format!("{len} bytes do not fit a slot of {}", self.attach.slot_bytes));
+        }
+        Ok((slot - 1) as usize * self.attach.slot_bytes as usize)
+    }
+}
+
+/// The shared-memory handshake: the client's region, mapped, or why not.
+async fn attach(stream: &tokio::net::UnixStream) -> std::io::Result<Arc<Slots>> {
+    let (attach, fd) = shm::recv_attach(stream).await?;
+    let region = Region::attach(fd, attach.region_bytes())?;
+    let mut written = 0;
+    while written < shm::ATTACH_OK.len() {
+        stream.writable().await?;
+        match stream.try_write(&shm::ATTACH_OK[written..]) {
+            Ok(n) => written += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    debug!(slots = attach.slots, slot_bytes = attach.slot_bytes, "shared-memory client attached");
+    Ok(Arc::new(Slots { region, attach }))
+}
+
+async fn serve_connection<R, W>(
+    mut reader: R,
+    writer: W,
+    slots: Option<Arc<Slots>>,
+    served: Arc<Served>,
     stop: CancellationToken,
-) -> Result<(), String> {
-    let _ = stream.set_nodelay(true);
-    let (mut reader, writer) = stream.into_split();
+) -> Result<(), String>
+where
+    R: AsyncRead + Unpin + Send,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let limits = &served.limits;
     let (responses, outgoing) = mpsc::channel::<Outgoing>(limits.max_requests_per_connection);
     let writer_task = tokio::spawn(write_loop(writer, outgoing, limits.frame_timeout));
     let requests = Arc::new(Semaphore::new(limits.max_requests_per_connection));
@@ -152,45 +262,99 @@ async fn serve_connection(
             break Err(format!("protocol error: {:?} carries a payload", header.opcode));
         }
         let permit = Arc::clone(&requests).acquire_owned().await.expect("never closed");
-        let store = Arc::clone(&store);
+        let served = Arc::clone(&served);
         let responses = responses.clone();
         if header.opcode == Opcode::Put {
-            let bytes_permit = match Arc::clone(&inflight_bytes).acquire_many_owned(header.payload_len.max(1)).await {
-                Ok(p) => p,
-                Err(_) => break Err("shutting down".into()),
+            let request = decode_for::<data::PutRequest>(&served.store, prost_header);
+            // Where the payload is: after the frame, or in a slot of the shared region.
+            let in_slot = match (&request, &slots) {
+                (Ok(r), Some(slots)) if r.shm_slot != 0 => {
+                    Some(slots.offset(r.shm_slot, r.shm_length).map(|offset| (offset, r.shm_length as usize)))
+                }
+                (Ok(r), None) if r.shm_slot != 0 => {
+                    Some(Err("a slot named on a connection without shared memory".into()))
+                }
+                _ => None,
             };
-            let request = decode_for::<data::PutRequest>(&store, prost_header);
-            let mut chunk = store.write_buffer(header.payload_len as usize).await;
-            let read = tokio::time::timeout(limits.frame_timeout, reader.read_exact(chunk.data_mut())).await;
-            match read {
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) => break Err(format!("read payload: {error}")),
-                Err(_) => break Err(format!("payload not received within {:?}", limits.frame_timeout)),
+            if in_slot.is_some() && header.payload_len != 0 {
+                break Err("protocol error: a PUT with both a slot and a payload".into());
             }
+            let payload_len = match &in_slot {
+                Some(Ok((_, len))) => *len,
+                _ => header.payload_len as usize,
+            };
+            let bytes_permit =
+                match Arc::clone(&served.inflight_bytes).acquire_many_owned((payload_len as u32).max(1)).await {
+                    Ok(p) => p,
+                    Err(_) => break Err("shutting down".into()),
+                };
+            let mut chunk = served.store.write_buffer(payload_len).await;
+            if in_slot.is_none() {
+                let read = tokio::time::timeout(limits.frame_timeout, reader.read_exact(chunk.data_mut())).await;
+                match read {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(error)) => break Err(format!("read payload: {error}")),
+                    Err(_) => break Err(format!("payload not received within {:?}", limits.frame_timeout)),
+                }
+            }
+            let slots = slots.clone();
             tokio::spawn(async move {
-                let response = match request {
-                    Ok(request) => put(&store, request, chunk).await,
-                    Err(response) => response,
+                let response = match (request, in_slot) {
+                    (Err(response), _) => response,
+                    (Ok(_), Some(Err(reason))) => error_response(ErrorCode::BadRequest, reason),
+                    (Ok(request), in_slot) => {
+                        // Copied out of the client's memory before it is verified: what is
+                        // checked is what is stored, whatever the client does to its slot.
+                        let copied = match (in_slot, &slots) {
+                            (Some(Ok((offset, _))), Some(slots)) => slots.region.read_at(offset, chunk.data_mut()),
+                            _ => Ok(()),
+                        };
+                        match copied {
+                            Ok(()) => put(&served.store, request, chunk).await,
+                            Err(error) => error_response(ErrorCode::BadRequest, error.to_string()),
+                        }
+                    }
                 };
                 drop(bytes_permit);
                 let _ = responses.send(reply(header, response, None)).await;
                 drop(permit);
             });
         } else {
-            let inflight_bytes = Arc::clone(&inflight_bytes);
+            let slots = slots.clone();
             tokio::spawn(async move {
                 // A GET's response is charged to the same in-flight byte budget as PUT payloads,
                 // from before the chunk is read until it has been written to the socket.
                 let mut charge = None;
+                let mut get_slot = 0;
                 if header.opcode == Opcode::Get
                     && let Ok(request) = data::GetRequest::decode(prost_header.clone())
                     && let Ok(hash) = ChunkHash::try_from(&request.hash[..])
-                    && let Some(len) = store.file_len(&hash).await
                 {
-                    let bytes = u32::try_from(len).unwrap_or(u32::MAX).clamp(1, frame::MAX_PAYLOAD_BYTES);
-                    charge = inflight_bytes.acquire_many_owned(bytes).await.ok();
+                    get_slot = request.shm_slot;
+                    if let Some(len) = served.store.file_len(&hash).await {
+                        let bytes = u32::try_from(len).unwrap_or(u32::MAX).clamp(1, frame::MAX_PAYLOAD_BYTES);
+                        charge = Arc::clone(&served.inflight_bytes).acquire_many_owned(bytes).await.ok();
+                    }
                 }
-                let (response, payload) = dispatch(&store, header, prost_header).await;
+                let (mut response, mut payload) = dispatch(&served, header, prost_header).await;
+                if get_slot != 0 && response.code == ErrorCode::Ok as i32 {
+                    let bytes = payload.take().unwrap_or_default();
+                    match &slots {
+                        None => {
+                            let reason = "a slot named on a connection without shared memory";
+                            response = error_response(ErrorCode::BadRequest, reason.into());
+                        }
+                        // Too big for the slot: sent in the frame instead.
+                        Some(slots) if bytes.len() > slots.attach.slot_bytes as usize => payload = Some(bytes),
+                        Some(slots) => match slots.offset(get_slot, bytes.len() as u64) {
+                            Ok(offset) => match slots.region.write_at(offset, &bytes) {
+                                Ok(()) => response.shm_length = bytes.len() as u64,
+                                Err(error) => response = error_response(ErrorCode::BadRequest, error.to_string()),
+                            },
+                            Err(reason) => response = error_response(ErrorCode::BadRequest, reason),
+                        },
+                    }
+                }
                 let mut message = reply(header, response, payload);
                 message.charge = charge;
                 let _ = responses.send(message).await;
@@ -203,11 +367,7 @@ async fn serve_connection(
     result
 }
 
-async fn write_loop(
-    writer: tokio::net::tcp::OwnedWriteHalf,
-    mut outgoing: mpsc::Receiver<Outgoing>,
-    timeout: Duration,
-) {
+async fn write_loop<W: AsyncWrite + Unpin>(writer: W, mut outgoing: mpsc::Receiver<Outgoing>, timeout: Duration) {
     let mut writer = BufWriter::with_capacity(64 * 1024, writer);
     while let Some(message) = outgoing.recv().await {
         let payload: Vec<Bytes> = message.payload.iter().cloned().collect();
@@ -253,7 +413,7 @@ fn error_response(code: ErrorCode, message: String) -> data::Response {
 
 fn store_error(error: ChunkStoreError) -> data::Response {
     let code = match &error {
-        ChunkStoreError::HashMismatch { .. } => ErrorCode::HashMismatch,
+        ChunkStoreError::HashMismatch { .. } | ChunkStoreError::Undecodable { .. } => ErrorCode::HashMismatch,
         ChunkStoreError::NotFound { .. } => ErrorCode::NotFound,
         ChunkStoreError::Corrupt { .. } => ErrorCode::Corrupt,
         ChunkStoreError::BadRange { .. } => ErrorCode::BadRequest,
@@ -328,13 +488,18 @@ fn parse_hashes(hashes: &[Bytes]) -> Result<Vec<ChunkHash>, data::Response> {
         .collect()
 }
 
-async fn put(store: &ChunkStore, request: data::PutRequest, chunk: super::store::ChunkWrite) -> data::Response {
+async fn put(store: &ChunkStore, request: data::PutRequest, mut chunk: super::store::ChunkWrite) -> data::Response {
     let hash = match ChunkHash::try_from(&request.hash[..]) {
         Ok(hash) => hash,
         Err(error) => return error_response(ErrorCode::BadRequest, error.to_string()),
     };
     if chunk.data().is_empty() {
         return error_response(ErrorCode::BadRequest, "empty chunk".into());
+    }
+    match Codec::from_wire(request.codec) {
+        Ok(Codec::None) => {}
+        Ok(codec) => chunk.set_codec(codec, request.length_bytes),
+        Err(error) => return error_response(ErrorCode::BadRequest, error.to_string()),
     }
     let stored = if request.repair { store.repair(hash, chunk).await } else { store.put(hash, chunk).await };
     if let (Ok(_), Err(injected)) = (&stored, starckpt_client::faults::point("target.put.ack")) {
@@ -346,7 +511,8 @@ async fn put(store: &ChunkStore, request: data::PutRequest, chunk: super::store:
     }
 }
 
-async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) -> (data::Response, Option<Bytes>) {
+async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> (data::Response, Option<Bytes>) {
+    let store = &*served.store;
     match header.opcode {
         Opcode::Get => {
             let request: data::GetRequest = match decode_for(store, prost_header) {
@@ -358,9 +524,14 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
                 Err(error) => return (error_response(ErrorCode::BadRequest, error.to_string()), None),
             };
             match store.get(hash, request.offset, request.length).await {
-                Ok((bytes, chunk_len)) => {
-                    (data::Response { chunk_length_bytes: chunk_len, ..Default::default() }, Some(bytes))
-                }
+                Ok(read) => (
+                    data::Response {
+                        chunk_length_bytes: read.length,
+                        codec: read.codec.to_wire(),
+                        ..Default::default()
+                    },
+                    Some(read.bytes),
+                ),
                 Err(error) => (store_error(error), None),
             }
         }
@@ -435,6 +606,8 @@ async fn dispatch(store: &ChunkStore, header: FrameHeader, prost_header: Bytes) 
                 scrub_passes: scrub.passes.load(std::sync::atomic::Ordering::Relaxed),
                 scrub_verified_chunks: scrub.verified_chunks.load(std::sync::atomic::Ordering::Relaxed),
                 scrub_corrupt_removed: scrub.corrupt_removed.load(std::sync::atomic::Ordering::Relaxed),
+                host_id: served.shm.as_ref().map(|(host, _)| host.clone()).unwrap_or_default(),
+                shm_socket: served.shm.as_ref().map(|(_, path)| path.clone()).unwrap_or_default(),
                 ..Default::default()
             };
             (response, None)

@@ -54,12 +54,15 @@ pub struct TargetConfig {
     pub failure_domain: String,
     /// Background re-verification of stored chunks (`scrub.rs`).
     pub scrub: scrub::ScrubConfig,
+    /// Unix socket for same-host clients' shared memory (`dataplane.rs`). Default
+    /// `DIR/shm.sock`; None serves TCP only. A socket that cannot be bound (a path over the
+    /// 107-byte limit, a read-only directory) is logged and skipped: clients then use TCP.
+    pub shm_socket: Option<PathBuf>,
 }
 
 impl TargetConfig {
     pub fn new(dir: PathBuf, server: String) -> TargetConfig {
         TargetConfig {
-            dir,
             server,
             advertise: None,
             engine: EngineKind::Uring,
@@ -71,6 +74,8 @@ impl TargetConfig {
             reserve_bytes: 256 << 20,
             failure_domain: String::new(),
             scrub: scrub::ScrubConfig::default(),
+            shm_socket: Some(dir.join("shm.sock")),
+            dir,
         }
     }
 }
@@ -95,6 +100,27 @@ pub fn load_or_create_target_id(dir: &Path) -> anyhow::Result<String> {
             Ok(id)
         }
         Err(e) => Err(e).with_context(|| format!("read {}", path.display())),
+    }
+}
+
+/// Binds the shared-memory socket at `path`, replacing a stale socket a previous run left; None
+/// (logged) if it cannot.
+fn bind_shm_socket(path: &Path) -> Option<dataplane::ShmListener> {
+    use std::os::unix::fs::FileTypeExt;
+    if let Ok(meta) = std::fs::symlink_metadata(path)
+        && meta.file_type().is_socket()
+    {
+        let _ = std::fs::remove_file(path);
+    }
+    match tokio::net::UnixListener::bind(path) {
+        Ok(listener) => {
+            info!(socket = %path.display(), "serving same-host clients over shared memory");
+            Some(dataplane::ShmListener { listener, path: path.to_path_buf() })
+        }
+        Err(error) => {
+            tracing::warn!(%error, socket = %path.display(), "no shared-memory socket; same-host clients use TCP");
+            None
+        }
     }
 }
 
@@ -136,7 +162,8 @@ pub async fn run(
     let _scrubber =
         tokio_util::task::AbortOnDropHandle::new(tokio::spawn(scrub::run(Arc::clone(&store), config.scrub.clone())));
     let mut serve_stop = stop_rx;
-    let serving = dataplane::serve(listener, store, config.limits.clone(), async move {
+    let shm = config.shm_socket.as_deref().and_then(bind_shm_socket);
+    let serving = dataplane::serve_with_shm(listener, shm, store, config.limits.clone(), async move {
         let _ = serve_stop.wait_for(|stopped| *stopped).await;
     });
     tokio::pin!(serving);

@@ -21,10 +21,14 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use prost::Message;
 use starckpt_proto::ChunkHash;
+use starckpt_proto::codec::Codec;
 use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{self, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, Opcode, ReadFrameError};
 use thiserror::Error;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+
+mod shm;
+pub use shm::{AutoTransport, ShmConfig, ShmTransport};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
@@ -56,7 +60,7 @@ impl TransportError {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TargetStat {
     pub capacity_bytes: u64,
     pub used_bytes: u64,
@@ -66,6 +70,16 @@ pub struct TargetStat {
     pub scrub_passes: u64,
     pub scrub_verified_chunks: u64,
     pub scrub_corrupt_removed: u64,
+    /// Where a client on the target's host can attach shared memory; None if it serves none.
+    pub shm: Option<ShmEndpoint>,
+}
+
+/// A target's shared-memory endpoint, from its STAT response.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShmEndpoint {
+    /// The target's host ([`starckpt_proto::shm::host_id`]): shared memory only works on the same one.
+    pub host_id: String,
+    pub socket: std::path::PathBuf,
 }
 
 /// A page of a target's chunk list.
@@ -77,16 +91,52 @@ pub struct ChunkPage {
     pub complete: bool,
 }
 
+/// A chunk's bytes as they travel and lie on a target: encoded by `codec`, `length` bytes once
+/// decoded. The chunk's hash is always of the decoded bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Payload {
+    pub bytes: Bytes,
+    pub codec: Codec,
+    pub length: u64,
+}
+
+impl Payload {
+    /// Bytes as they are (no codec).
+    pub fn raw(bytes: Bytes) -> Payload {
+        Payload { length: bytes.len() as u64, bytes, codec: Codec::None }
+    }
+
+    /// The chunk's bytes, decoded if compressed and checked against the chunk's `hash` and
+    /// `length`; `Err` says what was wrong. CPU-bound: call off the runtime.
+    pub fn verified(self, hash: ChunkHash, length: u64) -> Result<Bytes, String> {
+        let data = match self.codec {
+            Codec::None => self.bytes,
+            codec => starckpt_proto::codec::decompress(codec, &self.bytes, self.length as usize)
+                .map(Bytes::from)
+                .map_err(|e| format!("a {codec} copy does not decode: {e}"))?,
+        };
+        let actual = ChunkHash::of(&data);
+        if actual != hash {
+            return Err(format!("got {actual}"));
+        }
+        if data.len() as u64 != length {
+            return Err(format!("{} bytes, expected {length}", data.len()));
+        }
+        Ok(data)
+    }
+}
+
 /// One target's chunk operations, whatever carries them.
 #[async_trait]
 pub trait ChunkTransport: Send + Sync + 'static {
-    /// Stores a chunk; true if the target already had it.
-    async fn put(&self, hash: ChunkHash, payload: Bytes) -> Result<bool, TransportError>;
+    /// Stores a chunk; true if the target already had it (under whatever codec).
+    async fn put(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError>;
     /// Read repair: stores a chunk unless the target holds a copy that verifies (a copy that
     /// fails is replaced); true if the stored copy was good.
-    async fn repair(&self, hash: ChunkHash, payload: Bytes) -> Result<bool, TransportError>;
-    /// Reads `length` bytes at `offset` of a chunk (`length` 0: to the end).
-    async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Bytes, TransportError>;
+    async fn repair(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError>;
+    /// Reads `length` bytes at `offset` of a chunk (`length` 0: to the end). A whole chunk comes
+    /// as stored (maybe compressed); a range comes decoded.
+    async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError>;
     async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError>;
     /// Deletes chunks; with `unused_for`, only those not used (written, re-put, reported present)
     /// within that long (garbage collection's guard). Returns how many were removed.
@@ -96,6 +146,9 @@ pub trait ChunkTransport: Send + Sync + 'static {
     async fn stat(&self) -> Result<TargetStat, TransportError>;
     /// Short name for status output ("tcp", "shm", "rdma").
     fn kind(&self) -> &'static str;
+    /// Waits (briefly) until a transport that chooses how to reach its target has chosen, so
+    /// [`ChunkTransport::kind`] is final. Most transports have nothing to choose.
+    async fn settle(&self) {}
 }
 
 /// Bounds and timeouts of the TCP transport.
@@ -158,20 +211,30 @@ impl Connection {
             .map_err(|e| TransportError::Connect(e.to_string()))?;
         let _ = stream.set_nodelay(true);
         let (reader, writer) = stream.into_split();
+        Ok(Connection::start(reader, writer, config.max_requests_per_connection))
+    }
+
+    /// A connection over any byte stream: a writer task sends frames, a reader task matches
+    /// responses to requests.
+    pub(crate) fn start<R, W>(reader: R, writer: W, max_requests: usize) -> Connection
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
         let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
-        let (frames, outgoing) = mpsc::channel(config.max_requests_per_connection);
+        let (frames, outgoing) = mpsc::channel(max_requests);
         tokio::spawn(write_loop(writer, outgoing, Arc::clone(&pending)));
         tokio::spawn(read_loop(reader, Arc::clone(&pending)));
-        Ok(Connection {
-            frames,
-            pending,
-            next_id: AtomicU64::new(1),
-            slots: Arc::new(Semaphore::new(config.max_requests_per_connection)),
-        })
+        Connection { frames, pending, next_id: AtomicU64::new(1), slots: Arc::new(Semaphore::new(max_requests)) }
     }
 
     fn is_alive(&self) -> bool {
         self.pending.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// Fails every pending request and marks the connection dead (it is replaced on next use).
+    pub(crate) fn close(&self, why: &str) {
+        fail_all(&self.pending, TransportError::Connection(why.to_owned()));
     }
 
     async fn call(
@@ -219,7 +282,7 @@ impl Drop for ForgetOnDrop<'_> {
     }
 }
 
-async fn write_loop(writer: tokio::net::tcp::OwnedWriteHalf, mut outgoing: mpsc::Receiver<OutFrame>, pending: Pending) {
+async fn write_loop<W: AsyncWrite + Unpin>(writer: W, mut outgoing: mpsc::Receiver<OutFrame>, pending: Pending) {
     let mut writer = BufWriter::with_capacity(64 * 1024, writer);
     while let Some(message) = outgoing.recv().await {
         let payload: Vec<Bytes> = message.payload.into_iter().collect();
@@ -235,7 +298,7 @@ async fn write_loop(writer: tokio::net::tcp::OwnedWriteHalf, mut outgoing: mpsc:
     }
 }
 
-async fn read_loop(mut reader: tokio::net::tcp::OwnedReadHalf, pending: Pending) {
+async fn read_loop<R: AsyncRead + Unpin>(mut reader: R, pending: Pending) {
     let error = loop {
         let (header, prost_header) = match frame::read_frame_head(&mut reader).await {
             Ok(head) => head,
@@ -296,10 +359,6 @@ impl TcpTransport {
         TcpTransport { target_id: Some(target_id.to_owned()), ..TcpTransport::new(address, config) }
     }
 
-    fn auth(&self) -> Option<data::Auth> {
-        self.target_id.as_ref().map(|id| data::Auth { capability: Bytes::new(), target_id: id.clone() })
-    }
-
     pub fn address(&self) -> SocketAddr {
         self.address
     }
@@ -314,6 +373,60 @@ impl TcpTransport {
         *slot = Some(Arc::clone(&connection));
         Ok(connection)
     }
+}
+
+/// The `Auth` of a transport's requests.
+fn auth_for(target_id: &Option<String>) -> Option<data::Auth> {
+    target_id.as_ref().map(|id| data::Auth { capability: Bytes::new(), target_id: id.clone() })
+}
+
+/// Runs `attempt`, and once more if it failed because its connection broke: a fresh connection is
+/// made on the second try, and every request is idempotent (chunks are content-addressed).
+async fn once_more<T, F, Fut>(mut attempt: F) -> Result<T, TransportError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, TransportError>>,
+{
+    match attempt().await {
+        Err(TransportError::Connection(_)) => attempt().await,
+        other => other,
+    }
+}
+
+/// The response of a request, or its error code as an error.
+fn checked(response: data::Response, payload: Bytes) -> Result<(data::Response, Bytes), TransportError> {
+    let code = ErrorCode::try_from(response.code).unwrap_or(ErrorCode::Internal);
+    if code != ErrorCode::Ok {
+        return Err(TransportError::Remote { code, message: response.message });
+    }
+    Ok((response, payload))
+}
+
+/// A transport that carries data-plane frames over a byte stream (TCP, a Unix socket): it sends
+/// one frame and returns the checked response (retrying once on a fresh connection), and moves
+/// chunk payloads its own way. HAS, DELETE, LIST and STAT are the same frames on every such
+/// transport; [`ChunkTransport`] comes with it.
+#[async_trait]
+pub trait FrameTransport: Send + Sync + 'static {
+    /// Sent in every request; a target with another id refuses it.
+    fn auth(&self) -> Option<data::Auth>;
+    async fn call(
+        &self,
+        opcode: Opcode,
+        header: Vec<u8>,
+        payload: Option<Bytes>,
+    ) -> Result<(data::Response, Bytes), TransportError>;
+    /// PUT (`repair`: read repair's PUT); true if the chunk was there already.
+    async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError>;
+    async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError>;
+    fn name(&self) -> &'static str;
+}
+
+#[async_trait]
+impl FrameTransport for TcpTransport {
+    fn auth(&self) -> Option<data::Auth> {
+        auth_for(&self.target_id)
+    }
 
     async fn call(
         &self,
@@ -321,27 +434,27 @@ impl TcpTransport {
         header: Vec<u8>,
         payload: Option<Bytes>,
     ) -> Result<(data::Response, Bytes), TransportError> {
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let result = match self.connection().await {
-                Ok(connection) => {
-                    connection.call(opcode, header.clone(), payload.clone(), self.config.request_timeout).await
-                }
-                Err(error) => Err(error),
-            };
-            match result {
-                Err(error) if attempt == 1 && matches!(error, TransportError::Connection(_)) => continue,
-                Err(error) => return Err(error),
-                Ok((response, payload)) => {
-                    let code = ErrorCode::try_from(response.code).unwrap_or(ErrorCode::Internal);
-                    if code != ErrorCode::Ok {
-                        return Err(TransportError::Remote { code, message: response.message });
-                    }
-                    return Ok((response, payload));
-                }
-            }
-        }
+        once_more(|| async {
+            let connection = self.connection().await?;
+            let (response, payload) =
+                connection.call(opcode, header.clone(), payload.clone(), self.config.request_timeout).await?;
+            checked(response, payload)
+        })
+        .await
+    }
+
+    async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
+        let header = put_header(self, hash, &payload, repair, 0);
+        Ok(self.call(Opcode::Put, header, Some(payload.bytes)).await?.0.already_present)
+    }
+
+    async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
+        let (response, bytes) = self.call(Opcode::Get, get_header(self, hash, offset, length, 0), None).await?;
+        get_payload(&response, bytes)
+    }
+
+    fn name(&self) -> &'static str {
+        "tcp"
     }
 }
 
@@ -352,83 +465,141 @@ fn hash_list(hashes: &[ChunkHash]) -> Result<Vec<Bytes>, TransportError> {
     Ok(hashes.iter().map(|h| h.to_bytes()).collect())
 }
 
-impl TcpTransport {
-    async fn put_request(&self, hash: ChunkHash, payload: Bytes, repair: bool) -> Result<bool, TransportError> {
-        let header = data::PutRequest { auth: self.auth(), hash: hash.to_bytes(), repair }.encode_to_vec();
-        let (response, _) = self.call(Opcode::Put, header, Some(payload)).await?;
-        Ok(response.already_present)
+/// A PUT request's header; `slot`: the payload is in this shared-memory slot, not the frame.
+pub(crate) fn put_header<F: FrameTransport + ?Sized>(
+    frames: &F,
+    hash: ChunkHash,
+    payload: &Payload,
+    repair: bool,
+    slot: u32,
+) -> Vec<u8> {
+    data::PutRequest {
+        auth: frames.auth(),
+        hash: hash.to_bytes(),
+        repair,
+        codec: payload.codec.to_wire(),
+        length_bytes: payload.length,
+        shm_slot: slot,
+        shm_length: if slot == 0 { 0 } else { payload.bytes.len() as u64 },
     }
+    .encode_to_vec()
+}
+
+pub(crate) fn get_header<F: FrameTransport + ?Sized>(
+    frames: &F,
+    hash: ChunkHash,
+    offset: u64,
+    length: u64,
+    slot: u32,
+) -> Vec<u8> {
+    data::GetRequest { auth: frames.auth(), hash: hash.to_bytes(), offset, length, shm_slot: slot }.encode_to_vec()
+}
+
+/// A GET response's bytes as a [`Payload`], its codec checked.
+pub(crate) fn get_payload(response: &data::Response, bytes: Bytes) -> Result<Payload, TransportError> {
+    let codec = Codec::from_wire(response.codec).map_err(|e| TransportError::Protocol(format!("GET: {e}")))?;
+    if codec == Codec::None {
+        return Ok(Payload::raw(bytes));
+    }
+    if response.chunk_length_bytes == 0 || response.chunk_length_bytes > u64::from(frame::MAX_PAYLOAD_BYTES) {
+        return Err(TransportError::Protocol(format!("GET: a {codec} chunk of {} bytes", response.chunk_length_bytes)));
+    }
+    Ok(Payload { bytes, codec, length: response.chunk_length_bytes })
+}
+
+async fn has_frames<F: FrameTransport + ?Sized>(frames: &F, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError> {
+    let header = data::HasRequest { auth: frames.auth(), hashes: hash_list(hashes)? }.encode_to_vec();
+    let (response, _) = frames.call(Opcode::Has, header, None).await?;
+    if response.present.len() != hashes.len() {
+        return Err(TransportError::Protocol(format!(
+            "HAS answered {} flags for {} hashes",
+            response.present.len(),
+            hashes.len()
+        )));
+    }
+    Ok(response.present)
+}
+
+async fn delete_frames<F: FrameTransport + ?Sized>(
+    frames: &F,
+    hashes: &[ChunkHash],
+    unused_for: Option<Duration>,
+) -> Result<u64, TransportError> {
+    // A zero guard would mean "unconditional" on the wire; the smallest real guard is 1 ms.
+    let unused_for_ms = unused_for.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
+    let header = data::DeleteRequest { auth: frames.auth(), hashes: hash_list(hashes)?, unused_for_ms }.encode_to_vec();
+    Ok(frames.call(Opcode::Delete, header, None).await?.0.deleted)
+}
+
+async fn list_frames<F: FrameTransport + ?Sized>(
+    frames: &F,
+    after: Option<ChunkHash>,
+    limit: u32,
+) -> Result<ChunkPage, TransportError> {
+    let after = after.map_or_else(Bytes::new, |h| h.to_bytes());
+    let header = data::ListRequest { auth: frames.auth(), after, limit }.encode_to_vec();
+    let (response, payload) = frames.call(Opcode::List, header, None).await?;
+    if payload.len() % LIST_ENTRY_BYTES != 0 || payload.len() / LIST_ENTRY_BYTES > limit as usize {
+        return Err(TransportError::Protocol(format!("LIST answered {} payload bytes", payload.len())));
+    }
+    let chunks = payload
+        .chunks_exact(LIST_ENTRY_BYTES)
+        .map(|entry| {
+            let (mut hash, mut age) = ([0u8; 32], [0u8; 8]);
+            hash.copy_from_slice(&entry[..32]);
+            age.copy_from_slice(&entry[32..]);
+            (ChunkHash(hash), Duration::from_millis(u64::from_le_bytes(age)))
+        })
+        .collect();
+    Ok(ChunkPage { chunks, complete: response.list_complete })
+}
+
+async fn stat_frames<F: FrameTransport + ?Sized>(frames: &F) -> Result<TargetStat, TransportError> {
+    let header = data::StatRequest { auth: frames.auth() }.encode_to_vec();
+    let (response, _) = frames.call(Opcode::Stat, header, None).await?;
+    Ok(TargetStat {
+        capacity_bytes: response.capacity_bytes,
+        used_bytes: response.used_bytes,
+        chunk_count: response.chunk_count,
+        scrub_passes: response.scrub_passes,
+        scrub_verified_chunks: response.scrub_verified_chunks,
+        scrub_corrupt_removed: response.scrub_corrupt_removed,
+        shm: (!response.shm_socket.is_empty())
+            .then(|| ShmEndpoint { host_id: response.host_id, socket: response.shm_socket.into() }),
+    })
 }
 
 #[async_trait]
-impl ChunkTransport for TcpTransport {
-    async fn put(&self, hash: ChunkHash, payload: Bytes) -> Result<bool, TransportError> {
-        self.put_request(hash, payload, false).await
+impl<T: FrameTransport> ChunkTransport for T {
+    async fn put(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError> {
+        self.put_chunk(hash, payload, false).await
     }
 
-    async fn repair(&self, hash: ChunkHash, payload: Bytes) -> Result<bool, TransportError> {
-        self.put_request(hash, payload, true).await
+    async fn repair(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError> {
+        self.put_chunk(hash, payload, true).await
     }
 
-    async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Bytes, TransportError> {
-        let header = data::GetRequest { auth: self.auth(), hash: hash.to_bytes(), offset, length }.encode_to_vec();
-        Ok(self.call(Opcode::Get, header, None).await?.1)
+    async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
+        self.get_chunk(hash, offset, length).await
     }
 
     async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError> {
-        let header = data::HasRequest { auth: self.auth(), hashes: hash_list(hashes)? }.encode_to_vec();
-        let (response, _) = self.call(Opcode::Has, header, None).await?;
-        if response.present.len() != hashes.len() {
-            return Err(TransportError::Protocol(format!(
-                "HAS answered {} flags for {} hashes",
-                response.present.len(),
-                hashes.len()
-            )));
-        }
-        Ok(response.present)
+        has_frames(self, hashes).await
     }
 
     async fn delete(&self, hashes: &[ChunkHash], unused_for: Option<Duration>) -> Result<u64, TransportError> {
-        // A zero guard would mean "unconditional" on the wire; the smallest real guard is 1 ms.
-        let unused_for_ms = unused_for.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
-        let header =
-            data::DeleteRequest { auth: self.auth(), hashes: hash_list(hashes)?, unused_for_ms }.encode_to_vec();
-        Ok(self.call(Opcode::Delete, header, None).await?.0.deleted)
+        delete_frames(self, hashes, unused_for).await
     }
 
     async fn list(&self, after: Option<ChunkHash>, limit: u32) -> Result<ChunkPage, TransportError> {
-        let after = after.map_or_else(Bytes::new, |h| h.to_bytes());
-        let header = data::ListRequest { auth: self.auth(), after, limit }.encode_to_vec();
-        let (response, payload) = self.call(Opcode::List, header, None).await?;
-        if payload.len() % LIST_ENTRY_BYTES != 0 || payload.len() / LIST_ENTRY_BYTES > limit as usize {
-            return Err(TransportError::Protocol(format!("LIST answered {} payload bytes", payload.len())));
-        }
-        let chunks = payload
-            .chunks_exact(LIST_ENTRY_BYTES)
-            .map(|entry| {
-                let (mut hash, mut age) = ([0u8; 32], [0u8; 8]);
-                hash.copy_from_slice(&entry[..32]);
-                age.copy_from_slice(&entry[32..]);
-                (ChunkHash(hash), Duration::from_millis(u64::from_le_bytes(age)))
-            })
-            .collect();
-        Ok(ChunkPage { chunks, complete: response.list_complete })
+        list_frames(self, after, limit).await
     }
 
     async fn stat(&self) -> Result<TargetStat, TransportError> {
-        let header = data::StatRequest { auth: self.auth() }.encode_to_vec();
-        let (response, _) = self.call(Opcode::Stat, header, None).await?;
-        Ok(TargetStat {
-            capacity_bytes: response.capacity_bytes,
-            used_bytes: response.used_bytes,
-            chunk_count: response.chunk_count,
-            scrub_passes: response.scrub_passes,
-            scrub_verified_chunks: response.scrub_verified_chunks,
-            scrub_corrupt_removed: response.scrub_corrupt_removed,
-        })
+        stat_frames(self).await
     }
 
     fn kind(&self) -> &'static str {
-        "tcp"
+        self.name()
     }
 }

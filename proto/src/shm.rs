@@ -1,0 +1,279 @@
+//! Same-host shared memory for the data plane: a sealed memfd that a client maps and passes to a
+//! target over a Unix socket, so chunk payloads are handed over in memory instead of being copied
+//! through socket buffers (the idea of 3FS's USRBIO).
+//!
+//! ## Attach handshake (on a fresh Unix-socket connection, before any frame)
+//!
+//! ```text
+//!  client ──► 16 bytes: "SCKSHM01" | slots u32 LE | slot bytes u32 LE, with the memfd (SCM_RIGHTS)
+//!  target ──► 8 bytes: "SCKSHMOK" (then frames as on TCP), or it closes the connection
+//! ```
+//!
+//! The region is `slots × slot bytes`, split into slots of `slot bytes` each (a multiple of 4096).
+//! A frame names a slot (1-based; 0 means "payload inline, as on TCP") and a length: a PUT's
+//! payload lies in its slot; a GET's response is written into the slot its request named.
+//!
+//! ## Why a target can trust the mapping
+//!
+//! The client creates the memfd with sealing allowed and seals it against shrinking and growing
+//! before sending it; [`Region::attach`] refuses a descriptor without those seals or smaller than
+//! it claims. Without the seals, a client truncating the file would make the target's next access
+//! fault with SIGBUS. The client can still write the slot while the target reads it: the target
+//! copies the payload into its own buffer first and verifies the hash of that copy, so a torn read
+//! is a hash mismatch, never stored data.
+
+use std::io;
+use std::num::NonZeroUsize;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+
+use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use tokio::io::Interest;
+use tokio::net::UnixStream;
+
+pub const ATTACH_MAGIC: &[u8; 8] = b"SCKSHM01";
+pub const ATTACH_OK: &[u8; 8] = b"SCKSHMOK";
+pub const ATTACH_BYTES: usize = 16;
+/// Most slots one connection may share.
+pub const MAX_SLOTS: u32 = 256;
+/// Largest region one connection may share (the target maps it; the memory is the client's).
+pub const MAX_REGION_BYTES: usize = 1 << 30;
+
+/// The slot geometry a client proposes when attaching.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Attach {
+    pub slots: u32,
+    pub slot_bytes: u32,
+}
+
+impl Attach {
+    pub fn region_bytes(&self) -> usize {
+        self.slots as usize * self.slot_bytes as usize
+    }
+
+    pub fn encode(&self) -> [u8; ATTACH_BYTES] {
+        let mut out = [0u8; ATTACH_BYTES];
+        out[..8].copy_from_slice(ATTACH_MAGIC);
+        out[8..12].copy_from_slice(&self.slots.to_le_bytes());
+        out[12..16].copy_from_slice(&self.slot_bytes.to_le_bytes());
+        out
+    }
+
+    /// Checks the magic and the geometry's bounds.
+    pub fn decode(bytes: &[u8; ATTACH_BYTES]) -> Result<Attach, String> {
+        if &bytes[..8] != ATTACH_MAGIC {
+            return Err("not a starckpt shared-memory attach".into());
+        }
+        let word = |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+        let attach = Attach { slots: word(8), slot_bytes: word(12) };
+        let max_slot = crate::frame::MAX_PAYLOAD_BYTES as usize + 4096;
+        if attach.slots == 0 || attach.slots > MAX_SLOTS {
+            return Err(format!("{} slots is outside 1..={MAX_SLOTS}", attach.slots));
+        }
+        if attach.slot_bytes == 0 || !attach.slot_bytes.is_multiple_of(4096) || attach.slot_bytes as usize > max_slot {
+            return Err(format!("slot size {} is not a multiple of 4096 up to {max_slot}", attach.slot_bytes));
+        }
+        if attach.region_bytes() > MAX_REGION_BYTES {
+            return Err(format!("{} bytes exceed the region limit of {MAX_REGION_BYTES}", attach.region_bytes()));
+        }
+        Ok(attach)
+    }
+}
+
+/// A mapped shared-memory region (a sealed memfd).
+pub struct Region {
+    fd: OwnedFd,
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the region is plain bytes shared with another process; every access goes through the
+// bounds-checked copies below, which tolerate concurrent writers (see the module docs).
+unsafe impl Send for Region {}
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// A new region of `len` bytes (a positive multiple of 4096), sealed against resizing.
+    pub fn create(name: &str, len: usize) -> io::Result<Region> {
+        let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)?;
+        nix::unistd::ftruncate(&fd, i64::try_from(len).map_err(io::Error::other)?)?;
+        fcntl(&fd, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL))?;
+        Region::map(fd, len)
+    }
+
+    /// Maps a region received from a client, after checking that it is sealed against shrinking
+    /// and holds at least `len` bytes.
+    pub fn attach(fd: OwnedFd, len: usize) -> io::Result<Region> {
+        let seals =
+            fcntl(&fd, FcntlArg::F_GET_SEALS).map_err(|e| io::Error::other(format!("not a sealed memfd: {e}")))?;
+        let required = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW;
+        if !SealFlag::from_bits_truncate(seals).contains(required) {
+            return Err(io::Error::other("the memfd is not sealed against resizing"));
+        }
+        let size = nix::sys::stat::fstat(&fd)?.st_size;
+        if usize::try_from(size).map_or(true, |size| size < len) {
+            return Err(io::Error::other(format!("the memfd holds {size} bytes, fewer than {len}")));
+        }
+        Region::map(fd, len)
+    }
+
+    fn map(fd: OwnedFd, len: usize) -> io::Result<Region> {
+        let length = NonZeroUsize::new(len).ok_or_else(|| io::Error::other("empty region"))?;
+        // SAFETY: a fresh shared mapping of a file we hold; unmapped in Drop, never aliased as a
+        // Rust reference (only raw copies touch it).
+        let ptr =
+            unsafe { mmap(None, length, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, &fd, 0) }?;
+        Ok(Region { fd, ptr: ptr.cast(), len })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    fn check(&self, offset: usize, len: usize) -> io::Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(io::Error::other(format!("{len} bytes at {offset} are outside the {}-byte region", self.len))),
+        }
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> io::Result<()> {
+        self.check(offset, src.len())?;
+        // SAFETY: in bounds (checked); the region never overlaps Rust-owned memory.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len()) };
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out of the region. Another process may be writing
+    /// them: the copy is then torn, and the caller's hash check must reject it.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> io::Result<()> {
+        self.check(offset, dst.len())?;
+        // SAFETY: in bounds (checked); the region never overlaps Rust-owned memory.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Zeroes `len` bytes at `offset`.
+    pub fn zero(&self, offset: usize, len: usize) -> io::Result<()> {
+        self.check(offset, len)?;
+        // SAFETY: in bounds (checked).
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), 0, len) };
+        Ok(())
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `map` with this length and not used after this.
+        let _ = unsafe { munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// Sends the attach message with the region's descriptor.
+pub async fn send_attach(stream: &UnixStream, attach: Attach, fd: BorrowedFd<'_>) -> io::Result<()> {
+    let message = attach.encode();
+    let fds = [fd.as_raw_fd()];
+    let sent = stream
+        .async_io(Interest::WRITABLE, || {
+            let cmsgs = [ControlMessage::ScmRights(&fds)];
+            sendmsg::<()>(stream.as_raw_fd(), &[io::IoSlice::new(&message)], &cmsgs, MsgFlags::MSG_NOSIGNAL, None)
+                .map_err(io::Error::from)
+        })
+        .await?;
+    if sent != message.len() {
+        return Err(io::Error::other(format!("sent {sent} of {} attach bytes", message.len())));
+    }
+    Ok(())
+}
+
+/// Receives an attach message and the descriptor that came with it.
+pub async fn recv_attach(stream: &UnixStream) -> io::Result<(Attach, OwnedFd)> {
+    let mut message = [0u8; ATTACH_BYTES];
+    let (received, fds) = stream
+        .async_io(Interest::READABLE, || {
+            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 2]);
+            let mut iov = [io::IoSliceMut::new(&mut message)];
+            let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
+                .map_err(io::Error::from)?;
+            let mut fds = Vec::new();
+            for cmsg in msg.cmsgs().map_err(io::Error::from)? {
+                if let ControlMessageOwned::ScmRights(received) = cmsg {
+                    // SAFETY: descriptors just received are ours to own (and close).
+                    fds.extend(received.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+                }
+            }
+            Ok((msg.bytes, fds))
+        })
+        .await?;
+    if received != ATTACH_BYTES {
+        return Err(io::Error::other(format!("attach message of {received} bytes")));
+    }
+    let attach = Attach::decode(&message).map_err(io::Error::other)?;
+    let mut fds = fds.into_iter();
+    match (fds.next(), fds.next()) {
+        (Some(fd), None) => Ok((attach, fd)),
+        (None, _) => Err(io::Error::other("attach without a descriptor")),
+        (Some(_), Some(_)) => Err(io::Error::other("attach with more than one descriptor")),
+    }
+}
+
+/// This host's identity for deciding whether a target is local: the kernel's boot id (processes
+/// that see the same one run on the same kernel, so a memfd can pass between them).
+pub fn host_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|id| id.trim().to_owned()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attach_geometry_is_bounded() {
+        let good = Attach { slots: 8, slot_bytes: 4 << 20 };
+        assert_eq!(Attach::decode(&good.encode()), Ok(good));
+        for bad in [
+            Attach { slots: 0, slot_bytes: 4096 },
+            Attach { slots: MAX_SLOTS + 1, slot_bytes: 4096 },
+            Attach { slots: 1, slot_bytes: 4095 },
+            Attach { slots: 1, slot_bytes: 0 },
+            Attach { slots: 1, slot_bytes: 128 << 20 },
+            Attach { slots: 64, slot_bytes: 64 << 20 },
+        ] {
+            assert!(Attach::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
+        let mut wrong = good.encode();
+        wrong[0] = b'X';
+        assert!(Attach::decode(&wrong).is_err());
+    }
+
+    #[test]
+    fn regions_are_sealed_shared_and_bounds_checked() {
+        let region = Region::create("test", 8192).unwrap();
+        region.write_at(4000, b"hello").unwrap();
+        assert!(region.write_at(8190, b"abc").is_err());
+        assert!(region.read_at(usize::MAX, &mut [0u8; 2]).is_err());
+        // The same memory through a second mapping of the same descriptor, as a target sees it.
+        let other = Region::attach(region.fd().try_clone_to_owned().unwrap(), 8192).unwrap();
+        let mut got = [0u8; 5];
+        other.read_at(4000, &mut got).unwrap();
+        assert_eq!(&got, b"hello");
+        // More than the file holds, or a file without seals, is refused.
+        assert!(Region::attach(region.fd().try_clone_to_owned().unwrap(), 16384).is_err());
+        let unsealed = memfd_create("unsealed", MFdFlags::MFD_CLOEXEC).unwrap();
+        nix::unistd::ftruncate(&unsealed, 8192).unwrap();
+        assert!(Region::attach(unsealed, 8192).is_err());
+        assert!(!host_id().is_empty());
+    }
+}
