@@ -444,7 +444,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             );
         }
         if args.compression.compress.is_some() {
-            println!("compression: {compression_ratio:.3}x (bytes saved ÷ bytes sent and stored, all runs)");
+            println!("compression: {compression_ratio:.3}x (bytes uploaded ÷ bytes sent and stored, all runs)");
         }
         println!(
             "(time ratio: starckpt's time ÷ the baseline's; below 1 is faster. CPU: {}.)",
