@@ -1040,7 +1040,8 @@ impl ChunkBytes {
                 None => Payload::raw(data),
             })
             .await
-            .map_err(|e| TransportError::Connection(format!("compression task: {e}")))
+            // Not a connection problem: no other target would do better.
+            .map_err(|e| TransportError::Protocol(format!("compression task failed: {e}")))
         };
         self.payload.get_or_try_init(encode).await.cloned()
     }

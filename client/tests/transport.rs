@@ -375,3 +375,45 @@ async fn a_bad_shared_memory_attach_is_refused() {
     }
     assert_eq!(target.store.stats().chunk_count, 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_for_a_slot_fail_instead_of_hanging_when_its_holder_times_out() {
+    use prost::Message;
+    use starckpt_proto::shm::{self, Region};
+    // A target that attaches every region and answers STAT, but never a GET.
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("silent.sock");
+    let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let (attach, fd) = shm::recv_attach(&stream).await.unwrap();
+                let _region = Region::attach(fd, attach.region_bytes()).unwrap();
+                stream.writable().await.unwrap();
+                stream.try_write(shm::ATTACH_OK).unwrap();
+                let (mut reader, mut writer) = stream.into_split();
+                while let Ok((head, _)) = starckpt_proto::frame::read_frame_head(&mut reader).await {
+                    if head.opcode == Opcode::Stat {
+                        let answer = starckpt_proto::data::Response::default().encode_to_vec();
+                        let (opcode, id) = (head.opcode.response(), head.request_id);
+                        starckpt_proto::frame::write_frame(&mut writer, opcode, id, &answer, &[]).await.unwrap();
+                    }
+                }
+            });
+        }
+    });
+    let config = TcpConfig { request_timeout: Duration::from_millis(300), ..TcpConfig::default() };
+    let transport = Arc::new(ShmTransport::connect(socket, None, config, 1, 1 << 20).await.unwrap());
+    // One slot, three GETs: the first holds it and times out; the others must not wait forever
+    // for a slot that is never handed back.
+    let gets: Vec<_> = (0..3u8)
+        .map(|i| {
+            let transport = Arc::clone(&transport);
+            tokio::spawn(async move { transport.get(ChunkHash::of(&[i]), 0, 0).await })
+        })
+        .collect();
+    for get in gets {
+        let outcome = tokio::time::timeout(Duration::from_secs(20), get).await.expect("a GET hung").unwrap();
+        assert!(outcome.unwrap_err().is_connection());
+    }
+}

@@ -476,6 +476,9 @@ pub fn decompress_into(codec: Codec, stored: &[u8], out: &mut [u8]) -> Result<()
 
 /// [`decompress_into`] a new buffer of `length` bytes.
 pub fn decompress(codec: Codec, stored: &[u8], length: usize) -> Result<Vec<u8>, CodecError> {
+    if length > crate::frame::MAX_PAYLOAD_BYTES as usize {
+        return Err(malformed(codec, format!("a {length}-byte chunk exceeds the chunk size limit")));
+    }
     let mut out = vec![0u8; length];
     decompress_into(codec, stored, &mut out)?;
     Ok(out)

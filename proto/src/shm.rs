@@ -69,7 +69,7 @@ impl Attach {
         }
         let word = |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
         let attach = Attach { slots: word(8), slot_bytes: word(12) };
-        let max_slot = crate::frame::MAX_PAYLOAD_BYTES as usize + 4096;
+        let max_slot = crate::frame::MAX_PAYLOAD_BYTES as usize;
         if attach.slots == 0 || attach.slots > MAX_SLOTS {
             return Err(format!("{} slots is outside 1..={MAX_SLOTS}", attach.slots));
         }

@@ -489,3 +489,13 @@ def test_a_failing_fill_fails_the_save_with_its_own_exception(cluster, job):
     with pytest.raises(starckpt.InvalidInputError, match="neither a buffer nor"):
         native.save(job, 3, [("c", "not bytes")])
     assert c.latest() == 2  # only the save whose fill behaved committed
+
+
+def test_a_compressing_client_in_the_same_process_writes_as_the_same_run(cluster, job):
+    plain = client(cluster, job)
+    packed = client(cluster, job, compress=1)
+    assert plain._native is not packed._native and plain._native.run_id == packed._native.run_id
+    plain.save(1, {"w": torch.randn(1000)}).wait()
+    packed.save(2, {"w": torch.randn(1000)}).wait()
+    plain.save(3, {"w": torch.randn(1000)}).wait()
+    assert plain.latest() == 3

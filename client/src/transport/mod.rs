@@ -492,7 +492,15 @@ pub(crate) fn get_header<F: FrameTransport + ?Sized>(
     length: u64,
     slot: u32,
 ) -> Vec<u8> {
-    data::GetRequest { auth: frames.auth(), hash: hash.to_bytes(), offset, length, shm_slot: slot }.encode_to_vec()
+    data::GetRequest {
+        auth: frames.auth(),
+        hash: hash.to_bytes(),
+        offset,
+        length,
+        shm_slot: slot,
+        accept_encoded: true,
+    }
+    .encode_to_vec()
 }
 
 /// A GET response's bytes as a [`Payload`], its codec checked.

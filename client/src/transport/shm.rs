@@ -76,6 +76,10 @@ impl Drop for Slot {
             self.connection.free.lock().unwrap_or_else(|p| p.into_inner()).push(self.index);
             self.connection.available.add_permits(1);
         } else {
+            // The slot is never reused: the connection goes, and requests waiting for a slot of
+            // it fail (and retry on a fresh connection) instead of waiting for a permit that
+            // will not come back.
+            self.connection.available.close();
             self.connection.frames.close("a request was abandoned while the target may still use its slot");
         }
     }
@@ -83,7 +87,11 @@ impl Drop for Slot {
 
 impl ShmConnection {
     async fn slot(self: &Arc<Self>) -> Result<Slot, TransportError> {
-        let permit = self.available.acquire().await.map_err(|_| TransportError::Connection("closed".into()))?;
+        let permit = self
+            .available
+            .acquire()
+            .await
+            .map_err(|_| TransportError::Connection("the shared-memory connection closed".into()))?;
         permit.forget();
         let index = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let index = index.ok_or_else(|| TransportError::Protocol("no free slot behind a permit".into()))?;
@@ -121,7 +129,9 @@ impl ShmTransport {
             attach,
             connection: tokio::sync::Mutex::new(None),
         };
-        transport.connection().await?;
+        // Over the attached connection, so a socket that belongs to another target (two
+        // containers' targets at the same path) fails here (WRONG_TARGET), not on every request.
+        transport.stat().await?;
         Ok(transport)
     }
 
@@ -264,8 +274,9 @@ pub struct AutoTransport {
     probe: Arc<Probe>,
 }
 
-/// How long after a failed probe the next one may start.
-const PROBE_RETRY: Duration = Duration::from_secs(5);
+/// How long after a failed probe (the target did not answer, or the attach failed) the next one
+/// may start.
+const PROBE_RETRY: Duration = Duration::from_secs(10);
 
 struct Probe {
     tcp: Arc<TcpTransport>,
@@ -299,7 +310,7 @@ impl Probe {
                     let _ = probe.decided.set(decision);
                 }
                 Err(error) => {
-                    tracing::debug!(target = %probe.target_id, %error, "could not ask the target for shared memory yet");
+                    tracing::debug!(target = %probe.target_id, %error, "no shared memory with the target yet");
                     *probe.retry_at.lock().unwrap_or_else(|p| p.into_inner()) =
                         Some(std::time::Instant::now() + PROBE_RETRY);
                 }
@@ -312,7 +323,8 @@ impl Probe {
     /// The target's answer: its shared memory, attached, if it is on this host and serves it.
     async fn ask(&self) -> Result<Option<Arc<ShmTransport>>, TransportError> {
         let stat = self.tcp.stat().await?;
-        let Some(endpoint) = stat.shm.filter(|e| e.host_id == shm::host_id()) else {
+        let here = shm::host_id();
+        let Some(endpoint) = stat.shm.filter(|e| !here.is_empty() && e.host_id == here) else {
             return Ok(None);
         };
         let attached = ShmTransport::connect(
@@ -329,8 +341,8 @@ impl Probe {
                 Ok(Some(Arc::new(transport)))
             }
             Err(error) => {
-                tracing::info!(target = %self.target_id, %error, "shared memory unavailable; using TCP");
-                Ok(None)
+                tracing::info!(target = %self.target_id, %error, "shared memory unavailable; using TCP for now");
+                Err(error)
             }
         }
     }
@@ -381,7 +393,7 @@ impl AutoTransport {
         let chosen = self.chosen();
         let shm = chosen.kind() == "shm";
         match op(chosen).await {
-            Err(error) if shm && matches!(error, TransportError::Connect(_) | TransportError::Connection(_)) => {
+            Err(error) if shm && error.is_connection() => {
                 tracing::warn!(target = %self.probe.target_id, %error, "shared-memory request failed; retrying over TCP");
                 op(Arc::clone(&self.tcp) as Arc<dyn ChunkTransport>).await
             }

@@ -337,6 +337,16 @@ where
                     }
                 }
                 let (mut response, mut payload) = dispatch(&served, header, prost_header).await;
+                // A decoded chunk can be larger than its file: charge what is really held (never
+                // holding one charge while waiting for another).
+                let charged = charge.as_ref().map_or(0, |p| p.num_permits());
+                if let Some(bytes) = &payload
+                    && bytes.len() > charged
+                {
+                    drop(charge.take());
+                    let bytes = u32::try_from(bytes.len()).unwrap_or(u32::MAX).min(frame::MAX_PAYLOAD_BYTES);
+                    charge = Arc::clone(&served.inflight_bytes).acquire_many_owned(bytes).await.ok();
+                }
                 if get_slot != 0 && response.code == ErrorCode::Ok as i32 {
                     let bytes = payload.take().unwrap_or_default();
                     match &slots {
@@ -523,7 +533,7 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
                 Ok(hash) => hash,
                 Err(error) => return (error_response(ErrorCode::BadRequest, error.to_string()), None),
             };
-            match store.get(hash, request.offset, request.length).await {
+            match store.read(hash, request.offset, request.length, request.accept_encoded).await {
                 Ok(read) => (
                     data::Response {
                         chunk_length_bytes: read.length,

@@ -107,6 +107,9 @@ pub fn load_or_create_target_id(dir: &Path) -> anyhow::Result<String> {
 /// (logged) if it cannot.
 fn bind_shm_socket(path: &Path) -> Option<dataplane::ShmListener> {
     use std::os::unix::fs::FileTypeExt;
+    // Advertised to clients, whose working directory is not ours.
+    let absolute = std::path::absolute(path);
+    let path = absolute.as_deref().unwrap_or(path);
     if let Ok(meta) = std::fs::symlink_metadata(path)
         && meta.file_type().is_socket()
     {

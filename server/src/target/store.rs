@@ -23,11 +23,13 @@
 //!  +---------------------------------------------------------------------------------------------------------+
 //! ```
 //! All integers little-endian. `length` is the chunk's length, `stored len` that of the bytes on
-//! disk after the codec (`codec` is a `starckpt.control.v1.Codec` value). Version 1 (codec none):
-//! `hdr sum` is the first 8 bytes of BLAKE3(bytes 0..64). Version 2 (a compressed chunk) adds the
-//! BLAKE3 of the stored bytes at 72..104, and `hdr sum` covers bytes 0..64 and 72..104. A torn or
-//! rotted header is detected before its lengths are trusted. The file is self-describing: a scrub
-//! or a recovery tool needs nothing but the file.
+//! disk after the codec (`codec` is a `starckpt.control.v1.Codec` value). `hdr sum` is the first 8
+//! bytes of BLAKE3(bytes 0..64) in every version, so any build can tell a header it does not
+//! understand (valid sum, unknown version: left alone) from a rotten one (removed). Version 1:
+//! codec none. Version 2 (a compressed chunk) adds the BLAKE3 of the stored bytes at 72..104 and,
+//! at 104..112, the first 8 bytes of BLAKE3(bytes 72..104). A torn or rotted header is detected
+//! before its lengths are trusted. The file is self-describing: a scrub or a recovery tool needs
+//! nothing but the file.
 //!
 //! ## Write protocol and crash cases
 //!
@@ -246,7 +248,13 @@ pub struct ChunkStore {
     /// The owning target's id, once known (requests naming another are refused).
     target_id: std::sync::OnceLock<String>,
     scrub_stats: super::scrub::ScrubStats,
+    /// Bytes of compressed payloads being decoded to verify them (each needs its decoded length
+    /// in memory for a moment): bounded, so many small compressed PUTs cannot claim gigabytes.
+    decode_budget: Arc<tokio::sync::Semaphore>,
 }
+
+/// Decoded bytes in memory at once across verifications ([`ChunkStore`]'s `decode_budget`).
+const DECODE_BUDGET_BYTES: u32 = 4 * starckpt_proto::frame::MAX_PAYLOAD_BYTES;
 
 impl ChunkStore {
     /// Opens (creating if needed) the store under `root`: removes leftover temp files and counts
@@ -273,6 +281,7 @@ impl ChunkStore {
             reserve_bytes: AtomicU64::new(0),
             target_id: std::sync::OnceLock::new(),
             scrub_stats: Default::default(),
+            decode_budget: Arc::new(tokio::sync::Semaphore::new(DECODE_BUDGET_BYTES as usize)),
         })
     }
 
@@ -319,7 +328,40 @@ impl ChunkStore {
 
     /// Verifies and durably stores a chunk. Acknowledge the client only after this returns Ok.
     pub async fn put(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
-        self.store_copy(hash, chunk, None).await
+        let (chunk, stored_hash) = self.verify(hash, chunk).await?;
+        self.store_copy(hash, chunk, stored_hash, None).await
+    }
+
+    /// Checks a payload against the chunk hash it was sent under ([`verify_payload`]), off the
+    /// runtime and within the decode budget. Returns the chunk and the BLAKE3 of its stored bytes.
+    async fn verify(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<(ChunkWrite, ChunkHash), ChunkStoreError> {
+        let _budget = match chunk.codec {
+            Codec::None => None,
+            // verify_payload refuses lengths beyond MAX_PAYLOAD_BYTES before decoding.
+            _ => Some(
+                Arc::clone(&self.decode_budget)
+                    .acquire_many_owned(
+                        chunk.length.clamp(1, u64::from(starckpt_proto::frame::MAX_PAYLOAD_BYTES)) as u32
+                    )
+                    .await
+                    .map_err(|_| ChunkStoreError::Io {
+                        op: "verify",
+                        path: self.root.clone(),
+                        source: io::Error::other("closed"),
+                    })?,
+            ),
+        };
+        let (chunk, verified) = tokio::task::spawn_blocking(move || {
+            let verified = verify_payload(hash, &chunk);
+            (chunk, verified)
+        })
+        .await
+        .map_err(|e| ChunkStoreError::Io {
+            op: "verify",
+            path: self.root.clone(),
+            source: io::Error::other(e),
+        })?;
+        Ok((chunk, verified?))
     }
 
     /// `put`, or with `replacing: Some(inode)`, a put that atomically replaces the file at the
@@ -328,9 +370,9 @@ impl ChunkStore {
         &self,
         hash: ChunkHash,
         mut chunk: ChunkWrite,
+        stored_hash: ChunkHash,
         replacing: Option<u64>,
     ) -> Result<PutOutcome, ChunkStoreError> {
-        let stored_hash = verify_payload(hash, &chunk)?;
         let final_path = self.chunk_path(&hash);
         if replacing.is_none() && self.mark_used(vec![hash]).await? == [true] {
             // A concurrent put may have renamed it in but not yet made the rename durable.
@@ -460,8 +502,7 @@ impl ChunkStore {
             file.read_to_end(&mut bytes).map_err(io_error("read", &path))?;
             let version = u16::from_le_bytes([bytes[8], bytes[9]]);
             if bytes[0..8] == MAGIC[..]
-                && (bytes[64..72] == header_sum(&bytes, FORMAT_VERSION)
-                    || bytes[64..72] == header_sum(&bytes, FORMAT_VERSION_STORED_HASH))
+                && bytes[64..72] == header_sum(&bytes)
                 && ![FORMAT_VERSION, FORMAT_VERSION_STORED_HASH].contains(&version)
             {
                 return Err(ChunkStoreError::Io {
@@ -530,7 +571,7 @@ impl ChunkStore {
     /// that fails (bit rot, a torn or truncated file) is replaced in one rename, so the path is
     /// never without a copy and a good copy someone else wrote meanwhile is kept.
     pub async fn repair(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
-        verify_payload(hash, &chunk)?;
+        let (chunk, stored_hash) = self.verify(hash, chunk).await?;
         match self.check_copy(hash).await {
             Ok(Copy::Good { .. }) => {
                 self.mark_used(vec![hash]).await?;
@@ -539,9 +580,9 @@ impl ChunkStore {
             }
             Ok(Copy::Bad { inode, reason }) => {
                 tracing::warn!(chunk = %hash, %reason, "replacing a corrupt copy (read repair)");
-                self.store_copy(hash, chunk, Some(inode)).await
+                self.store_copy(hash, chunk, stored_hash, Some(inode)).await
             }
-            Err(ChunkStoreError::NotFound { .. }) => self.put(hash, chunk).await,
+            Err(ChunkStoreError::NotFound { .. }) => self.store_copy(hash, chunk, stored_hash, None).await,
             Err(other) => Err(other),
         }
     }
@@ -556,6 +597,18 @@ impl ChunkStore {
     /// does not hash every read a second time. A whole compressed chunk is returned as stored
     /// (the reader decodes it); a range of one is decoded here and returned plain.
     pub async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<ChunkRead, ChunkStoreError> {
+        self.read(hash, offset, length, true).await
+    }
+
+    /// [`ChunkStore::get`]; with `encoded` false, a whole compressed chunk is decoded too (for a
+    /// reader that does not decode).
+    pub async fn read(
+        &self,
+        hash: ChunkHash,
+        offset: u64,
+        length: u64,
+        encoded: bool,
+    ) -> Result<ChunkRead, ChunkStoreError> {
         let path = self.chunk_path(&hash);
         let file_len = match tokio::fs::metadata(&path).await {
             Ok(meta) => meta.len(),
@@ -588,12 +641,22 @@ impl ChunkStore {
             let range = HEADER_BYTES + offset as usize..HEADER_BYTES + end as usize;
             return Ok(ChunkRead { bytes: boxed_to_bytes(buf, range), codec: Codec::None, length: chunk_len });
         }
-        if offset == 0 && end == chunk_len {
+        if encoded && offset == 0 && end == chunk_len {
             return Ok(ChunkRead { bytes: boxed_to_bytes(buf, stored), codec: header.codec, length: chunk_len });
         }
-        let decoded = codec::decompress(header.codec, &read[stored], chunk_len as usize)
-            .map_err(|e| ChunkStoreError::Corrupt { hash, reason: e.to_string() })?;
-        let bytes = Bytes::from(decoded).slice(offset as usize..end as usize);
+        let _budget =
+            Arc::clone(&self.decode_budget).acquire_many_owned(chunk_len.max(1) as u32).await.map_err(|_| {
+                ChunkStoreError::Io { op: "decode", path: path.clone(), source: io::Error::other("closed") }
+            })?;
+        let codec = header.codec;
+        let decoded = tokio::task::spawn_blocking(move || {
+            let decoded = codec::decompress(codec, &buf.aligned().as_ref()[stored], chunk_len as usize)?;
+            // Only the range is kept while the response waits to be written.
+            Ok::<_, codec::CodecError>(Bytes::copy_from_slice(&decoded[offset as usize..end as usize]))
+        })
+        .await
+        .map_err(|e| ChunkStoreError::Io { op: "decode", path, source: io::Error::other(e) })?;
+        let bytes = decoded.map_err(|e| ChunkStoreError::Corrupt { hash, reason: e.to_string() })?;
         Ok(ChunkRead { bytes, codec: Codec::None, length: chunk_len })
     }
 
@@ -839,16 +902,15 @@ fn prepare_dir(root: &Path) -> Result<(u64, u64), ChunkStoreError> {
     Ok((count, used))
 }
 
-/// The header's checksum as a header of `version` defines it (module docs).
-fn header_sum(header: &[u8], version: u16) -> [u8; 8] {
-    let mut hasher = blake3::Hasher::new();
-    hasher.update(&header[..64]);
-    if version == FORMAT_VERSION_STORED_HASH {
-        hasher.update(&header[72..104]);
-    }
+/// The first 8 bytes of BLAKE3(`bytes`): the header's checksums (module docs).
+fn sum8(bytes: &[u8]) -> [u8; 8] {
     let mut out = [0u8; 8];
-    out.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+    out.copy_from_slice(&blake3::hash(bytes).as_bytes()[..8]);
     out
+}
+
+fn header_sum(header: &[u8]) -> [u8; 8] {
+    sum8(&header[..64])
 }
 
 /// What a chunk file's header says about the bytes after it.
@@ -874,13 +936,19 @@ pub struct ChunkRead {
 /// Checks a payload against the chunk hash it was sent under, decoding it first when it is
 /// compressed. Returns the BLAKE3 of the payload as it will be stored.
 fn verify_payload(hash: ChunkHash, chunk: &ChunkWrite) -> Result<ChunkHash, ChunkStoreError> {
+    let max = u64::from(starckpt_proto::frame::MAX_PAYLOAD_BYTES);
+    let stored_len = chunk.data_len as u64;
     let stored_hash = ChunkHash::of(chunk.data());
     let actual = match chunk.codec {
-        Codec::None if chunk.length == chunk.data_len as u64 => stored_hash,
+        Codec::None if chunk.length == stored_len && stored_len <= max => stored_hash,
         codec => {
             let undecodable = |reason: String| ChunkStoreError::Undecodable { hash, codec, reason };
-            if chunk.length == 0 || chunk.length > u64::from(starckpt_proto::frame::MAX_PAYLOAD_BYTES) {
+            if chunk.length == 0 || chunk.length > max {
                 return Err(undecodable(format!("decoded length {} is out of range", chunk.length)));
+            }
+            // Stored bigger than decoded would make every reader fetch more than the chunk.
+            if codec == Codec::None || stored_len >= chunk.length {
+                return Err(undecodable(format!("{stored_len} stored bytes for a {}-byte chunk", chunk.length)));
             }
             let decoded = codec::decompress(codec, chunk.data(), chunk.length as usize)
                 .map_err(|e| undecodable(e.to_string()))?;
@@ -904,8 +972,10 @@ fn encode_header(header: &mut [u8], fields: &StoredHeader, hash: &ChunkHash) {
     header[32..64].copy_from_slice(&hash.0);
     if version == FORMAT_VERSION_STORED_HASH {
         header[72..104].copy_from_slice(&fields.stored_hash.0);
+        let extension = sum8(&header[72..104]);
+        header[104..112].copy_from_slice(&extension);
     }
-    let sum = header_sum(header, version);
+    let sum = header_sum(header);
     header[64..72].copy_from_slice(&sum);
 }
 
@@ -919,8 +989,11 @@ fn decode_header(file: &[u8], hash: &ChunkHash) -> Result<StoredHeader, ChunkSto
         return corrupt("bad magic");
     }
     let version = u16::from_le_bytes([file[8], file[9]]);
-    if file[64..72] != header_sum(file, version) {
+    if file[64..72] != header_sum(file) {
         return corrupt("header checksum mismatch");
+    }
+    if version == FORMAT_VERSION_STORED_HASH && file[104..112] != sum8(&file[72..104]) {
+        return corrupt("header extension checksum mismatch");
     }
     if ![FORMAT_VERSION, FORMAT_VERSION_STORED_HASH].contains(&version) {
         return corrupt("unknown format version");
@@ -1149,7 +1222,7 @@ mod conformance {
         let good = std::fs::read(&path).unwrap();
         let mut newer = good.clone();
         newer[8] = 9;
-        let sum = header_sum(&newer, 9);
+        let sum = header_sum(&newer);
         newer[64..72].copy_from_slice(&sum);
         std::fs::write(&path, &newer).unwrap();
         assert!(matches!(store.check_copy(hash).await, Err(ChunkStoreError::Io { .. })));
@@ -1203,6 +1276,10 @@ mod conformance {
         rotten[HEADER_BYTES + 10] ^= 0x10;
         std::fs::write(&path, &rotten).unwrap();
         assert!(matches!(store.check_copy(hash).await.unwrap(), Copy::Bad { .. }));
+        let mut extension = file.clone();
+        extension[80] ^= 0x01;
+        std::fs::write(&path, &extension).unwrap();
+        assert!(matches!(store.check_copy(hash).await.unwrap(), Copy::Bad { .. }), "the stored hash is covered");
         let mut recoded = file.clone();
         recoded[10] = Codec::Zstd.to_wire() as u8;
         std::fs::write(&path, &recoded).unwrap();
@@ -1220,6 +1297,14 @@ mod conformance {
         short.set_codec(packed.codec, data.len() as u64 - 2);
         assert!(matches!(store.put(hash, short).await, Err(ChunkStoreError::Undecodable { .. })));
         assert!(store.chunk_path(&other).metadata().is_err());
+        // Stored as large as decoded: refused (a reader would fetch more than the chunk).
+        let mut bloated = store.write_buffer(data.len()).await;
+        bloated.data_mut().copy_from_slice(&data);
+        bloated.set_codec(Codec::Zstd, data.len() as u64);
+        assert!(matches!(store.put(hash, bloated).await, Err(ChunkStoreError::Undecodable { .. })));
+        // A reader that does not decode gets the chunk decoded.
+        let plain = store.read(hash, 0, 0, false).await.unwrap();
+        assert_eq!((plain.codec, &plain.bytes[..]), (Codec::None, &data[..]));
     }
 
     macro_rules! suite {

@@ -68,7 +68,11 @@ def _native_client(server: str, compress: int | None = None) -> _native.NativeCl
     with _shared_lock:
         client = _shared.get(key)
         if client is None:
-            client = _native.NativeClient(server, compress_level=compress)
+            # A second native client (another compression level) must write as the same run, or
+            # taking the job's lease would fence this process's other saves.
+            sibling = next((c for (pid, srv, _), c in _shared.items() if pid == key[0] and srv == server), None)
+            run_id = sibling.run_id if sibling is not None else None
+            client = _native.NativeClient(server, compress_level=compress, run_id=run_id)
             _shared[key] = client
         return client
 
