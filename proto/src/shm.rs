@@ -113,6 +113,10 @@ impl Region {
         if !SealFlag::from_bits_truncate(seals).contains(required) {
             return Err(io::Error::other("the memfd is not sealed against resizing"));
         }
+        // A hugetlb file faults with SIGBUS when the huge-page pool runs dry, seals or not.
+        if nix::sys::statfs::fstatfs(&fd)?.filesystem_type() == nix::sys::statfs::HUGETLBFS_MAGIC {
+            return Err(io::Error::other("a hugetlb memfd is refused"));
+        }
         let size = nix::sys::stat::fstat(&fd)?.st_size;
         if usize::try_from(size).map_or(true, |size| size < len) {
             return Err(io::Error::other(format!("the memfd holds {size} bytes, fewer than {len}")));
@@ -274,6 +278,13 @@ mod tests {
         let unsealed = memfd_create("unsealed", MFdFlags::MFD_CLOEXEC).unwrap();
         nix::unistd::ftruncate(&unsealed, 8192).unwrap();
         assert!(Region::attach(unsealed, 8192).is_err());
+        // A hugetlb memfd, even sealed (creating one needs no huge pages; mapping it would).
+        let huge = memfd_create("huge", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING | MFdFlags::MFD_HUGETLB);
+        if let Ok(huge) = huge {
+            let _ = fcntl(&huge, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW));
+            let refused = Region::attach(huge, 8192).err().expect("a hugetlb memfd was attached");
+            assert!(refused.to_string().contains("hugetlb"), "{refused}");
+        }
         assert!(!host_id().is_empty());
     }
 }
