@@ -329,6 +329,21 @@ impl Trial {
         died
     }
 
+    /// [`Trial::revive`] for a process that should have killed itself by now: its peers see its
+    /// sockets close a moment before it can be reaped, so a first look may be too early.
+    fn revive_struck(&mut self, who: Who) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            if self.revive(who) {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn save(&self, step: u64, file: &Path, env: &[(&str, &str)]) -> Child {
         let step = step.to_string();
         let mut command = Command::new(BIN);
@@ -476,7 +491,7 @@ impl Trial {
             std::thread::sleep(Duration::from_millis(50));
         }
         if crash_on_remove {
-            if self.revive(Who::Target(target)) {
+            if self.revive_struck(Who::Target(target)) {
                 died = true;
             }
             assert!(died, "seed {seed}: the scrubber removed a bad copy without reaching target.remove_bad");
@@ -520,7 +535,10 @@ impl Trial {
             self.restart(who, &[("FAILPOINTS", &crash_env(point, 0))]);
             self.cluster.wait_alive(TARGETS);
             let _ = self.cluster.cli(&["gc"]);
-            assert!(self.revive(who), "seed {seed}: {point} was armed, with garbage to collect, but never struck");
+            assert!(
+                self.revive_struck(who),
+                "seed {seed}: {point} was armed, with garbage to collect, but never struck"
+            );
             self.outcome.point_crashes += 1;
             self.cluster.wait_alive(TARGETS);
         }
@@ -565,7 +583,7 @@ impl Trial {
         if crash_repair {
             self.restart(Who::Server, &[("FAILPOINTS", &crash_env("control.repair.copy", 0))]);
             let _ = self.cluster.cli(&["repair"]);
-            if self.revive(Who::Server) {
+            if self.revive_struck(Who::Server) {
                 self.outcome.point_crashes += 1;
             } else {
                 // Only a disk that held no copies leaves nothing to copy.
