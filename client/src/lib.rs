@@ -54,7 +54,7 @@ pub use starckpt_proto::control::{
     TargetState,
 };
 pub use stream::{StreamedFile, StreamingFile};
-use transport::{AutoTransport, ChunkTransport, ShmConfig, TcpConfig};
+use transport::{AutoTransport, ChunkTransport, RdmaClient, RdmaConfig, ShmConfig, TcpConfig};
 
 /// Client configuration. Every field has a default chosen for one trainer process on a host with
 /// tens of GB of memory; see each field.
@@ -100,6 +100,9 @@ pub struct ClientConfig {
     /// Shared memory with targets on this host (`transport/shm.rs`): on by default, TCP where
     /// it is not available.
     pub shm: ShmConfig,
+    /// RDMA with targets that serve it (`transport/rdma.rs`): used when this client has a device
+    /// (builds with the `rdma` feature on a host with one, or a device given here); TCP otherwise.
+    pub rdma: RdmaConfig,
 }
 
 impl ClientConfig {
@@ -117,6 +120,27 @@ impl ClientConfig {
             stream_replicas: 2,
             compression: None,
             shm: ShmConfig::default(),
+            rdma: RdmaConfig::default(),
+        }
+    }
+}
+
+/// The RDMA device `config` asks for, if enabled and present (a missing one means TCP, logged).
+fn rdma_device(config: &RdmaConfig) -> Option<Arc<dyn starckpt_rdma::Verbs>> {
+    if !config.enabled {
+        return None;
+    }
+    if let Some(device) = &config.device {
+        return Some(Arc::clone(device));
+    }
+    match starckpt_rdma::open(&config.settings) {
+        Ok(device) => {
+            tracing::info!(device = %device.name(), "RDMA device opened");
+            Some(device)
+        }
+        Err(error) => {
+            tracing::debug!(%error, "no RDMA; using shared memory or TCP");
+            None
         }
     }
 }
@@ -138,6 +162,8 @@ type KnownTarget = (String, Arc<dyn ChunkTransport>);
 #[derive(Default)]
 struct Targets {
     by_id: Mutex<HashMap<String, KnownTarget>>,
+    /// This client's RDMA device and registrations, if it has a device.
+    rdma: Option<Arc<RdmaClient>>,
 }
 
 impl Targets {
@@ -157,6 +183,7 @@ impl Targets {
             config.tcp.clone(),
             config.shm.clone(),
             config.chunk_size_bytes,
+            self.rdma.clone(),
         ));
         map.insert(target_id.to_owned(), (address.to_owned(), Arc::clone(&transport)));
         Ok(transport)
@@ -217,6 +244,8 @@ impl Client {
             ControlClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
         let buffers = (config.staging_bytes / config.chunk_size_bytes).max(1);
         let staging = BufPool::new(config.chunk_size_bytes, buffers);
+        let rdma = rdma_device(&config.rdma)
+            .map(|verbs| RdmaClient::new(verbs, &staging, config.rdma.slots, config.chunk_size_bytes));
         let (run_id, run_id_shared) = match &config.run_id {
             Some(id) => (id.clone(), true),
             None => (uuid::Uuid::new_v4().to_string(), false),
@@ -230,7 +259,7 @@ impl Client {
                 upload_slot: Arc::new(tokio::sync::Semaphore::new(1)),
                 control,
                 staging,
-                targets: Targets::default(),
+                targets: Targets { by_id: Default::default(), rdma },
                 repairs: Arc::new(tokio::sync::Semaphore::new(REPAIRS_IN_FLIGHT)),
                 repairs_running: Arc::new(tokio::sync::Semaphore::new(REPAIRS_RUNNING)),
             }),

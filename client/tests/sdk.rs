@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use starckpt_client::{Client, ClientConfig, CommitState, Error, Lent, SavePart, TargetState};
 use starckpt_server::dev::DevCluster;
-use starckpt_server::target::EngineKind;
+use starckpt_server::target::{EngineKind, TargetRdma};
 
 fn random(len: usize, seed: u64) -> Vec<u8> {
     use rand::{RngCore, SeedableRng};
@@ -16,10 +16,28 @@ fn random(len: usize, seed: u64) -> Vec<u8> {
     out
 }
 
+/// Whether this run carries data over RDMA on the in-process software fabric
+/// (`STARCKPT_TEST_FABRIC=soft`; scripts/test runs this suite both ways), else the default
+/// transports (shared memory with these same-host targets).
+fn soft_rdma() -> bool {
+    std::env::var("STARCKPT_TEST_FABRIC").is_ok_and(|fabric| fabric == "soft")
+}
+
 async fn cluster(targets: usize, config: impl FnOnce(&mut ClientConfig)) -> (tempfile::TempDir, DevCluster, Client) {
     let dir = tempfile::tempdir().unwrap();
-    let cluster = DevCluster::start(dir.path(), "127.0.0.1:0", targets, EngineKind::Uring).await.unwrap();
+    let rdma = soft_rdma();
+    let cluster = DevCluster::start_with(dir.path(), "127.0.0.1:0", targets, EngineKind::Uring, |target| {
+        if rdma {
+            target.rdma = TargetRdma::Device(starckpt_rdma::soft::SoftDevice::new("target"));
+        }
+    })
+    .await
+    .unwrap();
     let mut client_config = ClientConfig::new(cluster.control_address.to_string());
+    if rdma {
+        client_config.shm.enabled = false;
+        client_config.rdma.device = Some(starckpt_rdma::soft::SoftDevice::new("client"));
+    }
     config(&mut client_config);
     let client = Client::connect(client_config).await.unwrap();
     for _ in 0..100 {
@@ -28,6 +46,12 @@ async fn cluster(targets: usize, config: impl FnOnce(&mut ClientConfig)) -> (tem
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if rdma {
+        // The suite must really run over RDMA, not quietly over TCP.
+        for target in client.targets().await.unwrap() {
+            assert_eq!(client.transport_kind(&target).await.unwrap(), "rdma", "target {}", target.target_id);
+        }
     }
     (dir, cluster, client)
 }

@@ -1,19 +1,20 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
 //! Conformance of `ChunkTransport` implementations against a real target data plane. Every
-//! transport (TCP today; shared memory and RDMA later) must pass these.
+//! transport (TCP, shared memory, RDMA over the in-process software fabric) must pass these.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use starckpt_client::transport::{
-    AutoTransport, ChunkPage, ChunkTransport, Payload, ShmConfig, ShmTransport, TcpConfig, TcpTransport, TransportError,
+    AutoTransport, ChunkPage, ChunkTransport, Payload, RdmaClient, RdmaTransport, ShmConfig, ShmTransport, TcpConfig,
+    TcpTransport, TransportError,
 };
 use starckpt_proto::ChunkHash;
 use starckpt_proto::codec::{self, Codec, CompressConfig};
 use starckpt_proto::data::ErrorCode;
 use starckpt_proto::frame::Opcode;
-use starckpt_server::target::dataplane::{self, DataPlaneLimits, ShmListener};
+use starckpt_server::target::dataplane::{self, DataPlaneLimits, ShmListener, Transports};
 use starckpt_server::target::engine::{EngineKind, open_engine};
 use starckpt_server::target::store::ChunkStore;
 use tokio::net::TcpListener;
@@ -32,16 +33,24 @@ async fn start_target(dir: &std::path::Path, address: &str) -> Target {
 
 /// A target serving TCP and, with `shm`, same-host shared memory on that Unix socket.
 async fn start_target_with(dir: &std::path::Path, address: &str, shm: Option<&std::path::Path>) -> Target {
-    let store = Arc::new(ChunkStore::open(dir, open_engine(EngineKind::Uring, 8).unwrap(), 1 << 20, 8).await.unwrap());
-    let listener = TcpListener::bind(address).await.unwrap();
-    let address = listener.local_addr().unwrap();
     let shm = shm.map(|path| {
         let _ = std::fs::remove_file(path);
         ShmListener { listener: tokio::net::UnixListener::bind(path).unwrap(), path: path.to_path_buf() }
     });
+    start_target_on(dir, address, Transports { shm, rdma: None }, DataPlaneLimits::default()).await
+}
+
+async fn start_target_on(
+    dir: &std::path::Path,
+    address: &str,
+    transports: Transports,
+    limits: DataPlaneLimits,
+) -> Target {
+    let store = Arc::new(ChunkStore::open(dir, open_engine(EngineKind::Uring, 8).unwrap(), 1 << 20, 8).await.unwrap());
+    let listener = TcpListener::bind(address).await.unwrap();
+    let address = listener.local_addr().unwrap();
     let (stop, mut stopped) = watch::channel(false);
-    let limits = DataPlaneLimits::default();
-    let task = tokio::spawn(dataplane::serve_with_shm(listener, shm, Arc::clone(&store), limits, async move {
+    let task = tokio::spawn(dataplane::serve_with(listener, transports, Arc::clone(&store), limits, async move {
         let _ = stopped.wait_for(|s| *s).await;
     }));
     Target { address, store, stop, task }
@@ -299,7 +308,7 @@ async fn auto_uses_shared_memory_on_this_host_and_tcp_otherwise() {
     let with_shm = start_target_with(&dir.path().join("a"), "127.0.0.1:0", Some(&socket)).await;
     let tcp_only = start_target(&dir.path().join("b"), "127.0.0.1:0").await;
     let (hash, data) = chunk(200_000, 3);
-    let auto = |address, shm: ShmConfig| AutoTransport::new(address, "t", TcpConfig::default(), shm, 1 << 20);
+    let auto = |address, shm: ShmConfig| AutoTransport::new(address, "t", TcpConfig::default(), shm, 1 << 20, None);
 
     let local = auto(with_shm.address, ShmConfig::default());
     assert_eq!(local.kind(), "tcp", "undecided: TCP, while the target is asked in the background");
@@ -416,4 +425,210 @@ async fn requests_waiting_for_a_slot_fail_instead_of_hanging_when_its_holder_tim
         let outcome = tokio::time::timeout(Duration::from_secs(20), get).await.expect("a GET hung").unwrap();
         assert!(outcome.unwrap_err().is_connection());
     }
+}
+
+// ---- RDMA, over the in-process software fabric (starckpt_rdma::soft) ----
+
+use starckpt_proto::buf::BufPool;
+use starckpt_rdma::soft::SoftDevice;
+
+/// A target serving TCP and RDMA on its own software device.
+async fn rdma_target(dir: &std::path::Path, limits: DataPlaneLimits) -> (Target, Arc<SoftDevice>) {
+    let device = SoftDevice::new("target");
+    let transports = Transports { shm: None, rdma: Some(device.clone()) };
+    (start_target_on(dir, "127.0.0.1:0", transports, limits).await, device)
+}
+
+/// A client's RDMA state on its own software device, with a staging pool of 1 MiB buffers.
+fn rdma_client() -> (Arc<RdmaClient>, BufPool, Arc<SoftDevice>) {
+    let device = SoftDevice::new("client");
+    let pool = BufPool::new(1 << 20, 4);
+    (RdmaClient::new(device.clone(), &pool, 4, 1 << 20), pool, device)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_operations() {
+    let dir = tempfile::tempdir().unwrap();
+    let (target, _target_device) = rdma_target(dir.path(), DataPlaneLimits::default()).await;
+    let (client, _pool, client_device) = rdma_client();
+    let transport =
+        RdmaTransport::connect(target.address, None, TcpConfig::default(), Arc::clone(&client)).await.unwrap();
+    assert_eq!(transport.kind(), "rdma");
+    let stat = transport.stat().await.unwrap();
+    assert_eq!(stat.rdma_device.as_deref(), Some("target"));
+    operations(&transport).await;
+    // A payload larger than a receive slot comes back in the frame; one larger than a staging
+    // buffer is registered for its request.
+    let (hash, data) = chunk(3 << 20, 9);
+    assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
+    assert_eq!(transport.get(hash, 0, 0).await.unwrap().bytes, data);
+    assert_eq!(transport.get(hash, 5, 1 << 20).await.unwrap().bytes, data.slice(5..(1 << 20) + 5));
+    // Per-request registrations are gone; the connection's receive region remains.
+    assert_eq!(client_device.registered_regions(), 1);
+    drop(transport);
+    assert_eq!(client_device.registered_regions(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_registers_staging_buffers_once_and_serves_many_requests_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (target, target_device) = rdma_target(dir.path(), DataPlaneLimits::default()).await;
+    let (client, pool, client_device) = rdma_client();
+    let transport = Arc::new(
+        RdmaTransport::connect(target.address, None, TcpConfig::default(), Arc::clone(&client)).await.unwrap(),
+    );
+    // Staged payloads (pool buffers) are registered once each, however many times they are sent.
+    let tasks: Vec<_> = (0..64u32)
+        .map(|i| {
+            let (transport, pool) = (Arc::clone(&transport), pool.clone());
+            tokio::spawn(async move {
+                let (hash, data) = chunk(1000 + i as usize * 9973, i as u8);
+                let mut staged = pool.acquire().await;
+                staged.buf_mut().full_mut()[..data.len()].copy_from_slice(&data);
+                staged.buf_mut().set_len(data.len());
+                transport.put(hash, Payload::raw(staged.freeze())).await.unwrap();
+                assert_eq!(transport.get(hash, 0, 0).await.unwrap().bytes, data);
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(target.store.stats().chunk_count, 64);
+    assert!((1..=4).contains(&client.registered_staging_buffers()), "{}", client.registered_staging_buffers());
+    // The client: its staging buffers and one receive region; the target: its pool's buffers.
+    assert_eq!(client_device.registered_regions(), client.registered_staging_buffers() + 1);
+    assert!(target_device.registered_regions() <= 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_requests_that_lie_are_refused() {
+    use prost::Message;
+    use starckpt_proto::data::{self, ConnectRequest, Response};
+    use starckpt_proto::frame::{read_frame_head, write_frame};
+    use starckpt_proto::rdma::{RemoteBuffer, endpoint_from_wire, endpoint_to_wire};
+    use starckpt_rdma::{Access, Verbs};
+
+    let dir = tempfile::tempdir().unwrap();
+    let (target, _target_device) = rdma_target(&dir.path().join("a"), DataPlaneLimits::default()).await;
+    let plain = start_target(&dir.path().join("b"), "127.0.0.1:0").await;
+    let device = SoftDevice::new("raw");
+    let (hash, data) = chunk(8192, 4);
+    let mut source = data.to_vec();
+    let region = unsafe { device.register(source.as_mut_ptr(), source.len(), Access::REMOTE_READ) }.unwrap();
+    let good = RemoteBuffer { addr: region.addr(), rkey: region.rkey(), len: 8192 };
+    let put = |remote: RemoteBuffer| {
+        data::PutRequest { hash: hash.to_bytes(), rdma: Some(remote.to_wire()), ..Default::default() }.encode_to_vec()
+    };
+    async fn call(stream: &mut tokio::net::TcpStream, opcode: Opcode, id: u64, header: &[u8]) -> Response {
+        write_frame(stream, opcode, id, header, &[]).await.unwrap();
+        let (head, response) = read_frame_head(stream).await.unwrap();
+        assert_eq!(head.request_id, id);
+        Response::decode(response).unwrap()
+    }
+    let code = |response: &Response| ErrorCode::try_from(response.code).unwrap();
+
+    // A remote buffer before OP_CONNECT, and OP_CONNECT to a target without RDMA: BAD_REQUEST.
+    let mut stream = tokio::net::TcpStream::connect(target.address).await.unwrap();
+    assert_eq!(code(&call(&mut stream, Opcode::Put, 1, &put(good)).await), ErrorCode::BadRequest);
+    let qp = device.create_qp(8).unwrap();
+    let connect =
+        ConnectRequest { endpoint: Some(endpoint_to_wire(&qp.endpoint())), ..Default::default() }.encode_to_vec();
+    let mut elsewhere = tokio::net::TcpStream::connect(plain.address).await.unwrap();
+    assert_eq!(code(&call(&mut elsewhere, Opcode::Connect, 1, &connect).await), ErrorCode::BadRequest);
+    // A malformed endpoint.
+    let mut bad_endpoint = endpoint_to_wire(&qp.endpoint());
+    bad_endpoint.gid = bytes::Bytes::from_static(&[1, 2, 3]);
+    let bad_connect = ConnectRequest { endpoint: Some(bad_endpoint), ..Default::default() }.encode_to_vec();
+    assert_eq!(code(&call(&mut stream, Opcode::Connect, 2, &bad_connect).await), ErrorCode::BadRequest);
+
+    // Connected: a second OP_CONNECT is refused; a good PUT is stored.
+    let answer = call(&mut stream, Opcode::Connect, 3, &connect).await;
+    assert_eq!(code(&answer), ErrorCode::Ok, "{}", answer.message);
+    qp.connect(&endpoint_from_wire(answer.rdma_endpoint.as_ref().unwrap()).unwrap()).unwrap();
+    assert_eq!(code(&call(&mut stream, Opcode::Connect, 4, &connect).await), ErrorCode::BadRequest);
+    let stored = call(&mut stream, Opcode::Put, 5, &put(good)).await;
+    assert_eq!(code(&stored), ErrorCode::Ok, "{}", stored.message);
+    assert_eq!(target.store.stats().chunk_count, 1);
+
+    // Zero and absurd lengths are refused before any transfer; a wrong rkey or a range past the
+    // region fails the transfer (and the queue pair): TRANSFER_FAILED; nothing is stored.
+    let (other, _) = chunk(8192, 5);
+    let put_other = |remote: RemoteBuffer| {
+        data::PutRequest { hash: other.to_bytes(), rdma: Some(remote.to_wire()), ..Default::default() }.encode_to_vec()
+    };
+    let absurd = data::PutRequest {
+        hash: other.to_bytes(),
+        rdma: Some(data::RemoteBuffer { addr: region.addr(), rkey: region.rkey(), length: 1 << 40 }),
+        ..Default::default()
+    }
+    .encode_to_vec();
+    assert_eq!(code(&call(&mut stream, Opcode::Put, 6, &absurd).await), ErrorCode::BadRequest);
+    let wrong_key = RemoteBuffer { rkey: region.rkey() + 77, ..good };
+    assert_eq!(code(&call(&mut stream, Opcode::Put, 7, &put_other(wrong_key)).await), ErrorCode::TransferFailed);
+    // The queue pair is in the error state now: even a good request fails its transfer.
+    assert_eq!(code(&call(&mut stream, Opcode::Put, 8, &put_other(good)).await), ErrorCode::TransferFailed);
+    // A fresh connection with a range past the region's end.
+    let mut stream = tokio::net::TcpStream::connect(target.address).await.unwrap();
+    let qp = device.create_qp(8).unwrap();
+    let connect =
+        ConnectRequest { endpoint: Some(endpoint_to_wire(&qp.endpoint())), ..Default::default() }.encode_to_vec();
+    let answer = call(&mut stream, Opcode::Connect, 1, &connect).await;
+    qp.connect(&endpoint_from_wire(answer.rdma_endpoint.as_ref().unwrap()).unwrap()).unwrap();
+    let past_end = RemoteBuffer { addr: region.addr() + 4096, ..good };
+    assert_eq!(code(&call(&mut stream, Opcode::Put, 2, &put_other(past_end)).await), ErrorCode::TransferFailed);
+    // A GET into a buffer the client registered read-only fails its transfer too.
+    let mut stream = tokio::net::TcpStream::connect(target.address).await.unwrap();
+    let qp = device.create_qp(8).unwrap();
+    let connect =
+        ConnectRequest { endpoint: Some(endpoint_to_wire(&qp.endpoint())), ..Default::default() }.encode_to_vec();
+    let answer = call(&mut stream, Opcode::Connect, 1, &connect).await;
+    qp.connect(&endpoint_from_wire(answer.rdma_endpoint.as_ref().unwrap()).unwrap()).unwrap();
+    let get = data::GetRequest { hash: hash.to_bytes(), rdma: Some(good.to_wire()), ..Default::default() };
+    assert_eq!(code(&call(&mut stream, Opcode::Get, 2, &get.encode_to_vec()).await), ErrorCode::TransferFailed);
+    assert_eq!(target.store.stats().chunk_count, 1);
+    drop(region);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_uses_rdma_when_both_sides_have_it_and_falls_back_to_tcp() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = DataPlaneLimits { frame_timeout: Duration::from_millis(300), ..DataPlaneLimits::default() };
+    let (with_rdma, target_device) = rdma_target(&dir.path().join("a"), limits).await;
+    let tcp_only = start_target(&dir.path().join("b"), "127.0.0.1:0").await;
+    let (client, _pool, _client_device) = rdma_client();
+    let (hash, data) = chunk(200_000, 3);
+    let no_shm = ShmConfig { enabled: false, ..ShmConfig::default() };
+    let auto = |address, rdma: Option<Arc<RdmaClient>>| {
+        AutoTransport::new(address, "t", TcpConfig::default(), no_shm.clone(), 1 << 20, rdma)
+    };
+
+    let fast = auto(with_rdma.address, Some(Arc::clone(&client)));
+    assert!(!fast.put(hash, Payload::raw(data.clone())).await.unwrap());
+    fast.settle().await;
+    assert_eq!(fast.kind(), "rdma");
+    assert_eq!(fast.get(hash, 0, 0).await.unwrap().bytes, data);
+
+    // No RDMA on the client (no device, or a build without the feature), or none on the target:
+    // TCP, with no change for the caller.
+    for (address, rdma) in [(with_rdma.address, None), (tcp_only.address, Some(Arc::clone(&client)))] {
+        let plain = auto(address, rdma);
+        assert!(plain.put(hash, Payload::raw(data.clone())).await.is_ok());
+        plain.settle().await;
+        assert_eq!(plain.kind(), "tcp");
+        assert_eq!(plain.get(hash, 0, 0).await.unwrap().bytes, data);
+    }
+
+    // The link hangs mid-transfer: the target's transfer times out, its queue pair fails, the
+    // request is answered TRANSFER_FAILED, and the client retries over TCP.
+    target_device.stall();
+    let (second, second_data) = chunk(100_000, 4);
+    assert!(!fast.put(second, Payload::raw(second_data.clone())).await.unwrap());
+    assert_eq!(fast.get(second, 0, 0).await.unwrap().bytes, second_data);
+    target_device.resume();
+    // Once the link works again, a fresh connection carries RDMA again.
+    let (third, third_data) = chunk(50_000, 5);
+    assert!(!fast.put(third, Payload::raw(third_data.clone())).await.unwrap());
+    assert_eq!(fast.get(third, 0, 0).await.unwrap().bytes, third_data);
+    assert_eq!(fast.kind(), "rdma");
 }

@@ -138,6 +138,19 @@ struct PoolInner {
     created: std::sync::atomic::AtomicUsize,
     free: Mutex<Vec<AlignedBuf>>,
     permits: Arc<Semaphore>,
+    /// Start addresses of the buffers created, sorted: a pool's buffers live as long as the pool,
+    /// so memory registered for RDMA once stays valid ([`BufPool::buffer_containing`]).
+    bases: Mutex<Vec<usize>>,
+}
+
+impl PoolInner {
+    fn create(&self) -> AlignedBuf {
+        let buf = AlignedBuf::new(self.buf_bytes);
+        let mut bases = self.bases.lock().unwrap_or_else(|p| p.into_inner());
+        let at = bases.partition_point(|&b| b < buf.as_ptr() as usize);
+        bases.insert(at, buf.as_ptr() as usize);
+        buf
+    }
 }
 
 /// A bounded pool of equal-sized [`AlignedBuf`]s. At most `max_buffers` exist at once; `acquire`
@@ -157,6 +170,7 @@ impl BufPool {
                 created: std::sync::atomic::AtomicUsize::new(0),
                 free: Mutex::new(Vec::new()),
                 permits: Arc::new(Semaphore::new(max_buffers.max(1))),
+                bases: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -185,9 +199,19 @@ impl BufPool {
             if reserved.is_err() {
                 break;
             }
-            let buf = AlignedBuf::new(self.inner.buf_bytes);
+            let buf = self.inner.create();
             self.lock_free().push(buf);
         }
+    }
+
+    /// The buffer of this pool that holds address `ptr`: its start and capacity. Such memory stays
+    /// allocated (lent out or free) until the last handle of the pool is dropped.
+    pub fn buffer_containing(&self, ptr: *const u8) -> Option<(usize, usize)> {
+        let at = ptr as usize;
+        let bases = self.inner.bases.lock().unwrap_or_else(|p| p.into_inner());
+        let index = bases.partition_point(|&b| b <= at).checked_sub(1)?;
+        let base = bases[index];
+        (at < base + self.inner.buf_bytes).then_some((base, self.inner.buf_bytes))
     }
 
     fn lock_free(&self) -> std::sync::MutexGuard<'_, Vec<AlignedBuf>> {
@@ -210,7 +234,7 @@ impl BufPool {
         // Holding a permit guarantees a free buffer exists or fewer than max_buffers were created.
         let buf = self.lock_free().pop().unwrap_or_else(|| {
             self.inner.created.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-            AlignedBuf::new(self.inner.buf_bytes)
+            self.inner.create()
         });
         PooledBuf { buf: Some(buf), pool: Arc::clone(&self.inner), _permit: permit }
     }
@@ -330,5 +354,20 @@ mod tests {
         drop((c, _b));
         pool.prefill(10);
         assert_eq!(pool.inner.created.load(std::sync::atomic::Ordering::Relaxed), 2, "prefill respects the bound");
+    }
+
+    #[tokio::test]
+    async fn a_pool_knows_which_buffer_holds_an_address() {
+        let pool = BufPool::new(8192, 3);
+        pool.prefill(1);
+        let (a, b) = (pool.acquire().await, pool.acquire().await);
+        for buf in [&a, &b] {
+            let base = buf.buf().as_ptr();
+            assert_eq!(pool.buffer_containing(base), Some((base as usize, 8192)));
+            assert_eq!(pool.buffer_containing(base.wrapping_add(8191)), Some((base as usize, 8192)));
+        }
+        let other = AlignedBuf::new(8192);
+        assert_eq!(pool.buffer_containing(other.as_ptr()), None);
+        assert_eq!(pool.buffer_containing(std::ptr::null()), None);
     }
 }

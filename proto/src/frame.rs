@@ -52,12 +52,15 @@ pub enum Opcode {
     Delete,
     Stat,
     List,
+    /// Sets up RDMA for the connection (rdma/src/lib.rs).
+    Connect,
     PutResponse,
     GetResponse,
     HasResponse,
     DeleteResponse,
     StatResponse,
     ListResponse,
+    ConnectResponse,
 }
 
 impl Opcode {
@@ -69,12 +72,14 @@ impl Opcode {
             Opcode::Delete => 4,
             Opcode::Stat => 5,
             Opcode::List => 6,
+            Opcode::Connect => 7,
             Opcode::PutResponse => 1 | RESPONSE_BIT,
             Opcode::GetResponse => 2 | RESPONSE_BIT,
             Opcode::HasResponse => 3 | RESPONSE_BIT,
             Opcode::DeleteResponse => 4 | RESPONSE_BIT,
             Opcode::StatResponse => 5 | RESPONSE_BIT,
             Opcode::ListResponse => 6 | RESPONSE_BIT,
+            Opcode::ConnectResponse => 7 | RESPONSE_BIT,
         }
     }
 
@@ -86,12 +91,14 @@ impl Opcode {
             4 => Opcode::Delete,
             5 => Opcode::Stat,
             6 => Opcode::List,
+            7 => Opcode::Connect,
             0x81 => Opcode::PutResponse,
             0x82 => Opcode::GetResponse,
             0x83 => Opcode::HasResponse,
             0x84 => Opcode::DeleteResponse,
             0x85 => Opcode::StatResponse,
             0x86 => Opcode::ListResponse,
+            0x87 => Opcode::ConnectResponse,
             _ => return None,
         })
     }

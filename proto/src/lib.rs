@@ -5,6 +5,7 @@
 //! - [`codec`]: chunk codecs (zstd, zstd over float byte planes) and their stored formats.
 //! - [`frame`]: the data-plane frame format (fixed binary header, prost header, raw payload),
 //!   with hard size limits and async read/write helpers.
+//! - [`rdma`]: the RDMA fields of frames (queue-pair endpoints, client buffers), checked.
 //! - [`shm`]: same-host shared memory for the data plane (sealed memfd regions, the attach
 //!   handshake over a Unix socket).
 //! - [`model`]: domain types validated on receipt (`TryFrom`), so malformed input never reaches
@@ -22,6 +23,7 @@ pub mod buf;
 pub mod codec;
 pub mod frame;
 pub mod model;
+pub mod rdma;
 pub mod shm;
 
 /// Control-plane gRPC messages and service.

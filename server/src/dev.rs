@@ -53,6 +53,17 @@ impl DevCluster {
         targets: usize,
         engine: EngineKind,
     ) -> anyhow::Result<DevCluster> {
+        DevCluster::start_with(data_dir, listen, targets, engine, |_| {}).await
+    }
+
+    /// [`DevCluster::start`], with each target's configuration adjusted by `configure`.
+    pub async fn start_with(
+        data_dir: &Path,
+        listen: &str,
+        targets: usize,
+        engine: EngineKind,
+        configure: impl Fn(&mut TargetConfig),
+    ) -> anyhow::Result<DevCluster> {
         std::fs::create_dir_all(data_dir).with_context(|| format!("create {}", data_dir.display()))?;
         let store = control::open_store(&data_dir.join("meta.db").to_string_lossy()).await?;
         let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
@@ -67,6 +78,7 @@ impl DevCluster {
         for index in 0..targets {
             let mut config = TargetConfig::new(data_dir.join(format!("target-{index}")), control_address.to_string());
             config.engine = engine;
+            configure(&mut config);
             let listener = bind_stable(&config.dir).await?;
             target_addresses.push(listener.local_addr()?);
             tasks.push(tokio::spawn(target::run(config, listener, wait(stopped.clone()))));

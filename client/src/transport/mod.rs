@@ -1,7 +1,8 @@
 //! Data-plane transports: how chunk bytes reach a target.
 //!
 //! [`ChunkTransport`] is the seam: the SDK's save and restore logic only calls it, so the
-//! shared-memory and RDMA transports slot in beside [`TcpTransport`] without touching that logic.
+//! shared-memory ([`ShmTransport`]) and RDMA ([`RdmaTransport`]) transports slot in beside
+//! [`TcpTransport`] without touching that logic; [`AutoTransport`] picks one per target.
 //!
 //! [`TcpTransport`] keeps a few persistent connections per target. Each connection multiplexes
 //! many requests: a writer task sends frames in order, a reader task matches responses to
@@ -24,9 +25,13 @@ use starckpt_proto::ChunkHash;
 use starckpt_proto::codec::Codec;
 use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{self, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, Opcode, ReadFrameError};
+use starckpt_proto::rdma::RemoteBuffer;
 use thiserror::Error;
 
+mod rdma;
 mod shm;
+mod slots;
+pub use rdma::{RdmaClient, RdmaConfig, RdmaTransport};
 pub use shm::{AutoTransport, ShmConfig, ShmTransport};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::TcpStream;
@@ -55,7 +60,7 @@ impl TransportError {
             TransportError::Connect(_)
                 | TransportError::Connection(_)
                 | TransportError::Timeout(_)
-                | TransportError::Remote { code: ErrorCode::WrongTarget, .. }
+                | TransportError::Remote { code: ErrorCode::WrongTarget | ErrorCode::TransferFailed, .. }
         )
     }
 }
@@ -72,6 +77,8 @@ pub struct TargetStat {
     pub scrub_corrupt_removed: u64,
     /// Where a client on the target's host can attach shared memory; None if it serves none.
     pub shm: Option<ShmEndpoint>,
+    /// The target's RDMA device, if it serves RDMA.
+    pub rdma_device: Option<String>,
 }
 
 /// A target's shared-memory endpoint, from its STAT response.
@@ -444,12 +451,13 @@ impl FrameTransport for TcpTransport {
     }
 
     async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
-        let header = put_header(self, hash, &payload, repair, 0);
+        let header = put_header(self, hash, &payload, repair, Place::Inline);
         Ok(self.call(Opcode::Put, header, Some(payload.bytes)).await?.0.already_present)
     }
 
     async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
-        let (response, bytes) = self.call(Opcode::Get, get_header(self, hash, offset, length, 0), None).await?;
+        let (response, bytes) =
+            self.call(Opcode::Get, get_header(self, hash, offset, length, Place::Inline), None).await?;
         get_payload(&response, bytes)
     }
 
@@ -465,22 +473,41 @@ fn hash_list(hashes: &[ChunkHash]) -> Result<Vec<Bytes>, TransportError> {
     Ok(hashes.iter().map(|h| h.to_bytes()).collect())
 }
 
-/// A PUT request's header; `slot`: the payload is in this shared-memory slot, not the frame.
+/// Where a request's payload (PUT) or result (GET) travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// In the frame.
+    Inline,
+    /// In this 1-based shared-memory slot.
+    Slot(u32),
+    /// In client memory registered for RDMA.
+    Rdma(RemoteBuffer),
+}
+
+/// A PUT request's header, its payload at `place`.
 pub(crate) fn put_header<F: FrameTransport + ?Sized>(
     frames: &F,
     hash: ChunkHash,
     payload: &Payload,
     repair: bool,
-    slot: u32,
+    place: Place,
 ) -> Vec<u8> {
+    let (shm_slot, shm_length) = match place {
+        Place::Slot(slot) => (slot, payload.bytes.len() as u64),
+        _ => (0, 0),
+    };
     data::PutRequest {
         auth: frames.auth(),
         hash: hash.to_bytes(),
         repair,
         codec: payload.codec.to_wire(),
         length_bytes: payload.length,
-        shm_slot: slot,
-        shm_length: if slot == 0 { 0 } else { payload.bytes.len() as u64 },
+        shm_slot,
+        shm_length,
+        rdma: match place {
+            Place::Rdma(remote) => Some(remote.to_wire()),
+            _ => None,
+        },
     }
     .encode_to_vec()
 }
@@ -490,15 +517,22 @@ pub(crate) fn get_header<F: FrameTransport + ?Sized>(
     hash: ChunkHash,
     offset: u64,
     length: u64,
-    slot: u32,
+    place: Place,
 ) -> Vec<u8> {
     data::GetRequest {
         auth: frames.auth(),
         hash: hash.to_bytes(),
         offset,
         length,
-        shm_slot: slot,
+        shm_slot: match place {
+            Place::Slot(slot) => slot,
+            _ => 0,
+        },
         accept_encoded: true,
+        rdma: match place {
+            Place::Rdma(remote) => Some(remote.to_wire()),
+            _ => None,
+        },
     }
     .encode_to_vec()
 }
@@ -574,6 +608,7 @@ async fn stat_frames<F: FrameTransport + ?Sized>(frames: &F) -> Result<TargetSta
         scrub_corrupt_removed: response.scrub_corrupt_removed,
         shm: (!response.shm_socket.is_empty())
             .then(|| ShmEndpoint { host_id: response.host_id, socket: response.shm_socket.into() }),
+        rdma_device: response.rdma_endpoint.is_some().then_some(response.rdma_device),
     })
 }
 

@@ -9,14 +9,14 @@
 //! carry the requests are the same as on TCP (HAS, LIST, ... travel on the same socket). A payload
 //! larger than a slot travels inline on the same socket.
 //!
-//! A slot is reused only after the target answered the request that used it. A request abandoned
-//! before its answer (a timeout, a cancelled save) may still be read or written by the target, so
-//! its connection is closed instead, and the next request attaches a fresh region.
+//! Slots are lent as `slots.rs` describes: reused only once the target answered; an abandoned
+//! request closes its connection, and the next request attaches a fresh region.
 //!
 //! [`AutoTransport`] is what the SDK uses: it asks a target over TCP (STAT, in the background, so
-//! no request waits for it) for its shared-memory endpoint and host; on the same host it attaches,
-//! and uses TCP until then, when the target serves no shared memory, runs elsewhere, the attach
-//! fails, or a shared-memory request fails to connect.
+//! no request waits for it) for its shared-memory endpoint, host and RDMA device. On the same host
+//! it attaches shared memory; elsewhere, when both sides have RDMA, it sets up an RDMA connection
+//! (`rdma.rs`). It uses TCP until then, when neither applies, when the setup fails (tried again
+//! later), and for any request that fails to connect over the faster transport.
 
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -25,6 +25,7 @@ use starckpt_proto::shm::{self, Attach, Region};
 use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 
+use super::slots::{Dialled, Slot, SlotPool, Slotted};
 use super::*;
 
 /// Shared-memory settings of a client.
@@ -44,60 +45,7 @@ impl Default for ShmConfig {
 }
 
 /// One attached connection.
-struct ShmConnection {
-    frames: Connection,
-    region: Region,
-    slot_bytes: usize,
-    free: Mutex<Vec<u32>>,
-    available: Semaphore,
-}
-
-/// A slot in use; returned to its connection only once the target answered (see the module docs).
-struct Slot {
-    connection: Arc<ShmConnection>,
-    index: u32,
-    answered: bool,
-}
-
-impl Slot {
-    fn offset(&self) -> usize {
-        self.index as usize * self.connection.slot_bytes
-    }
-
-    /// The 1-based number frames carry.
-    fn number(&self) -> u32 {
-        self.index + 1
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        if self.answered {
-            self.connection.free.lock().unwrap_or_else(|p| p.into_inner()).push(self.index);
-            self.connection.available.add_permits(1);
-        } else {
-            // The slot is never reused: the connection goes, and requests waiting for a slot of
-            // it fail (and retry on a fresh connection) instead of waiting for a permit that
-            // will not come back.
-            self.connection.available.close();
-            self.connection.frames.close("a request was abandoned while the target may still use its slot");
-        }
-    }
-}
-
-impl ShmConnection {
-    async fn slot(self: &Arc<Self>) -> Result<Slot, TransportError> {
-        let permit = self
-            .available
-            .acquire()
-            .await
-            .map_err(|_| TransportError::Connection("the shared-memory connection closed".into()))?;
-        permit.forget();
-        let index = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let index = index.ok_or_else(|| TransportError::Protocol("no free slot behind a permit".into()))?;
-        Ok(Slot { connection: Arc::clone(self), index, answered: false })
-    }
-}
+pub(crate) type ShmConnection = Slotted<Region>;
 
 /// The shared-memory transport to one target on this host.
 pub struct ShmTransport {
@@ -135,20 +83,42 @@ impl ShmTransport {
         Ok(transport)
     }
 
-    async fn connection(&self) -> Result<Arc<ShmConnection>, TransportError> {
-        let mut slot = self.connection.lock().await;
-        if let Some(connection) = slot.as_ref().filter(|c| c.frames.is_alive()) {
-            return Ok(Arc::clone(connection));
-        }
-        let connection =
-            Arc::new(tokio::time::timeout(self.config.connect_timeout, self.open()).await.map_err(|_| {
-                TransportError::Connect(format!(
-                    "shared-memory attach timed out after {:?}",
-                    self.config.connect_timeout
-                ))
-            })??);
-        *slot = Some(Arc::clone(&connection));
-        Ok(connection)
+    async fn put_request(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
+        let (response, _) = once_more(|| async {
+            let connection = self.connection().await?;
+            if payload.bytes.len() > connection.slots.slot_bytes() {
+                let header = put_header(self, hash, &payload, repair, Place::Inline);
+                return self.call_on(&connection, Opcode::Put, header, Some(payload.bytes.clone())).await;
+            }
+            let mut slot = Slot::lend(&connection).await?;
+            connection
+                .region
+                .write_at(slot.offset(), &payload.bytes)
+                .map_err(|e| TransportError::Protocol(e.to_string()))?;
+            let header = put_header(self, hash, &payload, repair, Place::Slot(slot.number()));
+            let result = self.call_on(&connection, Opcode::Put, header, None).await;
+            slot.settle(&result);
+            result
+        })
+        .await?;
+        Ok(response.already_present)
+    }
+}
+
+#[async_trait]
+impl Dialled for ShmTransport {
+    type Conn = ShmConnection;
+
+    fn current(&self) -> &tokio::sync::Mutex<Option<Arc<ShmConnection>>> {
+        &self.connection
+    }
+
+    fn timeouts(&self) -> &TcpConfig {
+        &self.config
+    }
+
+    fn setup(&self) -> &'static str {
+        "shared-memory attach"
     }
 
     async fn open(&self) -> Result<ShmConnection, TransportError> {
@@ -165,49 +135,9 @@ impl ShmTransport {
         Ok(ShmConnection {
             frames: Connection::start(reader, writer, self.config.max_requests_per_connection),
             region,
-            slot_bytes: self.attach.slot_bytes as usize,
-            free: Mutex::new((0..self.attach.slots).rev().collect()),
-            available: Semaphore::new(self.attach.slots as usize),
+            slots: SlotPool::new(self.attach.slots, self.attach.slot_bytes as usize),
         })
     }
-
-    /// One request on `connection`, its response checked.
-    async fn call_on(
-        &self,
-        connection: &ShmConnection,
-        opcode: Opcode,
-        header: Vec<u8>,
-        payload: Option<Bytes>,
-    ) -> Result<(data::Response, Bytes), TransportError> {
-        let (response, payload) = connection.frames.call(opcode, header, payload, self.config.request_timeout).await?;
-        checked(response, payload)
-    }
-
-    async fn put_request(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
-        let (response, _) = once_more(|| async {
-            let connection = self.connection().await?;
-            if payload.bytes.len() > connection.slot_bytes {
-                let header = put_header(self, hash, &payload, repair, 0);
-                return self.call_on(&connection, Opcode::Put, header, Some(payload.bytes.clone())).await;
-            }
-            let mut slot = connection.slot().await?;
-            connection
-                .region
-                .write_at(slot.offset(), &payload.bytes)
-                .map_err(|e| TransportError::Protocol(e.to_string()))?;
-            let header = put_header(self, hash, &payload, repair, slot.number());
-            let result = self.call_on(&connection, Opcode::Put, header, None).await;
-            slot.answered = answered(&result);
-            result
-        })
-        .await?;
-        Ok(response.already_present)
-    }
-}
-
-/// Whether the target is done with a request's slot: it answered (even with an error).
-fn answered<T>(result: &Result<T, TransportError>) -> bool {
-    !matches!(result, Err(TransportError::Timeout(_) | TransportError::Connection(_)))
 }
 
 #[async_trait]
@@ -222,11 +152,7 @@ impl FrameTransport for ShmTransport {
         header: Vec<u8>,
         payload: Option<Bytes>,
     ) -> Result<(data::Response, Bytes), TransportError> {
-        once_more(|| async {
-            let connection = self.connection().await?;
-            self.call_on(&connection, opcode, header.clone(), payload.clone()).await
-        })
-        .await
+        self.call_frame(opcode, header, payload).await
     }
 
     async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
@@ -236,17 +162,17 @@ impl FrameTransport for ShmTransport {
     async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
         once_more(|| async {
             let connection = self.connection().await?;
-            let mut slot = connection.slot().await?;
-            let header = get_header(self, hash, offset, length, slot.number());
+            let mut slot = Slot::lend(&connection).await?;
+            let header = get_header(self, hash, offset, length, Place::Slot(slot.number()));
             let result = self.call_on(&connection, Opcode::Get, header, None).await;
-            slot.answered = answered(&result);
+            slot.settle(&result);
             let (response, inline) = result?;
             if response.shm_length == 0 {
                 // Too big for a slot (or empty): it came in the frame.
                 return get_payload(&response, inline);
             }
             let len = usize::try_from(response.shm_length).unwrap_or(usize::MAX);
-            if len > connection.slot_bytes || !inline.is_empty() {
+            if len > connection.slots.slot_bytes() || !inline.is_empty() {
                 return Err(TransportError::Protocol(format!("GET answered {len} bytes in a slot")));
             }
             let mut bytes = vec![0u8; len];
@@ -284,8 +210,9 @@ struct Probe {
     config: TcpConfig,
     shm_config: ShmConfig,
     slot_bytes: usize,
-    /// Set once decided: Some when the target is local and attached.
-    decided: std::sync::OnceLock<Option<Arc<ShmTransport>>>,
+    rdma: Option<Arc<RdmaClient>>,
+    /// Set once decided: the faster transport set up, or None for TCP.
+    decided: std::sync::OnceLock<Option<Arc<dyn ChunkTransport>>>,
     running: std::sync::atomic::AtomicBool,
     retry_at: Mutex<Option<std::time::Instant>>,
     finished: tokio::sync::Notify,
@@ -294,7 +221,7 @@ struct Probe {
 impl Probe {
     /// Starts a probe unless one is running, the answer is known, or the last one failed recently.
     fn start(self: &Arc<Self>) {
-        if !self.shm_config.enabled || self.decided.get().is_some() {
+        if !(self.shm_config.enabled || self.rdma.is_some()) || self.decided.get().is_some() {
             return;
         }
         if self.retry_at.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|at| std::time::Instant::now() < at) {
@@ -320,12 +247,17 @@ impl Probe {
         });
     }
 
-    /// The target's answer: its shared memory, attached, if it is on this host and serves it.
-    async fn ask(&self) -> Result<Option<Arc<ShmTransport>>, TransportError> {
+    /// The target's answer: shared memory, attached, if it is on this host and serves it; else an
+    /// RDMA connection if both sides have RDMA; else None (TCP).
+    async fn ask(&self) -> Result<Option<Arc<dyn ChunkTransport>>, TransportError> {
         let stat = self.tcp.stat().await?;
         let here = shm::host_id();
-        let Some(endpoint) = stat.shm.filter(|e| !here.is_empty() && e.host_id == here) else {
-            return Ok(None);
+        let local = stat.shm.filter(|e| self.shm_config.enabled && !here.is_empty() && e.host_id == here);
+        let Some(endpoint) = local else {
+            return match (&self.rdma, &stat.rdma_device) {
+                (Some(rdma), Some(device)) => self.connect_rdma(rdma, device).await,
+                _ => Ok(None),
+            };
         };
         let attached = ShmTransport::connect(
             endpoint.socket.clone(),
@@ -346,17 +278,36 @@ impl Probe {
             }
         }
     }
+
+    async fn connect_rdma(
+        &self,
+        rdma: &Arc<RdmaClient>,
+        device: &str,
+    ) -> Result<Option<Arc<dyn ChunkTransport>>, TransportError> {
+        let address = self.tcp.address();
+        match RdmaTransport::connect(address, Some(&self.target_id), self.config.clone(), Arc::clone(rdma)).await {
+            Ok(transport) => {
+                tracing::debug!(target = %self.target_id, local = %rdma.device(), remote = %device, "using RDMA");
+                Ok(Some(Arc::new(transport)))
+            }
+            Err(error) => {
+                tracing::info!(target = %self.target_id, %error, "RDMA unavailable; using TCP for now");
+                Err(error)
+            }
+        }
+    }
 }
 
 impl AutoTransport {
     /// `slot_bytes`: the largest payload that goes through shared memory (the client's chunk
-    /// size); larger ones travel inline.
+    /// size); larger ones travel inline. `rdma`: this client's RDMA device, if it has one.
     pub fn new(
         address: SocketAddr,
         target_id: &str,
         config: TcpConfig,
         shm_config: ShmConfig,
         slot_bytes: usize,
+        rdma: Option<Arc<RdmaClient>>,
     ) -> AutoTransport {
         let tcp = Arc::new(TcpTransport::for_target(address, target_id, config.clone()));
         let probe = Arc::new(Probe {
@@ -365,6 +316,7 @@ impl AutoTransport {
             config,
             shm_config,
             slot_bytes,
+            rdma,
             decided: std::sync::OnceLock::new(),
             running: std::sync::atomic::AtomicBool::new(false),
             retry_at: Mutex::new(None),
@@ -376,7 +328,7 @@ impl AutoTransport {
     /// The transport to use now (module docs); starts a probe if the answer is not known yet.
     fn chosen(&self) -> Arc<dyn ChunkTransport> {
         match self.probe.decided.get() {
-            Some(Some(shm)) => Arc::clone(shm) as Arc<dyn ChunkTransport>,
+            Some(Some(fast)) => Arc::clone(fast),
             Some(None) => Arc::clone(&self.tcp) as Arc<dyn ChunkTransport>,
             None => {
                 self.probe.start();
@@ -385,16 +337,17 @@ impl AutoTransport {
         }
     }
 
-    /// Runs `op` on the chosen transport; a shared-memory failure to connect is retried on TCP.
+    /// Runs `op` on the chosen transport; a shared-memory or RDMA failure to connect is retried
+    /// on TCP.
     async fn run<T, F>(&self, op: impl Fn(Arc<dyn ChunkTransport>) -> F) -> Result<T, TransportError>
     where
         F: std::future::Future<Output = Result<T, TransportError>>,
     {
         let chosen = self.chosen();
-        let shm = chosen.kind() == "shm";
+        let kind = chosen.kind();
         match op(chosen).await {
-            Err(error) if shm && error.is_connection() => {
-                tracing::warn!(target = %self.probe.target_id, %error, "shared-memory request failed; retrying over TCP");
+            Err(error) if kind != "tcp" && error.is_connection() => {
+                tracing::warn!(target = %self.probe.target_id, %error, "{kind} request failed; retrying over TCP");
                 op(Arc::clone(&self.tcp) as Arc<dyn ChunkTransport>).await
             }
             other => other,
@@ -442,7 +395,7 @@ impl ChunkTransport for AutoTransport {
 
     fn kind(&self) -> &'static str {
         match self.probe.decided.get() {
-            Some(Some(_)) => "shm",
+            Some(Some(fast)) => fast.kind(),
             _ => "tcp",
         }
     }

@@ -6,6 +6,13 @@
 //! payload bytes in flight across the whole target. When a bound is reached the reader stops
 //! reading, so TCP flow control pushes back on the client instead of memory growing.
 //!
+//! Three ways to the same frames: TCP; a Unix socket with a shared-memory region (same host,
+//! `starckpt_proto::shm`); and TCP with an RDMA queue pair set up by OP_CONNECT (`starckpt_rdma`):
+//! a PUT then names a client buffer the target RDMA-READs into its own registered buffer (the one
+//! it writes to the device from), a GET one it RDMA-WRITEs the chunk into. RDMA transfers are
+//! admitted per device ([`DataPlaneLimits::rdma_transfers`]) on top of the byte budget; one that
+//! fails leaves the connection's queue pair in the error state and is answered TRANSFER_FAILED.
+//!
 //! A frame with a bad fixed header (magic, version, opcode, flags, sizes) closes the connection:
 //! after it the stream has no trustworthy frame boundary. A frame with a good fixed header but an
 //! undecodable prost header gets a BAD_REQUEST response and the connection stays open.
@@ -26,7 +33,9 @@ use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{
     self, FrameHeader, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, MAX_LIST_ENTRIES, Opcode, ReadFrameError,
 };
+use starckpt_proto::rdma::{RemoteBuffer, endpoint_from_wire, endpoint_to_wire};
 use starckpt_proto::shm::{self, Attach, Region};
+use starckpt_rdma::{Access, MemoryMap, Op, QpDriver, Verbs, WorkRequest};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{Semaphore, mpsc};
@@ -53,6 +62,9 @@ pub struct DataPlaneLimits {
     /// reconnect on their next request; a peer stalled in the middle of a header releases its
     /// connection slot). Default 10 min.
     pub idle_timeout: Duration,
+    /// RDMA transfers (READs of PUT payloads, WRITEs of GET results) in flight on the device at
+    /// once, across connections; more wait. Default 32 (128 MiB at 4 MiB chunks).
+    pub rdma_transfers: usize,
 }
 
 impl Default for DataPlaneLimits {
@@ -63,6 +75,7 @@ impl Default for DataPlaneLimits {
             max_inflight_bytes: 1 << 30,
             frame_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(600),
+            rdma_transfers: 32,
         }
     }
 }
@@ -83,6 +96,23 @@ pub struct ShmListener {
     pub path: std::path::PathBuf,
 }
 
+/// Ways to reach a target besides plain TCP.
+#[derive(Default)]
+pub struct Transports {
+    /// Same-host clients' shared memory.
+    pub shm: Option<ShmListener>,
+    /// An opened RDMA device: clients with RDMA set up queue pairs on their TCP connections.
+    pub rdma: Option<Arc<dyn Verbs>>,
+}
+
+/// A target's RDMA device, its registrations and its admission control.
+struct RdmaServing {
+    /// The target's buffers: the I/O pool registered once, other memory per transfer.
+    memory: MemoryMap,
+    /// Transfers in flight on the device.
+    admission: Semaphore,
+}
+
 /// What a connection handler needs besides its stream.
 struct Served {
     store: Arc<ChunkStore>,
@@ -91,6 +121,7 @@ struct Served {
     inflight_bytes: Arc<Semaphore>,
     /// Advertised in STAT: (this host's id, the shared-memory socket's path).
     shm: Option<(String, String)>,
+    rdma: Option<RdmaServing>,
 }
 
 /// Serves the data plane on `listener` until `shutdown` resolves; then closes every connection
@@ -114,11 +145,31 @@ pub async fn serve_with_shm(
     limits: DataPlaneLimits,
     shutdown: impl Future<Output = ()>,
 ) {
+    serve_with(listener, Transports { shm, rdma: None }, store, limits, shutdown).await
+}
+
+/// [`serve`], plus the `transports` given: same-host shared memory, RDMA.
+pub async fn serve_with(
+    listener: TcpListener,
+    transports: Transports,
+    store: Arc<ChunkStore>,
+    limits: DataPlaneLimits,
+    shutdown: impl Future<Output = ()>,
+) {
+    let Transports { shm, rdma } = transports;
     let connections = Arc::new(Semaphore::new(limits.max_connections));
     // Never below one maximal frame, or a maximal PUT would wait forever.
     let inflight_bytes = Arc::new(Semaphore::new(limits.max_inflight_bytes.max(frame::MAX_PAYLOAD_BYTES) as usize));
     let advertised = shm.as_ref().map(|s| (starckpt_proto::shm::host_id(), s.path.to_string_lossy().into_owned()));
-    let served = Arc::new(Served { store, limits, inflight_bytes, shm: advertised });
+    let rdma = rdma.map(|verbs| {
+        let pool = store.buffer_pool().clone();
+        info!(device = %verbs.name(), "serving RDMA");
+        RdmaServing {
+            memory: MemoryMap::new(verbs, Access::LOCAL, Box::new(move |at| pool.buffer_containing(at))),
+            admission: Semaphore::new(limits.rdma_transfers.max(1)),
+        }
+    });
+    let served = Arc::new(Served { store, limits, inflight_bytes, shm: advertised, rdma });
     let stopping = CancellationToken::new();
     // If this future is dropped (aborted) rather than shut down, its connections still close.
     let _stop_on_drop = stopping.clone().drop_guard();
@@ -239,6 +290,8 @@ where
     let (responses, outgoing) = mpsc::channel::<Outgoing>(limits.max_requests_per_connection);
     let writer_task = tokio::spawn(write_loop(writer, outgoing, limits.frame_timeout));
     let requests = Arc::new(Semaphore::new(limits.max_requests_per_connection));
+    // Set up by OP_CONNECT; lives as long as the connection.
+    let mut rdma: Option<Arc<QpDriver>> = None;
 
     let result = loop {
         let head = tokio::select! {
@@ -261,27 +314,31 @@ where
         if header.opcode != Opcode::Put && header.payload_len != 0 {
             break Err(format!("protocol error: {:?} carries a payload", header.opcode));
         }
+        if header.opcode == Opcode::Connect {
+            let response = connect_rdma(&served, prost_header, &mut rdma);
+            if responses.send(reply(header, response, None)).await.is_err() {
+                break Ok(());
+            }
+            continue;
+        }
         let permit = Arc::clone(&requests).acquire_owned().await.expect("never closed");
         let served = Arc::clone(&served);
         let responses = responses.clone();
         if header.opcode == Opcode::Put {
             let request = decode_for::<data::PutRequest>(&served.store, prost_header);
-            // Where the payload is: after the frame, or in a slot of the shared region.
-            let in_slot = match (&request, &slots) {
-                (Ok(r), Some(slots)) if r.shm_slot != 0 => {
-                    Some(slots.offset(r.shm_slot, r.shm_length).map(|offset| (offset, r.shm_length as usize)))
-                }
-                (Ok(r), None) if r.shm_slot != 0 => {
-                    Some(Err("a slot named on a connection without shared memory".into()))
-                }
-                _ => None,
+            // Where the payload is: after the frame, in a slot of the shared region, or in the
+            // client's registered memory.
+            let source = match &request {
+                Ok(request) => PayloadSource::of(request, slots.as_deref(), rdma.as_ref()),
+                Err(_) => PayloadSource::Frame,
             };
-            if in_slot.is_some() && header.payload_len != 0 {
-                break Err("protocol error: a PUT with both a slot and a payload".into());
+            if !matches!(source, PayloadSource::Frame) && header.payload_len != 0 {
+                break Err("protocol error: a PUT with its payload both in the frame and elsewhere".into());
             }
-            let payload_len = match &in_slot {
-                Some(Ok((_, len))) => *len,
-                _ => header.payload_len as usize,
+            let payload_len = match &source {
+                PayloadSource::Slot(_, len) => *len,
+                PayloadSource::Rdma(remote) => remote.len as usize,
+                PayloadSource::Frame | PayloadSource::Bad(_) => header.payload_len as usize,
             };
             let bytes_permit =
                 match Arc::clone(&served.inflight_bytes).acquire_many_owned((payload_len as u32).max(1)).await {
@@ -289,7 +346,7 @@ where
                     Err(_) => break Err("shutting down".into()),
                 };
             let mut chunk = served.store.write_buffer(payload_len).await;
-            if in_slot.is_none() {
+            if matches!(source, PayloadSource::Frame | PayloadSource::Bad(_)) {
                 let read = tokio::time::timeout(limits.frame_timeout, reader.read_exact(chunk.data_mut())).await;
                 match read {
                     Ok(Ok(_)) => {}
@@ -297,40 +354,33 @@ where
                     Err(_) => break Err(format!("payload not received within {:?}", limits.frame_timeout)),
                 }
             }
-            let slots = slots.clone();
+            let (slots, rdma) = (slots.clone(), rdma.clone());
             tokio::spawn(async move {
-                let response = match (request, in_slot) {
-                    (Err(response), _) => response,
-                    (Ok(_), Some(Err(reason))) => error_response(ErrorCode::BadRequest, reason),
-                    (Ok(request), in_slot) => {
-                        // Copied out of the client's memory before it is verified: what is
-                        // checked is what is stored, whatever the client does to its slot.
-                        let copied = match (in_slot, &slots) {
-                            (Some(Ok((offset, _))), Some(slots)) => slots.region.read_at(offset, chunk.data_mut()),
-                            _ => Ok(()),
-                        };
-                        match copied {
-                            Ok(()) => put(&served.store, request, chunk).await,
-                            Err(error) => error_response(ErrorCode::BadRequest, error.to_string()),
-                        }
-                    }
+                let response = match request {
+                    Err(response) => response,
+                    Ok(request) => match fetch(&served, source, slots.as_deref(), rdma.as_deref(), chunk).await {
+                        Ok(chunk) => put(&served.store, request, chunk).await,
+                        Err(response) => response,
+                    },
                 };
                 drop(bytes_permit);
                 let _ = responses.send(reply(header, response, None)).await;
                 drop(permit);
             });
         } else {
-            let slots = slots.clone();
+            let (slots, rdma) = (slots.clone(), rdma.clone());
             tokio::spawn(async move {
                 // A GET's response is charged to the same in-flight byte budget as PUT payloads,
                 // from before the chunk is read until it has been written to the socket.
                 let mut charge = None;
                 let mut get_slot = 0;
+                let mut get_remote = None;
                 if header.opcode == Opcode::Get
                     && let Ok(request) = data::GetRequest::decode(prost_header.clone())
                     && let Ok(hash) = ChunkHash::try_from(&request.hash[..])
                 {
                     get_slot = request.shm_slot;
+                    get_remote = request.rdma;
                     if let Some(len) = served.store.file_len(&hash).await {
                         let bytes = u32::try_from(len).unwrap_or(u32::MAX).clamp(1, frame::MAX_PAYLOAD_BYTES);
                         charge = Arc::clone(&served.inflight_bytes).acquire_many_owned(bytes).await.ok();
@@ -365,6 +415,21 @@ where
                         },
                     }
                 }
+                if let Some(remote) = get_remote
+                    && response.code == ErrorCode::Ok as i32
+                    && get_slot == 0
+                {
+                    let bytes = payload.take().unwrap_or_default();
+                    match RemoteBuffer::from_wire(&remote) {
+                        Err(reason) => response = error_response(ErrorCode::BadRequest, reason),
+                        // Empty, or too big for the client's buffer: sent in the frame instead.
+                        Ok(remote) if bytes.is_empty() || bytes.len() > remote.len as usize => payload = Some(bytes),
+                        Ok(remote) => match deliver(&served, rdma.as_deref(), remote, bytes).await {
+                            Ok(written) => response.rdma_length = written,
+                            Err(error) => response = error,
+                        },
+                    }
+                }
                 let mut message = reply(header, response, payload);
                 message.charge = charge;
                 let _ = responses.send(message).await;
@@ -375,6 +440,153 @@ where
     drop(responses);
     let _ = writer_task.await;
     result
+}
+
+/// Where a PUT's payload is.
+enum PayloadSource {
+    /// After the frame, on the stream.
+    Frame,
+    /// In a slot of the connection's shared region: (offset, length).
+    Slot(usize, usize),
+    /// In the client's registered memory, for an RDMA READ.
+    Rdma(RemoteBuffer),
+    /// Named wrongly (the frame's payload, if any, is read and dropped).
+    Bad(String),
+}
+
+impl PayloadSource {
+    fn of(request: &data::PutRequest, slots: Option<&Slots>, rdma: Option<&Arc<QpDriver>>) -> PayloadSource {
+        match (request.shm_slot, &request.rdma) {
+            (0, None) => PayloadSource::Frame,
+            (slot, None) => match slots {
+                Some(slots) => match slots.offset(slot, request.shm_length) {
+                    Ok(offset) => PayloadSource::Slot(offset, request.shm_length as usize),
+                    Err(reason) => PayloadSource::Bad(reason),
+                },
+                None => PayloadSource::Bad("a slot named on a connection without shared memory".into()),
+            },
+            (0, Some(remote)) => match (rdma, RemoteBuffer::from_wire(remote)) {
+                (None, _) => PayloadSource::Bad("a remote buffer named on a connection without RDMA".into()),
+                (Some(_), Ok(remote)) => PayloadSource::Rdma(remote),
+                (Some(_), Err(reason)) => PayloadSource::Bad(reason),
+            },
+            (_, Some(_)) => PayloadSource::Bad("a PUT names both a slot and a remote buffer".into()),
+        }
+    }
+}
+
+/// Brings a PUT's payload into `chunk` (from the slot or the client's memory; a payload in the
+/// frame is there already). Copied out of the client's memory before it is verified: what is
+/// checked is what is stored, whatever the client does to its memory meanwhile.
+async fn fetch(
+    served: &Served,
+    source: PayloadSource,
+    slots: Option<&Slots>,
+    rdma: Option<&QpDriver>,
+    mut chunk: super::store::ChunkWrite,
+) -> Result<super::store::ChunkWrite, data::Response> {
+    match (source, slots, rdma) {
+        (PayloadSource::Frame, _, _) => Ok(chunk),
+        (PayloadSource::Bad(reason), _, _) => Err(error_response(ErrorCode::BadRequest, reason)),
+        (PayloadSource::Slot(offset, _), Some(slots), _) => match slots.region.read_at(offset, chunk.data_mut()) {
+            Ok(()) => Ok(chunk),
+            Err(error) => Err(error_response(ErrorCode::BadRequest, error.to_string())),
+        },
+        (PayloadSource::Rdma(remote), _, Some(driver)) => {
+            let data = chunk.data_mut();
+            let (at, len) = (data.as_mut_ptr() as usize, data.len());
+            let (_, chunk) = rdma_transfer(served, driver, Op::Read, at, len, remote, chunk).await?;
+            Ok(chunk)
+        }
+        _ => Err(error_response(ErrorCode::Internal, "the payload's source went away".into())),
+    }
+}
+
+/// RDMA-WRITEs a GET's bytes into the client's buffer; returns how many were written.
+async fn deliver(
+    served: &Served,
+    rdma: Option<&QpDriver>,
+    remote: RemoteBuffer,
+    bytes: Bytes,
+) -> Result<u64, data::Response> {
+    let Some(driver) = rdma else {
+        return Err(error_response(ErrorCode::BadRequest, "a remote buffer named on a connection without RDMA".into()));
+    };
+    let (at, len) = (bytes.as_ptr() as usize, bytes.len());
+    rdma_transfer(served, driver, Op::Write, at, len, remote, bytes).await?;
+    Ok(len as u64)
+}
+
+/// One RDMA transfer between `len` bytes at address `at` (memory `owner` keeps alive) and the
+/// client's buffer, admitted by the device's bound. `owner` comes back when the device is done
+/// with it.
+async fn rdma_transfer<K: Send + 'static>(
+    served: &Served,
+    driver: &QpDriver,
+    op: Op,
+    at: usize,
+    len: usize,
+    remote: RemoteBuffer,
+    owner: K,
+) -> Result<((), K), data::Response> {
+    let Some(rdma) = &served.rdma else {
+        return Err(error_response(ErrorCode::Internal, "RDMA is not served".into()));
+    };
+    let _admitted =
+        rdma.admission.acquire().await.map_err(|_| error_response(ErrorCode::Internal, "closing".into()))?;
+    // SAFETY: `owner` holds this memory; it travels with the registration into the driver, which
+    // gives both back (registration first, dropped before the memory) only once the device is done.
+    let registered = unsafe { rdma.memory.register(at as *const u8, len) }
+        .map_err(|e| error_response(ErrorCode::Internal, format!("RDMA registration: {e}")))?;
+    let request = WorkRequest {
+        id: 0,
+        op,
+        local_addr: at as u64,
+        lkey: registered.region().lkey(),
+        len: len as u32,
+        remote_addr: remote.addr,
+        rkey: remote.rkey,
+    };
+    match driver.execute(request, (registered, owner)).await {
+        Ok((registered, owner)) => {
+            drop(registered);
+            Ok(((), owner))
+        }
+        Err(error) => {
+            debug!(%error, ?op, "RDMA transfer failed");
+            Err(error_response(ErrorCode::TransferFailed, format!("RDMA {op:?} of {len} bytes: {error}")))
+        }
+    }
+}
+
+/// OP_CONNECT: a queue pair for this connection, connected to the client's.
+fn connect_rdma(served: &Served, prost_header: Bytes, connection: &mut Option<Arc<QpDriver>>) -> data::Response {
+    let request: data::ConnectRequest = match decode_for(&served.store, prost_header) {
+        Ok(request) => request,
+        Err(response) => return response,
+    };
+    let Some(rdma) = &served.rdma else {
+        return error_response(ErrorCode::BadRequest, "this target serves no RDMA".into());
+    };
+    if connection.is_some() {
+        return error_response(ErrorCode::BadRequest, "RDMA is already set up on this connection".into());
+    }
+    let remote = match request.endpoint.as_ref().map(endpoint_from_wire) {
+        Some(Ok(remote)) => remote,
+        Some(Err(reason)) => return error_response(ErrorCode::BadRequest, format!("client endpoint: {reason}")),
+        None => return error_response(ErrorCode::BadRequest, "no client endpoint".into()),
+    };
+    let depth = served.limits.max_requests_per_connection as u32;
+    let queue_pair = rdma.memory.verbs().create_qp(depth).and_then(|qp| qp.connect(&remote).map(|()| qp));
+    match queue_pair {
+        Ok(qp) => {
+            let endpoint = qp.endpoint();
+            *connection = Some(QpDriver::new(qp, depth, served.limits.frame_timeout));
+            debug!(qp = endpoint.qp_num, client_qp = remote.qp_num, "RDMA connection set up");
+            data::Response { rdma_endpoint: Some(endpoint_to_wire(&endpoint)), ..Default::default() }
+        }
+        Err(error) => error_response(ErrorCode::Internal, format!("RDMA setup: {error}")),
+    }
 }
 
 async fn write_loop<W: AsyncWrite + Unpin>(writer: W, mut outgoing: mpsc::Receiver<Outgoing>, timeout: Duration) {
@@ -464,7 +676,8 @@ addressed!(
     data::HasRequest,
     data::DeleteRequest,
     data::ListRequest,
-    data::StatRequest
+    data::StatRequest,
+    data::ConnectRequest
 );
 
 /// Decodes a request, refusing one meant for another target.
@@ -618,6 +831,11 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
                 scrub_corrupt_removed: scrub.corrupt_removed.load(std::sync::atomic::Ordering::Relaxed),
                 host_id: served.shm.as_ref().map(|(host, _)| host.clone()).unwrap_or_default(),
                 shm_socket: served.shm.as_ref().map(|(_, path)| path.clone()).unwrap_or_default(),
+                rdma_endpoint: served.rdma.as_ref().map(|rdma| data::RdmaEndpoint {
+                    gid: Bytes::copy_from_slice(&rdma.memory.verbs().gid()),
+                    ..Default::default()
+                }),
+                rdma_device: served.rdma.as_ref().map(|rdma| rdma.memory.verbs().name()).unwrap_or_default(),
                 ..Default::default()
             };
             (response, None)

@@ -58,6 +58,46 @@ pub struct TargetConfig {
     /// `DIR/shm.sock`; None serves TCP only. A socket that cannot be bound (a path over the
     /// 107-byte limit, a read-only directory) is logged and skipped: clients then use TCP.
     pub shm_socket: Option<PathBuf>,
+    /// RDMA (`dataplane.rs`): default: open the first device (builds with the `rdma` feature);
+    /// without one the target serves TCP and shared memory only.
+    pub rdma: TargetRdma,
+}
+
+/// Which RDMA device a target serves on.
+#[derive(Clone)]
+pub enum TargetRdma {
+    Off,
+    /// Open a device with these settings at start; none found means no RDMA (logged).
+    Open(starckpt_rdma::DeviceSettings),
+    /// This device (the in-process software fabric in tests).
+    Device(Arc<dyn starckpt_rdma::Verbs>),
+}
+
+impl std::fmt::Debug for TargetRdma {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TargetRdma::Off => f.write_str("Off"),
+            TargetRdma::Open(settings) => f.debug_tuple("Open").field(settings).finish(),
+            TargetRdma::Device(device) => f.debug_tuple("Device").field(&device.name()).finish(),
+        }
+    }
+}
+
+impl TargetRdma {
+    /// The device to serve on, if any.
+    fn device(&self) -> Option<Arc<dyn starckpt_rdma::Verbs>> {
+        match self {
+            TargetRdma::Off => None,
+            TargetRdma::Device(device) => Some(Arc::clone(device)),
+            TargetRdma::Open(settings) => match starckpt_rdma::open(settings) {
+                Ok(device) => Some(device),
+                Err(error) => {
+                    info!(%error, "no RDMA; serving TCP (and shared memory)");
+                    None
+                }
+            },
+        }
+    }
 }
 
 impl TargetConfig {
@@ -75,6 +115,7 @@ impl TargetConfig {
             failure_domain: String::new(),
             scrub: scrub::ScrubConfig::default(),
             shm_socket: Some(dir.join("shm.sock")),
+            rdma: TargetRdma::Open(starckpt_rdma::DeviceSettings::default()),
             dir,
         }
     }
@@ -166,7 +207,8 @@ pub async fn run(
         tokio_util::task::AbortOnDropHandle::new(tokio::spawn(scrub::run(Arc::clone(&store), config.scrub.clone())));
     let mut serve_stop = stop_rx;
     let shm = config.shm_socket.as_deref().and_then(bind_shm_socket);
-    let serving = dataplane::serve_with_shm(listener, shm, store, config.limits.clone(), async move {
+    let transports = dataplane::Transports { shm, rdma: config.rdma.device() };
+    let serving = dataplane::serve_with(listener, transports, store, config.limits.clone(), async move {
         let _ = serve_stop.wait_for(|stopped| *stopped).await;
     });
     tokio::pin!(serving);

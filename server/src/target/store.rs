@@ -302,6 +302,12 @@ impl ChunkStore {
         self.chunk_dir(hash).join(hash.to_hex())
     }
 
+    /// The pool of reusable I/O buffers (their memory lives as long as the store: RDMA registers
+    /// it once).
+    pub fn buffer_pool(&self) -> &BufPool {
+        &self.pool
+    }
+
     /// A buffer for a chunk of `data_len` bytes: from the pool when it fits (waiting if all are
     /// in use), otherwise a one-off allocation (the data plane bounds those by in-flight bytes).
     pub async fn write_buffer(&self, data_len: usize) -> ChunkWrite {

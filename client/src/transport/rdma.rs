@@ -1,0 +1,254 @@
+//! The RDMA transport (the 3FS model; `starckpt_rdma` has the protocol).
+//!
+//! A connection is a TCP data-plane connection plus a reliable-connected queue pair set up over it
+//! (OP_CONNECT). Frames stay on TCP; payloads do not:
+//! - a PUT names the payload's memory (address, rkey, length) and the target RDMA-READs it into
+//!   the buffer it writes to the device from. The client registers its staging pool's buffers once
+//!   (a [`MemoryMap`] over the pool), so a staged chunk goes from staging to the target's buffer
+//!   with no copy on the client; other payloads (caller-shared bytes, compressed chunks) are
+//!   registered for the request. Memory that cannot be registered (a memlock limit) travels in the
+//!   frame instead.
+//! - a GET names a slot of a receive region registered per connection (remote write); the target
+//!   RDMA-WRITEs the chunk there, and the slot is lent as `slots.rs` describes.
+//!
+//! A transfer the target reports failed (TRANSFER_FAILED: a revoked key, a queue pair in error)
+//! closes the connection and counts as a connection error (`slots.rs`, `Dialled::call_on`): the
+//! request is retried once on a fresh connection, and [`super::AutoTransport`] retries it over
+//! TCP after that.
+
+use std::fmt;
+
+use starckpt_proto::buf::{AlignedBuf, BufPool};
+use starckpt_proto::rdma::{endpoint_from_wire, endpoint_to_wire};
+use starckpt_rdma::{Access, DeviceSettings, MemoryMap, MemoryRegion, QueuePair, Verbs};
+
+use super::slots::{Dialled, Slot, SlotPool, Slotted};
+use super::*;
+
+/// RDMA settings of a client.
+#[derive(Clone)]
+pub struct RdmaConfig {
+    /// Use RDMA with targets that serve it, when this client has a device. Default true.
+    pub enabled: bool,
+    /// The device to use; None: open one per `settings` when the client starts (ibverbs, in
+    /// builds with the `rdma` feature; otherwise, or with no device, TCP).
+    pub device: Option<Arc<dyn Verbs>>,
+    pub settings: DeviceSettings,
+    /// Receive slots (one chunk each) per target connection: GET results in flight at once over
+    /// RDMA to one target. Default 8.
+    pub slots: u32,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig { enabled: true, device: None, settings: DeviceSettings::default(), slots: 8 }
+    }
+}
+
+impl fmt::Debug for RdmaConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RdmaConfig")
+            .field("enabled", &self.enabled)
+            .field("device", &self.device.as_ref().map(|d| d.name()))
+            .field("settings", &self.settings)
+            .field("slots", &self.slots)
+            .finish()
+    }
+}
+
+/// A client's RDMA device and its registrations, shared by its transports to every target.
+pub struct RdmaClient {
+    /// PUT payloads: the staging pool registered once (remote read), other memory per request.
+    memory: MemoryMap,
+    slots: u32,
+    slot_bytes: usize,
+}
+
+impl RdmaClient {
+    /// `staging`: the pool whose buffers PUT payloads usually lie in; `slot_bytes`: the largest
+    /// GET result received by RDMA (the chunk size).
+    pub fn new(verbs: Arc<dyn Verbs>, staging: &BufPool, slots: u32, slot_bytes: usize) -> Arc<RdmaClient> {
+        let pool = staging.clone();
+        let memory = MemoryMap::new(verbs, Access::REMOTE_READ, Box::new(move |at| pool.buffer_containing(at)));
+        Arc::new(RdmaClient { memory, slots: slots.max(1), slot_bytes: starckpt_proto::buf::round_up(slot_bytes) })
+    }
+
+    pub fn device(&self) -> String {
+        self.memory.verbs().name()
+    }
+
+    /// Staging buffers registered so far (each once).
+    pub fn registered_staging_buffers(&self) -> usize {
+        self.memory.cached()
+    }
+}
+
+/// A connection's queue pair and receive region. Fields drop in order: the queue pair before the
+/// region's registration (no peer can reach it after), the registration before its memory.
+pub(crate) struct Receive {
+    _queue_pair: Box<dyn QueuePair>,
+    registration: Box<dyn MemoryRegion>,
+    memory: AlignedBuf,
+}
+
+/// One TCP connection with its queue pair and receive region.
+pub(crate) type RdmaConnection = Slotted<Receive>;
+
+/// The RDMA transport to one target.
+pub struct RdmaTransport {
+    address: SocketAddr,
+    target_id: Option<String>,
+    config: TcpConfig,
+    client: Arc<RdmaClient>,
+    connection: tokio::sync::Mutex<Option<Arc<RdmaConnection>>>,
+}
+
+impl RdmaTransport {
+    /// Connects to the target at `address` and sets up a queue pair (failing if it serves no RDMA
+    /// or the queue pairs cannot connect).
+    pub async fn connect(
+        address: SocketAddr,
+        target_id: Option<&str>,
+        config: TcpConfig,
+        client: Arc<RdmaClient>,
+    ) -> Result<RdmaTransport, TransportError> {
+        let transport = RdmaTransport {
+            address,
+            target_id: target_id.map(str::to_owned),
+            config,
+            client,
+            connection: tokio::sync::Mutex::new(None),
+        };
+        transport.connection().await?;
+        Ok(transport)
+    }
+
+    async fn put_once(&self, hash: ChunkHash, payload: &Payload, repair: bool) -> Result<bool, TransportError> {
+        let connection = self.connection().await?;
+        let bytes = payload.bytes.clone();
+        let fits = !bytes.is_empty() && bytes.len() <= frame::MAX_PAYLOAD_BYTES as usize;
+        // SAFETY: `bytes` keeps the memory alive and is declared before the registration, so it
+        // is dropped after it, however this future ends.
+        let registered =
+            if fits { unsafe { self.client.memory.register(bytes.as_ptr(), bytes.len()) }.ok() } else { None };
+        let Some(registered) = registered else {
+            let header = put_header(self, hash, payload, repair, Place::Inline);
+            return Ok(self.call_on(&connection, Opcode::Put, header, Some(bytes)).await?.0.already_present);
+        };
+        let remote =
+            RemoteBuffer { addr: bytes.as_ptr() as u64, rkey: registered.region().rkey(), len: bytes.len() as u32 };
+        let header = put_header(self, hash, payload, repair, Place::Rdma(remote));
+        let (response, _) = self.call_on(&connection, Opcode::Put, header, None).await?;
+        drop(registered);
+        Ok(response.already_present)
+    }
+
+    async fn get_once(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
+        let connection = self.connection().await?;
+        let mut slot = Slot::lend(&connection).await?;
+        let slot_bytes = connection.slots.slot_bytes();
+        let remote = RemoteBuffer {
+            addr: connection.region.registration.addr() + slot.offset() as u64,
+            rkey: connection.region.registration.rkey(),
+            len: slot_bytes as u32,
+        };
+        let header = get_header(self, hash, offset, length, Place::Rdma(remote));
+        let result = self.call_on(&connection, Opcode::Get, header, None).await;
+        slot.settle(&result);
+        let (response, inline) = result?;
+        if response.rdma_length == 0 {
+            // Too big for a slot (or empty): it came in the frame.
+            return get_payload(&response, inline);
+        }
+        let len = usize::try_from(response.rdma_length).unwrap_or(usize::MAX);
+        if len > slot_bytes || !inline.is_empty() {
+            return Err(TransportError::Protocol(format!("GET answered {len} bytes written by RDMA")));
+        }
+        let mut bytes = BytesMut::with_capacity(len);
+        // SAFETY: the slot lies inside `receive` (slots × slot_bytes) and is ours until `slot`
+        // drops; the target wrote it before answering. Raw copy: other slots may be written
+        // concurrently by the device, so no reference to the whole buffer is formed.
+        unsafe {
+            let into = bytes.spare_capacity_mut().as_mut_ptr().cast::<u8>();
+            std::ptr::copy_nonoverlapping(connection.region.memory.as_ptr().add(slot.offset()), into, len);
+            bytes.set_len(len);
+        }
+        drop(slot);
+        get_payload(&response, bytes.freeze())
+    }
+}
+
+#[async_trait]
+impl Dialled for RdmaTransport {
+    type Conn = RdmaConnection;
+
+    fn current(&self) -> &tokio::sync::Mutex<Option<Arc<RdmaConnection>>> {
+        &self.connection
+    }
+
+    fn timeouts(&self) -> &TcpConfig {
+        &self.config
+    }
+
+    fn setup(&self) -> &'static str {
+        "RDMA setup"
+    }
+
+    async fn open(&self) -> Result<RdmaConnection, TransportError> {
+        let frames = Connection::open(self.address, &self.config).await?;
+        let verbs = self.client.memory.verbs();
+        let setup = |e: starckpt_rdma::VerbsError| TransportError::Connect(format!("RDMA setup: {e}"));
+        let queue_pair = verbs.create_qp(self.config.max_requests_per_connection as u32).map_err(setup)?;
+        let header =
+            data::ConnectRequest { auth: self.auth(), endpoint: Some(endpoint_to_wire(&queue_pair.endpoint())) }
+                .encode_to_vec();
+        let (response, payload) = frames.call(Opcode::Connect, header, None, self.config.request_timeout).await?;
+        let (response, _) = checked(response, payload)?;
+        let remote = response
+            .rdma_endpoint
+            .as_ref()
+            .ok_or_else(|| "no endpoint".to_owned())
+            .and_then(endpoint_from_wire)
+            .map_err(|e| TransportError::Protocol(format!("OP_CONNECT answered a bad endpoint: {e}")))?;
+        queue_pair.connect(&remote).map_err(setup)?;
+        let (slots, slot_bytes) = (self.client.slots, self.client.slot_bytes);
+        let mut receive = AlignedBuf::new(slots as usize * slot_bytes);
+        let len = receive.capacity();
+        // SAFETY: the registration is dropped before `receive` (field order of `Receive`).
+        let receive_region =
+            unsafe { verbs.register(receive.as_mut_ptr(), len, Access::REMOTE_WRITE) }.map_err(setup)?;
+        Ok(Slotted {
+            frames,
+            slots: SlotPool::new(slots, slot_bytes),
+            region: Receive { _queue_pair: queue_pair, registration: receive_region, memory: receive },
+        })
+    }
+}
+
+#[async_trait]
+impl FrameTransport for RdmaTransport {
+    fn auth(&self) -> Option<data::Auth> {
+        auth_for(&self.target_id)
+    }
+
+    async fn call(
+        &self,
+        opcode: Opcode,
+        header: Vec<u8>,
+        payload: Option<Bytes>,
+    ) -> Result<(data::Response, Bytes), TransportError> {
+        self.call_frame(opcode, header, payload).await
+    }
+
+    async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
+        once_more(|| self.put_once(hash, &payload, repair)).await
+    }
+
+    async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
+        once_more(|| self.get_once(hash, offset, length)).await
+    }
+
+    fn name(&self) -> &'static str {
+        "rdma"
+    }
+}

@@ -1,0 +1,175 @@
+//! Slots of a memory region shared with a target (a sealed memfd, an RDMA-registered buffer),
+//! lent to one request at a time.
+//!
+//! A slot is reused only after the target answered the request that used it. A request abandoned
+//! before its answer (a timeout, a cancelled save) may still have its slot read or written by the
+//! target, so its connection is closed instead (requests waiting for a slot of it fail and retry
+//! on a fresh connection), and the region is dropped with the connection.
+
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use starckpt_proto::data::{self, ErrorCode};
+use starckpt_proto::frame::Opcode;
+use tokio::sync::Semaphore;
+
+use super::{Connection, TcpConfig, TransportError, checked, once_more};
+
+pub(crate) struct SlotPool {
+    slot_bytes: usize,
+    free: Mutex<Vec<u32>>,
+    available: Semaphore,
+}
+
+impl SlotPool {
+    pub(crate) fn new(slots: u32, slot_bytes: usize) -> SlotPool {
+        SlotPool { slot_bytes, free: Mutex::new((0..slots).rev().collect()), available: Semaphore::new(slots as usize) }
+    }
+
+    pub(crate) fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+}
+
+/// A connection and the region whose slots it lends. Fields drop in order: the connection
+/// first, the region last.
+pub(crate) struct Slotted<R> {
+    pub(crate) frames: Connection,
+    pub(crate) slots: SlotPool,
+    pub(crate) region: R,
+}
+
+impl<R: Send + Sync + 'static> SlotHost for Slotted<R> {
+    fn slot_pool(&self) -> &SlotPool {
+        &self.slots
+    }
+
+    fn frames(&self) -> &Connection {
+        &self.frames
+    }
+}
+
+/// A connection that lends slots of its region.
+pub(crate) trait SlotHost: Send + Sync + 'static {
+    fn slot_pool(&self) -> &SlotPool;
+    /// The connection that closes when a slot is abandoned.
+    fn frames(&self) -> &Connection;
+}
+
+/// A slot in use; returned to its connection only once the target answered (module docs).
+pub(crate) struct Slot<H: SlotHost> {
+    host: Arc<H>,
+    index: u32,
+    answered: bool,
+}
+
+impl<H: SlotHost> Slot<H> {
+    /// Waits for a free slot of `host`.
+    pub(crate) async fn lend(host: &Arc<H>) -> Result<Slot<H>, TransportError> {
+        let pool = host.slot_pool();
+        let permit = pool
+            .available
+            .acquire()
+            .await
+            .map_err(|_| TransportError::Connection("the connection holding the slots closed".into()))?;
+        permit.forget();
+        let index = pool.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let index = index.ok_or_else(|| TransportError::Protocol("no free slot behind a permit".into()))?;
+        Ok(Slot { host: Arc::clone(host), index, answered: false })
+    }
+
+    /// The slot's byte offset in the region.
+    pub(crate) fn offset(&self) -> usize {
+        self.index as usize * self.host.slot_pool().slot_bytes
+    }
+
+    /// The 1-based number frames carry.
+    pub(crate) fn number(&self) -> u32 {
+        self.index + 1
+    }
+
+    /// Records how the request that used the slot ended: the target is done with the slot once it
+    /// answered (even with an error), not when the request timed out or lost its connection.
+    pub(crate) fn settle<T>(&mut self, result: &Result<T, TransportError>) {
+        self.answered = !matches!(result, Err(TransportError::Timeout(_) | TransportError::Connection(_)));
+    }
+}
+
+impl<H: SlotHost> Drop for Slot<H> {
+    fn drop(&mut self) {
+        let pool = self.host.slot_pool();
+        if self.answered {
+            pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(self.index);
+            pool.available.add_permits(1);
+        } else {
+            // Never reused: the connection goes, and requests waiting for one of its slots fail
+            // (and retry on a fresh connection) instead of waiting for a permit that will not
+            // come back.
+            pool.available.close();
+            self.host.frames().close("a request was abandoned while the target may still use its slot");
+        }
+    }
+}
+
+/// A transport over one connection with a shared region (shared memory, RDMA): dialled on first
+/// use, dialled again once it died.
+#[async_trait]
+pub(crate) trait Dialled: Send + Sync {
+    type Conn: SlotHost;
+    fn current(&self) -> &tokio::sync::Mutex<Option<Arc<Self::Conn>>>;
+    fn timeouts(&self) -> &TcpConfig;
+    /// What is being set up, for errors ("shared-memory attach").
+    fn setup(&self) -> &'static str;
+    /// Opens a fresh connection with its region.
+    async fn open(&self) -> Result<Self::Conn, TransportError>;
+
+    /// The live connection, dialled if there is none.
+    async fn connection(&self) -> Result<Arc<Self::Conn>, TransportError> {
+        let mut current = self.current().lock().await;
+        if let Some(connection) = current.as_ref().filter(|c| c.frames().is_alive()) {
+            return Ok(Arc::clone(connection));
+        }
+        let deadline = self.timeouts().connect_timeout + self.timeouts().request_timeout;
+        let opened = tokio::time::timeout(deadline, self.open())
+            .await
+            .map_err(|_| TransportError::Connect(format!("{} timed out after {deadline:?}", self.setup())))??;
+        let connection = Arc::new(opened);
+        *current = Some(Arc::clone(&connection));
+        Ok(connection)
+    }
+
+    /// One request on `connection`, its response checked. A transfer the target reports failed
+    /// (its RDMA queue pair is in error) closes the connection and counts as a connection error.
+    async fn call_on(
+        &self,
+        connection: &Self::Conn,
+        opcode: Opcode,
+        header: Vec<u8>,
+        payload: Option<Bytes>,
+    ) -> Result<(data::Response, Bytes), TransportError> {
+        let frames = connection.frames();
+        let (response, payload) = frames.call(opcode, header, payload, self.timeouts().request_timeout).await?;
+        match checked(response, payload) {
+            Err(TransportError::Remote { code: ErrorCode::TransferFailed, message }) => {
+                frames.close(&message);
+                Err(TransportError::Connection(format!("transfer failed: {message}")))
+            }
+            other => other,
+        }
+    }
+
+    /// A frame with no payload outside it, retried once on a fresh connection.
+    async fn call_frame(
+        &self,
+        opcode: Opcode,
+        header: Vec<u8>,
+        payload: Option<Bytes>,
+    ) -> Result<(data::Response, Bytes), TransportError> {
+        once_more(|| async {
+            let connection = self.connection().await?;
+            self.call_on(&connection, opcode, header.clone(), payload.clone()).await
+        })
+        .await
+    }
+}
