@@ -31,6 +31,50 @@ struct Cli {
     command: Command,
 }
 
+/// The RDMA device a target serves on (clients read the same variables: `RdmaConfig`). Only
+/// builds with the `rdma` feature have ibverbs; without a device the target serves TCP (and
+/// shared memory).
+#[derive(Args, Clone, Debug)]
+pub struct RdmaArgs {
+    /// RDMA device name (`ibv_devices`); default: the first one.
+    #[arg(long, env = "STARCKPT_RDMA_DEVICE")]
+    rdma_device: Option<String>,
+    /// Port of the device (from 1).
+    #[arg(long, env = "STARCKPT_RDMA_PORT", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..))]
+    rdma_port: u8,
+    /// GID table index (RoCE v2 is often 1 or 3: `show_gids`).
+    #[arg(long, env = "STARCKPT_RDMA_GID_INDEX", default_value_t = 0)]
+    rdma_gid_index: u8,
+    /// Largest path MTU in bytes (256, 512, 1024, 2048, 4096); default: the port's active MTU.
+    #[arg(long, env = "STARCKPT_RDMA_MTU", value_parser = parse_mtu)]
+    rdma_mtu: Option<u32>,
+    /// Serve no RDMA even if a device is present.
+    #[arg(long)]
+    no_rdma: bool,
+}
+
+fn parse_mtu(text: &str) -> Result<u32, String> {
+    match text.parse::<u32>() {
+        Ok(mtu) if starckpt_rdma::valid_mtu(mtu) => Ok(mtu),
+        _ => Err(format!("{text:?} is not one of 256, 512, 1024, 2048, 4096")),
+    }
+}
+
+impl RdmaArgs {
+    fn target(self) -> starckpt_server::target::TargetRdma {
+        use starckpt_server::target::TargetRdma;
+        if self.no_rdma {
+            return TargetRdma::Off;
+        }
+        TargetRdma::Open(starckpt_rdma::DeviceSettings {
+            device: self.rdma_device,
+            port: self.rdma_port,
+            gid_index: self.rdma_gid_index,
+            mtu: self.rdma_mtu,
+        })
+    }
+}
+
 /// Chunk compression of a writing command (see `ClientConfig::compression`).
 #[derive(Args, Clone, Debug)]
 pub struct CompressArg {
@@ -125,6 +169,8 @@ enum Command {
         /// Serve TCP only: same-host clients do not get shared memory.
         #[arg(long)]
         no_shm: bool,
+        #[command(flatten)]
+        rdma: RdmaArgs,
     },
     /// Run a control plane and N targets in one process, data kept in DIR across restarts.
     Dev {
@@ -327,8 +373,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             scrub_pause_secs,
             shm_socket,
             no_shm,
+            rdma,
         } => {
             let mut config = starckpt_server::target::TargetConfig::new(dir, cli.server.clone());
+            config.rdma = rdma.target();
             if no_shm {
                 config.shm_socket = None;
             } else if shm_socket.is_some() {

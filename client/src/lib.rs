@@ -125,15 +125,20 @@ impl ClientConfig {
     }
 }
 
-/// The RDMA device `config` asks for, if enabled and present (a missing one means TCP, logged).
-fn rdma_device(config: &RdmaConfig) -> Option<Arc<dyn starckpt_rdma::Verbs>> {
+/// The RDMA device `config` asks for, if enabled and present (a missing one means TCP, logged);
+/// malformed settings are an error.
+fn rdma_device(config: &RdmaConfig) -> Result<Option<Arc<dyn starckpt_rdma::Verbs>>> {
     if !config.enabled {
-        return None;
+        return Ok(None);
     }
     if let Some(device) = &config.device {
-        return Some(Arc::clone(device));
+        return Ok(Some(Arc::clone(device)));
     }
-    match starckpt_rdma::open(&config.settings) {
+    let settings = match &config.settings {
+        Some(settings) => settings.clone(),
+        None => starckpt_rdma::DeviceSettings::from_env().map_err(Error::InvalidInput)?,
+    };
+    Ok(match starckpt_rdma::open(&settings) {
         Ok(device) => {
             tracing::info!(device = %device.name(), "RDMA device opened");
             Some(device)
@@ -142,7 +147,7 @@ fn rdma_device(config: &RdmaConfig) -> Option<Arc<dyn starckpt_rdma::Verbs>> {
             tracing::debug!(%error, "no RDMA; using shared memory or TCP");
             None
         }
-    }
+    })
 }
 
 /// The run id the environment names, if any: `STARCKPT_RUN_ID`, else torchrun's run id and
@@ -244,7 +249,7 @@ impl Client {
             ControlClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
         let buffers = (config.staging_bytes / config.chunk_size_bytes).max(1);
         let staging = BufPool::new(config.chunk_size_bytes, buffers);
-        let rdma = rdma_device(&config.rdma)
+        let rdma = rdma_device(&config.rdma)?
             .map(|verbs| RdmaClient::new(verbs, &staging, config.rdma.slots, config.chunk_size_bytes));
         let (run_id, run_id_shared) = match &config.run_id {
             Some(id) => (id.clone(), true),

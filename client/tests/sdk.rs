@@ -16,19 +16,24 @@ fn random(len: usize, seed: u64) -> Vec<u8> {
     out
 }
 
-/// Whether this run carries data over RDMA on the in-process software fabric
-/// (`STARCKPT_TEST_FABRIC=soft`; scripts/test runs this suite both ways), else the default
-/// transports (shared memory with these same-host targets).
-fn soft_rdma() -> bool {
-    std::env::var("STARCKPT_TEST_FABRIC").is_ok_and(|fabric| fabric == "soft")
+/// What carries this run's data (`STARCKPT_TEST_FABRIC`): `soft`: RDMA over the in-process
+/// software fabric (scripts/test runs this suite that way too); `ibverbs`: RDMA over the host's
+/// device (builds with `--features starckpt-rdma/rdma`; `STARCKPT_RDMA_*` select it, see
+/// docs/rdma.md); unset: the default transports (shared memory with these same-host targets).
+fn fabric() -> Option<String> {
+    std::env::var("STARCKPT_TEST_FABRIC").ok().filter(|fabric| fabric == "soft" || fabric == "ibverbs")
 }
 
 async fn cluster(targets: usize, config: impl FnOnce(&mut ClientConfig)) -> (tempfile::TempDir, DevCluster, Client) {
     let dir = tempfile::tempdir().unwrap();
-    let rdma = soft_rdma();
+    let fabric = fabric();
+    let rdma = fabric.is_some();
+    let soft = fabric.as_deref() == Some("soft");
     let cluster = DevCluster::start_with(dir.path(), "127.0.0.1:0", targets, EngineKind::Uring, |target| {
-        if rdma {
+        if soft {
             target.rdma = TargetRdma::Device(starckpt_rdma::soft::SoftDevice::new("target"));
+        } else if rdma {
+            target.rdma = TargetRdma::Open(starckpt_rdma::DeviceSettings::from_env().unwrap());
         }
     })
     .await
@@ -36,6 +41,8 @@ async fn cluster(targets: usize, config: impl FnOnce(&mut ClientConfig)) -> (tem
     let mut client_config = ClientConfig::new(cluster.control_address.to_string());
     if rdma {
         client_config.shm.enabled = false;
+    }
+    if soft {
         client_config.rdma.device = Some(starckpt_rdma::soft::SoftDevice::new("client"));
     }
     config(&mut client_config);
@@ -664,4 +671,34 @@ async fn compressed_chunks_round_trip_repair_and_dedup_across_codecs() {
     let manifest = plain.manifest("plain", None).await.unwrap();
     assert_eq!(&plain.read_file(&manifest, "w.bf16").await.unwrap()[..], &weights[..]);
     cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_rdma_devices_data_travels_over_shared_memory_or_tcp() {
+    if fabric().is_some() {
+        return; // this test is about the default transports
+    }
+    // On a host without RDMA devices (this one: no InfiniBand in the kernel), both sides fail to
+    // open one (with the ibverbs layer built in, or not) and nothing changes for the caller. On a
+    // host with a device, the same cluster uses it.
+    let has_device = starckpt_rdma::open(&starckpt_rdma::DeviceSettings::default()).is_ok();
+    for shm in [true, false] {
+        let (_dir, _cluster, client) = cluster(2, |config| config.shm.enabled = shm).await;
+        let data = random(300_000, 11);
+        let part = SavePart::new("plain", 1).buffer("w.bin", Bytes::from(data.clone())).unwrap();
+        client.save(part).await.unwrap().wait().await.unwrap();
+        for target in client.targets().await.unwrap() {
+            let kind = client.transport_kind(&target).await.unwrap();
+            let expected = if shm {
+                "shm"
+            } else if has_device {
+                "rdma"
+            } else {
+                "tcp"
+            };
+            assert_eq!(kind, expected, "shm enabled: {shm}");
+        }
+        let manifest = client.manifest("plain", Some(1)).await.unwrap();
+        assert_eq!(&client.read_file(&manifest, "w.bin").await.unwrap()[..], &data[..]);
+    }
 }

@@ -23,7 +23,7 @@ pub fn endpoint_from_wire(wire: &data::RdmaEndpoint) -> Result<Endpoint, String>
     if wire.qp_num == 0 || wire.qp_num >= 1 << 24 || wire.psn >= 1 << 24 {
         return Err(format!("queue pair {} / psn {} out of range", wire.qp_num, wire.psn));
     }
-    if !(256..=4096).contains(&wire.mtu) || !wire.mtu.is_power_of_two() {
+    if !starckpt_rdma::valid_mtu(wire.mtu) {
         return Err(format!("path MTU {} is not one of 256..=4096", wire.mtu));
     }
     Ok(Endpoint { gid, lid, qp_num: wire.qp_num, psn: wire.psn, mtu: wire.mtu })

@@ -42,6 +42,42 @@ impl Default for DeviceSettings {
     }
 }
 
+/// Whether `bytes` is a path MTU verbs know (256, 512, 1024, 2048 or 4096).
+pub fn valid_mtu(bytes: u32) -> bool {
+    (256..=4096).contains(&bytes) && bytes.is_power_of_two()
+}
+
+impl DeviceSettings {
+    /// Settings from `STARCKPT_RDMA_DEVICE`, `STARCKPT_RDMA_PORT`, `STARCKPT_RDMA_GID_INDEX` and
+    /// `STARCKPT_RDMA_MTU` (each optional; the defaults otherwise); a malformed value is an error.
+    pub fn from_env() -> Result<DeviceSettings, String> {
+        DeviceSettings::from_lookup(|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
+    }
+
+    fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<DeviceSettings, String> {
+        fn parse<T: std::str::FromStr>(name: &str, value: Option<String>) -> Result<Option<T>, String> {
+            value.map(|v| v.parse().map_err(|_| format!("{name}={v:?} is not a valid number"))).transpose()
+        }
+        let defaults = DeviceSettings::default();
+        let port: u8 = parse("STARCKPT_RDMA_PORT", var("STARCKPT_RDMA_PORT"))?.unwrap_or(defaults.port);
+        if port == 0 {
+            return Err("STARCKPT_RDMA_PORT=0: ports are numbered from 1".into());
+        }
+        let mtu: Option<u32> = parse("STARCKPT_RDMA_MTU", var("STARCKPT_RDMA_MTU"))?;
+        if let Some(mtu) = mtu
+            && !valid_mtu(mtu)
+        {
+            return Err(format!("STARCKPT_RDMA_MTU={mtu}: one of 256, 512, 1024, 2048, 4096"));
+        }
+        Ok(DeviceSettings {
+            device: var("STARCKPT_RDMA_DEVICE"),
+            port,
+            gid_index: parse("STARCKPT_RDMA_GID_INDEX", var("STARCKPT_RDMA_GID_INDEX"))?.unwrap_or(defaults.gid_index),
+            mtu,
+        })
+    }
+}
+
 /// Opens an RDMA device, or says why there is none (no hardware, or a build without the `rdma`
 /// feature). Callers fall back to TCP on an error.
 pub fn open(settings: &DeviceSettings) -> Result<Arc<dyn Verbs>, VerbsError> {
@@ -165,6 +201,31 @@ mod tests {
         assert_eq!(device.registered_regions(), 1);
         drop((a, b, map));
         assert_eq!(device.registered_regions(), 0);
+    }
+
+    #[test]
+    fn settings_come_from_the_environment_and_bad_values_are_refused() {
+        let lookup = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| pairs.iter().find(|(n, _)| *n == name).map(|(_, v)| (*v).to_owned())
+        };
+        assert_eq!(DeviceSettings::from_lookup(lookup(&[])), Ok(DeviceSettings::default()));
+        let set = [
+            ("STARCKPT_RDMA_DEVICE", "mlx5_1"),
+            ("STARCKPT_RDMA_PORT", "2"),
+            ("STARCKPT_RDMA_GID_INDEX", "3"),
+            ("STARCKPT_RDMA_MTU", "1024"),
+        ];
+        let settings = DeviceSettings::from_lookup(lookup(Box::leak(Box::new(set)))).unwrap();
+        assert_eq!(settings, DeviceSettings { device: Some("mlx5_1".into()), port: 2, gid_index: 3, mtu: Some(1024) });
+        for bad in [
+            &[("STARCKPT_RDMA_PORT", "0")][..],
+            &[("STARCKPT_RDMA_PORT", "x")],
+            &[("STARCKPT_RDMA_GID_INDEX", "300")],
+            &[("STARCKPT_RDMA_MTU", "1500")],
+        ] {
+            let bad: &'static [(&str, &str)] = Box::leak(bad.to_vec().into_boxed_slice());
+            assert!(DeviceSettings::from_lookup(lookup(bad)).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

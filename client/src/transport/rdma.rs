@@ -28,12 +28,16 @@ use super::*;
 /// RDMA settings of a client.
 #[derive(Clone)]
 pub struct RdmaConfig {
-    /// Use RDMA with targets that serve it, when this client has a device. Default true.
+    /// Use RDMA with targets that serve it, when this client has a device. Default: true unless
+    /// `STARCKPT_RDMA=off`.
     pub enabled: bool,
     /// The device to use; None: open one per `settings` when the client starts (ibverbs, in
     /// builds with the `rdma` feature; otherwise, or with no device, TCP).
     pub device: Option<Arc<dyn Verbs>>,
-    pub settings: DeviceSettings,
+    /// Which device, port, GID index and MTU; None: from `STARCKPT_RDMA_DEVICE`,
+    /// `STARCKPT_RDMA_PORT`, `STARCKPT_RDMA_GID_INDEX`, `STARCKPT_RDMA_MTU`
+    /// ([`DeviceSettings::from_env`]).
+    pub settings: Option<DeviceSettings>,
     /// Receive slots (one chunk each) per target connection: GET results in flight at once over
     /// RDMA to one target. Default 8.
     pub slots: u32,
@@ -41,7 +45,8 @@ pub struct RdmaConfig {
 
 impl Default for RdmaConfig {
     fn default() -> Self {
-        RdmaConfig { enabled: true, device: None, settings: DeviceSettings::default(), slots: 8 }
+        let off = std::env::var("STARCKPT_RDMA").is_ok_and(|v| v == "off");
+        RdmaConfig { enabled: !off, device: None, settings: None, slots: 8 }
     }
 }
 
