@@ -249,8 +249,12 @@ impl Client {
             ControlClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
         let buffers = (config.staging_bytes / config.chunk_size_bytes).max(1);
         let staging = BufPool::new(config.chunk_size_bytes, buffers);
-        let rdma = rdma_device(&config.rdma)?
-            .map(|verbs| RdmaClient::new(verbs, &staging, config.rdma.slots, config.chunk_size_bytes));
+        // A device whose receive region cannot be registered (a memlock limit) means TCP.
+        let rdma = rdma_device(&config.rdma)?.and_then(|verbs| {
+            RdmaClient::new(verbs, &staging, config.rdma.slots, config.chunk_size_bytes)
+                .inspect_err(|error| tracing::warn!(%error, "RDMA receive memory not registered; using TCP"))
+                .ok()
+        });
         let (run_id, run_id_shared) = match &config.run_id {
             Some(id) => (id.clone(), true),
             None => (uuid::Uuid::new_v4().to_string(), false),

@@ -443,7 +443,7 @@ async fn rdma_target(dir: &std::path::Path, limits: DataPlaneLimits) -> (Target,
 fn rdma_client() -> (Arc<RdmaClient>, BufPool, Arc<SoftDevice>) {
     let device = SoftDevice::new("client");
     let pool = BufPool::new(1 << 20, 4);
-    (RdmaClient::new(device.clone(), &pool, 4, 1 << 20), pool, device)
+    (RdmaClient::new(device.clone(), &pool, 4, 1 << 20).unwrap(), pool, device)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -463,9 +463,11 @@ async fn rdma_operations() {
     assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
     assert_eq!(transport.get(hash, 0, 0).await.unwrap().bytes, data);
     assert_eq!(transport.get(hash, 5, 1 << 20).await.unwrap().bytes, data.slice(5..(1 << 20) + 5));
-    // Per-request registrations are gone; the connection's receive region remains.
+    // Per-request registrations are gone; the client's receive region remains, until the client.
     assert_eq!(client_device.registered_regions(), 1);
     drop(transport);
+    assert_eq!(client_device.registered_regions(), 1);
+    drop(client);
     assert_eq!(client_device.registered_regions(), 0);
 }
 
@@ -531,7 +533,7 @@ async fn rdma_requests_that_lie_are_refused() {
     // A remote buffer before OP_CONNECT, and OP_CONNECT to a target without RDMA: BAD_REQUEST.
     let mut stream = tokio::net::TcpStream::connect(target.address).await.unwrap();
     assert_eq!(code(&call(&mut stream, Opcode::Put, 1, &put(good)).await), ErrorCode::BadRequest);
-    let qp = device.create_qp(8).unwrap();
+    let qp = device.create_qp(8, Access::REMOTE_READ).unwrap();
     let connect =
         ConnectRequest { endpoint: Some(endpoint_to_wire(&qp.endpoint())), ..Default::default() }.encode_to_vec();
     let mut elsewhere = tokio::net::TcpStream::connect(plain.address).await.unwrap();
@@ -570,7 +572,7 @@ async fn rdma_requests_that_lie_are_refused() {
     assert_eq!(code(&call(&mut stream, Opcode::Put, 8, &put_other(good)).await), ErrorCode::TransferFailed);
     // A fresh connection with a range past the region's end.
     let mut stream = tokio::net::TcpStream::connect(target.address).await.unwrap();
-    let qp = device.create_qp(8).unwrap();
+    let qp = device.create_qp(8, Access::REMOTE_READ).unwrap();
     let connect =
         ConnectRequest { endpoint: Some(endpoint_to_wire(&qp.endpoint())), ..Default::default() }.encode_to_vec();
     let answer = call(&mut stream, Opcode::Connect, 1, &connect).await;
@@ -579,7 +581,7 @@ async fn rdma_requests_that_lie_are_refused() {
     assert_eq!(code(&call(&mut stream, Opcode::Put, 2, &put_other(past_end)).await), ErrorCode::TransferFailed);
     // A GET into a buffer the client registered read-only fails its transfer too.
     let mut stream = tokio::net::TcpStream::connect(target.address).await.unwrap();
-    let qp = device.create_qp(8).unwrap();
+    let qp = device.create_qp(8, Access::REMOTE_READ).unwrap();
     let connect =
         ConnectRequest { endpoint: Some(endpoint_to_wire(&qp.endpoint())), ..Default::default() }.encode_to_vec();
     let answer = call(&mut stream, Opcode::Connect, 1, &connect).await;
@@ -594,7 +596,7 @@ async fn rdma_requests_that_lie_are_refused() {
 async fn auto_uses_rdma_when_both_sides_have_it_and_falls_back_to_tcp() {
     let dir = tempfile::tempdir().unwrap();
     let limits = DataPlaneLimits { frame_timeout: Duration::from_millis(300), ..DataPlaneLimits::default() };
-    let (with_rdma, target_device) = rdma_target(&dir.path().join("a"), limits).await;
+    let (with_rdma, target_device) = rdma_target(&dir.path().join("a"), limits.clone()).await;
     let tcp_only = start_target(&dir.path().join("b"), "127.0.0.1:0").await;
     let (client, _pool, _client_device) = rdma_client();
     let (hash, data) = chunk(200_000, 3);
@@ -620,15 +622,30 @@ async fn auto_uses_rdma_when_both_sides_have_it_and_falls_back_to_tcp() {
     }
 
     // The link hangs mid-transfer: the target's transfer times out, its queue pair fails, the
-    // request is answered TRANSFER_FAILED, and the client retries over TCP.
+    // request is answered TRANSFER_FAILED, and the client retries over TCP, which it then keeps
+    // using (the target is asked again later, not on every request).
     target_device.stall();
     let (second, second_data) = chunk(100_000, 4);
     assert!(!fast.put(second, Payload::raw(second_data.clone())).await.unwrap());
+    assert_eq!(fast.kind(), "tcp");
     assert_eq!(fast.get(second, 0, 0).await.unwrap().bytes, second_data);
+    // A queue pair that connects over a path that carries no data is never chosen: the probe
+    // transfer of the setup fails.
+    let hung = auto(with_rdma.address, Some(Arc::clone(&client)));
+    hung.settle().await;
+    assert_eq!(hung.kind(), "tcp");
     target_device.resume();
-    // Once the link works again, a fresh connection carries RDMA again.
+
+    // The target restarts without RDMA after the client chose it: requests go over TCP.
+    let fresh = auto(with_rdma.address, Some(Arc::clone(&client)));
+    fresh.settle().await;
+    assert_eq!(fresh.kind(), "rdma");
+    let _ = with_rdma.stop.send(true);
+    with_rdma.task.await.unwrap();
+    let address = with_rdma.address.to_string();
+    let _restarted = start_target_on(&dir.path().join("a"), &address, Transports::default(), limits).await;
+    assert_eq!(fresh.get(hash, 0, 0).await.unwrap().bytes, data);
     let (third, third_data) = chunk(50_000, 5);
-    assert!(!fast.put(third, Payload::raw(third_data.clone())).await.unwrap());
-    assert_eq!(fast.get(third, 0, 0).await.unwrap().bytes, third_data);
-    assert_eq!(fast.kind(), "rdma");
+    assert!(!fresh.put(third, Payload::raw(third_data.clone())).await.unwrap());
+    assert_eq!(fresh.kind(), "tcp");
 }

@@ -151,11 +151,18 @@ impl Drop for QpDriver {
 fn completion_loop(qp: &dyn QueuePair, waiters: &Waiters, failed: &AtomicBool, stop: &AtomicBool) {
     let mut completions = Vec::new();
     let mut stopping_since = None;
+    let mut poll_failed = false;
     loop {
         if let Err(error) = qp.poll(&mut completions, Duration::from_millis(20)) {
-            tracing::warn!(%error, "polling RDMA completions failed; failing the queue pair");
-            failed.store(true, Ordering::SeqCst);
-            qp.fail();
+            if !poll_failed {
+                tracing::warn!(%error, "polling RDMA completions failed; failing the queue pair");
+                poll_failed = true;
+                failed.store(true, Ordering::SeqCst);
+                qp.fail();
+            }
+            // The queue pair is failed and its owner tears it down; poll slowly until then.
+            stop.store(true, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(20));
         }
         for completion in completions.drain(..) {
             let waiter = lock(waiters).as_mut().and_then(|m| m.remove(&completion.id));
@@ -188,7 +195,7 @@ mod tests {
     use crate::verbs::{Access, Op, Verbs};
 
     fn connected(client: &SoftDevice, target: &SoftDevice) -> (Box<dyn QueuePair>, Box<dyn QueuePair>) {
-        let (c, t) = (client.create_qp(8).unwrap(), target.create_qp(8).unwrap());
+        let (c, t) = (client.create_qp(8, Access::REMOTE_READ).unwrap(), target.create_qp(8, Access::LOCAL).unwrap());
         c.connect(&t.endpoint()).unwrap();
         t.connect(&c.endpoint()).unwrap();
         (c, t)

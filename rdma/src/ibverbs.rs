@@ -8,7 +8,7 @@
 use std::ffi::CStr;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rdma_sys::*;
 
@@ -51,7 +51,12 @@ pub struct IbDevice {
     gid: [u8; 16],
     lid: u16,
     mtu: ibv_mtu::Type,
+    /// Outstanding RDMA READs per queue pair, both directions (the device's limits, at most 16).
+    max_rd_atomic: u8,
 }
+
+/// `IBV_LINK_LAYER_ETHERNET` (a C define bindgen does not carry): RoCE, addressed by GID.
+const LINK_LAYER_ETHERNET: u8 = 2;
 
 /// Opens the device named in `settings` (or the first one) and queries its port.
 pub fn open(settings: &DeviceSettings) -> Result<Arc<dyn Verbs>, VerbsError> {
@@ -97,11 +102,23 @@ pub fn open(settings: &DeviceSettings) -> Result<Arc<dyn Verbs>, VerbsError> {
         if rc != 0 {
             return Err(VerbsError::call("ibv_query_port", rc));
         }
-        let mut gid: ibv_gid = std::mem::zeroed();
-        let rc = ibv_query_gid(context.context.as_ptr(), settings.port, i32::from(settings.gid_index), &mut gid);
-        if rc != 0 {
-            return Err(VerbsError::call("ibv_query_gid", rc));
+        if port.state != ibv_port_state::IBV_PORT_ACTIVE && port.state != ibv_port_state::IBV_PORT_ACTIVE_DEFER {
+            return Err(VerbsError::NoDevice(format!("{name} port {} is not active", settings.port)));
         }
+        let mut gid: ibv_gid = std::mem::zeroed();
+        if ibv_query_gid(context.context.as_ptr(), settings.port, i32::from(settings.gid_index), &mut gid) != 0 {
+            return Err(VerbsError::call("ibv_query_gid", errno()));
+        }
+        if port.link_layer == LINK_LAYER_ETHERNET && gid.raw == [0; 16] {
+            let index = settings.gid_index;
+            return Err(VerbsError::NoDevice(format!("{name} GID index {index} has no address (see show_gids)")));
+        }
+        let mut device: ibv_device_attr = std::mem::zeroed();
+        let rc = ibv_query_device(context.context.as_ptr(), &mut device);
+        if rc != 0 {
+            return Err(VerbsError::call("ibv_query_device", rc));
+        }
+        let max_rd_atomic = device.max_qp_rd_atom.min(device.max_qp_init_rd_atom).clamp(1, 16) as u8;
         let mtu = settings.mtu.map_or(port.active_mtu, mtu_enum).min(port.active_mtu);
         Ok(Arc::new(IbDevice {
             name,
@@ -111,6 +128,7 @@ pub fn open(settings: &DeviceSettings) -> Result<Arc<dyn Verbs>, VerbsError> {
             gid: gid.raw,
             lid: port.lid,
             mtu,
+            max_rd_atomic,
         }))
     }
 }
@@ -129,8 +147,13 @@ fn mtu_bytes(mtu: ibv_mtu::Type) -> u32 {
     128 << mtu.clamp(1, 5)
 }
 
+/// Verbs access flags: local write where the device writes the memory (a local READ target, or
+/// remote write, which requires it), not for memory only read remotely (which may be read-only).
 fn access_flags(access: Access) -> u32 {
-    let mut flags = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+    let mut flags = 0;
+    if access.remote_write || !access.remote_read {
+        flags |= ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+    }
     if access.remote_read {
         flags |= ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
     }
@@ -160,13 +183,25 @@ impl Verbs for IbDevice {
         Ok(Box::new(IbRegion { mr, _context: Arc::clone(&self.context) }))
     }
 
-    fn create_qp(&self, max_outstanding: u32) -> Result<Box<dyn QueuePair>, VerbsError> {
+    fn create_qp(&self, max_outstanding: u32, remote: Access) -> Result<Box<dyn QueuePair>, VerbsError> {
         let depth = max_outstanding.max(1);
         // SAFETY: plain libibverbs calls on live objects; partial results are destroyed on error.
         unsafe {
             let ctx = self.context.context.as_ptr();
-            let cq = ibv_create_cq(ctx, depth as i32, ptr::null_mut(), ptr::null_mut(), 0);
-            let cq = NonNull::new(cq).ok_or_else(|| VerbsError::call("ibv_create_cq", errno()))?;
+            let channel = NonNull::new(ibv_create_comp_channel(ctx))
+                .ok_or_else(|| VerbsError::call("ibv_create_comp_channel", errno()))?;
+            let cq = ibv_create_cq(ctx, depth as i32, ptr::null_mut(), channel.as_ptr(), 0);
+            let Some(cq) = NonNull::new(cq) else {
+                let error = VerbsError::call("ibv_create_cq", errno());
+                ibv_destroy_comp_channel(channel.as_ptr());
+                return Err(error);
+            };
+            let rc = ibv_req_notify_cq(cq.as_ptr(), 0);
+            if rc != 0 {
+                ibv_destroy_cq(cq.as_ptr());
+                ibv_destroy_comp_channel(channel.as_ptr());
+                return Err(VerbsError::call("ibv_req_notify_cq", rc));
+            }
             let mut init: ibv_qp_init_attr = std::mem::zeroed();
             init.send_cq = cq.as_ptr();
             init.recv_cq = cq.as_ptr();
@@ -178,18 +213,22 @@ impl Verbs for IbDevice {
             let Some(qp) = NonNull::new(qp) else {
                 let error = VerbsError::call("ibv_create_qp", errno());
                 ibv_destroy_cq(cq.as_ptr());
+                ibv_destroy_comp_channel(channel.as_ptr());
                 return Err(error);
             };
             let qp = IbQp {
                 qp,
                 cq,
+                channel,
                 device: self.endpoint_template(),
+                psn: random_psn(),
                 port: self.port,
                 gid_index: self.gid_index,
                 mtu: self.mtu,
+                max_rd_atomic: self.max_rd_atomic,
                 _context: Arc::clone(&self.context),
             };
-            qp.to_init()?;
+            qp.to_init(remote)?;
             Ok(Box::new(qp))
         }
     }
@@ -239,11 +278,28 @@ impl Drop for IbRegion {
 struct IbQp {
     qp: NonNull<ibv_qp>,
     cq: NonNull<ibv_cq>,
+    /// Wakes the completion thread (no busy polling).
+    channel: NonNull<ibv_comp_channel>,
     device: Endpoint,
+    psn: u32,
     port: u8,
     gid_index: u8,
     mtu: ibv_mtu::Type,
+    max_rd_atomic: u8,
     _context: Arc<Context>,
+}
+
+/// A random 24-bit first packet sequence number (a reused QP number never matches stale packets).
+fn random_psn() -> u32 {
+    let mut bytes = [0u8; 4];
+    // SAFETY: writes at most 4 bytes into `bytes`.
+    let got = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    let entropy = if got == 4 {
+        u32::from_le_bytes(bytes)
+    } else {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.subsec_nanos())
+    };
+    entropy & 0xff_ffff
 }
 
 // SAFETY: see Context; posting and polling are thread-safe in libibverbs.
@@ -257,13 +313,21 @@ impl IbQp {
         if rc != 0 { Err(VerbsError::call(call, rc)) } else { Ok(()) }
     }
 
-    fn to_init(&self) -> Result<(), VerbsError> {
+    /// RESET → INIT, granting the peer `remote` access to memory of this side.
+    fn to_init(&self, remote: Access) -> Result<(), VerbsError> {
         // SAFETY: zeroed is a valid ibv_qp_attr.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_INIT;
         attr.port_num = self.port;
         attr.pkey_index = 0;
-        attr.qp_access_flags = access_flags(Access { remote_read: true, remote_write: true });
+        let mut flags = 0;
+        if remote.remote_read {
+            flags |= ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+        }
+        if remote.remote_write {
+            flags |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        }
+        attr.qp_access_flags = flags;
         let mask = ibv_qp_attr_mask::IBV_QP_STATE
             | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX
             | ibv_qp_attr_mask::IBV_QP_PORT
@@ -272,11 +336,46 @@ impl IbQp {
     }
 }
 
+impl IbQp {
+    /// Appends every completion ready now; returns how many.
+    fn drain(&self, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
+        // SAFETY: zeroed ibv_wc entries are plain data the provider overwrites.
+        let mut entries: [ibv_wc; 16] = unsafe { std::mem::zeroed() };
+        let mut total = 0;
+        loop {
+            // SAFETY: a live completion queue and room for 16 entries.
+            let n = unsafe { ibv_poll_cq(self.cq.as_ptr(), entries.len() as i32, entries.as_mut_ptr()) };
+            if n < 0 {
+                return Err(VerbsError::Call { call: "ibv_poll_cq", reason: format!("returned {n}") });
+            }
+            for wc in &entries[..n as usize] {
+                let status = match wc.status {
+                    ibv_wc_status::IBV_WC_SUCCESS => WcStatus::Success,
+                    ibv_wc_status::IBV_WC_LOC_PROT_ERR | ibv_wc_status::IBV_WC_LOC_LEN_ERR => WcStatus::LocalProtection,
+                    ibv_wc_status::IBV_WC_REM_ACCESS_ERR | ibv_wc_status::IBV_WC_REM_INV_REQ_ERR => {
+                        WcStatus::RemoteAccess
+                    }
+                    ibv_wc_status::IBV_WC_RETRY_EXC_ERR | ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR => {
+                        WcStatus::RetryExceeded
+                    }
+                    ibv_wc_status::IBV_WC_WR_FLUSH_ERR => WcStatus::Flushed,
+                    other => WcStatus::Other(other),
+                };
+                out.push(Completion { id: wc.wr_id, status, bytes: wc.byte_len });
+            }
+            total += n as usize;
+            if (n as usize) < entries.len() {
+                return Ok(total);
+            }
+        }
+    }
+}
+
 impl QueuePair for IbQp {
     fn endpoint(&self) -> Endpoint {
         // SAFETY: a live queue pair.
         let qp_num = unsafe { (*self.qp.as_ptr()).qp_num };
-        Endpoint { qp_num, psn: qp_num & 0xff_ffff, ..self.device }
+        Endpoint { qp_num, psn: self.psn, ..self.device }
     }
 
     fn connect(&self, remote: &Endpoint) -> Result<(), VerbsError> {
@@ -286,7 +385,7 @@ impl QueuePair for IbQp {
         attr.path_mtu = self.mtu.min(mtu_enum(remote.mtu));
         attr.dest_qp_num = remote.qp_num;
         attr.rq_psn = remote.psn;
-        attr.max_dest_rd_atomic = 16;
+        attr.max_dest_rd_atomic = self.max_rd_atomic;
         attr.min_rnr_timer = 12;
         attr.ah_attr.dlid = remote.lid;
         attr.ah_attr.port_num = self.port;
@@ -308,11 +407,11 @@ impl QueuePair for IbQp {
         // SAFETY: as above.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_RTS;
-        attr.sq_psn = self.endpoint().psn;
+        attr.sq_psn = self.psn;
         attr.timeout = 14; // 4.096 µs × 2^14 ≈ 67 ms per retry
         attr.retry_cnt = 7;
         attr.rnr_retry = 7;
-        attr.max_rd_atomic = 16;
+        attr.max_rd_atomic = self.max_rd_atomic;
         let mask = ibv_qp_attr_mask::IBV_QP_STATE
             | ibv_qp_attr_mask::IBV_QP_SQ_PSN
             | ibv_qp_attr_mask::IBV_QP_TIMEOUT
@@ -348,37 +447,36 @@ impl QueuePair for IbQp {
     }
 
     fn poll(&self, out: &mut Vec<Completion>, timeout: Duration) -> Result<(), VerbsError> {
-        let deadline = Instant::now() + timeout;
-        // SAFETY: zeroed ibv_wc entries are plain data the provider overwrites.
-        let mut entries: [ibv_wc; 16] = unsafe { std::mem::zeroed() };
-        loop {
-            // SAFETY: a live completion queue and room for 16 entries.
-            let n = unsafe { ibv_poll_cq(self.cq.as_ptr(), entries.len() as i32, entries.as_mut_ptr()) };
-            if n < 0 {
-                return Err(VerbsError::call("ibv_poll_cq", -n));
-            }
-            for wc in &entries[..n as usize] {
-                let status = match wc.status {
-                    ibv_wc_status::IBV_WC_SUCCESS => WcStatus::Success,
-                    ibv_wc_status::IBV_WC_LOC_PROT_ERR | ibv_wc_status::IBV_WC_LOC_LEN_ERR => WcStatus::LocalProtection,
-                    ibv_wc_status::IBV_WC_REM_ACCESS_ERR | ibv_wc_status::IBV_WC_REM_INV_REQ_ERR => {
-                        WcStatus::RemoteAccess
-                    }
-                    ibv_wc_status::IBV_WC_RETRY_EXC_ERR | ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR => {
-                        WcStatus::RetryExceeded
-                    }
-                    ibv_wc_status::IBV_WC_WR_FLUSH_ERR => WcStatus::Flushed,
-                    other => WcStatus::Other(other),
-                };
-                out.push(Completion { id: wc.wr_id, status, bytes: wc.byte_len });
-            }
-            if n > 0 || Instant::now() >= deadline {
-                return Ok(());
-            }
-            // Busy-polling a dedicated thread would spend a core; a short sleep costs ~50 µs of
-            // latency per idle period, nothing under load (completions are found without it).
-            std::thread::sleep(Duration::from_micros(50).min(deadline.saturating_duration_since(Instant::now())));
+        if self.drain(out)? > 0 {
+            return Ok(());
         }
+        // Sleep on the completion channel until the armed queue fires, or the timeout.
+        // SAFETY: the channel's fd is open while the queue pair lives.
+        let fd = unsafe { (*self.channel.as_ptr()).fd };
+        let mut pollfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let millis = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: one valid pollfd.
+        let ready = unsafe { libc::poll(&mut pollfd, 1, millis) };
+        if ready < 0 {
+            let errno = errno();
+            return if errno == libc::EINTR { Ok(()) } else { Err(VerbsError::call("poll", errno)) };
+        }
+        if ready > 0 {
+            let (mut cq, mut context) = (ptr::null_mut(), ptr::null_mut());
+            // SAFETY: the channel is readable, so this does not block; the event is acked once and
+            // the queue re-armed before draining (a completion in between is found by the drain).
+            unsafe {
+                if ibv_get_cq_event(self.channel.as_ptr(), &mut cq, &mut context) != 0 {
+                    return Err(VerbsError::call("ibv_get_cq_event", errno()));
+                }
+                ibv_ack_cq_events(cq, 1);
+                let rc = ibv_req_notify_cq(self.cq.as_ptr(), 0);
+                if rc != 0 {
+                    return Err(VerbsError::call("ibv_req_notify_cq", rc));
+                }
+            }
+        }
+        self.drain(out).map(|_| ())
     }
 
     fn fail(&self) {
@@ -395,6 +493,7 @@ impl Drop for IbQp {
         unsafe {
             ibv_destroy_qp(self.qp.as_ptr());
             ibv_destroy_cq(self.cq.as_ptr());
+            ibv_destroy_comp_channel(self.channel.as_ptr());
         }
     }
 }

@@ -143,15 +143,17 @@ impl MemoryMap {
             let at = ptr as usize;
             at >= base && at + len <= base + base_len
         }) {
-            let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(region) = cache.get(&base) {
+            if let Some(region) = self.cache.lock().unwrap_or_else(|p| p.into_inner()).get(&base) {
                 return Ok(Registered::Cached(Arc::clone(region)));
             }
+            // Registered outside the lock (pinning megabytes takes a while on hardware); a racing
+            // registration of the same buffer loses and is dropped.
             // SAFETY: stable memory outlives this map and so the cached region.
             let region: Arc<dyn MemoryRegion> =
                 Arc::from(unsafe { self.verbs.register(base as *mut u8, base_len, self.access) }?);
-            cache.insert(base, Arc::clone(&region));
-            return Ok(Registered::Cached(region));
+            let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            let kept = cache.entry(base).or_insert(region);
+            return Ok(Registered::Cached(Arc::clone(kept)));
         }
         // SAFETY: the caller keeps the memory valid while the registration lives.
         Ok(Registered::Once(unsafe { self.verbs.register(ptr.cast_mut(), len, self.access) }?))

@@ -10,6 +10,7 @@
 //! - RDMA READ and WRITE copy between registered regions of two connected queue pairs;
 //! - a completion queue per queue pair, with statuses for a bad lkey (local protection), a bad
 //!   rkey or range (remote access), a vanished peer (retry exceeded) and flushed requests;
+//! - a queue pair grants its peer remote read and/or write (as `ibv_modify_qp`'s access flags do);
 //! - a failed request moves its queue pair to the error state (as on a real RC queue pair): later
 //!   requests complete as flushed;
 //! - bounded outstanding requests (posting past the bound fails, as `ibv_post_send` does).
@@ -124,13 +125,14 @@ impl Verbs for SoftDevice {
         Ok(Box::new(SoftRegion { key, addr: addr as u64, len }))
     }
 
-    fn create_qp(&self, max_outstanding: u32) -> Result<Box<dyn QueuePair>, VerbsError> {
+    fn create_qp(&self, max_outstanding: u32, remote: Access) -> Result<Box<dyn QueuePair>, VerbsError> {
         let qp_num = FABRIC.next_qp.fetch_add(1, Ordering::Relaxed);
         let shared = Arc::new(QpShared {
             device: self.id,
             gid: self.gid,
             qp_num,
             max_outstanding: max_outstanding.max(1),
+            remote,
             stalled: Arc::clone(&self.stalled),
             state: Mutex::new(QpState { remote: None, failed: false, outstanding: 0, pending: VecDeque::new() }),
             completions: Mutex::new(VecDeque::new()),
@@ -185,6 +187,8 @@ struct QpShared {
     gid: [u8; 16],
     qp_num: u32,
     max_outstanding: u32,
+    /// What the peer may do to this side's regions through this queue pair.
+    remote: Access,
     stalled: Arc<AtomicBool>,
     state: Mutex<QpState>,
     completions: Mutex<VecDeque<Completion>>,
@@ -255,6 +259,9 @@ impl QpShared {
             Op::Read => access.remote_read,
             Op::Write => access.remote_write,
         };
+        if !granted(peer.remote) {
+            return WcStatus::RemoteAccess;
+        }
         match regions.get(&request.rkey) {
             Some(far) if far.device == peer.device && granted(far.access) && inside(far, request.remote_addr) => {}
             _ => return WcStatus::RemoteAccess,
@@ -349,8 +356,10 @@ impl Drop for SoftQp {
 mod tests {
     use super::*;
 
+    const ANY: Access = Access { remote_read: true, remote_write: true };
+
     fn pair(a: &SoftDevice, b: &SoftDevice) -> (Box<dyn QueuePair>, Box<dyn QueuePair>) {
-        let (qa, qb) = (a.create_qp(4).unwrap(), b.create_qp(4).unwrap());
+        let (qa, qb) = (a.create_qp(4, ANY).unwrap(), b.create_qp(4, ANY).unwrap());
         qa.connect(&qb.endpoint()).unwrap();
         qb.connect(&qa.endpoint()).unwrap();
         (qa, qb)
@@ -457,7 +466,14 @@ mod tests {
         target.resume();
         assert!(sink.iter().all(|&b| b == 0));
 
-        let unconnected = target.create_qp(1).unwrap();
+        let unconnected = target.create_qp(1, ANY).unwrap();
         assert_eq!(unconnected.post(&read(&*near, 0, &*far, 0, 8)), Err(VerbsError::NotConnected));
+
+        // A peer whose queue pair grants no remote read refuses READs of its memory.
+        let (qc, qt) = (client.create_qp(4, Access::LOCAL).unwrap(), target.create_qp(4, ANY).unwrap());
+        qc.connect(&qt.endpoint()).unwrap();
+        qt.connect(&qc.endpoint()).unwrap();
+        qt.post(&read(&*near, 0, &*far, 0, 8)).unwrap();
+        assert_eq!(one(&*qt).status, WcStatus::RemoteAccess);
     }
 }

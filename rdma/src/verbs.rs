@@ -123,8 +123,9 @@ pub trait Verbs: Send + Sync + 'static {
     /// the returned region is dropped: a device may read or write it until then.
     unsafe fn register(&self, addr: *mut u8, len: usize, access: Access) -> Result<Box<dyn MemoryRegion>, VerbsError>;
     /// A reliable-connected queue pair with its own completion queue; at most `max_outstanding`
-    /// work requests may be posted and not yet polled.
-    fn create_qp(&self, max_outstanding: u32) -> Result<Box<dyn QueuePair>, VerbsError>;
+    /// work requests may be posted and not yet polled. The peer may READ or WRITE this side's
+    /// regions only as `remote` allows (and as each region grants).
+    fn create_qp(&self, max_outstanding: u32, remote: Access) -> Result<Box<dyn QueuePair>, VerbsError>;
 }
 
 /// A registered memory region; deregistered when dropped (after which its keys are refused).

@@ -8,8 +8,10 @@
 //!   with no copy on the client; other payloads (caller-shared bytes, compressed chunks) are
 //!   registered for the request. Memory that cannot be registered (a memlock limit) travels in the
 //!   frame instead.
-//! - a GET names a slot of a receive region registered per connection (remote write); the target
-//!   RDMA-WRITEs the chunk there, and the slot is lent as `slots.rs` describes.
+//! - a GET names a slot of the client's receive region (registered once, remote write, shared by
+//!   every target connection, so its memory does not grow with the number of targets); the target
+//!   RDMA-WRITEs the chunk there. A slot is reused once the target answered; a slot whose request
+//!   was abandoned waits until that connection's queue pair is destroyed (no peer can write it).
 //!
 //! A transfer the target reports failed (TRANSFER_FAILED: a revoked key, a queue pair in error)
 //! closes the connection and counts as a connection error (`slots.rs`, `Dialled::call_on`): the
@@ -22,7 +24,7 @@ use starckpt_proto::buf::{AlignedBuf, BufPool};
 use starckpt_proto::rdma::{endpoint_from_wire, endpoint_to_wire};
 use starckpt_rdma::{Access, DeviceSettings, MemoryMap, MemoryRegion, QueuePair, Verbs};
 
-use super::slots::{Dialled, Slot, SlotPool, Slotted};
+use super::slots::{Dialled, Slot, SlotHost, SlotPool};
 use super::*;
 
 /// RDMA settings of a client.
@@ -38,15 +40,15 @@ pub struct RdmaConfig {
     /// `STARCKPT_RDMA_PORT`, `STARCKPT_RDMA_GID_INDEX`, `STARCKPT_RDMA_MTU`
     /// ([`DeviceSettings::from_env`]).
     pub settings: Option<DeviceSettings>,
-    /// Receive slots (one chunk each) per target connection: GET results in flight at once over
-    /// RDMA to one target. Default 8.
+    /// Receive slots (one chunk each) shared by all targets: GET results in flight at once over
+    /// RDMA (more wait). Default 16, the default restore concurrency.
     pub slots: u32,
 }
 
 impl Default for RdmaConfig {
     fn default() -> Self {
         let off = std::env::var("STARCKPT_RDMA").is_ok_and(|v| v == "off");
-        RdmaConfig { enabled: !off, device: None, settings: None, slots: 8 }
+        RdmaConfig { enabled: !off, device: None, settings: None, slots: 16 }
     }
 }
 
@@ -62,20 +64,38 @@ impl fmt::Debug for RdmaConfig {
 }
 
 /// A client's RDMA device and its registrations, shared by its transports to every target.
+/// Fields drop in order: registrations before their memory.
 pub struct RdmaClient {
     /// PUT payloads: the staging pool registered once (remote read), other memory per request.
     memory: MemoryMap,
-    slots: u32,
-    slot_bytes: usize,
+    /// GET results: slots of one region, registered once (remote write).
+    receive_slots: SlotPool,
+    receive_registration: Box<dyn MemoryRegion>,
+    receive: AlignedBuf,
 }
 
 impl RdmaClient {
     /// `staging`: the pool whose buffers PUT payloads usually lie in; `slot_bytes`: the largest
     /// GET result received by RDMA (the chunk size).
-    pub fn new(verbs: Arc<dyn Verbs>, staging: &BufPool, slots: u32, slot_bytes: usize) -> Arc<RdmaClient> {
+    pub fn new(
+        verbs: Arc<dyn Verbs>,
+        staging: &BufPool,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<Arc<RdmaClient>, starckpt_rdma::VerbsError> {
+        let (slots, slot_bytes) = (slots.max(1), starckpt_proto::buf::round_up(slot_bytes));
+        let mut receive = AlignedBuf::new(slots as usize * slot_bytes);
+        let len = receive.capacity();
+        // SAFETY: the registration is dropped before `receive` (field order of RdmaClient).
+        let receive_registration = unsafe { verbs.register(receive.as_mut_ptr(), len, Access::REMOTE_WRITE) }?;
         let pool = staging.clone();
         let memory = MemoryMap::new(verbs, Access::REMOTE_READ, Box::new(move |at| pool.buffer_containing(at)));
-        Arc::new(RdmaClient { memory, slots: slots.max(1), slot_bytes: starckpt_proto::buf::round_up(slot_bytes) })
+        Ok(Arc::new(RdmaClient {
+            memory,
+            receive_slots: SlotPool::new(slots, slot_bytes),
+            receive_registration,
+            receive,
+        }))
     }
 
     pub fn device(&self) -> String {
@@ -88,16 +108,41 @@ impl RdmaClient {
     }
 }
 
-/// A connection's queue pair and receive region. Fields drop in order: the queue pair before the
-/// region's registration (no peer can reach it after), the registration before its memory.
-pub(crate) struct Receive {
-    _queue_pair: Box<dyn QueuePair>,
-    registration: Box<dyn MemoryRegion>,
-    memory: AlignedBuf,
+/// One TCP connection with its queue pair; it lends the client's receive slots.
+pub(crate) struct RdmaConnection {
+    frames: Connection,
+    /// Some until dropped (first, in `Drop`).
+    queue_pair: Option<Box<dyn QueuePair>>,
+    client: Arc<RdmaClient>,
+    /// Receive slots abandoned while the target might still write them: returned once the queue
+    /// pair is destroyed.
+    quarantined: Mutex<Vec<u32>>,
 }
 
-/// One TCP connection with its queue pair and receive region.
-pub(crate) type RdmaConnection = Slotted<Receive>;
+impl SlotHost for RdmaConnection {
+    fn slot_pool(&self) -> &SlotPool {
+        &self.client.receive_slots
+    }
+
+    fn frames(&self) -> &Connection {
+        &self.frames
+    }
+
+    fn abandon(&self, index: u32) {
+        self.quarantined.lock().unwrap_or_else(|p| p.into_inner()).push(index);
+        self.frames.close("a request was abandoned while the target may still write its slot");
+    }
+}
+
+impl Drop for RdmaConnection {
+    fn drop(&mut self) {
+        // After this no peer can write through this connection; its abandoned slots are free.
+        drop(self.queue_pair.take());
+        for index in self.quarantined.get_mut().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            self.client.receive_slots.release(index);
+        }
+    }
+}
 
 /// The RDMA transport to one target.
 pub struct RdmaTransport {
@@ -128,6 +173,29 @@ impl RdmaTransport {
         Ok(transport)
     }
 
+    /// Checks that data crosses the new queue pair: the target RDMA-READs random bytes and returns
+    /// them (a queue pair connects over paths that cannot carry data).
+    async fn probe(&self, frames: &Connection, verbs: &dyn Verbs) -> Result<(), TransportError> {
+        let mut nonce = AlignedBuf::new(32);
+        nonce.set_len(32);
+        let seed = uuid::Uuid::new_v4();
+        nonce.full_mut()[..16].copy_from_slice(seed.as_bytes());
+        nonce.full_mut()[16..32].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
+        // SAFETY: `nonce` outlives the registration (declared before it).
+        let region = unsafe { verbs.register(nonce.as_mut_ptr(), 32, Access::REMOTE_READ) }
+            .map_err(|e| TransportError::Connect(format!("RDMA probe: {e}")))?;
+        let probe = RemoteBuffer { addr: region.addr(), rkey: region.rkey(), len: 32 };
+        let header =
+            data::ConnectRequest { auth: self.auth(), endpoint: None, probe: Some(probe.to_wire()) }.encode_to_vec();
+        let (response, echoed) = frames.call(Opcode::Connect, header, None, self.config.request_timeout).await?;
+        let (_, echoed) = checked(response, echoed).map_err(|e| TransportError::Connect(format!("RDMA probe: {e}")))?;
+        drop(region);
+        if echoed[..] != nonce.as_ref()[..] {
+            return Err(TransportError::Connect("RDMA probe: the target read other bytes than the client's".into()));
+        }
+        Ok(())
+    }
+
     async fn put_once(&self, hash: ChunkHash, payload: &Payload, repair: bool) -> Result<bool, TransportError> {
         let connection = self.connection().await?;
         let bytes = payload.bytes.clone();
@@ -151,10 +219,11 @@ impl RdmaTransport {
     async fn get_once(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
         let connection = self.connection().await?;
         let mut slot = Slot::lend(&connection).await?;
-        let slot_bytes = connection.slots.slot_bytes();
+        let client = &connection.client;
+        let slot_bytes = client.receive_slots.slot_bytes();
         let remote = RemoteBuffer {
-            addr: connection.region.registration.addr() + slot.offset() as u64,
-            rkey: connection.region.registration.rkey(),
+            addr: client.receive_registration.addr() + slot.offset() as u64,
+            rkey: client.receive_registration.rkey(),
             len: slot_bytes as u32,
         };
         let header = get_header(self, hash, offset, length, Place::Rdma(remote));
@@ -175,7 +244,7 @@ impl RdmaTransport {
         // concurrently by the device, so no reference to the whole buffer is formed.
         unsafe {
             let into = bytes.spare_capacity_mut().as_mut_ptr().cast::<u8>();
-            std::ptr::copy_nonoverlapping(connection.region.memory.as_ptr().add(slot.offset()), into, len);
+            std::ptr::copy_nonoverlapping(client.receive.as_ptr().add(slot.offset()), into, len);
             bytes.set_len(len);
         }
         drop(slot);
@@ -203,12 +272,19 @@ impl Dialled for RdmaTransport {
         let frames = Connection::open(self.address, &self.config).await?;
         let verbs = self.client.memory.verbs();
         let setup = |e: starckpt_rdma::VerbsError| TransportError::Connect(format!("RDMA setup: {e}"));
-        let queue_pair = verbs.create_qp(self.config.max_requests_per_connection as u32).map_err(setup)?;
-        let header =
-            data::ConnectRequest { auth: self.auth(), endpoint: Some(endpoint_to_wire(&queue_pair.endpoint())) }
-                .encode_to_vec();
+        // The target reads PUT payloads and writes GET results.
+        let access = Access { remote_read: true, remote_write: true };
+        let queue_pair = verbs.create_qp(self.config.max_requests_per_connection as u32, access).map_err(setup)?;
+        let header = data::ConnectRequest {
+            auth: self.auth(),
+            endpoint: Some(endpoint_to_wire(&queue_pair.endpoint())),
+            probe: None,
+        }
+        .encode_to_vec();
         let (response, payload) = frames.call(Opcode::Connect, header, None, self.config.request_timeout).await?;
-        let (response, _) = checked(response, payload)?;
+        // Any refusal (RDMA no longer served there, setup failing) means: use TCP for now.
+        let (response, _) =
+            checked(response, payload).map_err(|e| TransportError::Connect(format!("OP_CONNECT: {e}")))?;
         let remote = response
             .rdma_endpoint
             .as_ref()
@@ -216,16 +292,12 @@ impl Dialled for RdmaTransport {
             .and_then(endpoint_from_wire)
             .map_err(|e| TransportError::Protocol(format!("OP_CONNECT answered a bad endpoint: {e}")))?;
         queue_pair.connect(&remote).map_err(setup)?;
-        let (slots, slot_bytes) = (self.client.slots, self.client.slot_bytes);
-        let mut receive = AlignedBuf::new(slots as usize * slot_bytes);
-        let len = receive.capacity();
-        // SAFETY: the registration is dropped before `receive` (field order of `Receive`).
-        let receive_region =
-            unsafe { verbs.register(receive.as_mut_ptr(), len, Access::REMOTE_WRITE) }.map_err(setup)?;
-        Ok(Slotted {
+        self.probe(&frames, &**verbs).await?;
+        Ok(RdmaConnection {
             frames,
-            slots: SlotPool::new(slots, slot_bytes),
-            region: Receive { _queue_pair: queue_pair, registration: receive_region, memory: receive },
+            queue_pair: Some(queue_pair),
+            client: Arc::clone(&self.client),
+            quarantined: Mutex::new(Vec::new()),
         })
     }
 }

@@ -211,17 +211,34 @@ struct Probe {
     shm_config: ShmConfig,
     slot_bytes: usize,
     rdma: Option<Arc<RdmaClient>>,
-    /// Set once decided: the faster transport set up, or None for TCP.
-    decided: std::sync::OnceLock<Option<Arc<dyn ChunkTransport>>>,
+    /// What the last probe decided: the faster transport set up, or None for TCP. Cleared when
+    /// the faster transport fails (the target changed, the link broke): asked again later.
+    decided: Mutex<Option<Option<Arc<dyn ChunkTransport>>>>,
     running: std::sync::atomic::AtomicBool,
     retry_at: Mutex<Option<std::time::Instant>>,
     finished: tokio::sync::Notify,
 }
 
 impl Probe {
+    fn decision(&self) -> Option<Option<Arc<dyn ChunkTransport>>> {
+        self.decided.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The faster transport failed: back to TCP, and ask the target again after [`PROBE_RETRY`]
+    /// (not at once: a broken path must not cost every request a failed attempt).
+    fn demote(&self, failed: &Arc<dyn ChunkTransport>) {
+        let mut decided = self.decided.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(Some(current)) = decided.as_ref()
+            && Arc::ptr_eq(current, failed)
+        {
+            *decided = None;
+            *self.retry_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now() + PROBE_RETRY);
+        }
+    }
+
     /// Starts a probe unless one is running, the answer is known, or the last one failed recently.
     fn start(self: &Arc<Self>) {
-        if !(self.shm_config.enabled || self.rdma.is_some()) || self.decided.get().is_some() {
+        if !(self.shm_config.enabled || self.rdma.is_some()) || self.decision().is_some() {
             return;
         }
         if self.retry_at.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|at| std::time::Instant::now() < at) {
@@ -234,7 +251,7 @@ impl Probe {
         tokio::spawn(async move {
             match probe.ask().await {
                 Ok(decision) => {
-                    let _ = probe.decided.set(decision);
+                    *probe.decided.lock().unwrap_or_else(|p| p.into_inner()) = Some(decision);
                 }
                 Err(error) => {
                     tracing::debug!(target = %probe.target_id, %error, "no shared memory with the target yet");
@@ -317,7 +334,7 @@ impl AutoTransport {
             shm_config,
             slot_bytes,
             rdma,
-            decided: std::sync::OnceLock::new(),
+            decided: Mutex::new(None),
             running: std::sync::atomic::AtomicBool::new(false),
             retry_at: Mutex::new(None),
             finished: tokio::sync::Notify::new(),
@@ -327,8 +344,8 @@ impl AutoTransport {
 
     /// The transport to use now (module docs); starts a probe if the answer is not known yet.
     fn chosen(&self) -> Arc<dyn ChunkTransport> {
-        match self.probe.decided.get() {
-            Some(Some(fast)) => Arc::clone(fast),
+        match self.probe.decision() {
+            Some(Some(fast)) => fast,
             Some(None) => Arc::clone(&self.tcp) as Arc<dyn ChunkTransport>,
             None => {
                 self.probe.start();
@@ -345,9 +362,10 @@ impl AutoTransport {
     {
         let chosen = self.chosen();
         let kind = chosen.kind();
-        match op(chosen).await {
+        match op(Arc::clone(&chosen)).await {
             Err(error) if kind != "tcp" && error.is_connection() => {
                 tracing::warn!(target = %self.probe.target_id, %error, "{kind} request failed; retrying over TCP");
+                self.probe.demote(&chosen);
                 op(Arc::clone(&self.tcp) as Arc<dyn ChunkTransport>).await
             }
             other => other,
@@ -394,7 +412,7 @@ impl ChunkTransport for AutoTransport {
     }
 
     fn kind(&self) -> &'static str {
-        match self.probe.decided.get() {
+        match self.probe.decision() {
             Some(Some(fast)) => fast.kind(),
             _ => "tcp",
         }
@@ -406,7 +424,7 @@ impl ChunkTransport for AutoTransport {
             loop {
                 let finished = self.probe.finished.notified();
                 self.probe.start();
-                if self.probe.decided.get().is_some() || !self.probe.running.load(Ordering::Acquire) {
+                if self.probe.decision().is_some() || !self.probe.running.load(Ordering::Acquire) {
                     return;
                 }
                 finished.await;

@@ -30,6 +30,12 @@ impl SlotPool {
     pub(crate) fn slot_bytes(&self) -> usize {
         self.slot_bytes
     }
+
+    /// Returns a slot no peer can touch any more.
+    pub(crate) fn release(&self, index: u32) {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(index);
+        self.available.add_permits(1);
+    }
 }
 
 /// A connection and the region whose slots it lends. Fields drop in order: the connection
@@ -55,6 +61,14 @@ pub(crate) trait SlotHost: Send + Sync + 'static {
     fn slot_pool(&self) -> &SlotPool;
     /// The connection that closes when a slot is abandoned.
     fn frames(&self) -> &Connection;
+    /// A request abandoned slot `index` while the target may still use it. By default the slot is
+    /// never reused: the connection goes, and requests waiting for one of its slots fail (and
+    /// retry on a fresh connection) instead of waiting for a permit that will not come back.
+    fn abandon(&self, index: u32) {
+        let _ = index;
+        self.slot_pool().available.close();
+        self.frames().close("a request was abandoned while the target may still use its slot");
+    }
 }
 
 /// A slot in use; returned to its connection only once the target answered (module docs).
@@ -98,16 +112,10 @@ impl<H: SlotHost> Slot<H> {
 
 impl<H: SlotHost> Drop for Slot<H> {
     fn drop(&mut self) {
-        let pool = self.host.slot_pool();
         if self.answered {
-            pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(self.index);
-            pool.available.add_permits(1);
+            self.host.slot_pool().release(self.index);
         } else {
-            // Never reused: the connection goes, and requests waiting for one of its slots fail
-            // (and retry on a fresh connection) instead of waiting for a permit that will not
-            // come back.
-            pool.available.close();
-            self.host.frames().close("a request was abandoned while the target may still use its slot");
+            self.host.abandon(self.index);
         }
     }
 }

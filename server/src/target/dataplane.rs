@@ -314,8 +314,29 @@ where
         if header.opcode != Opcode::Put && header.payload_len != 0 {
             break Err(format!("protocol error: {:?} carries a payload", header.opcode));
         }
+        if header.opcode == Opcode::Connect
+            && let Ok(request) = data::ConnectRequest::decode(prost_header.clone())
+            && let Some(probe) = request.probe
+        {
+            let (served, rdma, responses) = (Arc::clone(&served), rdma.clone(), responses.clone());
+            tokio::spawn(async move {
+                let (response, payload) = match echo_probe(&served, rdma.as_deref(), &probe).await {
+                    Ok(bytes) => (data::Response::default(), Some(bytes)),
+                    Err(response) => (response, None),
+                };
+                let _ = responses.send(reply(header, response, payload)).await;
+            });
+            continue;
+        }
         if header.opcode == Opcode::Connect {
-            let response = connect_rdma(&served, prost_header, &mut rdma);
+            // Queue-pair setup may block (address resolution on RoCE): off the runtime.
+            let (setup, already) = (Arc::clone(&served), rdma.is_some());
+            let (response, driver) = tokio::task::spawn_blocking(move || connect_rdma(&setup, prost_header, already))
+                .await
+                .unwrap_or_else(|_| (error_response(ErrorCode::Internal, "RDMA setup panicked".into()), None));
+            if driver.is_some() {
+                rdma = driver;
+            }
             if responses.send(reply(header, response, None)).await.is_err() {
                 break Ok(());
             }
@@ -426,7 +447,8 @@ where
                         Ok(remote) if bytes.is_empty() || bytes.len() > remote.len as usize => payload = Some(bytes),
                         Ok(remote) => match deliver(&served, rdma.as_deref(), remote, bytes).await {
                             Ok(written) => response.rdma_length = written,
-                            Err(error) => response = error,
+                            Err(Untransferred { owner: Some(bytes), .. }) => payload = Some(bytes),
+                            Err(Untransferred { response: failed, .. }) => response = failed,
                         },
                     }
                 }
@@ -495,22 +517,24 @@ async fn fetch(
         (PayloadSource::Rdma(remote), _, Some(driver)) => {
             let data = chunk.data_mut();
             let (at, len) = (data.as_mut_ptr() as usize, data.len());
-            let (_, chunk) = rdma_transfer(served, driver, Op::Read, at, len, remote, chunk).await?;
-            Ok(chunk)
+            rdma_transfer(served, driver, Op::Read, at, len, remote, chunk).await.map_err(|failed| failed.response)
         }
         _ => Err(error_response(ErrorCode::Internal, "the payload's source went away".into())),
     }
 }
 
-/// RDMA-WRITEs a GET's bytes into the client's buffer; returns how many were written.
+/// RDMA-WRITEs a GET's bytes into the client's buffer; returns how many were written, or the
+/// failure (with the bytes when they never reached the device: they go in the frame instead).
 async fn deliver(
     served: &Served,
     rdma: Option<&QpDriver>,
     remote: RemoteBuffer,
     bytes: Bytes,
-) -> Result<u64, data::Response> {
+) -> Result<u64, Untransferred<Bytes>> {
     let Some(driver) = rdma else {
-        return Err(error_response(ErrorCode::BadRequest, "a remote buffer named on a connection without RDMA".into()));
+        let response =
+            error_response(ErrorCode::BadRequest, "a remote buffer named on a connection without RDMA".into());
+        return Err(Untransferred { owner: None, response });
     };
     let (at, len) = (bytes.as_ptr() as usize, bytes.len());
     rdma_transfer(served, driver, Op::Write, at, len, remote, bytes).await?;
@@ -528,16 +552,24 @@ async fn rdma_transfer<K: Send + 'static>(
     len: usize,
     remote: RemoteBuffer,
     owner: K,
-) -> Result<((), K), data::Response> {
+) -> Result<K, Untransferred<K>> {
+    let failed = |message: String| error_response(ErrorCode::TransferFailed, message);
     let Some(rdma) = &served.rdma else {
-        return Err(error_response(ErrorCode::Internal, "RDMA is not served".into()));
+        return Err(Untransferred { owner: Some(owner), response: failed("RDMA is not served".into()) });
     };
-    let _admitted =
-        rdma.admission.acquire().await.map_err(|_| error_response(ErrorCode::Internal, "closing".into()))?;
+    let Ok(_admitted) = rdma.admission.acquire().await else {
+        return Err(Untransferred { owner: Some(owner), response: failed("closing".into()) });
+    };
     // SAFETY: `owner` holds this memory; it travels with the registration into the driver, which
     // gives both back (registration first, dropped before the memory) only once the device is done.
-    let registered = unsafe { rdma.memory.register(at as *const u8, len) }
-        .map_err(|e| error_response(ErrorCode::Internal, format!("RDMA registration: {e}")))?;
+    let registered = match unsafe { rdma.memory.register(at as *const u8, len) } {
+        Ok(registered) => registered,
+        Err(error) => {
+            // A memlock limit, say: the bytes are still here (a GET sends them in the frame).
+            warn!(%error, "RDMA registration failed");
+            return Err(Untransferred { owner: Some(owner), response: failed(format!("RDMA registration: {error}")) });
+        }
+    };
     let request = WorkRequest {
         id: 0,
         op,
@@ -550,42 +582,81 @@ async fn rdma_transfer<K: Send + 'static>(
     match driver.execute(request, (registered, owner)).await {
         Ok((registered, owner)) => {
             drop(registered);
-            Ok(((), owner))
+            Ok(owner)
         }
         Err(error) => {
             debug!(%error, ?op, "RDMA transfer failed");
-            Err(error_response(ErrorCode::TransferFailed, format!("RDMA {op:?} of {len} bytes: {error}")))
+            Err(Untransferred { owner: None, response: failed(format!("RDMA {op:?} of {len} bytes: {error}")) })
         }
     }
 }
 
-/// OP_CONNECT: a queue pair for this connection, connected to the client's.
-fn connect_rdma(served: &Served, prost_header: Bytes, connection: &mut Option<Arc<QpDriver>>) -> data::Response {
+/// Most bytes an RDMA probe (ConnectRequest.probe) reads.
+const PROBE_BYTES: u32 = 64;
+
+/// OP_CONNECT with a probe: RDMA-READs the client's probe bytes and returns them.
+async fn echo_probe(
+    served: &Served,
+    rdma: Option<&QpDriver>,
+    probe: &data::RemoteBuffer,
+) -> Result<Bytes, data::Response> {
+    let remote = RemoteBuffer::from_wire(probe).map_err(|reason| error_response(ErrorCode::BadRequest, reason))?;
+    if remote.len > PROBE_BYTES {
+        return Err(error_response(
+            ErrorCode::BadRequest,
+            format!("a probe of {} bytes (at most {PROBE_BYTES})", remote.len),
+        ));
+    }
+    let Some(driver) = rdma else {
+        return Err(error_response(ErrorCode::BadRequest, "a probe on a connection without RDMA".into()));
+    };
+    let mut landing = starckpt_proto::buf::AlignedBuf::new(remote.len as usize);
+    landing.set_len(remote.len as usize);
+    let at = landing.as_mut_ptr() as usize;
+    let landing = rdma_transfer(served, driver, Op::Read, at, remote.len as usize, remote, landing)
+        .await
+        .map_err(|failed| failed.response)?;
+    Ok(Bytes::copy_from_slice(landing.as_ref()))
+}
+
+/// A transfer that did not happen: the TRANSFER_FAILED answer, and the memory back if the device
+/// never had it.
+struct Untransferred<K> {
+    owner: Option<K>,
+    response: data::Response,
+}
+
+/// OP_CONNECT: a queue pair for this connection (`already`: it has one), connected to the
+/// client's; the response, and the queue pair's driver when one was set up.
+fn connect_rdma(served: &Served, prost_header: Bytes, already: bool) -> (data::Response, Option<Arc<QpDriver>>) {
+    let refuse = |reason: String| (error_response(ErrorCode::BadRequest, reason), None);
     let request: data::ConnectRequest = match decode_for(&served.store, prost_header) {
         Ok(request) => request,
-        Err(response) => return response,
+        Err(response) => return (response, None),
     };
     let Some(rdma) = &served.rdma else {
-        return error_response(ErrorCode::BadRequest, "this target serves no RDMA".into());
+        return refuse("this target serves no RDMA".into());
     };
-    if connection.is_some() {
-        return error_response(ErrorCode::BadRequest, "RDMA is already set up on this connection".into());
+    if already {
+        return refuse("RDMA is already set up on this connection".into());
     }
     let remote = match request.endpoint.as_ref().map(endpoint_from_wire) {
         Some(Ok(remote)) => remote,
-        Some(Err(reason)) => return error_response(ErrorCode::BadRequest, format!("client endpoint: {reason}")),
-        None => return error_response(ErrorCode::BadRequest, "no client endpoint".into()),
+        Some(Err(reason)) => return refuse(format!("client endpoint: {reason}")),
+        None => return refuse("no client endpoint".into()),
     };
     let depth = served.limits.max_requests_per_connection as u32;
-    let queue_pair = rdma.memory.verbs().create_qp(depth).and_then(|qp| qp.connect(&remote).map(|()| qp));
+    // The client never reads or writes the target's memory: its queue pair grants nothing.
+    let queue_pair =
+        rdma.memory.verbs().create_qp(depth, Access::LOCAL).and_then(|qp| qp.connect(&remote).map(|()| qp));
     match queue_pair {
         Ok(qp) => {
             let endpoint = qp.endpoint();
-            *connection = Some(QpDriver::new(qp, depth, served.limits.frame_timeout));
+            let driver = QpDriver::new(qp, depth, served.limits.frame_timeout);
             debug!(qp = endpoint.qp_num, client_qp = remote.qp_num, "RDMA connection set up");
-            data::Response { rdma_endpoint: Some(endpoint_to_wire(&endpoint)), ..Default::default() }
+            (data::Response { rdma_endpoint: Some(endpoint_to_wire(&endpoint)), ..Default::default() }, Some(driver))
         }
-        Err(error) => error_response(ErrorCode::Internal, format!("RDMA setup: {error}")),
+        Err(error) => (error_response(ErrorCode::TransferFailed, format!("RDMA setup: {error}")), None),
     }
 }
 
