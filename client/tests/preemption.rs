@@ -6,11 +6,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use starckpt_client::{
-    CheckpointManager, CheckpointPolicy, CheckpointState, Client, ClientConfig, FinalReport, IfBusy, RetentionPolicy,
-    SavePart, TargetState,
+    CheckpointManager, CheckpointPolicy, CheckpointState, FinalReport, IfBusy, RetentionPolicy, SavePart,
 };
-use starckpt_server::dev::DevCluster;
-use starckpt_server::target::EngineKind;
+
+mod common;
 
 fn state(step: u64) -> Bytes {
     Bytes::from((0..200_000u32).map(|i| (i as u64 * 31 + step) as u8).collect::<Vec<u8>>())
@@ -18,15 +17,7 @@ fn state(step: u64) -> Bytes {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn periodic_saves_then_a_final_save_on_sigterm() {
-    let dir = tempfile::tempdir().unwrap();
-    let cluster = DevCluster::start(dir.path(), "127.0.0.1:0", 2, EngineKind::Uring).await.unwrap();
-    let client = Client::connect(ClientConfig::new(cluster.control_address.to_string())).await.unwrap();
-    for _ in 0..100 {
-        if client.targets().await.unwrap().iter().filter(|t| t.state == TargetState::Alive as i32).count() == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (_dir, cluster, client) = common::cluster(2, |_| {}).await;
     let preempted = starckpt_client::preemption_signal().unwrap();
 
     // Keep the last two checkpoints, and every fourth step's.

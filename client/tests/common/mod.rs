@@ -1,0 +1,58 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, dead_code)] // tests: a failed unwrap is a failed test
+//! A cluster in this test process whose data travels the way `STARCKPT_TEST_FABRIC` says.
+
+use std::time::Duration;
+
+use starckpt_client::{Client, ClientConfig, TargetState};
+use starckpt_server::dev::DevCluster;
+use starckpt_server::target::{EngineKind, TargetRdma};
+
+/// What carries this run's data (`STARCKPT_TEST_FABRIC`): `soft`: RDMA over the in-process
+/// software fabric (scripts/test runs this suite that way too); `ibverbs`: RDMA over the host's
+/// device (builds with `--features starckpt-rdma/rdma`; `STARCKPT_RDMA_*` select it, see
+/// docs/rdma.md); unset: the default transports (shared memory with these same-host targets).
+pub fn fabric() -> Option<String> {
+    std::env::var("STARCKPT_TEST_FABRIC").ok().filter(|fabric| fabric == "soft" || fabric == "ibverbs")
+}
+
+pub async fn cluster(
+    targets: usize,
+    config: impl FnOnce(&mut ClientConfig),
+) -> (tempfile::TempDir, DevCluster, Client) {
+    let dir = tempfile::tempdir().unwrap();
+    let fabric = fabric();
+    let rdma = fabric.is_some();
+    let soft = fabric.as_deref() == Some("soft");
+    let cluster = DevCluster::start_with(dir.path(), "127.0.0.1:0", targets, EngineKind::Uring, |target| {
+        if soft {
+            target.rdma = TargetRdma::Device(starckpt_rdma::soft::SoftDevice::new("target"));
+        } else if rdma {
+            target.rdma = TargetRdma::Open(starckpt_rdma::DeviceSettings::from_env().unwrap());
+        }
+    })
+    .await
+    .unwrap();
+    let mut client_config = ClientConfig::new(cluster.control_address.to_string());
+    if rdma {
+        client_config.shm.enabled = false;
+    }
+    if soft {
+        client_config.rdma.device = Some(starckpt_rdma::soft::SoftDevice::new("client"));
+    }
+    config(&mut client_config);
+    let client = Client::connect(client_config).await.unwrap();
+    for _ in 0..100 {
+        let alive = client.targets().await.unwrap().iter().filter(|t| t.state == TargetState::Alive as i32).count();
+        if alive == targets {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if rdma {
+        // The suite must really run over RDMA, not quietly over TCP.
+        for target in client.targets().await.unwrap() {
+            assert_eq!(client.transport_kind(&target).await.unwrap(), "rdma", "target {}", target.target_id);
+        }
+    }
+    (dir, cluster, client)
+}
