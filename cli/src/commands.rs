@@ -532,6 +532,7 @@ pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
                 "state": target_state(t.state),
                 "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "chunks": t.chunk_count,
                 "heartbeat_age_ms": t.heartbeat_age_ms, "transport": transport, "failure_domain": t.failure_domain,
+                "rdma_device": t.rdma_device,
             })).collect::<Vec<_>>(),
         }));
         return Ok(());
@@ -546,16 +547,17 @@ pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
         None => println!("under-replicated chunks: unknown until the first re-replication pass"),
     }
     println!(
-        "{:<38} {:<22} {:<9} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
-        "TARGET", "ADDRESS", "TRANSPORT", "DOMAIN", "STATE", "USED", "CAPACITY", "CHUNKS", "HEARTBEAT"
+        "{:<38} {:<22} {:<9} {:<10} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
+        "TARGET", "ADDRESS", "TRANSPORT", "RDMA", "DOMAIN", "STATE", "USED", "CAPACITY", "CHUNKS", "HEARTBEAT"
     );
     for (t, transport) in targets.iter().zip(&transports) {
         let state = target_state(t.state);
         println!(
-            "{:<38} {:<22} {:<9} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
+            "{:<38} {:<22} {:<9} {:<10} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
             t.target_id,
             t.data_address,
             transport,
+            if t.rdma_device.is_empty() { "-" } else { &t.rdma_device },
             if t.failure_domain.is_empty() { "-" } else { &t.failure_domain },
             state,
             output::bytes(t.used_bytes),

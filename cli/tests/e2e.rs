@@ -76,6 +76,8 @@ fn save_and_restore_a_tree_across_three_targets() {
     assert!(status["targets"][0]["capacity_bytes"].as_u64().unwrap() > 0);
     // Targets on this host are reached over shared memory.
     assert!(status["targets"].as_array().unwrap().iter().all(|t| t["transport"] == "shm"), "{status}");
+    // No RDMA device on this host: the targets registered none.
+    assert!(status["targets"].as_array().unwrap().iter().all(|t| t["rdma_device"] == ""), "{status}");
 
     // A second save of unchanged data deduplicates every chunk.
     let again = cluster.json(&["save", "--job", "llama", "--step", "200", source.to_str().unwrap()]);

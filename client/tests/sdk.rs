@@ -525,6 +525,7 @@ async fn a_save_while_the_previous_one_uploads_waits_or_skips() {
             capacity_bytes: 1 << 30,
             used_bytes: 0,
             failure_domain: String::new(),
+            rdma_device: String::new(),
         })
         .await
         .unwrap();

@@ -465,6 +465,8 @@ pub struct TargetRegistration {
     pub used_bytes: u64,
     /// Empty: a failure domain of its own.
     pub failure_domain: String,
+    /// Empty: no RDMA.
+    pub rdma_device: String,
 }
 
 /// Most replicas of a chunk a job may ask for.
@@ -485,12 +487,17 @@ impl TryFrom<pb::RegisterTargetRequest> for TargetRegistration {
                 format!("{domain:?} is not a label of at most 128 printable characters"),
             ));
         }
+        let device = &request.rdma_device;
+        if device.len() > 64 || device.chars().any(char::is_control) {
+            return Err(field("rdma_device", format!("{device:?} is not a name of at most 64 printable characters")));
+        }
         Ok(TargetRegistration {
             target_id: request.target_id,
             data_address,
             capacity_bytes: request.capacity_bytes,
             used_bytes: request.used_bytes,
             failure_domain: request.failure_domain,
+            rdma_device: request.rdma_device,
         })
     }
 }
@@ -504,6 +511,29 @@ pub fn validate_target_id(id: &str) -> Result<(), ModelError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn registrations_are_checked() {
+        let good = pb::RegisterTargetRequest {
+            target_id: "t-1".into(),
+            data_address: "10.0.0.1:7071".into(),
+            capacity_bytes: 1,
+            used_bytes: 0,
+            failure_domain: "rack-2".into(),
+            rdma_device: "mlx5_0".into(),
+        };
+        let registration = super::TargetRegistration::try_from(good.clone()).unwrap();
+        assert_eq!((registration.failure_domain.as_str(), registration.rdma_device.as_str()), ("rack-2", "mlx5_0"));
+        let bad = [
+            pb::RegisterTargetRequest { data_address: "nowhere".into(), ..good.clone() },
+            pb::RegisterTargetRequest { failure_domain: "a\nb".into(), ..good.clone() },
+            pb::RegisterTargetRequest { rdma_device: "x".repeat(65), ..good.clone() },
+            pb::RegisterTargetRequest { rdma_device: "mlx5\0".into(), ..good.clone() },
+        ];
+        for request in bad {
+            assert!(super::TargetRegistration::try_from(request.clone()).is_err(), "{request:?}");
+        }
+    }
+
     use super::*;
 
     fn chunk(len: u64) -> pb::ChunkRef {

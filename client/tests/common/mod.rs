@@ -52,6 +52,7 @@ pub async fn cluster(
         // The suite must really run over RDMA, not quietly over TCP.
         for target in client.targets().await.unwrap() {
             assert_eq!(client.transport_kind(&target).await.unwrap(), "rdma", "target {}", target.target_id);
+            assert!(!target.rdma_device.is_empty(), "target {} registered no RDMA device", target.target_id);
         }
     }
     (dir, cluster, client)

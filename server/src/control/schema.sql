@@ -15,7 +15,9 @@ CREATE TABLE IF NOT EXISTS targets (
     registered_at_ms  BIGINT NOT NULL,
     last_heartbeat_ms BIGINT NOT NULL,
     -- '' = a failure domain of its own. (Added in schema version 2; see sqlite.rs.)
-    failure_domain    TEXT NOT NULL DEFAULT ''
+    failure_domain    TEXT NOT NULL DEFAULT '',
+    -- '' = no RDMA. (Added in schema version 3.)
+    rdma_device       TEXT NOT NULL DEFAULT ''
 );
 
 -- Writer leases: one row per run that ever wrote a job. The job's current lease is its highest

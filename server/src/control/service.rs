@@ -153,6 +153,7 @@ impl ControlService {
             state: state as i32,
             heartbeat_age_ms: age,
             failure_domain: record.failure_domain.clone(),
+            rdma_device: record.rdma_device.clone(),
         }
     }
 }

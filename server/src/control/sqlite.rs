@@ -27,8 +27,9 @@ use super::store::{
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
-/// 2: targets.failure_domain (a v1 database is migrated on open), the replication table.
-const SCHEMA_VERSION: i64 = 2;
+/// 2: targets.failure_domain, the replication table. 3: targets.rdma_device. Older databases are
+/// migrated on open.
+const SCHEMA_VERSION: i64 = 3;
 const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
      written_bytes, file_count, created_at_ms, committed_at_ms, \
      (SELECT GROUP_CONCAT(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags";
@@ -70,9 +71,14 @@ impl SqliteStore {
                     .await?;
             }
             Some(SCHEMA_VERSION) => {}
-            Some(1) => {
+            Some(old @ (1 | 2)) => {
                 let mut tx = writer.begin().await?;
-                sqlx::query("ALTER TABLE targets ADD COLUMN failure_domain TEXT NOT NULL DEFAULT ''")
+                if old < 2 {
+                    sqlx::query("ALTER TABLE targets ADD COLUMN failure_domain TEXT NOT NULL DEFAULT ''")
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                sqlx::query("ALTER TABLE targets ADD COLUMN rdma_device TEXT NOT NULL DEFAULT ''")
                     .execute(&mut *tx)
                     .await?;
                 sqlx::query("UPDATE schema_version SET version = ?").bind(SCHEMA_VERSION).execute(&mut *tx).await?;
@@ -217,12 +223,12 @@ impl MetaStore for SqliteStore {
     async fn upsert_target(&self, registration: &TargetRegistration, now_ms: u64) -> MetaResult<()> {
         sqlx::query(
             "INSERT INTO targets (target_id, data_address, capacity_bytes, used_bytes, registered_at_ms, last_heartbeat_ms,
-                 failure_domain)
-             VALUES (?, ?, ?, ?, ?, ?, ?)
+                 failure_domain, rdma_device)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?)
              ON CONFLICT (target_id) DO UPDATE SET data_address = excluded.data_address,
                  capacity_bytes = excluded.capacity_bytes, used_bytes = excluded.used_bytes,
                  registered_at_ms = excluded.registered_at_ms, last_heartbeat_ms = excluded.last_heartbeat_ms,
-                 failure_domain = excluded.failure_domain",
+                 failure_domain = excluded.failure_domain, rdma_device = excluded.rdma_device",
         )
         .bind(&registration.target_id)
         .bind(registration.data_address.to_string())
@@ -231,6 +237,7 @@ impl MetaStore for SqliteStore {
         .bind(to_i64(now_ms, "time")?)
         .bind(to_i64(now_ms, "time")?)
         .bind(&registration.failure_domain)
+        .bind(&registration.rdma_device)
         .execute(&self.writer)
         .await?;
         Ok(())
@@ -255,7 +262,8 @@ impl MetaStore for SqliteStore {
 
     async fn list_targets(&self) -> MetaResult<Vec<TargetRecord>> {
         let rows = sqlx::query(
-            "SELECT target_id, data_address, capacity_bytes, used_bytes, chunk_count, last_heartbeat_ms, failure_domain
+            "SELECT target_id, data_address, capacity_bytes, used_bytes, chunk_count, last_heartbeat_ms, failure_domain,
+                 rdma_device
              FROM targets ORDER BY target_id",
         )
         .fetch_all(&self.reader)
@@ -270,6 +278,7 @@ impl MetaStore for SqliteStore {
                     chunk_count: get_u64(row, "chunk_count")?,
                     last_heartbeat_ms: get_u64(row, "last_heartbeat_ms")?,
                     failure_domain: row.try_get("failure_domain")?,
+                    rdma_device: row.try_get("rdma_device")?,
                 })
             })
             .collect()
@@ -773,33 +782,42 @@ mod tests {
         conformance::stale_pending_is_aborted(&open().await.1).await;
     }
 
+    /// A database of an older schema version with one target, as that version wrote it.
+    async fn old_database(path: &std::path::Path, version: i64) {
+        let options = SqliteConnectOptions::new().filename(path).create_if_missing(true);
+        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
+        let (domain_column, domain_value) =
+            if version >= 2 { (", failure_domain TEXT NOT NULL DEFAULT ''", ", 'rack'") } else { ("", "") };
+        sqlx::raw_sql(&format!(
+            "CREATE TABLE schema_version (version INTEGER NOT NULL);
+             INSERT INTO schema_version (version) VALUES ({version});
+             CREATE TABLE targets (target_id TEXT PRIMARY KEY, data_address TEXT NOT NULL,
+                 capacity_bytes BIGINT NOT NULL, used_bytes BIGINT NOT NULL, chunk_count BIGINT NOT NULL DEFAULT 0,
+                 registered_at_ms BIGINT NOT NULL, last_heartbeat_ms BIGINT NOT NULL{domain_column});
+             INSERT INTO targets VALUES ('old', '127.0.0.1:9000', 100, 1, 0, 5, 5{domain_value});"
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+        pool.close().await;
+    }
+
     #[tokio::test]
-    async fn a_version_1_database_is_migrated_and_keeps_its_targets() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("v1.db");
-        {
-            let options = SqliteConnectOptions::new().filename(&path).create_if_missing(true);
-            let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
-            sqlx::raw_sql(
-                "CREATE TABLE schema_version (version INTEGER NOT NULL);
-                 INSERT INTO schema_version (version) VALUES (1);
-                 CREATE TABLE targets (target_id TEXT PRIMARY KEY, data_address TEXT NOT NULL,
-                     capacity_bytes BIGINT NOT NULL, used_bytes BIGINT NOT NULL, chunk_count BIGINT NOT NULL DEFAULT 0,
-                     registered_at_ms BIGINT NOT NULL, last_heartbeat_ms BIGINT NOT NULL);
-                 INSERT INTO targets VALUES ('old', '127.0.0.1:9000', 100, 1, 0, 5, 5);",
-            )
-            .execute(&pool)
-            .await
-            .unwrap();
-            pool.close().await;
+    async fn older_databases_are_migrated_and_keep_their_targets() {
+        for (version, domain) in [(1, ""), (2, "rack")] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("old.db");
+            old_database(&path, version).await;
+            let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+            let targets = store.list_targets().await.unwrap();
+            let target =
+                (targets[0].target_id.as_str(), targets[0].failure_domain.as_str(), targets[0].rdma_device.as_str());
+            assert_eq!(target, ("old", domain, ""), "from version {version}");
+            drop(store);
+            // Opening again finds the current version and changes nothing.
+            let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+            assert_eq!(store.list_targets().await.unwrap().len(), 1);
         }
-        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
-        let targets = store.list_targets().await.unwrap();
-        assert_eq!((targets[0].target_id.as_str(), targets[0].failure_domain.as_str()), ("old", ""));
-        drop(store);
-        // Opening again finds version 2 and changes nothing.
-        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
-        assert_eq!(store.list_targets().await.unwrap().len(), 1);
     }
 
     #[tokio::test]

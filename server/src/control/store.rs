@@ -101,6 +101,8 @@ pub struct TargetRecord {
     pub chunk_count: u64,
     pub last_heartbeat_ms: u64,
     pub failure_domain: String,
+    /// Empty: the target serves no RDMA.
+    pub rdma_device: String,
 }
 
 /// A chunk of committed checkpoints, as the manifests describe it ([`MetaStore::committed_chunks`]).
@@ -272,6 +274,7 @@ pub(crate) mod conformance {
             capacity_bytes: 100,
             used_bytes: 1,
             failure_domain: "rack-1".into(),
+            rdma_device: "mlx5_0".into(),
         };
         assert!(matches!(store.heartbeat("t1", 1, 1, 1, 5).await, Err(MetaError::NotFound(_))));
         store.upsert_target(&registration, 10).await.unwrap();
@@ -291,6 +294,7 @@ pub(crate) mod conformance {
                 chunk_count: 7,
                 last_heartbeat_ms: 30,
                 failure_domain: "rack-1".into(),
+                rdma_device: "mlx5_0".into(),
             }]
         );
     }

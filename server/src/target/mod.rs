@@ -189,25 +189,26 @@ pub async fn run(
     let advertise = config.advertise.unwrap_or(local);
     info!(%target_id, data_address = %advertise, dir = %config.dir.display(), engine = ?config.engine, "target starting");
 
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut heartbeat_stop = stop_rx.clone();
-    let heartbeat_task = tokio::spawn(heartbeat_loop(
-        config.server.clone(),
+    let rdma_device = config.rdma.device();
+    let registration = Registration {
         target_id,
         advertise,
-        config.failure_domain.clone(),
-        Arc::clone(&store),
-        async move {
+        failure_domain: config.failure_domain.clone(),
+        rdma_device: rdma_device.as_ref().map(|device| device.name()).unwrap_or_default(),
+    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut heartbeat_stop = stop_rx.clone();
+    let heartbeat_task =
+        tokio::spawn(heartbeat_loop(config.server.clone(), registration, Arc::clone(&store), async move {
             let _ = heartbeat_stop.wait_for(|stopped| *stopped).await;
-        },
-    ));
+        }));
     // Aborted with this future, so a target killed in-process stops heartbeating too.
     let heartbeat = tokio_util::task::AbortOnDropHandle::new(heartbeat_task);
     let _scrubber =
         tokio_util::task::AbortOnDropHandle::new(tokio::spawn(scrub::run(Arc::clone(&store), config.scrub.clone())));
     let mut serve_stop = stop_rx;
     let shm = config.shm_socket.as_deref().and_then(bind_shm_socket);
-    let transports = dataplane::Transports { shm, rdma: config.rdma.device() };
+    let transports = dataplane::Transports { shm, rdma: rdma_device };
     let serving = dataplane::serve_with(listener, transports, store, config.limits.clone(), async move {
         let _ = serve_stop.wait_for(|stopped| *stopped).await;
     });
@@ -224,11 +225,18 @@ pub async fn run(
 
 /// Registers with the control plane, then heartbeats; re-registers whenever the control plane
 /// forgot us (NOT_FOUND) and keeps retrying while it is unreachable.
-async fn heartbeat_loop(
-    server: String,
+/// What a target tells the control plane about itself.
+struct Registration {
     target_id: String,
     advertise: SocketAddr,
     failure_domain: String,
+    /// Empty: no RDMA.
+    rdma_device: String,
+}
+
+async fn heartbeat_loop(
+    server: String,
+    registration: Registration,
     store: Arc<ChunkStore>,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -240,6 +248,7 @@ async fn heartbeat_loop(
             return;
         }
     };
+    let Registration { target_id, advertise, failure_domain, rdma_device } = registration;
     let mut client = ControlClient::new(endpoint.connect_lazy());
     let mut registered = false;
     let mut interval = Duration::from_secs(1);
@@ -264,6 +273,7 @@ async fn heartbeat_loop(
                     capacity_bytes: stats.capacity_bytes,
                     used_bytes: stats.used_bytes,
                     failure_domain: failure_domain.clone(),
+                    rdma_device: rdma_device.clone(),
                 })
                 .await
                 .map(|response| {
