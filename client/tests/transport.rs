@@ -649,3 +649,29 @@ async fn auto_uses_rdma_when_both_sides_have_it_and_falls_back_to_tcp() {
     assert!(!fresh.put(third, Payload::raw(third_data.clone())).await.unwrap());
     assert_eq!(fresh.kind(), "tcp");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_rdma_gets_free_the_shared_receive_slots_for_other_targets() {
+    let dir = tempfile::tempdir().unwrap();
+    let (hung, hung_device) = rdma_target(&dir.path().join("a"), DataPlaneLimits::default()).await;
+    let (healthy, _device) = rdma_target(&dir.path().join("b"), DataPlaneLimits::default()).await;
+    let (client, _pool, _client_device) = rdma_client();
+    let connect = |address| RdmaTransport::connect(address, None, TcpConfig::default(), Arc::clone(&client));
+    let (to_hung, to_healthy) = (connect(hung.address).await.unwrap(), connect(healthy.address).await.unwrap());
+    let (hash, data) = chunk(100_000, 6);
+    to_hung.put(hash, Payload::raw(data.clone())).await.unwrap();
+    to_healthy.put(hash, Payload::raw(data.clone())).await.unwrap();
+    // Every one of the client's 4 receive slots is taken by a GET the hung target never answers;
+    // the callers give up (their futures are dropped while the target may still write the slots).
+    hung_device.stall();
+    let gets: Vec<_> =
+        (0..4).map(|_| tokio::time::timeout(Duration::from_millis(200), to_hung.get(hash, 0, 0))).collect();
+    for outcome in futures::future::join_all(gets).await {
+        assert!(outcome.is_err(), "a GET from the hung target finished");
+    }
+    // The slots come back at once (the hung connection's queue pair is destroyed), not when that
+    // target is next used: another target's GETs go on.
+    let got = tokio::time::timeout(Duration::from_secs(10), to_healthy.get(hash, 0, 0)).await;
+    assert_eq!(got.expect("waited for a receive slot").unwrap().bytes, data);
+    hung_device.resume();
+}

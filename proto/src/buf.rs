@@ -12,6 +12,28 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+/// Payload bytes copied in user space on the data path, between a client's staging buffers (or
+/// the reader's) and a target's device buffers: every such copy site records itself here, so a
+/// test can count the copies each transport makes (`client/tests/copies.rs`). Two relaxed atomic
+/// adds per copy of up to a chunk: free beside the copy.
+pub mod copies {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    static COPIES: AtomicU64 = AtomicU64::new(0);
+    static BYTES: AtomicU64 = AtomicU64::new(0);
+
+    /// A copy of `bytes` payload bytes happened.
+    pub fn record(bytes: usize) {
+        COPIES.fetch_add(1, Ordering::Relaxed);
+        BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// (copies, bytes copied) in this process so far.
+    pub fn snapshot() -> (u64, u64) {
+        (COPIES.load(Ordering::Relaxed), BYTES.load(Ordering::Relaxed))
+    }
+}
+
 /// Alignment of every buffer: the page size, which satisfies O_DIRECT on every Linux block device.
 pub const ALIGN: usize = 4096;
 

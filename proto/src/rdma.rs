@@ -13,6 +13,7 @@ pub fn endpoint_to_wire(endpoint: &Endpoint) -> data::RdmaEndpoint {
         qp_num: endpoint.qp_num,
         psn: endpoint.psn,
         mtu: endpoint.mtu,
+        rd_atomic: u32::from(endpoint.rd_atomic),
     }
 }
 
@@ -26,7 +27,11 @@ pub fn endpoint_from_wire(wire: &data::RdmaEndpoint) -> Result<Endpoint, String>
     if !starckpt_rdma::valid_mtu(wire.mtu) {
         return Err(format!("path MTU {} is not one of 256..=4096", wire.mtu));
     }
-    Ok(Endpoint { gid, lid, qp_num: wire.qp_num, psn: wire.psn, mtu: wire.mtu })
+    let rd_atomic = u8::try_from(wire.rd_atomic)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("{} outstanding RDMA READs (1..=255)", wire.rd_atomic))?;
+    Ok(Endpoint { gid, lid, qp_num: wire.qp_num, psn: wire.psn, mtu: wire.mtu, rd_atomic })
 }
 
 /// A client buffer named in a request: `length` bytes at `addr` under `rkey`.
@@ -61,7 +66,7 @@ mod tests {
 
     #[test]
     fn endpoints_round_trip_and_bad_ones_are_refused() {
-        let endpoint = Endpoint { gid: [7; 16], lid: 3, qp_num: 0x1234, psn: 99, mtu: 4096 };
+        let endpoint = Endpoint { gid: [7; 16], lid: 3, qp_num: 0x1234, psn: 99, mtu: 4096, rd_atomic: 16 };
         assert_eq!(endpoint_from_wire(&endpoint_to_wire(&endpoint)), Ok(endpoint));
         let good = endpoint_to_wire(&endpoint);
         let bad = [
@@ -71,6 +76,8 @@ mod tests {
             data::RdmaEndpoint { qp_num: 1 << 24, ..good.clone() },
             data::RdmaEndpoint { mtu: 1500, ..good.clone() },
             data::RdmaEndpoint { mtu: 8192, ..good.clone() },
+            data::RdmaEndpoint { rd_atomic: 0, ..good.clone() },
+            data::RdmaEndpoint { rd_atomic: 256, ..good.clone() },
         ];
         for wire in bad {
             assert!(endpoint_from_wire(&wire).is_err(), "{wire:?}");

@@ -157,6 +157,7 @@ impl Region {
         self.check(offset, src.len())?;
         // SAFETY: in bounds (checked); the region never overlaps Rust-owned memory.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len()) };
+        crate::buf::copies::record(src.len());
         Ok(())
     }
 
@@ -166,7 +167,25 @@ impl Region {
         self.check(offset, dst.len())?;
         // SAFETY: in bounds (checked); the region never overlaps Rust-owned memory.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
+        crate::buf::copies::record(dst.len());
         Ok(())
+    }
+
+    /// [`Region::read_at`] into fresh `Bytes` (not zeroed first).
+    pub fn read_bytes(&self, offset: usize, len: usize) -> io::Result<bytes::Bytes> {
+        self.check(offset, len)?;
+        let mut out = bytes::BytesMut::with_capacity(len);
+        // SAFETY: in bounds (checked); `out` has room for `len` bytes, all written before set_len.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.spare_capacity_mut().as_mut_ptr().cast(),
+                len,
+            );
+            out.set_len(len);
+        }
+        crate::buf::copies::record(len);
+        Ok(out.freeze())
     }
 
     /// Zeroes `len` bytes at `offset`.

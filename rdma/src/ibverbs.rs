@@ -236,7 +236,14 @@ impl Verbs for IbDevice {
 
 impl IbDevice {
     fn endpoint_template(&self) -> Endpoint {
-        Endpoint { gid: self.gid, lid: self.lid, qp_num: 0, psn: 0, mtu: mtu_bytes(self.mtu) }
+        Endpoint {
+            gid: self.gid,
+            lid: self.lid,
+            qp_num: 0,
+            psn: 0,
+            mtu: mtu_bytes(self.mtu),
+            rd_atomic: self.max_rd_atomic,
+        }
     }
 }
 
@@ -385,7 +392,7 @@ impl QueuePair for IbQp {
         attr.path_mtu = self.mtu.min(mtu_enum(remote.mtu));
         attr.dest_qp_num = remote.qp_num;
         attr.rq_psn = remote.psn;
-        attr.max_dest_rd_atomic = self.max_rd_atomic;
+        attr.max_dest_rd_atomic = self.max_rd_atomic.min(remote.rd_atomic.max(1));
         attr.min_rnr_timer = 12;
         attr.ah_attr.dlid = remote.lid;
         attr.ah_attr.port_num = self.port;
@@ -411,7 +418,7 @@ impl QueuePair for IbQp {
         attr.timeout = 14; // 4.096 µs × 2^14 ≈ 67 ms per retry
         attr.retry_cnt = 7;
         attr.rnr_retry = 7;
-        attr.max_rd_atomic = self.max_rd_atomic;
+        attr.max_rd_atomic = self.max_rd_atomic.min(remote.rd_atomic.max(1));
         let mask = ibv_qp_attr_mask::IBV_QP_STATE
             | ibv_qp_attr_mask::IBV_QP_SQ_PSN
             | ibv_qp_attr_mask::IBV_QP_TIMEOUT
@@ -460,6 +467,13 @@ impl QueuePair for IbQp {
         if ready < 0 {
             let errno = errno();
             return if errno == libc::EINTR { Ok(()) } else { Err(VerbsError::call("poll", errno)) };
+        }
+        if ready > 0 && pollfd.revents & libc::POLLIN == 0 {
+            // POLLERR/POLLHUP: the device is gone; reading an event would block forever.
+            return Err(VerbsError::Call {
+                call: "poll",
+                reason: format!("completion channel revents {:#x}", pollfd.revents),
+            });
         }
         if ready > 0 {
             let (mut cq, mut context) = (ptr::null_mut(), ptr::null_mut());

@@ -242,11 +242,13 @@ impl QpShared {
     }
 
     fn transfer(&self, request: &WorkRequest, remote: &Endpoint) -> WcStatus {
+        // Under the regions' read lock, which a destroyed queue pair waits for (see `SoftQp`'s
+        // drop): once its destruction returns, no transfer through it touches memory.
+        let regions = FABRIC.regions.read().unwrap_or_else(|p| p.into_inner());
         let peer = lock(&FABRIC.queue_pairs).get(&(remote.gid, remote.qp_num)).and_then(Weak::upgrade);
         let Some(peer) = peer.filter(|p| p.accepts_from(self.gid, self.qp_num)) else {
             return WcStatus::RetryExceeded;
         };
-        let regions = FABRIC.regions.read().unwrap_or_else(|p| p.into_inner());
         let len = request.len as usize;
         let inside = |entry: &RegionEntry, addr: u64| {
             addr >= entry.addr && addr.saturating_add(len as u64) <= entry.addr + entry.len as u64
@@ -296,7 +298,7 @@ struct SoftQp {
 
 impl QueuePair for SoftQp {
     fn endpoint(&self) -> Endpoint {
-        Endpoint { gid: self.shared.gid, lid: 0, qp_num: self.shared.qp_num, psn: 0, mtu: 4096 }
+        Endpoint { gid: self.shared.gid, lid: 0, qp_num: self.shared.qp_num, psn: 0, mtu: 4096, rd_atomic: 16 }
     }
 
     fn connect(&self, remote: &Endpoint) -> Result<(), VerbsError> {
@@ -349,6 +351,8 @@ impl Drop for SoftQp {
     fn drop(&mut self) {
         self.shared.fail_state();
         lock(&FABRIC.queue_pairs).remove(&(self.shared.gid, self.shared.qp_num));
+        // Waits out transfers through this queue pair that began before it failed.
+        drop(FABRIC.regions.write().unwrap_or_else(|p| p.into_inner()));
     }
 }
 

@@ -27,6 +27,9 @@ pub struct Endpoint {
     pub psn: u32,
     /// Path MTU in bytes (256..=4096).
     pub mtu: u32,
+    /// RDMA READs this side can have outstanding (as initiator and as responder): both sides use
+    /// the smaller of the two, or the queue pair fails on the first READ past the peer's limit.
+    pub rd_atomic: u8,
 }
 
 /// Remote access a memory region grants (local read and write are always granted).

@@ -111,8 +111,8 @@ impl RdmaClient {
 /// One TCP connection with its queue pair; it lends the client's receive slots.
 pub(crate) struct RdmaConnection {
     frames: Connection,
-    /// Some until dropped (first, in `Drop`).
-    queue_pair: Option<Box<dyn QueuePair>>,
+    /// Some until destroyed: when a slot is abandoned, or (first) in `Drop`.
+    queue_pair: Mutex<Option<Box<dyn QueuePair>>>,
     client: Arc<RdmaClient>,
     /// Receive slots abandoned while the target might still write them: returned once the queue
     /// pair is destroyed.
@@ -131,16 +131,26 @@ impl SlotHost for RdmaConnection {
     fn abandon(&self, index: u32) {
         self.quarantined.lock().unwrap_or_else(|p| p.into_inner()).push(index);
         self.frames.close("a request was abandoned while the target may still write its slot");
+        // The slot is shared with every target's connection: free it now, not when this
+        // connection is next looked at (which may be never).
+        self.destroy_queue_pair();
+    }
+}
+
+impl RdmaConnection {
+    /// Destroys the queue pair (no peer can write through it after this) and returns the slots
+    /// abandoned on it.
+    fn destroy_queue_pair(&self) {
+        drop(self.queue_pair.lock().unwrap_or_else(|p| p.into_inner()).take());
+        for index in self.quarantined.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            self.client.receive_slots.release(index);
+        }
     }
 }
 
 impl Drop for RdmaConnection {
     fn drop(&mut self) {
-        // After this no peer can write through this connection; its abandoned slots are free.
-        drop(self.queue_pair.take());
-        for index in self.quarantined.get_mut().unwrap_or_else(|p| p.into_inner()).drain(..) {
-            self.client.receive_slots.release(index);
-        }
+        self.destroy_queue_pair();
     }
 }
 
@@ -247,6 +257,7 @@ impl RdmaTransport {
             std::ptr::copy_nonoverlapping(client.receive.as_ptr().add(slot.offset()), into, len);
             bytes.set_len(len);
         }
+        starckpt_proto::buf::copies::record(len);
         drop(slot);
         get_payload(&response, bytes.freeze())
     }
@@ -291,11 +302,15 @@ impl Dialled for RdmaTransport {
             .ok_or_else(|| "no endpoint".to_owned())
             .and_then(endpoint_from_wire)
             .map_err(|e| TransportError::Protocol(format!("OP_CONNECT answered a bad endpoint: {e}")))?;
-        queue_pair.connect(&remote).map_err(setup)?;
+        // Connecting may block (address resolution on RoCE): off the runtime.
+        let queue_pair = tokio::task::spawn_blocking(move || queue_pair.connect(&remote).map(|()| queue_pair))
+            .await
+            .map_err(|e| TransportError::Connect(format!("RDMA setup: {e}")))?
+            .map_err(setup)?;
         self.probe(&frames, &**verbs).await?;
         Ok(RdmaConnection {
             frames,
-            queue_pair: Some(queue_pair),
+            queue_pair: Mutex::new(Some(queue_pair)),
             client: Arc::clone(&self.client),
             quarantined: Mutex::new(Vec::new()),
         })

@@ -175,12 +175,11 @@ impl FrameTransport for ShmTransport {
             if len > connection.slots.slot_bytes() || !inline.is_empty() {
                 return Err(TransportError::Protocol(format!("GET answered {len} bytes in a slot")));
             }
-            let mut bytes = vec![0u8; len];
-            connection
+            let bytes = connection
                 .region
-                .read_at(slot.offset(), &mut bytes)
+                .read_bytes(slot.offset(), len)
                 .map_err(|e| TransportError::Protocol(e.to_string()))?;
-            get_payload(&response, Bytes::from(bytes))
+            get_payload(&response, bytes)
         })
         .await
     }
@@ -245,6 +244,15 @@ impl Probe {
             return;
         }
         if self.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // A probe may have finished (or the transport been demoted) between the checks above and
+        // winning `running`: check again, now that no other probe can start.
+        let retry_later =
+            self.retry_at.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|at| std::time::Instant::now() < at);
+        if self.decision().is_some() || retry_later {
+            self.running.store(false, Ordering::Release);
+            self.finished.notify_waiters();
             return;
         }
         let probe = Arc::clone(self);

@@ -19,10 +19,18 @@ pub async fn cluster(
     targets: usize,
     config: impl FnOnce(&mut ClientConfig),
 ) -> (tempfile::TempDir, DevCluster, Client) {
+    cluster_on(fabric().as_deref(), targets, config).await
+}
+
+/// [`cluster`] on the given fabric (`soft`, `ibverbs`) or, with None, the default transports.
+pub async fn cluster_on(
+    fabric: Option<&str>,
+    targets: usize,
+    config: impl FnOnce(&mut ClientConfig),
+) -> (tempfile::TempDir, DevCluster, Client) {
     let dir = tempfile::tempdir().unwrap();
-    let fabric = fabric();
     let rdma = fabric.is_some();
-    let soft = fabric.as_deref() == Some("soft");
+    let soft = fabric == Some("soft");
     let cluster = DevCluster::start_with(dir.path(), "127.0.0.1:0", targets, EngineKind::Uring, |target| {
         if soft {
             target.rdma = TargetRdma::Device(starckpt_rdma::soft::SoftDevice::new("target"));

@@ -318,13 +318,20 @@ where
             && let Ok(request) = data::ConnectRequest::decode(prost_header.clone())
             && let Some(probe) = request.probe
         {
+            // A request like any other: bounded by the connection's request limit.
+            let permit = Arc::clone(&requests).acquire_owned().await.expect("never closed");
             let (served, rdma, responses) = (Arc::clone(&served), rdma.clone(), responses.clone());
             tokio::spawn(async move {
-                let (response, payload) = match echo_probe(&served, rdma.as_deref(), &probe).await {
-                    Ok(bytes) => (data::Response::default(), Some(bytes)),
+                let checked = check_target(&served.store, &request.auth);
+                let (response, payload) = match checked {
                     Err(response) => (response, None),
+                    Ok(()) => match echo_probe(&served, rdma.as_deref(), &probe).await {
+                        Ok(bytes) => (data::Response::default(), Some(bytes)),
+                        Err(response) => (response, None),
+                    },
                 };
                 let _ = responses.send(reply(header, response, payload)).await;
+                drop(permit);
             });
             continue;
         }

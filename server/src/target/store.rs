@@ -658,6 +658,7 @@ impl ChunkStore {
         let decoded = tokio::task::spawn_blocking(move || {
             let decoded = codec::decompress(codec, &buf.aligned().as_ref()[stored], chunk_len as usize)?;
             // Only the range is kept while the response waits to be written.
+            starckpt_proto::buf::copies::record((end - offset) as usize);
             Ok::<_, codec::CodecError>(Bytes::copy_from_slice(&decoded[offset as usize..end as usize]))
         })
         .await

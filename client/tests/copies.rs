@@ -1,0 +1,52 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
+//! How many times each transport copies payload bytes in user space between the staging buffers
+//! and the target's device buffers (and back, for a restore), counted by the copy sites
+//! themselves (`starckpt_proto::buf::copies`). Its own test binary: the counters are per process.
+//!
+//! Not counted: the staging copy itself (the caller's bytes into staging, which is what a save's
+//! blocking time pays for) and a restore's placement of verified bytes into the caller's memory.
+//! Kernel copies (socket buffers) are not user-space copies.
+
+mod common;
+
+use bytes::Bytes;
+use starckpt_client::SavePart;
+use starckpt_proto::buf::copies;
+
+/// Payload copies per chunk transfer on the way to the targets and back, for one transport.
+async fn copies_per_transfer(fabric: Option<&str>, shm: bool, expected_kind: &str) -> (f64, f64) {
+    let chunk = 1 << 20;
+    let (_dir, _cluster, client) = common::cluster_on(fabric, 2, |config| {
+        config.shm.enabled = shm;
+        config.chunk_size_bytes = chunk;
+    })
+    .await;
+    for target in client.targets().await.unwrap() {
+        assert_eq!(client.transport_kind(&target).await.unwrap(), expected_kind);
+    }
+    // Every chunk distinct (a repeated chunk would be deduplicated, not sent).
+    let data: Vec<u8> = (0..8 * chunk).map(|i| (i * 7 + (i >> 12) * 13 + (i >> 20) * 101) as u8).collect();
+    let (before, _) = copies::snapshot();
+    let part = SavePart::new("copies", 1).buffer("w.bin", Bytes::from(data.clone())).unwrap();
+    let outcome = client.save(part).await.unwrap().wait().await.unwrap();
+    let (saved, _) = copies::snapshot();
+    // Every chunk went to each of its replicas (two: the job's default).
+    assert_eq!((outcome.chunks, outcome.deduplicated_chunks), (8, 0), "{outcome:?}");
+    let puts = 8.0 * 2.0;
+    let manifest = client.manifest("copies", Some(1)).await.unwrap();
+    assert_eq!(&client.read_file(&manifest, "w.bin").await.unwrap()[..], &data[..]);
+    let (restored, _) = copies::snapshot();
+    ((saved - before) as f64 / puts, (restored - saved) as f64 / 8.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payload_copies_per_transport() {
+    // TCP: the kernel copies into and out of socket buffers; user space never copies.
+    assert_eq!(copies_per_transfer(None, false, "tcp").await, (0.0, 0.0));
+    // RDMA: the target reads straight from the client's registered staging buffer into the buffer
+    // it writes to the device; a GET lands in a receive slot and is copied out once.
+    assert_eq!(copies_per_transfer(Some("soft"), false, "rdma").await, (0.0, 1.0));
+    // Shared memory: the client copies into a slot and the target out of it (it must own what it
+    // verifies); a GET is copied into a slot by the target and out of it by the client.
+    assert_eq!(copies_per_transfer(None, true, "shm").await, (2.0, 2.0));
+}
