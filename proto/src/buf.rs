@@ -207,6 +207,11 @@ impl BufPool {
         self.inner.max_buffers
     }
 
+    /// Buffers allocated (and touched) so far, lent out or free.
+    pub fn allocated(&self) -> usize {
+        self.inner.created.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Allocates and touches up to `count` more buffers now (never past the pool's bound), so the
     /// first save does not pay for page faults.
     pub fn prefill(&self, count: usize) {

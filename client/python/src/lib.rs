@@ -303,6 +303,27 @@ impl NativeClient {
         Ok(NativeClient { client, pid: std::process::id() })
     }
 
+    /// Allocates and pre-faults up to `bytes` of staging memory ([`sdk::Client::warm_staging`]),
+    /// on a thread of its own unless `wait` (then with the GIL released).
+    #[pyo3(signature = (bytes, wait=false))]
+    fn warm_staging(&self, py: Python<'_>, bytes: usize, wait: bool) -> PyResult<()> {
+        let client = self.client()?.clone();
+        if wait {
+            py.detach(|| client.warm_staging(bytes));
+            return Ok(());
+        }
+        std::thread::Builder::new()
+            .name("starckpt-warm".into())
+            .spawn(move || client.warm_staging(bytes))
+            .map(drop)
+            .map_err(|e| raise("StarckptError", format!("cannot start the warming thread: {e}")))
+    }
+
+    #[getter]
+    fn staging_allocated_bytes(&self) -> PyResult<usize> {
+        Ok(self.client()?.staging_allocated_bytes())
+    }
+
     #[getter]
     fn run_id(&self) -> PyResult<String> {
         Ok(self.client()?.run_id().to_owned())

@@ -499,3 +499,23 @@ def test_a_compressing_client_in_the_same_process_writes_as_the_same_run(cluster
     packed.save(2, {"w": torch.randn(1000)}).wait()
     plain.save(3, {"w": torch.randn(1000)}).wait()
     assert plain.latest() == 3
+
+
+def test_warming_pre_faults_staging_memory_in_the_background(cluster, job):
+    # The process's native client (and its staging pool) is shared: warm past what earlier tests
+    # left allocated.
+    start = client(cluster, job).staging_allocated_bytes
+    c = client(cluster, job, warm=start + (8 << 20))
+    deadline = time.monotonic() + 30
+    while c.staging_allocated_bytes < start + (8 << 20):
+        assert time.monotonic() < deadline, f"only {c.staging_allocated_bytes - start} bytes warmed"
+        time.sleep(0.01)
+    warmed = c.staging_allocated_bytes
+    c.warm(4 << 20, wait=True)  # already there: nothing more allocated
+    assert c.staging_allocated_bytes == warmed
+    c.warm(warmed + (4 << 20), wait=True)
+    assert c.staging_allocated_bytes >= warmed + (4 << 20)
+    with pytest.raises(starckpt.InvalidInputError):
+        c.warm(-1)
+    c.save(1, {"w": np.ones(1 << 20, dtype=np.float32)}, blocking=True)
+    assert c.latest() == 1
