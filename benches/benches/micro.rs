@@ -25,7 +25,7 @@ use rand::{RngCore, SeedableRng};
 use starckpt_proto::ChunkHash;
 use starckpt_proto::frame::{FIXED_HEADER_BYTES, FrameHeader, Opcode, read_frame_head, write_frame};
 use starckpt_server::target::EngineKind;
-use starckpt_server::target::engine::open_engine;
+use starckpt_server::target::engine::{IoEngine, UringEngine, open_engine};
 use starckpt_server::target::store::ChunkStore;
 use tokio::io::AsyncReadExt;
 
@@ -146,11 +146,19 @@ fn frame(c: &mut Criterion) {
     group.finish();
 }
 
-/// A store on the machine's disk (TMPDIR), with `engine`.
-fn open_store(runtime: &tokio::runtime::Runtime, engine: EngineKind) -> (tempfile::TempDir, Arc<ChunkStore>) {
+/// The engines compared: io_uring with the store's buffers registered (fixed), the same without
+/// (every operation pins its buffer), and blocking std I/O.
+const ENGINES: [&str; 3] = ["Uring", "UringUnfixed", "Std"];
+
+/// A store on the machine's disk (TMPDIR), with `engine` (one of [`ENGINES`]).
+fn open_store(runtime: &tokio::runtime::Runtime, engine: &str) -> (tempfile::TempDir, Arc<ChunkStore>) {
     let dir = tempfile::tempdir().unwrap();
     let store = runtime.block_on(async {
-        let engine = open_engine(engine, 16).unwrap();
+        let engine: Arc<dyn IoEngine> = match engine {
+            "Uring" => open_engine(EngineKind::Uring, 16).unwrap(),
+            "UringUnfixed" => Arc::new(UringEngine::start_with(16, 0).unwrap()),
+            _ => open_engine(EngineKind::Std, 16).unwrap(),
+        };
         ChunkStore::open(dir.path(), engine, CHUNK, 16).await.unwrap()
     });
     (dir, Arc::new(store))
@@ -162,10 +170,10 @@ fn store(c: &mut Criterion) {
     let mut group = c.benchmark_group("store_put");
     group.throughput(Throughput::Bytes(CHUNK as u64));
     group.sample_size(10).measurement_time(Duration::from_secs(8));
-    for engine in [EngineKind::Uring, EngineKind::Std] {
+    for engine in ENGINES {
         let (_dir, store) = open_store(&runtime, engine);
         let mut counter = 0u64;
-        group.bench_function(format!("{engine:?}"), |b| {
+        group.bench_function(engine, |b| {
             b.iter_custom(|iters| {
                 runtime.block_on(async {
                     // Distinct chunks (a counter in the first bytes), each a durable new file; 4 in
@@ -196,7 +204,7 @@ fn store(c: &mut Criterion) {
     let mut group = c.benchmark_group("store_get");
     group.throughput(Throughput::Bytes(CHUNK as u64));
     group.sample_size(10).measurement_time(Duration::from_secs(8));
-    for engine in [EngineKind::Uring, EngineKind::Std] {
+    for engine in ENGINES {
         let (_dir, store) = open_store(&runtime, engine);
         let hashes: Vec<ChunkHash> = runtime.block_on(async {
             let mut hashes = Vec::new();
@@ -212,7 +220,7 @@ fn store(c: &mut Criterion) {
             hashes
         });
         let mut next = 0;
-        group.bench_function(format!("{engine:?}"), |b| {
+        group.bench_function(engine, |b| {
             b.to_async(&runtime).iter(|| {
                 next = (next + 1) % hashes.len();
                 let (store, hash) = (Arc::clone(&store), hashes[next]);

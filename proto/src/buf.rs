@@ -153,12 +153,24 @@ impl std::fmt::Debug for AlignedBuf {
     }
 }
 
+/// A buffer's identity within its pool, for registering it with a device once (io_uring fixed
+/// buffers): unique per pool (`pool`) and stable for the pool's life (`index`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PoolSlot {
+    pub pool: u64,
+    pub index: u32,
+}
+
+static NEXT_POOL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 struct PoolInner {
+    id: u64,
     buf_bytes: usize,
     max_buffers: usize,
     /// Buffers allocated so far (lent out or free); never exceeds `max_buffers`.
     created: std::sync::atomic::AtomicUsize,
-    free: Mutex<Vec<AlignedBuf>>,
+    /// Free buffers with their index in the pool.
+    free: Mutex<Vec<(AlignedBuf, u32)>>,
     permits: Arc<Semaphore>,
     /// Start addresses of the buffers created, sorted: a pool's buffers live as long as the pool,
     /// so memory registered for RDMA once stays valid ([`BufPool::buffer_containing`]).
@@ -166,12 +178,14 @@ struct PoolInner {
 }
 
 impl PoolInner {
-    fn create(&self) -> AlignedBuf {
+    /// A new buffer and its index (creation order).
+    fn create(&self) -> (AlignedBuf, u32) {
         let buf = AlignedBuf::new(self.buf_bytes);
         let mut bases = self.bases.lock().unwrap_or_else(|p| p.into_inner());
+        let index = bases.len() as u32;
         let at = bases.partition_point(|&b| b < buf.as_ptr() as usize);
         bases.insert(at, buf.as_ptr() as usize);
-        buf
+        (buf, index)
     }
 }
 
@@ -187,6 +201,7 @@ impl BufPool {
     pub fn new(buf_bytes: usize, max_buffers: usize) -> BufPool {
         BufPool {
             inner: Arc::new(PoolInner {
+                id: NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 buf_bytes: round_up(buf_bytes.max(1)),
                 max_buffers: max_buffers.max(1),
                 created: std::sync::atomic::AtomicUsize::new(0),
@@ -226,8 +241,8 @@ impl BufPool {
             if reserved.is_err() {
                 break;
             }
-            let buf = self.inner.create();
-            self.lock_free().push(buf);
+            let created = self.inner.create();
+            self.lock_free().push(created);
         }
     }
 
@@ -241,7 +256,7 @@ impl BufPool {
         (at < base + self.inner.buf_bytes).then_some((base, self.inner.buf_bytes))
     }
 
-    fn lock_free(&self) -> std::sync::MutexGuard<'_, Vec<AlignedBuf>> {
+    fn lock_free(&self) -> std::sync::MutexGuard<'_, Vec<(AlignedBuf, u32)>> {
         // A panic while holding this lock cannot leave the Vec inconsistent; keep going.
         self.inner.free.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -259,11 +274,11 @@ impl BufPool {
 
     fn take(&self, permit: OwnedSemaphorePermit) -> PooledBuf {
         // Holding a permit guarantees a free buffer exists or fewer than max_buffers were created.
-        let buf = self.lock_free().pop().unwrap_or_else(|| {
+        let (buf, index) = self.lock_free().pop().unwrap_or_else(|| {
             self.inner.created.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
             self.inner.create()
         });
-        PooledBuf { buf: Some(buf), pool: Arc::clone(&self.inner), _permit: permit }
+        PooledBuf { buf: Some(buf), index, pool: Arc::clone(&self.inner), _permit: permit }
     }
 }
 
@@ -271,6 +286,7 @@ impl BufPool {
 /// `bytes::Bytes` made from it with [`PooledBuf::freeze`] is dropped).
 pub struct PooledBuf {
     buf: Option<AlignedBuf>,
+    index: u32,
     pool: Arc<PoolInner>,
     _permit: OwnedSemaphorePermit,
 }
@@ -301,7 +317,7 @@ impl Drop for PooledBuf {
     fn drop(&mut self) {
         if let Some(mut buf) = self.buf.take() {
             buf.set_len(0);
-            self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(buf);
+            self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).push((buf, self.index));
         }
     }
 }
@@ -312,6 +328,11 @@ impl Drop for PooledBuf {
 pub trait IoBuf: Send + Sync + 'static {
     fn aligned(&self) -> &AlignedBuf;
     fn aligned_mut(&mut self) -> &mut AlignedBuf;
+    /// The buffer's identity in its pool, if it lives as long as a pool does (only such memory
+    /// may stay registered with a device).
+    fn pool_slot(&self) -> Option<PoolSlot> {
+        None
+    }
 }
 
 pub type BoxedBuf = Box<dyn IoBuf>;
@@ -331,6 +352,9 @@ impl IoBuf for PooledBuf {
     }
     fn aligned_mut(&mut self) -> &mut AlignedBuf {
         self.buf_mut()
+    }
+    fn pool_slot(&self) -> Option<PoolSlot> {
+        Some(PoolSlot { pool: self.pool.id, index: self.index })
     }
 }
 

@@ -3,6 +3,11 @@
 //! Two engines implement [`IoEngine`], chosen by config (`--io-engine`):
 //! - [`UringEngine`]: one dedicated thread per device owning an io_uring; writes and reads are
 //!   submitted as O_DIRECT operations, a write is followed by an fdatasync on the same ring.
+//!   Buffers of a [`starckpt_proto::buf::BufPool`] (the store's I/O buffers) are registered with
+//!   the ring once, on first use, and then moved with WRITE_FIXED/READ_FIXED: the kernel pins
+//!   their pages once instead of on every operation (fio, 4 MiB O_DIRECT writes at QD8 on these
+//!   VMs: system CPU 1-2% of a core instead of 8-12%). Files are not registered: each chunk file
+//!   is opened for one write (or read) and one sync, so registering it would cost a syscall more.
 //! - [`StdEngine`]: the same operations with ordinary blocking syscalls (still O_DIRECT) on
 //!   tokio's blocking pool, bounded by a semaphore. For systems where io_uring is unavailable,
 //!   such as Docker's default seccomp profile.
@@ -17,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use starckpt_proto::buf::BoxedBuf;
+use starckpt_proto::buf::{BoxedBuf, PoolSlot};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,6 +56,10 @@ pub trait IoEngine: Send + Sync + 'static {
     /// fsyncs a directory, making renames and unlinks in it durable.
     async fn sync_dir(&self, path: PathBuf) -> io::Result<()>;
     fn kind(&self) -> EngineKind;
+    /// Buffers registered with the device queue so far (io_uring fixed buffers).
+    fn fixed_buffers(&self) -> usize {
+        0
+    }
 }
 
 pub fn open_engine(kind: EngineKind, queue_depth: usize) -> io::Result<Arc<dyn IoEngine>> {
@@ -140,21 +149,33 @@ struct Request {
     reply: oneshot::Sender<io::Result<Option<BoxedBuf>>>,
 }
 
+/// Most buffers a ring registers (a store's pool has 64 by default).
+pub const FIXED_BUFFERS: u32 = 256;
+
 /// io_uring on a dedicated thread. Requests arrive over a bounded channel (back-pressure on the
 /// callers when the device queue is full) and up to `queue_depth` are in flight on the ring.
 pub struct UringEngine {
     requests: mpsc::Sender<Request>,
+    fixed: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl UringEngine {
     pub fn start(queue_depth: usize) -> io::Result<UringEngine> {
+        UringEngine::start_with(queue_depth, FIXED_BUFFERS)
+    }
+
+    /// With up to `fixed_buffers` pool buffers registered (0: none, every operation pins its
+    /// buffer's pages itself; for comparisons).
+    pub fn start_with(queue_depth: usize, fixed_buffers: u32) -> io::Result<UringEngine> {
         let queue_depth = queue_depth.clamp(1, 256);
         let ring = io_uring::IoUring::new((queue_depth * 2) as u32)?;
         let (requests, receiver) = mpsc::channel(queue_depth * 2);
+        let fixed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let registry = FixedBuffers::new(&ring, fixed_buffers, Arc::clone(&fixed));
         std::thread::Builder::new()
             .name("starckpt-uring".into())
-            .spawn(move || uring_thread(ring, receiver, queue_depth))?;
-        Ok(UringEngine { requests })
+            .spawn(move || uring_thread(ring, receiver, queue_depth, registry))?;
+        Ok(UringEngine { requests, fixed })
     }
 
     async fn submit(&self, kind: OpKind, path: PathBuf, buf: Option<BoxedBuf>) -> io::Result<Option<BoxedBuf>> {
@@ -184,6 +205,62 @@ impl IoEngine for UringEngine {
     fn kind(&self) -> EngineKind {
         EngineKind::Uring
     }
+
+    fn fixed_buffers(&self) -> usize {
+        self.fixed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// Pool buffers registered with a ring, by their identity in their pool. A buffer is registered
+/// on first use; its pool keeps it allocated, and a registration is only ever used for the same
+/// (pool, index), so a dropped pool's registrations (whose pages the ring keeps pinned) are never
+/// reused for other memory.
+struct FixedBuffers {
+    capacity: u32,
+    registered: std::collections::HashMap<PoolSlot, u16>,
+    /// Registration is off (an old kernel, a memlock limit): operations pin their buffers.
+    off: bool,
+    count: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl FixedBuffers {
+    fn new(ring: &io_uring::IoUring, capacity: u32, count: Arc<std::sync::atomic::AtomicUsize>) -> FixedBuffers {
+        let capacity = capacity.min(u32::from(u16::MAX));
+        let off = capacity == 0
+            || match ring.submitter().register_buffers_sparse(capacity) {
+                Ok(()) => false,
+                Err(error) => {
+                    tracing::info!(%error, "io_uring fixed buffers unavailable; buffers are pinned per operation");
+                    true
+                }
+            };
+        FixedBuffers { capacity, registered: std::collections::HashMap::new(), off, count }
+    }
+
+    /// The fixed-buffer index of `buf` (registering it now if needed), or None to use it unfixed.
+    fn index(&mut self, ring: &io_uring::IoUring, buf: &BoxedBuf) -> Option<u16> {
+        let slot = buf.pool_slot().filter(|_| !self.off)?;
+        if let Some(&index) = self.registered.get(&slot) {
+            return Some(index);
+        }
+        let next = u32::try_from(self.registered.len()).ok().filter(|&n| n < self.capacity)?;
+        let aligned = buf.aligned();
+        let iovec = libc::iovec { iov_base: aligned.as_ptr().cast_mut().cast(), iov_len: aligned.capacity() };
+        // SAFETY: a pool buffer stays allocated while its pool lives; after that the ring keeps
+        // its pages pinned and this index is never used for other memory (see the type's docs).
+        match unsafe { ring.submitter().register_buffers_update(next, &[iovec], None) } {
+            Ok(_) => {
+                self.registered.insert(slot, next as u16);
+                self.count.store(self.registered.len(), std::sync::atomic::Ordering::Relaxed);
+                Some(next as u16)
+            }
+            Err(error) => {
+                tracing::info!(%error, "io_uring buffer registration failed; buffers are pinned per operation");
+                self.off = true;
+                None
+            }
+        }
+    }
 }
 
 enum Phase {
@@ -196,6 +273,8 @@ struct InFlight {
     phase: Phase,
     file: File,
     buf: Option<BoxedBuf>,
+    /// The buffer's fixed index, when registered with the ring.
+    fixed: Option<u16>,
     done: usize,
     reply: oneshot::Sender<io::Result<Option<BoxedBuf>>>,
 }
@@ -214,9 +293,14 @@ impl InFlight {
                 let remaining = (total - self.done) as u32;
                 // SAFETY (for the pointer): the buffer lives in this InFlight until completion.
                 let ptr = unsafe { buf.aligned_mut().as_mut_ptr().add(self.done) };
-                match self.kind {
-                    OpKind::Write => opcode::Write::new(fd, ptr, remaining).offset(self.done as u64).build(),
-                    _ => opcode::Read::new(fd, ptr, remaining).offset(self.done as u64).build(),
+                let offset = self.done as u64;
+                match (&self.kind, self.fixed) {
+                    (OpKind::Write, Some(index)) => {
+                        opcode::WriteFixed::new(fd, ptr, remaining, index).offset(offset).build()
+                    }
+                    (OpKind::Write, None) => opcode::Write::new(fd, ptr, remaining).offset(offset).build(),
+                    (_, Some(index)) => opcode::ReadFixed::new(fd, ptr, remaining, index).offset(offset).build(),
+                    (_, None) => opcode::Read::new(fd, ptr, remaining).offset(offset).build(),
                 }
             }
             (Phase::Sync, _) if matches!(self.kind, OpKind::SyncDir) => opcode::Fsync::new(fd).build(),
@@ -264,7 +348,7 @@ impl InFlight {
 }
 
 /// Opens the request's file and turns it into an in-flight operation, or answers the error.
-fn start_request(request: Request) -> Option<InFlight> {
+fn start_request(request: Request, ring: &io_uring::IoUring, registry: &mut FixedBuffers) -> Option<InFlight> {
     let opened = match request.kind {
         OpKind::Write => create_direct(&request.path),
         OpKind::Read => open_direct_read(&request.path),
@@ -275,6 +359,7 @@ fn start_request(request: Request) -> Option<InFlight> {
             phase: if matches!(request.kind, OpKind::SyncDir) { Phase::Sync } else { Phase::Transfer },
             kind: request.kind,
             file,
+            fixed: request.buf.as_ref().and_then(|buf| registry.index(ring, buf)),
             buf: request.buf,
             done: 0,
             reply: request.reply,
@@ -286,7 +371,12 @@ fn start_request(request: Request) -> Option<InFlight> {
     }
 }
 
-fn uring_thread(mut ring: io_uring::IoUring, mut receiver: mpsc::Receiver<Request>, queue_depth: usize) {
+fn uring_thread(
+    mut ring: io_uring::IoUring,
+    mut receiver: mpsc::Receiver<Request>,
+    queue_depth: usize,
+    mut registry: FixedBuffers,
+) {
     let mut slots: Vec<Option<InFlight>> = (0..queue_depth).map(|_| None).collect();
     let mut in_flight = 0usize;
     let mut closed = false;
@@ -312,7 +402,7 @@ fn uring_thread(mut ring: io_uring::IoUring, mut receiver: mpsc::Receiver<Reques
                 }
             };
             let Some(request) = next else { break };
-            let Some(mut op) = start_request(request) else { continue };
+            let Some(mut op) = start_request(request, &ring, &mut registry) else { continue };
             let slot = slots.iter().position(Option::is_none).expect("in_flight < queue_depth");
             let entry = op.next_entry(slot);
             slots[slot] = Some(op);

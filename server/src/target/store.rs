@@ -1355,4 +1355,25 @@ mod conformance {
     }
     suite!(uring, EngineKind::Uring);
     suite!(std_io, EngineKind::Std);
+
+    #[tokio::test]
+    async fn uring_registers_pool_buffers_once_and_moves_others_unregistered() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(EngineKind::Uring, dir.path()).await;
+        // Pool-sized chunks (the pool has 4 buffers of 64 KiB) use fixed buffers; a chunk larger
+        // than a pool buffer gets a one-off buffer, which is never registered.
+        let mut stored = Vec::new();
+        for seed in 0..12 {
+            let data = random(60_000, seed);
+            stored.push((put(&store, &data).await.0, data));
+        }
+        let registered = store.engine.fixed_buffers();
+        assert!((1..=4).contains(&registered), "{registered} buffers registered");
+        let big = random(300_001, 99);
+        stored.push((put(&store, &big).await.0, big));
+        for (hash, data) in &stored {
+            assert_eq!(&store.read(*hash, 0, 0, false).await.unwrap().bytes[..], &data[..]);
+        }
+        assert_eq!(store.engine.fixed_buffers(), registered, "one-off buffers are not registered");
+    }
 }
