@@ -968,8 +968,18 @@ fn bench_reports_every_phase_beside_its_baseline() {
 fn same_host_targets_use_shared_memory_unless_they_serve_none() {
     let mut cluster = Cluster::start(0);
     cluster.targets.push(cluster.start_target(0));
-    cluster.targets.push(cluster.start_target_with(1, &["--no-shm"]));
+    cluster.targets.push(cluster.start_target_with(1, &["--no-shm", "--no-rdma", "--queue-depth", "2"]));
     cluster.wait_alive(2);
+    for bad in [&["--queue-depth", "0"][..], &["--queue-depth", "257"], &["--rdma-mtu", "1500"], &["--rdma-port", "0"]]
+    {
+        let output = std::process::Command::new(common::BIN)
+            .args(["target", "--dir", "/nonexistent"])
+            .args(bad)
+            .output()
+            .unwrap();
+        assert!(!output.status.success(), "{bad:?} should fail");
+        assert!(!String::from_utf8_lossy(&output.stderr).contains("panicked"), "{bad:?}");
+    }
     let source = cluster.dir.path().join("weights.bin");
     let data = common::random_bytes(5_000_000, 8);
     std::fs::write(&source, &data).unwrap();
