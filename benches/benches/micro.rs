@@ -10,7 +10,8 @@
 //! - `frame`: the data-plane frame codec, header alone and a whole PUT frame of 4 MiB through an
 //!   in-memory pipe (writer and reader);
 //! - `store_put` / `store_get`: the target's chunk store with each I/O engine (io_uring and
-//!   blocking std I/O, both O_DIRECT), durable puts of new 4 MiB chunks and verified-header gets.
+//!   blocking std I/O, both O_DIRECT), durable puts of 4 MiB chunks (into new files, and into
+//!   deleted chunks' files: the free pool) and verified-header gets.
 //!
 //! `cargo bench -p starckpt-benches` (add `-- hash` to run one group).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // benchmarks: a failure is a bug to see
@@ -26,6 +27,7 @@ use starckpt_proto::ChunkHash;
 use starckpt_proto::frame::{FIXED_HEADER_BYTES, FrameHeader, Opcode, read_frame_head, write_frame};
 use starckpt_server::target::EngineKind;
 use starckpt_server::target::engine::{IoEngine, UringEngine, open_engine};
+use starckpt_server::target::freepool::FreePoolConfig;
 use starckpt_server::target::store::ChunkStore;
 use tokio::io::AsyncReadExt;
 
@@ -147,19 +149,26 @@ fn frame(c: &mut Criterion) {
 }
 
 /// The engines compared: io_uring with the store's buffers registered (fixed), the same without
-/// (every operation pins its buffer), and blocking std I/O.
-const ENGINES: [&str; 3] = ["Uring", "UringUnfixed", "Std"];
+/// (every operation pins its buffer), and blocking std I/O; each chunk into a new file. And
+/// io_uring writing chunks into the files of deleted ones (the free pool: `UringReused`, puts only).
+const ENGINES: [&str; 4] = ["Uring", "UringReused", "UringUnfixed", "Std"];
 
 /// A store on the machine's disk (TMPDIR), with `engine` (one of [`ENGINES`]).
 fn open_store(runtime: &tokio::runtime::Runtime, engine: &str) -> (tempfile::TempDir, Arc<ChunkStore>) {
     let dir = tempfile::tempdir().unwrap();
+    let reuse = engine == "UringReused";
     let store = runtime.block_on(async {
         let engine: Arc<dyn IoEngine> = match engine {
-            "Uring" => open_engine(EngineKind::Uring, 16).unwrap(),
+            "Uring" | "UringReused" => open_engine(EngineKind::Uring, 16).unwrap(),
             "UringUnfixed" => Arc::new(UringEngine::start_with(16, 0).unwrap()),
             _ => open_engine(EngineKind::Std, 16).unwrap(),
         };
-        ChunkStore::open(dir.path(), engine, CHUNK, 16).await.unwrap()
+        let store = ChunkStore::open(dir.path(), engine, CHUNK, 16).await.unwrap();
+        // Each sample's chunks are deleted after it: into the free pool for the next sample's
+        // to overwrite, or unlinked (every put allocates a new file).
+        let max_bytes = if reuse { 4 << 30 } else { 0 };
+        store.set_free_pool(FreePoolConfig { max_bytes, reuse_after: Duration::ZERO }).await.unwrap();
+        store
     });
     (dir, Arc::new(store))
 }
@@ -204,7 +213,7 @@ fn store(c: &mut Criterion) {
     let mut group = c.benchmark_group("store_get");
     group.throughput(Throughput::Bytes(CHUNK as u64));
     group.sample_size(10).measurement_time(Duration::from_secs(8));
-    for engine in ENGINES {
+    for engine in ENGINES.into_iter().filter(|&e| e != "UringReused") {
         let (_dir, store) = open_store(&runtime, engine);
         let hashes: Vec<ChunkHash> = runtime.block_on(async {
             let mut hashes = Vec::new();

@@ -74,6 +74,37 @@ pub struct BenchArgs {
     /// Reach the targets over TCP even where they share this host (default: shared memory there).
     #[arg(long)]
     no_shm: bool,
+    /// Write every chunk into a new file, as on a target's first checkpoints. Default: the
+    /// built-in cluster's targets first fill their free pools (untimed), so chunks overwrite
+    /// allocated files as a job's checkpoints do in steady state, once retention deletes old ones
+    /// and GC hands their files back (`server/src/target/freepool.rs`).
+    #[arg(long)]
+    fresh_files: bool,
+}
+
+/// Waits until every target's free pool holds `bytes`, or stops growing for 10 s (a target's
+/// space reserve); returns the bytes in all pools.
+async fn wait_for_free_pools(client: &Client, bytes: u64, file: u64) -> anyhow::Result<u64> {
+    let targets = client.targets().await?;
+    let (mut last, mut since) = (0u64, Instant::now());
+    loop {
+        let mut pools = Vec::new();
+        for target in &targets {
+            pools.push(client.target_stat(target).await?.free_pool_bytes);
+        }
+        let total: u64 = pools.iter().sum();
+        // Each target stops within one file (a chunk and its header) of the goal.
+        if pools.iter().all(|&pool| pool + file >= bytes) {
+            return Ok(total);
+        }
+        if total > last {
+            (last, since) = (total, Instant::now());
+        } else if since.elapsed() > Duration::from_secs(10) {
+            tracing::warn!(bytes = total, "free pools stopped growing short of the goal");
+            return Ok(total);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// A parameter tensor of the synthetic model.
@@ -277,9 +308,23 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         }
     };
 
+    // Free files per target for every run's chunks (tensor tails, smaller than a chunk, get new
+    // files), with a margin for uneven placement.
+    let preallocate = match (&args.cluster, args.fresh_files) {
+        (None, false) => total * u64::from(args.replicas) * u64::from(args.runs) / args.targets as u64 * 5 / 4,
+        _ => 0,
+    };
     let cluster = match &args.cluster {
         Some(_) => None,
-        None => Some(DevCluster::start(&data_dir.join("cluster"), "127.0.0.1:0", args.targets, args.io_engine).await?),
+        None => {
+            let chunk_size = args.chunk_size as usize;
+            let configure = |config: &mut starckpt_server::target::TargetConfig| {
+                config.chunk_size_bytes = chunk_size;
+                config.preallocate_bytes = preallocate;
+            };
+            let dir = data_dir.join("cluster");
+            Some(DevCluster::start_with(&dir, "127.0.0.1:0", args.targets, args.io_engine, configure).await?)
+        }
     };
     let address = match (&args.cluster, &cluster) {
         (Some(address), _) => address.clone(),
@@ -315,6 +360,15 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     }
     crate::demo::wait_for_targets(&clients[0], if cluster.is_some() { args.targets } else { 1 }).await?;
     let targets = clients[0].targets().await?.len();
+    if preallocate > 0 {
+        let started = Instant::now();
+        let filled = wait_for_free_pools(&clients[0], preallocate, args.chunk_size + 4096).await?;
+        say(format!(
+            "free pools filled with {} of chunk files in {:.2?} (not counted)",
+            output::bytes(filled),
+            started.elapsed()
+        ));
+    }
     let job = format!("bench-{}", &run_id[6..14]);
     clients[0].set_replication(&job, args.replicas).await?;
     say(format!(
@@ -408,7 +462,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             "{}",
             serde_json::to_string_pretty(&json!({
                 "bytes": total, "parameters": params, "tensors": layout.len() * 4, "ranks": args.ranks,
-                "targets": targets, "replicas": args.replicas, "chunk_bytes": args.chunk_size, "runs": args.runs,
+                "targets": targets, "replicas": args.replicas, "chunk_bytes": args.chunk_size, "runs": args.runs, "fresh_files": preallocate == 0,
                 "built_in_cluster": args.cluster.is_none(),
                 "compression": args.compression.compress, "compression_ratio": compression_ratio,
                 "starckpt": {"blocking": phase(blocking), "committed": phase(committed), "restore": phase(restore)},

@@ -175,6 +175,14 @@ enum Command {
         no_shm: bool,
         #[command(flatten)]
         rdma: RdmaArgs,
+        /// Keep up to SIZE of deleted chunks' files for new chunks to overwrite in place (faster
+        /// than allocating new files). Default: a tenth of the filesystem; 0 turns reuse off.
+        #[arg(long, value_parser = crate::demo::parse_size)]
+        free_pool: Option<u64>,
+        /// Fill the free pool with SIZE of chunk files at start, in the background, so the first
+        /// checkpoints are written into allocated files too (raises --free-pool to at least SIZE).
+        #[arg(long, default_value = "0", value_parser = crate::demo::parse_size)]
+        preallocate: u64,
     },
     /// Run a control plane and N targets in one process, data kept in DIR across restarts.
     Dev {
@@ -379,6 +387,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             shm_socket,
             no_shm,
             rdma,
+            free_pool,
+            preallocate,
         } => {
             let mut config = starckpt_server::target::TargetConfig::new(dir, cli.server.clone());
             config.rdma = rdma.target();
@@ -393,6 +403,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             config.assumed_uptime = Duration::from_secs(assume_uptime_secs);
             config.reserve_bytes = reserve_bytes;
             config.failure_domain = failure_domain;
+            config.free_pool_bytes = free_pool;
+            config.preallocate_bytes = preallocate;
             config.scrub = starckpt_server::target::scrub::ScrubConfig {
                 bytes_per_second: scrub_mib_per_sec.saturating_mul(1 << 20),
                 pause: Duration::from_secs(scrub_pause_secs),

@@ -70,6 +70,9 @@ pub struct TargetStat {
     pub capacity_bytes: u64,
     pub used_bytes: u64,
     pub chunk_count: u64,
+    /// Bytes of deleted chunks' files the target keeps for reuse, and puts that reused one.
+    pub free_pool_bytes: u64,
+    pub reused_files: u64,
     /// The target's scrubber since it started: passes finished, chunks verified, corrupt copies
     /// found and removed.
     pub scrub_passes: u64,
@@ -603,6 +606,8 @@ async fn stat_frames<F: FrameTransport + ?Sized>(frames: &F) -> Result<TargetSta
         capacity_bytes: response.capacity_bytes,
         used_bytes: response.used_bytes,
         chunk_count: response.chunk_count,
+        free_pool_bytes: response.free_pool_bytes,
+        reused_files: response.reused_files,
         scrub_passes: response.scrub_passes,
         scrub_verified_chunks: response.scrub_verified_chunks,
         scrub_corrupt_removed: response.scrub_corrupt_removed,

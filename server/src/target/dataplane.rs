@@ -904,6 +904,8 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
                 capacity_bytes: stats.capacity_bytes,
                 used_bytes: stats.used_bytes,
                 chunk_count: stats.chunk_count,
+                free_pool_bytes: stats.free_pool_bytes,
+                reused_files: stats.reused_files,
                 scrub_passes: scrub.passes.load(std::sync::atomic::Ordering::Relaxed),
                 scrub_verified_chunks: scrub.verified_chunks.load(std::sync::atomic::Ordering::Relaxed),
                 scrub_corrupt_removed: scrub.corrupt_removed.load(std::sync::atomic::Ordering::Relaxed),

@@ -50,6 +50,9 @@ pub trait IoEngine: Send + Sync + 'static {
     /// a multiple of 4096 (the tail is the buffer's zero padding) at offset 0 and fdatasyncs.
     /// The buffer comes back for reuse.
     async fn write_new_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf>;
+    /// The same into an existing file, overwritten in place from offset 0 (a reused chunk file,
+    /// `freepool.rs`: its blocks are already allocated, so the fdatasync commits no metadata).
+    async fn overwrite_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf>;
     /// Reads `path` from offset 0 into `buf` up to its capacity or end of file; sets `buf.len()`
     /// to the bytes read.
     async fn read_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf>;
@@ -78,8 +81,19 @@ fn create_direct(path: &Path) -> io::Result<File> {
     OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_DIRECT).open(path)
 }
 
+fn open_direct_write(path: &Path) -> io::Result<File> {
+    OpenOptions::new().write(true).custom_flags(libc::O_DIRECT).open(path)
+}
+
 fn open_direct_read(path: &Path) -> io::Result<File> {
     OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
+}
+
+/// Writes the buffer at offset 0 of `file` and fdatasyncs it.
+fn write_synced(file: File, buf: BoxedBuf) -> io::Result<BoxedBuf> {
+    file.write_all_at(&buf.aligned().full()[..write_len(&buf)], 0)?;
+    file.sync_data()?;
+    Ok(buf)
 }
 
 /// Blocking std I/O on tokio's blocking pool.
@@ -101,13 +115,11 @@ impl StdEngine {
 #[async_trait]
 impl IoEngine for StdEngine {
     async fn write_new_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf> {
-        self.run(move || {
-            let file = create_direct(&path)?;
-            file.write_all_at(&buf.aligned().full()[..write_len(&buf)], 0)?;
-            file.sync_data()?;
-            Ok(buf)
-        })
-        .await
+        self.run(move || write_synced(create_direct(&path)?, buf)).await
+    }
+
+    async fn overwrite_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf> {
+        self.run(move || write_synced(open_direct_write(&path)?, buf)).await
     }
 
     async fn read_file(&self, path: PathBuf, mut buf: BoxedBuf) -> io::Result<BoxedBuf> {
@@ -137,7 +149,10 @@ impl IoEngine for StdEngine {
 }
 
 enum OpKind {
-    Write,
+    /// `create`: a new file; otherwise an existing one, overwritten in place.
+    Write {
+        create: bool,
+    },
     Read,
     SyncDir,
 }
@@ -191,7 +206,15 @@ impl UringEngine {
 #[async_trait]
 impl IoEngine for UringEngine {
     async fn write_new_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf> {
-        self.submit(OpKind::Write, path, Some(buf)).await?.ok_or_else(|| io::Error::other("buffer lost"))
+        self.submit(OpKind::Write { create: true }, path, Some(buf))
+            .await?
+            .ok_or_else(|| io::Error::other("buffer lost"))
+    }
+
+    async fn overwrite_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf> {
+        self.submit(OpKind::Write { create: false }, path, Some(buf))
+            .await?
+            .ok_or_else(|| io::Error::other("buffer lost"))
     }
 
     async fn read_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf> {
@@ -287,7 +310,7 @@ impl InFlight {
         let entry = match (&self.phase, &mut self.buf) {
             (Phase::Transfer, Some(buf)) => {
                 let total = match self.kind {
-                    OpKind::Write => write_len(buf),
+                    OpKind::Write { .. } => write_len(buf),
                     _ => buf.aligned().capacity(),
                 };
                 let remaining = (total - self.done) as u32;
@@ -295,10 +318,10 @@ impl InFlight {
                 let ptr = unsafe { buf.aligned_mut().as_mut_ptr().add(self.done) };
                 let offset = self.done as u64;
                 match (&self.kind, self.fixed) {
-                    (OpKind::Write, Some(index)) => {
+                    (OpKind::Write { .. }, Some(index)) => {
                         opcode::WriteFixed::new(fd, ptr, remaining, index).offset(offset).build()
                     }
-                    (OpKind::Write, None) => opcode::Write::new(fd, ptr, remaining).offset(offset).build(),
+                    (OpKind::Write { .. }, None) => opcode::Write::new(fd, ptr, remaining).offset(offset).build(),
                     (_, Some(index)) => opcode::ReadFixed::new(fd, ptr, remaining, index).offset(offset).build(),
                     (_, None) => opcode::Read::new(fd, ptr, remaining).offset(offset).build(),
                 }
@@ -318,7 +341,7 @@ impl InFlight {
             Phase::Transfer => {
                 let capacity = match (&self.kind, self.buf.as_ref()) {
                     (_, None) => 0,
-                    (OpKind::Write, Some(b)) => write_len(b),
+                    (OpKind::Write { .. }, Some(b)) => write_len(b),
                     (_, Some(b)) => b.aligned().capacity(),
                 };
                 let n = result as usize;
@@ -332,10 +355,10 @@ impl InFlight {
                         }
                         Some(Ok(buf))
                     }
-                    OpKind::Write if eof => {
+                    OpKind::Write { .. } if eof => {
                         Some(Err(io::Error::new(io::ErrorKind::WriteZero, "device accepted no bytes")))
                     }
-                    OpKind::Write if self.done >= capacity => {
+                    OpKind::Write { .. } if self.done >= capacity => {
                         self.phase = Phase::Sync;
                         None
                     }
@@ -350,7 +373,8 @@ impl InFlight {
 /// Opens the request's file and turns it into an in-flight operation, or answers the error.
 fn start_request(request: Request, ring: &io_uring::IoUring, registry: &mut FixedBuffers) -> Option<InFlight> {
     let opened = match request.kind {
-        OpKind::Write => create_direct(&request.path),
+        OpKind::Write { create: true } => create_direct(&request.path),
+        OpKind::Write { create: false } => open_direct_write(&request.path),
         OpKind::Read => open_direct_read(&request.path),
         OpKind::SyncDir => File::open(&request.path),
     };

@@ -5,6 +5,7 @@
 
 pub mod dataplane;
 pub mod engine;
+pub mod freepool;
 pub mod scrub;
 pub mod store;
 
@@ -61,6 +62,12 @@ pub struct TargetConfig {
     /// RDMA (`dataplane.rs`): default: open the first device (builds with the `rdma` feature);
     /// without one the target serves TCP and shared memory only.
     pub rdma: TargetRdma,
+    /// Bytes of deleted chunks' files kept for reuse (`freepool.rs`: overwriting an allocated
+    /// file is ~1.4x faster than allocating one on ext4 here). None: a tenth of the filesystem.
+    pub free_pool_bytes: Option<u64>,
+    /// Fill the free pool to this many bytes at start, in the background (0: only chunks deleted
+    /// by GC fill it). Raises the pool's cap to at least this.
+    pub preallocate_bytes: u64,
 }
 
 /// Which RDMA device a target serves on.
@@ -116,6 +123,8 @@ impl TargetConfig {
             scrub: scrub::ScrubConfig::default(),
             shm_socket: Some(dir.join("shm.sock")),
             rdma: TargetRdma::Open(starckpt_rdma::DeviceSettings::default()),
+            free_pool_bytes: None,
+            preallocate_bytes: 0,
             dir,
         }
     }
@@ -185,6 +194,11 @@ pub async fn run(
     store.assume_uptime(config.assumed_uptime);
     store.set_target_id(&target_id);
     store.set_reserve(config.reserve_bytes);
+    // The pool's cap: as configured (default: a tenth of the filesystem), raised to what is to
+    // be preallocated.
+    let max_bytes = config.free_pool_bytes.unwrap_or(store.free_pool_max()).max(config.preallocate_bytes);
+    let reuse_after = freepool::FreePoolConfig::default().reuse_after;
+    store.set_free_pool(freepool::FreePoolConfig { max_bytes, reuse_after }).await?;
     let local = listener.local_addr()?;
     let advertise = config.advertise.unwrap_or(local);
     info!(%target_id, data_address = %advertise, dir = %config.dir.display(), engine = ?config.engine, "target starting");
@@ -206,6 +220,15 @@ pub async fn run(
     let heartbeat = tokio_util::task::AbortOnDropHandle::new(heartbeat_task);
     let _scrubber =
         tokio_util::task::AbortOnDropHandle::new(tokio::spawn(scrub::run(Arc::clone(&store), config.scrub.clone())));
+    let _preallocating = (config.preallocate_bytes > 0).then(|| {
+        let (store, bytes) = (Arc::clone(&store), config.preallocate_bytes);
+        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+            match store.preallocate(bytes).await {
+                Ok(written) => info!(bytes = written, "free pool preallocated"),
+                Err(error) => warn!(%error, "preallocation stopped"),
+            }
+        }))
+    });
     let mut serve_stop = stop_rx;
     let shm = config.shm_socket.as_deref().and_then(bind_shm_socket);
     let transports = dataplane::Transports { shm, rdma: rdma_device };

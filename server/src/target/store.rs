@@ -10,6 +10,7 @@
 //! DIR/target.id                 this target's stable id (UUID), written once
 //! DIR/chunks/ab/<hash hex>      one file per chunk, fanned out by the first hash byte
 //! DIR/tmp/<hash hex>.<uuid>     writes in progress; removed at start-up
+//! DIR/free/<uuid>               files of deleted chunks kept for reuse (`freepool.rs`)
 //! ```
 //!
 //! ## Chunk file format
@@ -37,9 +38,12 @@
 //!    compressed payload is decoded first and the decoded bytes are checked: the content address
 //!    stays honest whatever a client sends, so a chunk deduplicated against it is the real one.
 //! 2. The header block and payload are written with O_DIRECT to `tmp/<hash>.<uuid>`, then
-//!    fdatasync'd (the engine does both).
+//!    fdatasync'd (the engine does both). When the free pool holds a file of exactly the chunk
+//!    file's size, that file is overwritten in place instead (its fdatasync commits no metadata;
+//!    `freepool.rs`).
 //! 3. `renameat2(RENAME_NOREPLACE)` moves it to `chunks/ab/<hash>`; if the chunk appeared
-//!    meanwhile (a concurrent put), the temp file is removed and the put reports it present.
+//!    meanwhile (a concurrent put), the temp file is removed (a free file goes back to the pool)
+//!    and the put reports it present.
 //! 4. `chunks/ab/` is fsync'd, making the rename durable. Only then is the put acknowledged.
 //!
 //! ## Last use, and garbage collection's guard
@@ -73,6 +77,7 @@ use starckpt_proto::codec::{self, Codec};
 use thiserror::Error;
 
 use super::engine::IoEngine;
+use super::freepool::{FreePool, FreePoolConfig};
 
 pub const HEADER_BYTES: usize = 4096;
 const MAGIC: &[u8; 8] = b"SCKCHUNK";
@@ -117,6 +122,10 @@ pub struct StoreStats {
     pub capacity_bytes: u64,
     pub used_bytes: u64,
     pub chunk_count: u64,
+    /// Bytes of deleted chunks' files kept for reuse (not in `used_bytes`: a put can have them).
+    pub free_pool_bytes: u64,
+    /// Puts that overwrote a kept file instead of allocating a new one, since start.
+    pub reused_files: u64,
 }
 
 /// What [`ChunkStore::check_copy`] found.
@@ -251,6 +260,7 @@ pub struct ChunkStore {
     /// Bytes of compressed payloads being decoded to verify them (each needs its decoded length
     /// in memory for a moment): bounded, so many small compressed PUTs cannot claim gigabytes.
     decode_budget: Arc<tokio::sync::Semaphore>,
+    free: Arc<FreePool>,
 }
 
 /// Decoded bytes in memory at once across verifications ([`ChunkStore`]'s `decode_budget`).
@@ -267,9 +277,22 @@ impl ChunkStore {
     ) -> Result<ChunkStore, ChunkStoreError> {
         let root = root.to_path_buf();
         let scan_root = root.clone();
-        let (count, used) = tokio::task::spawn_blocking(move || prepare_dir(&scan_root))
-            .await
-            .map_err(|e| ChunkStoreError::Io { op: "scan", path: root.clone(), source: io::Error::other(e) })??;
+        let (count, used, free) = tokio::task::spawn_blocking(move || {
+            let (count, used) = prepare_dir(&scan_root)?;
+            let free_dir = scan_root.join("free");
+            let free = FreePool::open(free_dir.clone()).map_err(io_error("scan", &free_dir))?;
+            // Default cap: a tenth of the filesystem.
+            let max_bytes = fs_capacity(&scan_root).map_err(io_error("statvfs", &scan_root))? / 10;
+            free.configure(FreePoolConfig { max_bytes, ..FreePoolConfig::default() })
+                .map_err(io_error("unlink", &free_dir))?;
+            Ok::<_, ChunkStoreError>((count, used, free))
+        })
+        .await
+        .map_err(|e| ChunkStoreError::Io {
+            op: "scan",
+            path: root.clone(),
+            source: io::Error::other(e),
+        })??;
         Ok(ChunkStore {
             root,
             engine,
@@ -282,7 +305,59 @@ impl ChunkStore {
             target_id: std::sync::OnceLock::new(),
             scrub_stats: Default::default(),
             decode_budget: Arc::new(tokio::sync::Semaphore::new(DECODE_BUDGET_BYTES as usize)),
+            free: Arc::new(free),
         })
+    }
+
+    /// Sets how many bytes of deleted chunks' files are kept for reuse, and after how long a
+    /// recycled one may be overwritten (`freepool.rs`). Free files beyond a lowered cap are removed.
+    pub async fn set_free_pool(&self, config: FreePoolConfig) -> Result<(), ChunkStoreError> {
+        let free = Arc::clone(&self.free);
+        let dir = free.dir().to_path_buf();
+        tokio::task::spawn_blocking(move || free.configure(config))
+            .await
+            .map_err(|e| ChunkStoreError::Io { op: "unlink", path: dir.clone(), source: io::Error::other(e) })?
+            .map_err(io_error("unlink", &dir))
+    }
+
+    /// The free pool's cap in bytes.
+    pub fn free_pool_max(&self) -> u64 {
+        self.free.max_bytes()
+    }
+
+    /// Writes free files of one default chunk file each (zeros; O_DIRECT, fdatasync'd) until the
+    /// pool holds `bytes` or its cap, so the first checkpoints are written into reused files too.
+    /// Stops early at the space reserve. One file at a time: it yields the device to puts.
+    pub async fn preallocate(&self, bytes: u64) -> Result<u64, ChunkStoreError> {
+        let file_bytes = self.pool.buf_bytes();
+        let mut buf: BoxedBuf = Box::new(AlignedBuf::new(file_bytes));
+        buf.aligned_mut().full_mut().fill(0);
+        buf.aligned_mut().set_len(file_bytes);
+        let mut written = 0;
+        while self.free.bytes() + file_bytes as u64 <= bytes.min(self.free.max_bytes()) {
+            let available = fs_available(&self.root).map_err(io_error("statvfs", &self.root))?;
+            if available < (file_bytes as u64).saturating_add(self.reserve_bytes.load(Ordering::Relaxed)) {
+                tracing::warn!(written, "preallocation stopped at the space reserve");
+                break;
+            }
+            let name = uuid::Uuid::new_v4().simple().to_string();
+            let temp = self.root.join("tmp").join(&name);
+            buf = match self.engine.write_new_file(temp.clone(), buf).await {
+                Ok(buf) => buf,
+                Err(source) => {
+                    let _ = tokio::fs::remove_file(&temp).await;
+                    return Err(ChunkStoreError::Io { op: "write", path: temp, source });
+                }
+            };
+            let free_path = self.free.dir().join(&name);
+            tokio::fs::rename(&temp, &free_path).await.map_err(io_error("rename", &temp))?;
+            if !self.free.adopt(free_path.clone(), file_bytes as u64) {
+                let _ = tokio::fs::remove_file(&free_path).await;
+                break;
+            }
+            written += file_bytes as u64;
+        }
+        Ok(written)
     }
 
     pub fn root(&self) -> &Path {
@@ -394,19 +469,26 @@ impl ChunkStore {
         );
         chunk.buf.aligned_mut().set_len(HEADER_BYTES + data_len);
         let file_bytes = round_up(HEADER_BYTES + data_len) as u64;
+        let reused = self.free.take(file_bytes);
         // Refuse before the device is truly full: a full filesystem fails its own metadata
         // writes (renames, directory syncs), and the writer should go to another target now.
+        // Free files are given up first; a reused one needs no new space.
         let reserve = self.reserve_bytes.load(Ordering::Relaxed);
-        if reserve > 0 {
-            let available = fs_available(&self.root).map_err(io_error("statvfs", &self.root))?;
-            if available < file_bytes.saturating_add(reserve) {
-                return Err(ChunkStoreError::Full { hash, available, reserve });
-            }
+        if reserve > 0 && reused.is_none() {
+            self.check_space(hash, file_bytes.saturating_add(reserve), reserve).await?;
         }
 
-        let temp_path = self.root.join("tmp").join(format!("{}.{}", hash.to_hex(), uuid::Uuid::new_v4().simple()));
-        starckpt_client::faults::point("target.store.write").map_err(io_error("write", &temp_path))?;
-        if let Err(source) = self.engine.write_new_file(temp_path.clone(), chunk.buf).await {
+        let temp_path = match &reused {
+            Some(free) => free.clone(),
+            None => self.root.join("tmp").join(format!("{}.{}", hash.to_hex(), uuid::Uuid::new_v4().simple())),
+        };
+        let written = match starckpt_client::faults::point("target.store.write") {
+            Err(injected) => Err(injected),
+            Ok(()) if reused.is_some() => self.engine.overwrite_file(temp_path.clone(), chunk.buf).await.map(drop),
+            Ok(()) => self.engine.write_new_file(temp_path.clone(), chunk.buf).await.map(drop),
+        };
+        if let Err(source) = written {
+            // A reused file that failed its write may sit on bad blocks: it is not kept.
             let _ = tokio::fs::remove_file(&temp_path).await;
             if source.raw_os_error() == Some(libc::ENOSPC) {
                 return Err(ChunkStoreError::NoSpace { hash });
@@ -451,7 +533,10 @@ impl ChunkStore {
             Ok(Renamed::Stored) => None,
             Ok(Renamed::Replaced { old_bytes }) => Some(old_bytes),
             Ok(Renamed::AlreadyPresent) => {
-                let _ = tokio::fs::remove_file(&temp_path).await;
+                match reused {
+                    Some(free) => self.free.put_back(free, file_bytes),
+                    None => drop(tokio::fs::remove_file(&temp_path).await),
+                }
                 self.sync_chunk_dirs([hash]).await?;
                 return Ok(PutOutcome::AlreadyPresent);
             }
@@ -482,6 +567,30 @@ impl ChunkStore {
             }
         }
         Ok(PutOutcome::Stored)
+    }
+
+    /// Fails with [`ChunkStoreError::Full`] unless `needed` bytes are available, unlinking free
+    /// files first when they would make the difference.
+    async fn check_space(&self, hash: ChunkHash, needed: u64, reserve: u64) -> Result<(), ChunkStoreError> {
+        let (root, free) = (self.root.clone(), Arc::clone(&self.free));
+        tokio::task::spawn_blocking(move || {
+            let mut available = fs_available(&root).map_err(io_error("statvfs", &root))?;
+            if available < needed && free.bytes() > 0 {
+                let dir = free.dir().to_path_buf();
+                free.release(needed - available).map_err(io_error("unlink", &dir))?;
+                available = fs_available(&root).map_err(io_error("statvfs", &root))?;
+            }
+            if available < needed {
+                return Err(ChunkStoreError::Full { hash, available, reserve });
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| ChunkStoreError::Io {
+            op: "statvfs",
+            path: self.root.clone(),
+            source: io::Error::other(e),
+        })?
     }
 
     /// Reads the stored copy of `hash` whole (outside the I/O buffer pool, which the caller may
@@ -722,6 +831,7 @@ impl ChunkStore {
     pub async fn delete(&self, hashes: Vec<ChunkHash>, unused_for: Option<Duration>) -> Result<u64, ChunkStoreError> {
         let paths: Vec<PathBuf> = hashes.iter().map(|h| self.chunk_path(h)).collect();
         let (root, locks, clock) = (self.root.clone(), self.use_locks.clone(), Arc::clone(&self.clock));
+        let free = Arc::clone(&self.free);
         // Stops at the first error, but what it removed before is still counted and synced.
         let (removed, failed) = tokio::task::spawn_blocking(move || {
             let mut removed: Vec<(ChunkHash, u64)> = Vec::new();
@@ -743,8 +853,13 @@ impl ChunkStore {
                         }
                     }
                 }
-                let unlinked =
-                    starckpt_client::faults::point("target.delete.unlink").and_then(|()| std::fs::remove_file(path));
+                // Kept for reuse when the pool has room (`freepool.rs`), unlinked otherwise.
+                let unlinked = starckpt_client::faults::point("target.delete.unlink").and_then(|()| {
+                    match free.recycle(path, meta.len())? {
+                        true => Ok(()),
+                        false => std::fs::remove_file(path),
+                    }
+                });
                 match unlinked {
                     Ok(()) => removed.push((*hash, meta.len())),
                     Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -799,6 +914,8 @@ impl ChunkStore {
             capacity_bytes: fs_capacity(&self.root).unwrap_or(0),
             used_bytes: self.used_bytes.load(Ordering::Relaxed),
             chunk_count: self.chunk_count.load(Ordering::Relaxed),
+            free_pool_bytes: self.free.bytes(),
+            reused_files: self.free.reused(),
         }
     }
 }
@@ -1314,6 +1431,99 @@ mod conformance {
         assert_eq!((plain.codec, &plain.bytes[..]), (Codec::None, &data[..]));
     }
 
+    fn inode(path: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(path).unwrap().ino()
+    }
+
+    async fn reuses_deleted_chunk_files(kind: EngineKind) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(kind, dir.path()).await;
+        let pool = |max_bytes, reuse_after| FreePoolConfig { max_bytes, reuse_after };
+        store.set_free_pool(pool(1 << 20, Duration::ZERO)).await.unwrap();
+        // A chunk file of 64 KiB (header + 60,000 bytes, padded), deleted: kept, not counted used.
+        let a = random(60_000, 1);
+        let (hash_a, _) = put(&store, &a).await;
+        let file_a = inode(&store.chunk_path(&hash_a));
+        assert_eq!(store.delete(vec![hash_a], None).await.unwrap(), 1);
+        let stats = store.stats();
+        assert_eq!((stats.used_bytes, stats.chunk_count, stats.free_pool_bytes), (0, 0, 65536));
+        assert!(matches!(store.get(hash_a, 0, 0).await, Err(ChunkStoreError::NotFound { .. })));
+        assert!(!store.has(vec![hash_a]).await.unwrap()[0]);
+
+        // A chunk whose file has the same size overwrites that file: all of it, no old byte left.
+        let b = random(61_000, 2);
+        let (hash_b, outcome) = put(&store, &b).await;
+        assert_eq!(outcome, PutOutcome::Stored);
+        assert_eq!(inode(&store.chunk_path(&hash_b)), file_a);
+        let stats = store.stats();
+        assert_eq!((stats.used_bytes, stats.chunk_count, stats.free_pool_bytes, stats.reused_files), (65536, 1, 0, 1));
+        assert_eq!(&store.get(hash_b, 0, 0).await.unwrap().bytes[..], &b[..]);
+        assert_eq!(store.check_copy(hash_b).await.unwrap(), Copy::Good { length: 61_000 });
+        // Another size gets a new file.
+        let c = random(100, 3);
+        let (hash_c, _) = put(&store, &c).await;
+        assert_ne!(inode(&store.chunk_path(&hash_c)), file_a);
+
+        // Not reused before the delay (a reader may still hold the file open).
+        store.set_free_pool(pool(1 << 20, Duration::from_secs(3600))).await.unwrap();
+        assert_eq!(store.delete(vec![hash_b], None).await.unwrap(), 1);
+        let d = random(59_000, 4);
+        let (hash_d, _) = put(&store, &d).await;
+        assert_ne!(inode(&store.chunk_path(&hash_d)), file_a);
+        assert_eq!(store.stats().free_pool_bytes, 65536);
+
+        // After a restart every free file is reusable at once.
+        drop(store);
+        let store = self::store(kind, dir.path()).await;
+        store.set_free_pool(pool(1 << 20, Duration::from_secs(3600))).await.unwrap();
+        assert_eq!(store.stats().free_pool_bytes, 65536);
+        assert_eq!(store.stats().chunk_count, 2);
+        let e = random(60_500, 5);
+        let (hash_e, _) = put(&store, &e).await;
+        assert_eq!(inode(&store.chunk_path(&hash_e)), file_a);
+        for (hash, data) in [(hash_c, &c), (hash_d, &d), (hash_e, &e)] {
+            assert_eq!(&store.get(hash, 0, 0).await.unwrap().bytes[..], &data[..]);
+            assert!(matches!(store.check_copy(hash).await.unwrap(), Copy::Good { .. }));
+        }
+
+        // The cap: beyond it deleted files are unlinked; lowering it drops free files.
+        store.set_free_pool(pool(65536, Duration::ZERO)).await.unwrap();
+        assert_eq!(store.delete(vec![hash_c, hash_d, hash_e], None).await.unwrap(), 3);
+        // c's 8 KiB file is kept; then d's and e's 64 KiB ones would exceed the cap.
+        assert_eq!(store.stats().free_pool_bytes, 8192);
+        store.set_free_pool(pool(0, Duration::ZERO)).await.unwrap();
+        assert_eq!(store.stats().free_pool_bytes, 0);
+        assert_eq!(std::fs::read_dir(dir.path().join("free")).unwrap().count(), 0);
+    }
+
+    async fn preallocates_free_files(kind: EngineKind) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(kind, dir.path()).await;
+        // Files of one pool buffer: a header and a 64 KiB chunk here.
+        let file = (HEADER_BYTES + 65536) as u64;
+        store
+            .set_free_pool(FreePoolConfig { max_bytes: 4 * file, reuse_after: Duration::from_secs(3600) })
+            .await
+            .unwrap();
+        // Up to the cap.
+        assert_eq!(store.preallocate(1 << 30).await.unwrap(), 4 * file);
+        assert_eq!(store.stats().free_pool_bytes, 4 * file);
+        assert_eq!(store.preallocate(1 << 30).await.unwrap(), 0, "already full");
+        let free: Vec<u64> =
+            std::fs::read_dir(dir.path().join("free")).unwrap().map(|entry| inode(&entry.unwrap().path())).collect();
+        // Full-size chunks are written into them, and read back intact.
+        for seed in 0..4 {
+            let data = random(65536, seed);
+            let (hash, outcome) = put(&store, &data).await;
+            assert_eq!(outcome, PutOutcome::Stored);
+            assert!(free.contains(&inode(&store.chunk_path(&hash))));
+            assert_eq!(&store.get(hash, 0, 0).await.unwrap().bytes[..], &data[..]);
+        }
+        let stats = store.stats();
+        assert_eq!((stats.free_pool_bytes, stats.reused_files, stats.chunk_count), (0, 4, 4));
+    }
+
     macro_rules! suite {
         ($engine:ident, $kind:expr) => {
             mod $engine {
@@ -1345,6 +1555,14 @@ mod conformance {
                 #[tokio::test]
                 async fn compressed() {
                     compressed_chunks($kind).await
+                }
+                #[tokio::test]
+                async fn reuse_deleted_files() {
+                    reuses_deleted_chunk_files($kind).await
+                }
+                #[tokio::test]
+                async fn preallocate() {
+                    preallocates_free_files($kind).await
                 }
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn concurrent_puts() {
