@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::Args;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use rand::{RngCore, SeedableRng};
 use serde_json::json;
 use starckpt_client::{Client, ClientConfig, SavePart, SaveProgress};
@@ -191,6 +191,27 @@ async fn timed<T>(work: impl std::future::Future<Output = anyhow::Result<T>>) ->
     Ok((value, Timed { wall: started.elapsed(), cpu: baseline::cpu_seconds() - cpu }))
 }
 
+/// Reads a rank's tensors into `buffers`, 4 tensors at a time.
+async fn restore_rank(
+    client: &Client,
+    manifest: &starckpt_client::CheckpointManifest,
+    paths: &[String],
+    buffers: &mut [Vec<u8>],
+) -> starckpt_client::Result<()> {
+    let mut pending = futures::stream::FuturesUnordered::new();
+    let mut tensors = paths.iter().zip(buffers.iter_mut());
+    loop {
+        while pending.len() < 4 {
+            let Some((path, buffer)) = tensors.next() else { break };
+            pending.push(client.read_into(manifest, path, buffer));
+        }
+        match pending.next().await {
+            Some(read) => read?,
+            None => return Ok(()),
+        }
+    }
+}
+
 /// The median run (the mean of the middle two for an even count).
 fn median(mut values: Vec<Timed>) -> Timed {
     values.sort_by_key(|t| t.wall);
@@ -249,22 +270,24 @@ async fn run_once(clients: &[Client], job: &str, step: u64, state: &[Shard]) -> 
     }
 
     // Destination buffers are allocated and touched first, as a trainer's tensors would be.
-    let mut buffers: Vec<Vec<Vec<u8>>> =
+    let buffers: Vec<Vec<Vec<u8>>> =
         state.iter().map(|shard| shard.iter().map(|(_, data)| vec![1u8; data.len()]).collect()).collect();
     let manifest = Arc::new(clients[0].manifest(job, Some(step)).await?);
-    let (_, restore) = timed(async {
-        let reads = clients.iter().zip(state).zip(buffers.iter_mut()).map(|((client, shard), buffers)| {
-            let manifest = Arc::clone(&manifest);
-            async move {
-                futures::stream::iter(shard.iter().zip(buffers.iter_mut()))
-                    .map(|((path, _), buffer)| client.read_into(&manifest, path, buffer))
-                    .buffer_unordered(4)
-                    .try_collect::<Vec<()>>()
-                    .await
-            }
+    let (buffers, restore) = timed(async {
+        // Each rank on its own task, as ranks are separate processes.
+        let reads = clients.iter().zip(state).zip(buffers).map(|((client, shard), mut buffers)| {
+            let (client, manifest) = (client.clone(), Arc::clone(&manifest));
+            let paths: Vec<String> = shard.iter().map(|(path, _)| path.clone()).collect();
+            tokio::spawn(async move {
+                restore_rank(&client, &manifest, &paths, &mut buffers).await?;
+                Ok::<_, starckpt_client::Error>(buffers)
+            })
         });
-        futures::future::try_join_all(reads).await?;
-        Ok(())
+        let mut restored = Vec::new();
+        for rank in futures::future::try_join_all(reads).await? {
+            restored.push(rank?);
+        }
+        Ok(restored)
     })
     .await?;
     for (shard, buffers) in state.iter().zip(&buffers) {

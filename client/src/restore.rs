@@ -1,8 +1,13 @@
 //! Restore: manifest → parallel chunk reads → BLAKE3 verification → files or caller buffers.
 //!
-//! No byte reaches a destination before its chunk's hash is verified. A restore into a directory
-//! is built in a hidden sibling directory and renamed into place only when complete, so a failed
-//! or interrupted restore never leaves a half-written checkpoint where the trainer will look.
+//! No byte reaches a file before its chunk's hash is verified. A restore into a directory is
+//! built in a hidden sibling directory and renamed into place only when complete, so a failed or
+//! interrupted restore never leaves a half-written checkpoint where the trainer will look.
+//!
+//! Reads into the caller's memory (`read_into`, `read_range_into`) fetch each whole chunk
+//! straight into its place: shared memory and RDMA copy it there out of their slot (one copy on
+//! the client instead of two and an allocation), and it is verified where it lies before the
+//! call returns. A read that fails leaves the buffer's contents unspecified.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,7 +21,7 @@ use starckpt_proto::control::{self as pb};
 use starckpt_proto::model::{ChunkRef, FileEntry, Manifest};
 use starckpt_proto::{JobName, RelPath};
 
-use crate::transport::{Payload, TransportError};
+use crate::transport::{ChunkTransport, Payload, TransportError};
 use crate::{CheckpointInfo, Client, Error, Result, TargetInfo};
 use starckpt_proto::data::ErrorCode;
 
@@ -28,6 +33,51 @@ async fn verify(chunk: &ChunkRef, payload: Payload) -> Result<std::result::Resul
         .await
         .map_err(|e| Error::Cancelled(e.to_string()))
 }
+
+/// Checks bytes a transport placed in the caller's buffer against `chunk`'s hash, where they lie.
+/// The buffer is borrowed, so the hashing cannot move to the blocking pool: on a multi-threaded
+/// runtime this worker hands its other tasks over first (`block_in_place`), and a large chunk is
+/// hashed on all cores.
+fn verify_in_place(chunk: &ChunkRef, data: &[u8]) -> std::result::Result<(), String> {
+    let hash = || {
+        if data.len() >= PARALLEL_HASH_BYTES {
+            ChunkHash(*blake3::Hasher::new().update_rayon(data).finalize().as_bytes())
+        } else {
+            ChunkHash::of(data)
+        }
+    };
+    let multi_threaded = tokio::runtime::Handle::try_current()
+        .is_ok_and(|runtime| runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    let actual = if multi_threaded { tokio::task::block_in_place(hash) } else { hash() };
+    if actual == chunk.hash { Ok(()) } else { Err(format!("got {actual}")) }
+}
+
+/// One GET of a whole chunk: into `dest` when there is one (`Ok(None)` when it landed there).
+async fn fetch_from(
+    transport: &dyn ChunkTransport,
+    chunk: &ChunkRef,
+    dest: Option<&mut [u8]>,
+) -> std::result::Result<Option<Payload>, TransportError> {
+    match dest {
+        Some(dest) => transport.get_into(chunk.hash, dest).await,
+        None => transport.get(chunk.hash, 0, 0).await.map(Some),
+    }
+}
+
+/// A verified chunk: copied into `dest` when there is one and it came as bytes (`None` then).
+fn settle_chunk(data: Option<Bytes>, dest: Option<&mut [u8]>) -> Option<Bytes> {
+    match (data, dest) {
+        (Some(data), Some(dest)) => {
+            dest.copy_from_slice(&data);
+            starckpt_proto::buf::copies::record(data.len());
+            None
+        }
+        (data, _) => data,
+    }
+}
+
+/// Chunks at least this big are hashed in parallel when verified in place.
+const PARALLEL_HASH_BYTES: usize = 1 << 20;
 
 /// A committed checkpoint's files (all ranks merged) and where its chunks live.
 #[derive(Clone, Debug)]
@@ -138,6 +188,39 @@ impl Client {
     /// Reads one chunk from its replicas in order, verifying its hash; the first verified copy
     /// wins. Errors name the chunk and each target that failed.
     pub async fn read_chunk(&self, manifest: &CheckpointManifest, chunk: &ChunkRef) -> Result<Bytes> {
+        self.fetch_chunk(manifest, chunk, None)
+            .await?
+            .ok_or_else(|| Error::Cancelled(format!("chunk {} was read into no buffer", chunk.hash)))
+    }
+
+    /// [`Client::read_chunk`] into `dest` (exactly the chunk's length): shared memory and RDMA
+    /// place the bytes there straight from their slot, and they are verified where they lie. If
+    /// every copy fails, `dest` holds unverified bytes and the error says so.
+    pub async fn read_chunk_into(
+        &self,
+        manifest: &CheckpointManifest,
+        chunk: &ChunkRef,
+        dest: &mut [u8],
+    ) -> Result<()> {
+        if dest.len() as u64 != chunk.length_bytes {
+            return Err(Error::InvalidInput(format!(
+                "chunk {} is {} bytes, buffer is {}",
+                chunk.hash,
+                chunk.length_bytes,
+                dest.len()
+            )));
+        }
+        self.fetch_chunk(manifest, chunk, Some(dest)).await.map(drop)
+    }
+
+    /// The replica loop of [`Client::read_chunk`] and [`Client::read_chunk_into`]: with `dest`,
+    /// the verified chunk ends up there (`Ok(None)`), otherwise it is returned.
+    async fn fetch_chunk(
+        &self,
+        manifest: &CheckpointManifest,
+        chunk: &ChunkRef,
+        mut dest: Option<&mut [u8]>,
+    ) -> Result<Option<Bytes>> {
         let mut last = None;
         // Replicas that answered with bad bytes or without the chunk: repaired once a good copy
         // is found.
@@ -150,20 +233,27 @@ impl Client {
             let attempt = async {
                 let mut address = target.data_address.clone();
                 let mut transport = self.transport(target_id, &address)?;
-                let mut fetched = transport.get(chunk.hash, 0, 0).await;
+                let mut fetched = fetch_from(&*transport, chunk, dest.as_deref_mut()).await;
                 if let Err(error) = &fetched
                     && error.is_connection()
                     && let Some((moved, moved_transport)) = self.refreshed_transport(target_id, &address).await
                 {
                     (address, transport) = (moved, moved_transport);
-                    fetched = transport.get(chunk.hash, 0, 0).await;
+                    fetched = fetch_from(&*transport, chunk, dest.as_deref_mut()).await;
                 }
-                let payload = fetched.map_err(|source| Error::Target {
+                let fetched = fetched.map_err(|source| Error::Target {
                     target_id: target_id.clone(),
                     address: address.clone(),
                     source,
                 })?;
-                verify(chunk, payload).await?.map_err(|found| Error::Checksum {
+                let checked = match fetched {
+                    Some(payload) => verify(chunk, payload).await?.map(Some),
+                    None => match dest.as_deref() {
+                        Some(placed) => verify_in_place(chunk, placed).map(|()| None),
+                        None => Err("placed in no buffer".to_owned()),
+                    },
+                };
+                checked.map_err(|found| Error::Checksum {
                     hash: chunk.hash,
                     found,
                     target_id: target_id.clone(),
@@ -172,8 +262,13 @@ impl Client {
             };
             match attempt.await {
                 Ok(data) => {
-                    for target in damaged {
-                        self.repair_copy(target, chunk.hash, data.clone());
+                    let data = settle_chunk(data, dest.as_deref_mut());
+                    if !damaged.is_empty() {
+                        let good =
+                            data.clone().unwrap_or_else(|| Bytes::copy_from_slice(dest.as_deref().unwrap_or(&[])));
+                        for target in damaged {
+                            self.repair_copy(target, chunk.hash, good.clone());
+                        }
                     }
                     return Ok(data);
                 }
@@ -202,7 +297,7 @@ impl Client {
             for target in damaged {
                 self.repair_copy(target, chunk.hash, data.clone());
             }
-            return Ok(data);
+            return Ok(settle_chunk(Some(data), dest));
         }
         let last = last.unwrap_or_else(|| Error::InvalidInput(format!("chunk {} has no replicas", chunk.hash)));
         // With a single replica the underlying error is the clearest message.
@@ -299,18 +394,43 @@ impl Client {
         let end = offset.checked_add(length).filter(|end| *end <= file.size_bytes).ok_or_else(|| {
             Error::InvalidInput(format!("range {offset}+{length} is outside {path} ({} bytes)", file.size_bytes))
         })?;
-        let mut fetched = futures::stream::iter(
-            file.chunks_in_range(offset, length)
-                .map(|(start, chunk)| async move { self.read_chunk(manifest, chunk).await.map(|data| (start, data)) }),
-        )
-        .buffer_unordered(self.inner.config.restore_concurrency.max(1));
-        while let Some(result) = fetched.next().await {
-            let (start, data) = result?;
-            let from = offset.saturating_sub(start) as usize;
-            let to = (end - start).min(data.len() as u64) as usize;
-            let at = (start + from as u64 - offset) as usize;
-            target[at..at + (to - from)].copy_from_slice(&data[from..to]);
+        // Each chunk gets the part of `target` it fills (chunks come in file order), so they are
+        // fetched concurrently straight into place. A loop rather than a stream of closures: the
+        // future stays provably Send, so callers can spawn it.
+        let mut chunks = file.chunks_in_range(offset, length);
+        let mut unfilled: &mut [u8] = target;
+        let mut fetched = futures::stream::FuturesUnordered::new();
+        loop {
+            while fetched.len() < self.inner.config.restore_concurrency.max(1) {
+                let Some((start, chunk)) = chunks.next() else { break };
+                let from = offset.saturating_sub(start);
+                let to = (end - start).min(chunk.length_bytes);
+                let (part, rest) = std::mem::take(&mut unfilled).split_at_mut(to.saturating_sub(from) as usize);
+                unfilled = rest;
+                fetched.push(self.read_chunk_part(manifest, chunk, from as usize, part));
+            }
+            match fetched.next().await {
+                Some(result) => result?,
+                None => return Ok(()),
+            }
         }
+    }
+
+    /// Fills `part` with `chunk`'s verified bytes from `from` on: in place when `part` is the
+    /// whole chunk, through a whole-chunk read otherwise (a chunk is verified whole).
+    async fn read_chunk_part(
+        &self,
+        manifest: &CheckpointManifest,
+        chunk: &ChunkRef,
+        from: usize,
+        part: &mut [u8],
+    ) -> Result<()> {
+        if from == 0 && part.len() as u64 == chunk.length_bytes {
+            return self.read_chunk_into(manifest, chunk, part).await;
+        }
+        let data = self.read_chunk(manifest, chunk).await?;
+        part.copy_from_slice(&data[from..from + part.len()]);
+        starckpt_proto::buf::copies::record(part.len());
         Ok(())
     }
 

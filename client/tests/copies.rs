@@ -1,11 +1,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
 //! How many times each transport copies payload bytes in user space between the staging buffers
-//! and the target's device buffers (and back, for a restore), counted by the copy sites
-//! themselves (`starckpt_proto::buf::copies`). Its own test binary: the counters are per process.
+//! and the target's device buffers, and back from the device into the caller's memory for a
+//! restore, counted by the copy sites themselves (`starckpt_proto::buf::copies`). Its own test
+//! binary: the counters are per process.
 //!
 //! Not counted: the staging copy itself (the caller's bytes into staging, which is what a save's
-//! blocking time pays for) and a restore's placement of verified bytes into the caller's memory.
-//! Kernel copies (socket buffers) are not user-space copies.
+//! blocking time pays for). Kernel copies (socket buffers) are not user-space copies.
 
 mod common;
 
@@ -41,12 +41,14 @@ async fn copies_per_transfer(fabric: Option<&str>, shm: bool, expected_kind: &st
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payload_copies_per_transport() {
-    // TCP: the kernel copies into and out of socket buffers; user space never copies.
-    assert_eq!(copies_per_transfer(None, false, "tcp").await, (0.0, 0.0));
+    // TCP: the kernel copies into and out of socket buffers; user space copies a GET's bytes
+    // once, from the frame into the caller's memory.
+    assert_eq!(copies_per_transfer(None, false, "tcp").await, (0.0, 1.0));
     // RDMA: the target reads straight from the client's registered staging buffer into the buffer
-    // it writes to the device; a GET lands in a receive slot and is copied out once.
+    // it writes to the device; a GET lands in a receive slot and is copied out once, into place.
     assert_eq!(copies_per_transfer(Some("soft"), false, "rdma").await, (0.0, 1.0));
     // Shared memory: the client copies into a slot and the target out of it (it must own what it
-    // verifies); a GET is copied into a slot by the target and out of it by the client.
+    // verifies); a GET is copied into a slot by the target and out of it, into place, by the
+    // client.
     assert_eq!(copies_per_transfer(None, true, "shm").await, (2.0, 2.0));
 }

@@ -46,6 +46,13 @@ async fn ranged_reads_and_caller_buffers_cross_chunk_boundaries() {
     let mut buffer = vec![0u8; data.len()];
     client.read_into(&manifest, "t/weights.bin", &mut buffer).await.unwrap();
     assert_eq!(buffer, data);
+    // A read is a future that can be spawned (Send, whatever the borrows inside it).
+    let (spawned_client, spawned_manifest) = (client.clone(), manifest.clone());
+    let spawned = tokio::spawn(async move {
+        let mut buffer = vec![0u8; 1_000_003];
+        spawned_client.read_into(&spawned_manifest, "t/weights.bin", &mut buffer).await.map(|()| buffer)
+    });
+    assert_eq!(spawned.await.unwrap().unwrap(), data);
     assert!(client.read_into(&manifest, "t/weights.bin", &mut [0u8; 5]).await.is_err());
     cluster.shutdown().await.unwrap();
 }

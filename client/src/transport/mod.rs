@@ -147,6 +147,14 @@ pub trait ChunkTransport: Send + Sync + 'static {
     /// Reads `length` bytes at `offset` of a chunk (`length` 0: to the end). A whole chunk comes
     /// as stored (maybe compressed); a range comes decoded.
     async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError>;
+    /// Reads a whole chunk into `dest` when it comes raw and exactly `dest.len()` bytes long
+    /// (`Ok(None)`: shared memory and RDMA copy it there straight out of their slot, with no
+    /// buffer between); otherwise returns it (compressed, another length) for the caller to
+    /// decode. Bytes placed in `dest` are not verified yet: the caller checks them there.
+    async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+        let _ = dest;
+        self.get(hash, 0, 0).await.map(Some)
+    }
     async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError>;
     /// Deletes chunks; with `unused_for`, only those not used (written, re-put, reported present)
     /// within that long (garbage collection's guard). Returns how many were removed.
@@ -429,6 +437,11 @@ pub trait FrameTransport: Send + Sync + 'static {
     /// PUT (`repair`: read repair's PUT); true if the chunk was there already.
     async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError>;
     async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError>;
+    /// [`ChunkTransport::get_into`]; by default the chunk comes as a payload.
+    async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+        let _ = dest;
+        self.get_chunk(hash, 0, 0).await.map(Some)
+    }
     fn name(&self) -> &'static str;
 }
 
@@ -541,6 +554,27 @@ pub(crate) fn get_header<F: FrameTransport + ?Sized>(
 }
 
 /// A GET response's bytes as a [`Payload`], its codec checked.
+/// Where the `len` bytes a target put into a GET's slot go: into `dest` (copied by `read_into`;
+/// `Ok(None)`) when the chunk came raw and exactly `dest`'s size, otherwise into a fresh payload
+/// (copied by `read_fresh`).
+pub(crate) fn land_slot(
+    response: &data::Response,
+    len: usize,
+    dest: Option<&mut [u8]>,
+    read_into: impl FnOnce(&mut [u8]) -> Result<(), TransportError>,
+    read_fresh: impl FnOnce() -> Result<Bytes, TransportError>,
+) -> Result<Option<Payload>, TransportError> {
+    match dest {
+        Some(dest) if response.codec == Codec::None.to_wire() && dest.len() == len => read_into(dest).map(|()| None),
+        _ => get_payload(response, read_fresh()?).map(Some),
+    }
+}
+
+/// A GET that had no buffer to land in always comes as a payload.
+pub(crate) fn fetched_payload(fetched: Option<Payload>) -> Result<Payload, TransportError> {
+    fetched.ok_or_else(|| TransportError::Protocol("a GET without a buffer placed its bytes nowhere".into()))
+}
+
 pub(crate) fn get_payload(response: &data::Response, bytes: Bytes) -> Result<Payload, TransportError> {
     let codec = Codec::from_wire(response.codec).map_err(|e| TransportError::Protocol(format!("GET: {e}")))?;
     if codec == Codec::None {
@@ -629,6 +663,10 @@ impl<T: FrameTransport> ChunkTransport for T {
 
     async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
         self.get_chunk(hash, offset, length).await
+    }
+
+    async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+        self.get_chunk_into(hash, dest).await
     }
 
     async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError> {

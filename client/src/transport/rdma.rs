@@ -225,41 +225,15 @@ impl RdmaTransport {
         drop(registered);
         Ok(response.already_present)
     }
+}
 
-    async fn get_once(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
-        let connection = self.connection().await?;
-        let mut slot = Slot::lend(&connection).await?;
-        let client = &connection.client;
-        let slot_bytes = client.receive_slots.slot_bytes();
-        let remote = RemoteBuffer {
-            addr: client.receive_registration.addr() + slot.offset() as u64,
-            rkey: client.receive_registration.rkey(),
-            len: slot_bytes as u32,
-        };
-        let header = get_header(self, hash, offset, length, Place::Rdma(remote));
-        let result = self.call_on(&connection, Opcode::Get, header, None).await;
-        slot.settle(&result);
-        let (response, inline) = result?;
-        if response.rdma_length == 0 {
-            // Too big for a slot (or empty): it came in the frame.
-            return get_payload(&response, inline);
-        }
-        let len = usize::try_from(response.rdma_length).unwrap_or(usize::MAX);
-        if len > slot_bytes || !inline.is_empty() {
-            return Err(TransportError::Protocol(format!("GET answered {len} bytes written by RDMA")));
-        }
-        let mut bytes = BytesMut::with_capacity(len);
-        // SAFETY: the slot lies inside `receive` (slots × slot_bytes) and is ours until `slot`
-        // drops; the target wrote it before answering. Raw copy: other slots may be written
-        // concurrently by the device, so no reference to the whole buffer is formed.
-        unsafe {
-            let into = bytes.spare_capacity_mut().as_mut_ptr().cast::<u8>();
-            std::ptr::copy_nonoverlapping(client.receive.as_ptr().add(slot.offset()), into, len);
-            bytes.set_len(len);
-        }
-        starckpt_proto::buf::copies::record(len);
-        drop(slot);
-        get_payload(&response, bytes.freeze())
+/// The start of `len` bytes at `offset` of the receive region, if they lie inside it.
+fn receive_range(connection: &RdmaConnection, offset: usize, len: usize) -> Result<*const u8, TransportError> {
+    let receive = &connection.client.receive;
+    match offset.checked_add(len) {
+        // SAFETY: in bounds (checked).
+        Some(end) if end <= receive.capacity() => Ok(unsafe { receive.as_ptr().add(offset) }),
+        _ => Err(TransportError::Protocol(format!("{len} bytes at {offset} are outside the receive region"))),
     }
 }
 
@@ -277,6 +251,41 @@ impl Dialled for RdmaTransport {
 
     fn setup(&self) -> &'static str {
         "RDMA setup"
+    }
+
+    fn slot_place(&self, connection: &RdmaConnection, slot: &Slot<RdmaConnection>) -> Place {
+        let client = &connection.client;
+        Place::Rdma(RemoteBuffer {
+            addr: client.receive_registration.addr() + slot.offset() as u64,
+            rkey: client.receive_registration.rkey(),
+            len: client.receive_slots.slot_bytes() as u32,
+        })
+    }
+
+    fn slot_length(response: &data::Response) -> u64 {
+        response.rdma_length
+    }
+
+    // SAFETY (both copies): the range is checked to lie inside `receive`; it is a slot the caller
+    // holds until its `Slot` drops, and the target wrote it before answering. Raw copies: other
+    // slots may be written concurrently by the device, so no reference to the whole buffer is
+    // formed.
+    fn copy_out(connection: &RdmaConnection, offset: usize, dest: &mut [u8]) -> Result<(), TransportError> {
+        let from = receive_range(connection, offset, dest.len())?;
+        unsafe { std::ptr::copy_nonoverlapping(from, dest.as_mut_ptr(), dest.len()) };
+        starckpt_proto::buf::copies::record(dest.len());
+        Ok(())
+    }
+
+    fn copy_fresh(connection: &RdmaConnection, offset: usize, len: usize) -> Result<Bytes, TransportError> {
+        let from = receive_range(connection, offset, len)?;
+        let mut bytes = BytesMut::with_capacity(len);
+        unsafe {
+            std::ptr::copy_nonoverlapping(from, bytes.spare_capacity_mut().as_mut_ptr().cast::<u8>(), len);
+            bytes.set_len(len);
+        }
+        starckpt_proto::buf::copies::record(len);
+        Ok(bytes.freeze())
     }
 
     async fn open(&self) -> Result<RdmaConnection, TransportError> {
@@ -337,7 +346,11 @@ impl FrameTransport for RdmaTransport {
     }
 
     async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
-        once_more(|| self.get_once(hash, offset, length)).await
+        fetched_payload(self.get_slot(hash, offset, length, None).await?)
+    }
+
+    async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+        self.get_slot(hash, 0, 0, Some(dest)).await
     }
 
     fn name(&self) -> &'static str {

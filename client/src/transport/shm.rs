@@ -138,6 +138,22 @@ impl Dialled for ShmTransport {
             slots: SlotPool::new(self.attach.slots, self.attach.slot_bytes as usize),
         })
     }
+
+    fn slot_place(&self, _: &ShmConnection, slot: &Slot<ShmConnection>) -> Place {
+        Place::Slot(slot.number())
+    }
+
+    fn slot_length(response: &data::Response) -> u64 {
+        response.shm_length
+    }
+
+    fn copy_out(connection: &ShmConnection, offset: usize, dest: &mut [u8]) -> Result<(), TransportError> {
+        connection.region.read_at(offset, dest).map_err(|e| TransportError::Protocol(e.to_string()))
+    }
+
+    fn copy_fresh(connection: &ShmConnection, offset: usize, len: usize) -> Result<Bytes, TransportError> {
+        connection.region.read_bytes(offset, len).map_err(|e| TransportError::Protocol(e.to_string()))
+    }
 }
 
 #[async_trait]
@@ -160,28 +176,11 @@ impl FrameTransport for ShmTransport {
     }
 
     async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
-        once_more(|| async {
-            let connection = self.connection().await?;
-            let mut slot = Slot::lend(&connection).await?;
-            let header = get_header(self, hash, offset, length, Place::Slot(slot.number()));
-            let result = self.call_on(&connection, Opcode::Get, header, None).await;
-            slot.settle(&result);
-            let (response, inline) = result?;
-            if response.shm_length == 0 {
-                // Too big for a slot (or empty): it came in the frame.
-                return get_payload(&response, inline);
-            }
-            let len = usize::try_from(response.shm_length).unwrap_or(usize::MAX);
-            if len > connection.slots.slot_bytes() || !inline.is_empty() {
-                return Err(TransportError::Protocol(format!("GET answered {len} bytes in a slot")));
-            }
-            let bytes = connection
-                .region
-                .read_bytes(slot.offset(), len)
-                .map_err(|e| TransportError::Protocol(e.to_string()))?;
-            get_payload(&response, bytes)
-        })
-        .await
+        fetched_payload(self.get_slot(hash, offset, length, None).await?)
+    }
+
+    async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+        self.get_slot(hash, 0, 0, Some(dest)).await
     }
 
     fn name(&self) -> &'static str {
@@ -369,15 +368,24 @@ impl AutoTransport {
         F: std::future::Future<Output = Result<T, TransportError>>,
     {
         let chosen = self.chosen();
-        let kind = chosen.kind();
         match op(Arc::clone(&chosen)).await {
-            Err(error) if kind != "tcp" && error.is_connection() => {
-                tracing::warn!(target = %self.probe.target_id, %error, "{kind} request failed; retrying over TCP");
-                self.probe.demote(&chosen);
+            Err(error) if self.falls_back(&chosen, &error) => {
                 op(Arc::clone(&self.tcp) as Arc<dyn ChunkTransport>).await
             }
             other => other,
         }
+    }
+
+    /// Whether a request that failed with `error` on `chosen` is retried over TCP: a
+    /// shared-memory or RDMA failure to connect is (and demotes that transport for a while).
+    fn falls_back(&self, chosen: &Arc<dyn ChunkTransport>, error: &TransportError) -> bool {
+        let kind = chosen.kind();
+        if kind == "tcp" || !error.is_connection() {
+            return false;
+        }
+        tracing::warn!(target = %self.probe.target_id, %error, "{kind} request failed; retrying over TCP");
+        self.probe.demote(chosen);
+        true
     }
 }
 
@@ -401,6 +409,14 @@ impl ChunkTransport for AutoTransport {
 
     async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
         self.run(|t| async move { t.get(hash, offset, length).await }).await
+    }
+
+    async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+        let chosen = self.chosen();
+        match chosen.get_into(hash, dest).await {
+            Err(error) if self.falls_back(&chosen, &error) => self.tcp.get_into(hash, dest).await,
+            other => other,
+        }
     }
 
     async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError> {

@@ -14,7 +14,12 @@ use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::Opcode;
 use tokio::sync::Semaphore;
 
-use super::{Connection, TcpConfig, TransportError, checked, once_more};
+use starckpt_proto::ChunkHash;
+
+use super::{
+    Connection, FrameTransport, Payload, Place, TcpConfig, TransportError, checked, get_header, get_payload, land_slot,
+    once_more,
+};
 
 pub(crate) struct SlotPool {
     slot_bytes: usize,
@@ -123,7 +128,7 @@ impl<H: SlotHost> Drop for Slot<H> {
 /// A transport over one connection with a shared region (shared memory, RDMA): dialled on first
 /// use, dialled again once it died.
 #[async_trait]
-pub(crate) trait Dialled: Send + Sync {
+pub(crate) trait Dialled: FrameTransport + Send + Sync {
     type Conn: SlotHost;
     fn current(&self) -> &tokio::sync::Mutex<Option<Arc<Self::Conn>>>;
     fn timeouts(&self) -> &TcpConfig;
@@ -131,6 +136,62 @@ pub(crate) trait Dialled: Send + Sync {
     fn setup(&self) -> &'static str;
     /// Opens a fresh connection with its region.
     async fn open(&self) -> Result<Self::Conn, TransportError>;
+    /// Where a GET asks the target to put its bytes: `slot` of `connection`'s region.
+    fn slot_place(&self, connection: &Self::Conn, slot: &Slot<Self::Conn>) -> Place;
+    /// Bytes the target says it put into the slot (0: they came in the frame).
+    fn slot_length(response: &data::Response) -> u64;
+    /// Copies `dest.len()` bytes at `offset` of the region out into `dest`.
+    fn copy_out(connection: &Self::Conn, offset: usize, dest: &mut [u8]) -> Result<(), TransportError>;
+    /// Copies `len` bytes at `offset` of the region into fresh bytes (not zeroed first).
+    fn copy_fresh(connection: &Self::Conn, offset: usize, len: usize) -> Result<Bytes, TransportError>;
+
+    /// One GET whose bytes the target puts into a slot; they land in `dest` or in a fresh
+    /// payload ([`super::land_slot`]).
+    async fn get_once(
+        &self,
+        hash: ChunkHash,
+        offset: u64,
+        length: u64,
+        dest: Option<&mut [u8]>,
+    ) -> Result<Option<Payload>, TransportError> {
+        let connection = self.connection().await?;
+        let mut slot = Slot::lend(&connection).await?;
+        let header = get_header(self, hash, offset, length, self.slot_place(&connection, &slot));
+        let result = self.call_on(&connection, Opcode::Get, header, None).await;
+        slot.settle(&result);
+        let (response, inline) = result?;
+        let len = Self::slot_length(&response);
+        if len == 0 {
+            // Too big for a slot (or empty): it came in the frame.
+            return get_payload(&response, inline).map(Some);
+        }
+        let len = usize::try_from(len).unwrap_or(usize::MAX);
+        if len > connection.slot_pool().slot_bytes() || !inline.is_empty() {
+            return Err(TransportError::Protocol(format!("GET answered {len} bytes in a slot")));
+        }
+        let offset = slot.offset();
+        land_slot(
+            &response,
+            len,
+            dest,
+            |dest| Self::copy_out(&connection, offset, dest),
+            || Self::copy_fresh(&connection, offset, len),
+        )
+    }
+
+    /// [`Dialled::get_once`], once more on a fresh connection if its connection broke.
+    async fn get_slot(
+        &self,
+        hash: ChunkHash,
+        offset: u64,
+        length: u64,
+        mut dest: Option<&mut [u8]>,
+    ) -> Result<Option<Payload>, TransportError> {
+        match self.get_once(hash, offset, length, dest.as_deref_mut()).await {
+            Err(TransportError::Connection(_)) => self.get_once(hash, offset, length, dest).await,
+            other => other,
+        }
+    }
 
     /// The live connection, dialled if there is none.
     async fn connection(&self) -> Result<Arc<Self::Conn>, TransportError> {
