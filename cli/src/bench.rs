@@ -80,6 +80,10 @@ pub struct BenchArgs {
     /// and GC hands their files back (`server/src/target/freepool.rs`).
     #[arg(long)]
     fresh_files: bool,
+    /// Device operations in flight per target of the built-in cluster (1 to 256, or `auto`:
+    /// measured per target, `starckpt target --queue-depth`).
+    #[arg(long, default_value = "8")]
+    queue_depth: starckpt_server::target::QueueDepth,
 }
 
 /// Waits until every target's free pool holds `bytes`, or stops growing for 10 s (a target's
@@ -340,10 +344,11 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let cluster = match &args.cluster {
         Some(_) => None,
         None => {
-            let chunk_size = args.chunk_size as usize;
+            let (chunk_size, queue_depth) = (args.chunk_size as usize, args.queue_depth);
             let configure = |config: &mut starckpt_server::target::TargetConfig| {
                 config.chunk_size_bytes = chunk_size;
                 config.preallocate_bytes = preallocate;
+                config.queue_depth = queue_depth;
             };
             let dir = data_dir.join("cluster");
             Some(DevCluster::start_with(&dir, "127.0.0.1:0", args.targets, args.io_engine, configure).await?)

@@ -144,10 +144,11 @@ enum Command {
         /// whose seccomp profile blocks io_uring).
         #[arg(long, default_value = "uring")]
         io_engine: EngineKind,
-        /// Device operations in flight (per target): 8 suits the NVMe and virtio disks measured
-        /// here (2.8 GiB/s at 8 against 1.9 at 1); fewer for spinning disks, more for fast arrays.
-        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
-        queue_depth: u16,
+        /// Device operations in flight (per target), 1 to 256, or `auto`: measured on the first
+        /// start (writes ~1.5 GiB of chunk files at depths 1 to 32 and takes the smallest within
+        /// 10% of the best) and remembered in DIR/queue-depth (delete it to measure again).
+        #[arg(long, default_value = "auto")]
+        queue_depth: starckpt_server::target::QueueDepth,
         /// Count chunk ages as if the target had run this many seconds longer. For tests of
         /// garbage collection only.
         #[arg(long, hide = true, default_value_t = 0)]
@@ -399,7 +400,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             config.advertise = advertise;
             config.engine = io_engine;
-            config.queue_depth = usize::from(queue_depth);
+            config.queue_depth = queue_depth;
             config.assumed_uptime = Duration::from_secs(assume_uptime_secs);
             config.reserve_bytes = reserve_bytes;
             config.failure_domain = failure_domain;

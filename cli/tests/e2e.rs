@@ -967,11 +967,21 @@ fn bench_reports_every_phase_beside_its_baseline() {
 #[test]
 fn same_host_targets_use_shared_memory_unless_they_serve_none() {
     let mut cluster = Cluster::start(0);
-    cluster.targets.push(cluster.start_target(0));
+    // Target 0 measures its device for a queue depth (the default) and remembers it.
+    cluster.targets.push(cluster.start_target_with(0, &["--queue-depth", "auto"]));
     cluster.targets.push(cluster.start_target_with(1, &["--no-shm", "--no-rdma", "--queue-depth", "2"]));
     cluster.wait_alive(2);
-    for bad in [&["--queue-depth", "0"][..], &["--queue-depth", "257"], &["--rdma-mtu", "1500"], &["--rdma-port", "0"]]
-    {
+    let measured = std::fs::read_to_string(cluster.target_dir(0).join("queue-depth")).unwrap();
+    let depth: usize = measured.lines().next().unwrap().parse().unwrap();
+    assert!([1, 2, 4, 8, 16, 32].contains(&depth), "{measured}");
+    assert!(!cluster.target_dir(1).join("queue-depth").exists());
+    for bad in [
+        &["--queue-depth", "0"][..],
+        &["--queue-depth", "257"],
+        &["--queue-depth", "fast"],
+        &["--rdma-mtu", "1500"],
+        &["--rdma-port", "0"],
+    ] {
         let output = std::process::Command::new(common::BIN)
             .args(["target", "--dir", "/nonexistent"])
             .args(bad)

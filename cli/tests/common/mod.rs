@@ -101,6 +101,11 @@ impl Cluster {
             ["target", "--dir", dir.to_str().unwrap(), "--listen", "127.0.0.1:0", "--server", &self.server.address];
         let mut args = args.to_vec();
         args.extend(["--assume-uptime-secs", "86400"]);
+        // A fixed queue depth unless a test asks otherwise: measuring the device (the default,
+        // `auto`) writes 1.5 GiB on each target's first start.
+        if !extra.contains(&"--queue-depth") {
+            args.extend(["--queue-depth", "8"]);
+        }
         args.extend_from_slice(extra);
         Proc::start(&args, &self.dir.path().join(format!("target-{index}.log")), env)
     }

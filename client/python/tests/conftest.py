@@ -60,7 +60,9 @@ class Cluster:
         self.server = Proc(["server", "--listen", "127.0.0.1:0", "--db", str(root / "meta.db")], root / "server.log")
         self.targets = [
             Proc(
-                ["target", "--dir", str(root / f"target-{i}"), "--listen", "127.0.0.1:0", "--server", self.server.address],
+                # A fixed queue depth: measuring the device (`auto`) writes 1.5 GiB per target.
+                ["target", "--dir", str(root / f"target-{i}"), "--listen", "127.0.0.1:0", "--server", self.server.address,
+                 "--queue-depth", "8"],
                 root / f"target-{i}.log",
             )
             for i in range(targets)

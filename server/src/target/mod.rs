@@ -3,6 +3,7 @@
 //!
 //! Entry point: [`run`]. The binary (`starckpt target`) only parses flags and calls it.
 
+pub mod calibrate;
 pub mod dataplane;
 pub mod engine;
 pub mod freepool;
@@ -38,7 +39,8 @@ pub struct TargetConfig {
     pub engine: EngineKind,
     /// Operations in flight on the device. Default 8: fio reaches 2.8 GiB/s at QD8 on these disks
     /// against 1.9 at QD1 (../shared/MACHINE.md); more adds latency, not throughput.
-    pub queue_depth: usize,
+    /// [`QueueDepth::Measured`] (`starckpt target`'s default) measures the device once.
+    pub queue_depth: QueueDepth,
     /// Size of the reusable I/O buffers (one chunk). Default 4 MiB, the client's default chunk.
     pub chunk_size_bytes: usize,
     /// Reusable I/O buffers. Default 64 (256 MiB): bounds the memory serving puts and gets.
@@ -68,6 +70,29 @@ pub struct TargetConfig {
     /// Fill the free pool to this many bytes at start, in the background (0: only chunks deleted
     /// by GC fill it). Raises the pool's cap to at least this.
     pub preallocate_bytes: u64,
+}
+
+/// How many operations a target keeps in flight on its device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueDepth {
+    Fixed(usize),
+    /// Chosen by measuring the device on the first start and remembered in `DIR/queue-depth`
+    /// (`calibrate.rs`).
+    Measured,
+}
+
+impl std::str::FromStr for QueueDepth {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(QueueDepth::Measured),
+            n => match n.parse::<usize>() {
+                Ok(depth) if (1..=256).contains(&depth) => Ok(QueueDepth::Fixed(depth)),
+                _ => Err(format!("{n:?} is not `auto` or a queue depth of 1 to 256")),
+            },
+        }
+    }
 }
 
 /// Which RDMA device a target serves on.
@@ -113,7 +138,7 @@ impl TargetConfig {
             server,
             advertise: None,
             engine: EngineKind::Uring,
-            queue_depth: 8,
+            queue_depth: QueueDepth::Fixed(8),
             chunk_size_bytes: 4 << 20,
             pool_buffers: 64,
             limits: DataPlaneLimits::default(),
@@ -184,7 +209,13 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let target_id = load_or_create_target_id(&config.dir)?;
-    let engine = engine::open_engine(config.engine, config.queue_depth)
+    let queue_depth = match config.queue_depth {
+        QueueDepth::Fixed(depth) => depth,
+        QueueDepth::Measured => calibrate::queue_depth(&config.dir, config.engine, config.chunk_size_bytes)
+            .await
+            .with_context(|| format!("measure the device under {} for a queue depth", config.dir.display()))?,
+    };
+    let engine = engine::open_engine(config.engine, queue_depth)
         .with_context(|| format!("start the {:?} I/O engine (try --io-engine std)", config.engine))?;
     let store = Arc::new(
         ChunkStore::open(&config.dir, engine, config.chunk_size_bytes, config.pool_buffers)
@@ -201,7 +232,7 @@ pub async fn run(
     store.set_free_pool(freepool::FreePoolConfig { max_bytes, reuse_after }).await?;
     let local = listener.local_addr()?;
     let advertise = config.advertise.unwrap_or(local);
-    info!(%target_id, data_address = %advertise, dir = %config.dir.display(), engine = ?config.engine, "target starting");
+    info!(%target_id, data_address = %advertise, dir = %config.dir.display(), engine = ?config.engine, queue_depth, "target starting");
 
     let rdma_device = config.rdma.device();
     let registration = Registration {
