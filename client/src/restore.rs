@@ -35,22 +35,23 @@ async fn verify(chunk: &ChunkRef, payload: Payload) -> Result<std::result::Resul
 }
 
 /// Checks bytes a transport placed in the caller's buffer against `chunk`'s hash, where they lie.
-/// The buffer is borrowed, so the hashing cannot move to the blocking pool: on a multi-threaded
-/// runtime this worker hands its other tasks over first (`block_in_place`), and a large chunk is
-/// hashed on all cores.
+/// The buffer is borrowed, so the hashing cannot move to the blocking pool: a large chunk is
+/// hashed after this worker hands its other tasks over (`block_in_place`, on a multi-threaded
+/// runtime), a small one inline. One thread per chunk: no process-global pool, which a forked
+/// child (the Python SDK supports those) would inherit without its threads.
 fn verify_in_place(chunk: &ChunkRef, data: &[u8]) -> std::result::Result<(), String> {
-    let hash = || {
-        if data.len() >= PARALLEL_HASH_BYTES {
-            ChunkHash(*blake3::Hasher::new().update_rayon(data).finalize().as_bytes())
-        } else {
-            ChunkHash::of(data)
-        }
-    };
     let multi_threaded = tokio::runtime::Handle::try_current()
         .is_ok_and(|runtime| runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    let actual = if multi_threaded { tokio::task::block_in_place(hash) } else { hash() };
+    let actual = if multi_threaded && data.len() >= BLOCK_IN_PLACE_BYTES {
+        tokio::task::block_in_place(|| ChunkHash::of(data))
+    } else {
+        ChunkHash::of(data)
+    };
     if actual == chunk.hash { Ok(()) } else { Err(format!("got {actual}")) }
 }
+
+/// Chunks at least this big (~0.1 ms of hashing) are hashed off the runtime's books.
+const BLOCK_IN_PLACE_BYTES: usize = 256 << 10;
 
 /// One GET of a whole chunk: into `dest` when there is one (`Ok(None)` when it landed there).
 async fn fetch_from(
@@ -75,9 +76,6 @@ fn settle_chunk(data: Option<Bytes>, dest: Option<&mut [u8]>) -> Option<Bytes> {
         (data, _) => data,
     }
 }
-
-/// Chunks at least this big are hashed in parallel when verified in place.
-const PARALLEL_HASH_BYTES: usize = 1 << 20;
 
 /// A committed checkpoint's files (all ranks merged) and where its chunks live.
 #[derive(Clone, Debug)]

@@ -60,8 +60,9 @@ pub fn choose(levels: &[(usize, f64)]) -> usize {
 }
 
 /// The queue depth remembered in `dir`, or measured now (and remembered) if there is none or the
-/// file does not hold a valid depth.
-pub async fn queue_depth(dir: &Path, kind: EngineKind, chunk_bytes: usize) -> io::Result<usize> {
+/// file does not hold a valid depth. Refuses to measure when the scratch chunks would eat into
+/// the `reserve` bytes the target keeps free.
+pub async fn queue_depth(dir: &Path, kind: EngineKind, chunk_bytes: usize, reserve: u64) -> io::Result<usize> {
     let path = dir.join(FILE);
     match std::fs::read_to_string(&path) {
         Ok(text) => match parse(&text) {
@@ -70,6 +71,11 @@ pub async fn queue_depth(dir: &Path, kind: EngineKind, chunk_bytes: usize) -> io
         },
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
+    }
+    let needed = (FILES_PER_LEVEL * (chunk_bytes + super::store::HEADER_BYTES)) as u64 + (16 << 20) + reserve;
+    let available = super::store::fs_available(dir)?;
+    if available < needed {
+        return Err(io::Error::other(format!("{available} bytes free; measuring needs {needed} (with the reserve)")));
     }
     tracing::info!(dir = %dir.display(), "measuring the device to choose a queue depth (once)");
     let calibration = measure(&dir.join("calibrating"), kind, chunk_bytes, FILES_PER_LEVEL).await?;
@@ -123,7 +129,8 @@ pub async fn measure(scratch: &Path, kind: EngineKind, chunk_bytes: usize, files
 }
 
 /// Requests the measurement keeps in flight against the store.
-const REQUESTS: usize = 16;
+/// As many as the deepest level, so every level can fill its queue.
+const REQUESTS: usize = LEVELS[LEVELS.len() - 1];
 
 /// Puts `files` distinct chunks (`hashes` None) or gets `hashes` back, [`REQUESTS`] at once.
 async fn run_requests(
@@ -201,10 +208,12 @@ mod tests {
 
         // Remembered: a depth in the file is used as it is.
         std::fs::write(dir.path().join(FILE), "3\n").unwrap();
-        assert_eq!(queue_depth(dir.path(), EngineKind::Std, chunk).await.unwrap(), 3);
-        // Garbage is measured over, and the result written down.
+        assert_eq!(queue_depth(dir.path(), EngineKind::Std, chunk, 0).await.unwrap(), 3);
+        // Garbage is measured over, and the result written down; not into the reserve.
         std::fs::write(dir.path().join(FILE), "lots\n").unwrap();
-        let depth = queue_depth(dir.path(), EngineKind::Std, chunk).await.unwrap();
+        let error = queue_depth(dir.path(), EngineKind::Std, chunk, u64::MAX / 2).await.unwrap_err();
+        assert!(error.to_string().contains("measuring needs"), "{error}");
+        let depth = queue_depth(dir.path(), EngineKind::Std, chunk, 0).await.unwrap();
         assert!(LEVELS.contains(&depth));
         let text = std::fs::read_to_string(dir.path().join(FILE)).unwrap();
         assert_eq!(parse(&text), Some(depth));

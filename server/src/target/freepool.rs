@@ -27,8 +27,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How big the pool may grow and when a recycled file may be reused.
@@ -63,6 +63,9 @@ struct Files {
 
 pub struct FreePool {
     dir: PathBuf,
+    /// The store's default chunk file size: the size most chunks have, kept over odd sizes
+    /// (compressed chunks, tensor tails) when the pool is full.
+    preferred: u64,
     files: Mutex<Files>,
     max_bytes: AtomicU64,
     reuse_after_ms: AtomicU64,
@@ -71,8 +74,9 @@ pub struct FreePool {
 }
 
 impl FreePool {
-    /// Scans (creating) `dir`: every regular file in it is free and reusable now. Blocking.
-    pub fn open(dir: PathBuf) -> io::Result<FreePool> {
+    /// Scans (creating) `dir`: every regular file in it is free and reusable now. Files of
+    /// `preferred` bytes are kept over others when the pool is full. Blocking.
+    pub fn open(dir: PathBuf, preferred: u64) -> io::Result<FreePool> {
         std::fs::create_dir_all(&dir)?;
         let mut files = Files::default();
         let now = Instant::now();
@@ -87,6 +91,7 @@ impl FreePool {
         let config = FreePoolConfig::default();
         Ok(FreePool {
             dir,
+            preferred,
             files: Mutex::new(files),
             max_bytes: AtomicU64::new(config.max_bytes),
             reuse_after_ms: AtomicU64::new(config.reuse_after.as_millis() as u64),
@@ -133,43 +138,88 @@ impl FreePool {
     }
 
     /// Takes a reusable file of exactly `size` bytes, if there is one. The caller overwrites all
-    /// of it and then renames it away, or hands it back ([`FreePool::put_back`]) or unlinks it.
-    pub fn take(&self, size: u64) -> Option<PathBuf> {
+    /// of it and renames it away ([`Taken::used`]) or unlinks it ([`Taken::discard`]); dropped
+    /// otherwise (a failed or cancelled put), it goes back to the pool.
+    pub fn take(self: &Arc<Self>, size: u64) -> Option<Taken> {
         let mut files = self.lock();
-        let queue = files.by_size.get_mut(&size)?;
-        if queue.front().is_none_or(|entry| entry.ready > Instant::now()) {
-            return None;
+        loop {
+            let queue = files.by_size.get_mut(&size)?;
+            if queue.front().is_none_or(|entry| entry.ready > Instant::now()) {
+                return None;
+            }
+            let entry = queue.pop_front()?;
+            if queue.is_empty() {
+                files.by_size.remove(&size);
+            }
+            files.bytes -= size;
+            files.count -= 1;
+            // Removed behind the pool's back (an operator freeing space): forget it.
+            if entry.path.exists() {
+                return Some(Taken { pool: Arc::clone(self), path: Some(entry.path), size });
+            }
         }
-        let entry = queue.pop_front()?;
-        if queue.is_empty() {
-            files.by_size.remove(&size);
-        }
-        files.bytes -= size;
-        files.count -= 1;
-        drop(files);
-        self.reused.fetch_add(1, Ordering::Relaxed);
-        Some(entry.path)
     }
 
-    /// Returns a taken file that was not used (reusable at once: it never held a visible chunk).
-    pub fn put_back(&self, path: PathBuf, size: u64) {
-        self.lock().add(size, Entry { path, ready: Instant::now() });
-        self.reused.fetch_sub(1, Ordering::Relaxed);
+    /// Returns a taken file that was not used (reusable at once: it never held a visible chunk),
+    /// or unlinks it if the cap was lowered meanwhile.
+    fn put_back(&self, path: PathBuf, size: u64) {
+        let mut files = self.lock();
+        if files.bytes.saturating_add(size) <= self.max_bytes() {
+            files.add(size, Entry { path, ready: Instant::now() });
+        } else {
+            drop(files);
+            let _ = std::fs::remove_file(path);
+        }
     }
 
-    /// Moves the chunk file at `path` (`size` bytes) into the pool if the cap allows; false if
-    /// it does not (the caller unlinks it). Blocking; the caller holds the chunk's use lock.
+    /// Moves the chunk file at `path` (`size` bytes) into the pool, making room by unlinking
+    /// older free files (odd sizes first; a file of an odd size never displaces one of the
+    /// preferred size). Ok(false) when it is not kept (the caller unlinks it): over the cap, or
+    /// the rename failed for another reason than `path` being gone (a missing or full `free/`).
+    /// Blocking; the caller holds the chunk's use lock.
     pub fn recycle(&self, path: &Path, size: u64) -> io::Result<bool> {
         let max = self.max_bytes();
-        let free_path = self.dir.join(uuid::Uuid::new_v4().simple().to_string());
-        let mut files = self.lock();
-        if files.bytes.saturating_add(size) > max {
+        if size > max {
             return Ok(false);
         }
-        std::fs::rename(path, &free_path)?;
-        let ready = Instant::now() + Duration::from_millis(self.reuse_after_ms.load(Ordering::Relaxed));
-        files.add(size, Entry { path: free_path, ready });
-        Ok(true)
+        let free_path = self.dir.join(uuid::Uuid::new_v4().simple().to_string());
+        let mut victims = Vec::new();
+        let kept = {
+            let mut files = self.lock();
+            let needed = (files.bytes + size).saturating_sub(max);
+            let evictable: u64 = files
+                .by_size
+                .iter()
+                .filter(|(class, _)| size == self.preferred || **class != self.preferred)
+                .map(|(class, queue)| class * queue.len() as u64)
+                .sum();
+            if needed > evictable {
+                false
+            } else {
+                while files.bytes + size > max {
+                    match files.evict(self.preferred, size == self.preferred) {
+                        Some(victim) => victims.push(victim),
+                        None => break,
+                    }
+                }
+                match std::fs::rename(path, &free_path) {
+                    Ok(()) => {
+                        let ready = Instant::now() + Duration::from_millis(self.reuse_after_ms.load(Ordering::Relaxed));
+                        files.add(size, Entry { path: free_path, ready });
+                        true
+                    }
+                    Err(error) if !path.exists() => return Err(error),
+                    Err(error) => {
+                        tracing::warn!(%error, dir = %self.dir.display(), "cannot keep a deleted chunk's file for reuse");
+                        false
+                    }
+                }
+            }
+        };
+        for victim in victims {
+            let _ = std::fs::remove_file(victim);
+        }
+        Ok(kept)
     }
 
     /// Adds a file just written into the pool's directory (preallocation). False if the cap does
@@ -216,6 +266,63 @@ impl Files {
         self.bytes += size;
         self.count += 1;
     }
+
+    /// Removes the oldest file of an odd size (one not `preferred`), or with `any`, failing that
+    /// the oldest of the preferred size; returns its path.
+    fn evict(&mut self, preferred: u64, any: bool) -> Option<PathBuf> {
+        let oldest = |files: &Files, odd_only: bool| {
+            files
+                .by_size
+                .iter()
+                .filter(|(size, _)| !odd_only || **size != preferred)
+                .filter_map(|(size, queue)| queue.front().map(|entry| (entry.ready, *size)))
+                .min()
+                .map(|(_, size)| size)
+        };
+        let size = oldest(self, true).or_else(|| if any { oldest(self, false) } else { None })?;
+        let queue = self.by_size.get_mut(&size)?;
+        let entry = queue.pop_front()?;
+        if queue.is_empty() {
+            self.by_size.remove(&size);
+        }
+        self.bytes -= size;
+        self.count -= 1;
+        Some(entry.path)
+    }
+}
+
+/// A free file taken for a put (module docs). Goes back to the pool when dropped unused.
+pub struct Taken {
+    pool: Arc<FreePool>,
+    path: Option<PathBuf>,
+    size: u64,
+}
+
+impl Taken {
+    pub fn path(&self) -> &Path {
+        self.path.as_deref().unwrap_or(Path::new(""))
+    }
+
+    /// It was renamed to its chunk name: no longer the pool's.
+    pub fn used(mut self) {
+        self.path = None;
+        self.pool.reused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Unlinks it (a write to it failed: its blocks may be bad). Blocking.
+    pub fn discard(mut self) {
+        if let Some(path) = self.path.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        if let Some(path) = self.path.take() {
+            self.pool.put_back(path, self.size);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -231,7 +338,7 @@ mod tests {
     #[test]
     fn recycles_within_the_cap_and_reuses_by_exact_size_after_the_delay() {
         let dir = tempfile::tempdir().unwrap();
-        let pool = FreePool::open(dir.path().join("free")).unwrap();
+        let pool = Arc::new(FreePool::open(dir.path().join("free"), 8192).unwrap());
         // Off by default: nothing is kept.
         let a = file(dir.path(), "a", 8192);
         assert!(!pool.recycle(&a, 8192).unwrap());
@@ -240,36 +347,73 @@ mod tests {
         assert!(!a.exists());
         let b = file(dir.path(), "b", 4096);
         assert!(pool.recycle(&b, 4096).unwrap());
-        let c = file(dir.path(), "c", 8192);
-        assert!(!pool.recycle(&c, 8192).unwrap(), "over the cap");
         assert_eq!((pool.bytes(), pool.count()), (12288, 2));
         // Not before the delay.
-        assert_eq!(pool.take(8192), None);
+        assert!(pool.take(8192).is_none());
         pool.configure(FreePoolConfig { max_bytes: 16384, reuse_after: Duration::ZERO }).unwrap();
         let d = file(dir.path(), "d", 4096);
         assert!(pool.recycle(&d, 4096).unwrap());
         // The newly recycled 4096 is ready; the 8192 recycled before still waits its hour.
-        assert_eq!(pool.take(8192), None);
-        assert_eq!(pool.take(16384), None, "sizes match exactly");
-        assert_eq!(pool.take(4096), None, "oldest first: b still waits");
+        assert!(pool.take(8192).is_none());
+        assert!(pool.take(16384).is_none(), "sizes match exactly");
+        assert!(pool.take(4096).is_none(), "oldest first: b still waits");
         assert_eq!(pool.reused(), 0);
 
         // A restart makes everything reusable at once.
         drop(pool);
-        let pool = FreePool::open(dir.path().join("free")).unwrap();
+        let pool = Arc::new(FreePool::open(dir.path().join("free"), 8192).unwrap());
         pool.configure(FreePoolConfig { max_bytes: 16384, reuse_after: Duration::from_secs(3600) }).unwrap();
         assert_eq!((pool.bytes(), pool.count()), (16384, 3));
         let taken = pool.take(8192).unwrap();
-        assert_eq!(std::fs::metadata(&taken).unwrap().len(), 8192);
-        assert_eq!(pool.reused(), 1);
-        pool.put_back(taken, 8192);
+        assert_eq!(std::fs::metadata(taken.path()).unwrap().len(), 8192);
+        assert_eq!(pool.bytes(), 8192);
+        // Dropped unused (a failed put): back in the pool, not counted as reused.
+        drop(taken);
         assert_eq!((pool.bytes(), pool.reused()), (16384, 0));
+        let taken = pool.take(8192).unwrap();
+        taken.used();
+        assert_eq!((pool.bytes(), pool.reused()), (8192, 1));
+        // Discarded (its write failed): unlinked.
+        let taken = pool.take(4096).unwrap();
+        let path = taken.path().to_path_buf();
+        taken.discard();
+        assert!(!path.exists());
+        assert_eq!((pool.bytes(), pool.count()), (4096, 1));
+
+        // Full: an odd-sized file displaces older odd-sized ones but never a preferred one; a
+        // preferred file displaces anything, odd sizes first.
+        pool.configure(FreePoolConfig { max_bytes: 16384, reuse_after: Duration::ZERO }).unwrap();
+        let e = file(dir.path(), "e", 8192);
+        assert!(pool.recycle(&e, 8192).unwrap());
+        let f = file(dir.path(), "f", 8192);
+        assert!(pool.recycle(&f, 8192).unwrap(), "the 4096 one made room");
+        assert_eq!((pool.bytes(), pool.count()), (16384, 2));
+        let g = file(dir.path(), "g", 4096);
+        assert!(!pool.recycle(&g, 4096).unwrap(), "odd sizes never displace preferred files");
+        assert!(g.exists());
+
+        // A file removed behind the pool's back is skipped, not handed out.
+        for entry in std::fs::read_dir(dir.path().join("free")).unwrap() {
+            std::fs::remove_file(entry.unwrap().path()).unwrap();
+        }
+        assert!(pool.take(8192).is_none());
+        assert_eq!(pool.count(), 0);
+        // A pool directory that is gone: the deleted chunk is not kept (the caller unlinks it),
+        // and no error says the chunk itself was missing.
+        std::fs::remove_dir(dir.path().join("free")).unwrap();
+        assert!(!pool.recycle(&g, 4096).unwrap());
+        assert!(g.exists());
+        // The chunk itself gone: NotFound.
+        let missing = dir.path().join("missing");
+        assert_eq!(pool.recycle(&missing, 4096).unwrap_err().kind(), io::ErrorKind::NotFound);
 
         // Lowering the cap, or space pressure, unlinks free files.
+        std::fs::create_dir(dir.path().join("free")).unwrap();
+        assert!(pool.recycle(&g, 4096).unwrap());
+        let h = file(dir.path(), "h", 8192);
+        assert!(pool.recycle(&h, 8192).unwrap());
         pool.configure(FreePoolConfig { max_bytes: 9000, reuse_after: Duration::ZERO }).unwrap();
         assert!(pool.bytes() <= 9000);
-        let before = pool.bytes();
-        assert_eq!(pool.release(1).unwrap() + pool.bytes(), before);
         let rest = pool.bytes();
         assert_eq!(pool.release(u64::MAX).unwrap(), rest);
         assert_eq!((pool.bytes(), pool.count()), (0, 0));

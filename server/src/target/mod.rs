@@ -209,11 +209,21 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let target_id = load_or_create_target_id(&config.dir)?;
+    // Whatever a measurement cut short by a crash left behind.
+    let _ = std::fs::remove_dir_all(config.dir.join("calibrating"));
     let queue_depth = match config.queue_depth {
         QueueDepth::Fixed(depth) => depth,
-        QueueDepth::Measured => calibrate::queue_depth(&config.dir, config.engine, config.chunk_size_bytes)
-            .await
-            .with_context(|| format!("measure the device under {} for a queue depth", config.dir.display()))?,
+        QueueDepth::Measured => {
+            match calibrate::queue_depth(&config.dir, config.engine, config.chunk_size_bytes, config.reserve_bytes)
+                .await
+            {
+                Ok(depth) => depth,
+                Err(error) => {
+                    warn!(%error, "could not measure the device; queue depth 8 until a later start measures it");
+                    8
+                }
+            }
+        }
     };
     let engine = engine::open_engine(config.engine, queue_depth)
         .with_context(|| format!("start the {:?} I/O engine (try --io-engine std)", config.engine))?;

@@ -59,7 +59,8 @@ class Manifest:
     def size(self, path: str) -> int | None: ...
     def read_many(self, reads: Sequence[tuple[str, Buffer, int]], files_at_once: int = 8) -> None:
         """Fills each writable, C-contiguous buffer with verified bytes of its file from the
-        offset on; the buffers must not overlap."""
+        offset on; the buffers must not overlap. Chunks land in place and are verified there: if
+        the call raises, the buffers' contents are unspecified."""
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes: ...
 
 class SaveHandle:
