@@ -36,22 +36,27 @@ async fn verify(chunk: &ChunkRef, payload: Payload) -> Result<std::result::Resul
 
 /// Checks bytes a transport placed in the caller's buffer against `chunk`'s hash, where they lie.
 /// The buffer is borrowed, so the hashing cannot move to the blocking pool: a large chunk is
-/// hashed after this worker hands its other tasks over (`block_in_place`, on a multi-threaded
-/// runtime), a small one inline. One thread per chunk: no process-global pool, which a forked
-/// child (the Python SDK supports those) would inherit without its threads.
-fn verify_in_place(chunk: &ChunkRef, data: &[u8]) -> std::result::Result<(), String> {
+/// hashed on all of `pool`'s threads (BLAKE3's tree splits it) while this worker hands its other
+/// tasks over (`block_in_place`, on a multi-threaded runtime); a small one inline. The pool is
+/// the client's own, never a process-global one a forked child would inherit without its threads.
+fn verify_in_place(pool: Option<&rayon::ThreadPool>, chunk: &ChunkRef, data: &[u8]) -> std::result::Result<(), String> {
+    let hash = || match pool {
+        Some(pool) if data.len() >= PARALLEL_HASH_BYTES => {
+            pool.install(|| ChunkHash(*blake3::Hasher::new().update_rayon(data).finalize().as_bytes()))
+        }
+        _ => ChunkHash::of(data),
+    };
     let multi_threaded = tokio::runtime::Handle::try_current()
         .is_ok_and(|runtime| runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    let actual = if multi_threaded && data.len() >= BLOCK_IN_PLACE_BYTES {
-        tokio::task::block_in_place(|| ChunkHash::of(data))
-    } else {
-        ChunkHash::of(data)
-    };
+    let actual =
+        if multi_threaded && data.len() >= BLOCK_IN_PLACE_BYTES { tokio::task::block_in_place(hash) } else { hash() };
     if actual == chunk.hash { Ok(()) } else { Err(format!("got {actual}")) }
 }
 
 /// Chunks at least this big (~0.1 ms of hashing) are hashed off the runtime's books.
 const BLOCK_IN_PLACE_BYTES: usize = 256 << 10;
+/// Chunks at least this big are hashed on several threads.
+const PARALLEL_HASH_BYTES: usize = 1 << 20;
 
 /// One GET of a whole chunk: into `dest` when there is one (`Ok(None)` when it landed there).
 async fn fetch_from(
@@ -211,6 +216,23 @@ impl Client {
         self.fetch_chunk(manifest, chunk, Some(dest)).await.map(drop)
     }
 
+    /// The client's threads for hashing chunks verified in place (one per core, up to 8), made
+    /// on first use; None if the system refuses threads (hashing then stays on one).
+    fn verify_pool(&self) -> Option<&rayon::ThreadPool> {
+        self.inner
+            .verify_pool
+            .get_or_init(|| {
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(|i| format!("starckpt-verify-{i}"))
+                    .build()
+                    .map_err(|error| tracing::warn!(%error, "no threads for parallel verification"))
+                    .ok()
+            })
+            .as_ref()
+    }
+
     /// The replica loop of [`Client::read_chunk`] and [`Client::read_chunk_into`]: with `dest`,
     /// the verified chunk ends up there (`Ok(None)`), otherwise it is returned.
     async fn fetch_chunk(
@@ -247,7 +269,7 @@ impl Client {
                 let checked = match fetched {
                     Some(payload) => verify(chunk, payload).await?.map(Some),
                     None => match dest.as_deref() {
-                        Some(placed) => verify_in_place(chunk, placed).map(|()| None),
+                        Some(placed) => verify_in_place(self.verify_pool(), chunk, placed).map(|()| None),
                         None => Err("placed in no buffer".to_owned()),
                     },
                 };

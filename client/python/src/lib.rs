@@ -262,10 +262,41 @@ fn checkpoint_dict<'py>(py: Python<'py>, info: &sdk::CheckpointInfo) -> PyResult
     Ok(dict)
 }
 
+/// A value made in one process whose drop is skipped in a process forked from it: dropping an
+/// SDK object wakes tasks of the parent's runtime, whose threads (and any lock they held at the
+/// fork) do not exist in the child, so a child that exits normally could hang. Leaked instead.
+struct ProcessLocal<T> {
+    value: std::mem::ManuallyDrop<T>,
+    pid: u32,
+}
+
+impl<T> ProcessLocal<T> {
+    fn new(value: T) -> ProcessLocal<T> {
+        ProcessLocal { value: std::mem::ManuallyDrop::new(value), pid: std::process::id() }
+    }
+}
+
+impl<T> std::ops::Deref for ProcessLocal<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.value
+    }
+}
+
+impl<T> Drop for ProcessLocal<T> {
+    fn drop(&mut self) {
+        if self.pid == std::process::id() {
+            // SAFETY: dropped once, here; the value is not used after.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.value) };
+        }
+    }
+}
+
 /// A connection to a starckpt cluster (one per process and server, shared by the Python layer).
 #[pyclass(module = "starckpt._native", frozen)]
 struct NativeClient {
-    client: sdk::Client,
+    client: ProcessLocal<sdk::Client>,
     pid: u32,
 }
 
@@ -300,7 +331,7 @@ impl NativeClient {
             config.run_id = run_id;
         }
         let client = block_on(py, None, || sdk::Client::connect(config))?.map_err(py_err)?;
-        Ok(NativeClient { client, pid: std::process::id() })
+        Ok(NativeClient { client: ProcessLocal::new(client), pid: std::process::id() })
     }
 
     /// Allocates and pre-faults up to `bytes` of staging memory ([`sdk::Client::warm_staging`]),
@@ -468,7 +499,11 @@ impl NativeClient {
     fn manifest(&self, py: Python<'_>, job: String, step: Option<u64>) -> PyResult<Manifest> {
         let client = self.client()?;
         let manifest = block_on(py, None, || client.manifest(&job, step))?.map_err(py_err)?;
-        Ok(Manifest { client: client.clone(), manifest: Arc::new(manifest), pid: self.pid })
+        Ok(Manifest {
+            client: ProcessLocal::new(client.clone()),
+            manifest: ProcessLocal::new(Arc::new(manifest)),
+            pid: self.pid,
+        })
     }
 
     /// Restores (job, step) into the directory `to` (which must be empty or absent unless
@@ -495,8 +530,8 @@ impl NativeClient {
 /// A committed checkpoint's files, readable into caller buffers.
 #[pyclass(module = "starckpt._native", frozen)]
 struct Manifest {
-    client: sdk::Client,
-    manifest: Arc<sdk::CheckpointManifest>,
+    client: ProcessLocal<sdk::Client>,
+    manifest: ProcessLocal<Arc<sdk::CheckpointManifest>>,
     pid: u32,
 }
 
@@ -619,7 +654,7 @@ struct SaveHandle {
     #[pyo3(get)]
     total_bytes: u64,
     progress: Arc<sdk::SaveProgress>,
-    finished: watch::Receiver<Finished>,
+    finished: ProcessLocal<watch::Receiver<Finished>>,
     pid: u32,
 }
 
@@ -632,7 +667,13 @@ impl SaveHandle {
             let outcome = handle.wait().await.map_err(|e| (error_class(&e), e.to_string()));
             tx.send_replace(Some(outcome));
         });
-        SaveHandle { checkpoint_id, total_bytes, progress, finished, pid: std::process::id() }
+        SaveHandle {
+            checkpoint_id,
+            total_bytes,
+            progress,
+            finished: ProcessLocal::new(finished),
+            pid: std::process::id(),
+        }
     }
 }
 

@@ -523,28 +523,44 @@ def test_warming_pre_faults_staging_memory_in_the_background(cluster, job):
 
 def test_a_child_forked_after_a_restore_restores_too(cluster, job):
     """A child forked after its parent read a checkpoint (the parent's runtime, shared memory and
-    4 MiB chunks verified in place) reads it with a client of its own, and does not hang."""
+    4 MiB chunks verified in place), and while the parent uploads another, reads it with a client
+    of its own and drops the parent's objects, without hanging."""
+    import gc
+
     state = {"w": random_array(np.uint8, (6 << 20,), 7)}
     c = client(cluster, job)
     c.save(1, state).wait()
     loaded, _ = c.load(1)
     assert same_array(loaded["w"], state["w"])
+    uploading = c.save(2, {"w": random_array(np.uint8, (48 << 20,), 8)})
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             restored, _ = client(cluster, job).load(1)
             code = 0 if same_array(restored["w"], state["w"]) else 2
+            # The parent's client and save handle, dropped here (not used: they refuse).
+            del c, uploading
+            gc.collect()
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 60
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                pytest.fail("the forked child hung")
+            time.sleep(0.05)
+        pid = 0
+        assert os.waitstatus_to_exitcode(status) == 0
+        uploading.wait()
+    finally:
+        if pid:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            pytest.fail("the forked child hung reading the checkpoint")
-        time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(status) == 0

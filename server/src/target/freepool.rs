@@ -138,8 +138,9 @@ impl FreePool {
     }
 
     /// Takes a reusable file of exactly `size` bytes, if there is one. The caller overwrites all
-    /// of it and renames it away ([`Taken::used`]) or unlinks it ([`Taken::discard`]); dropped
-    /// otherwise (a failed or cancelled put), it goes back to the pool.
+    /// of it and renames it away ([`Taken::used`]), or hands it back unused
+    /// ([`Taken::put_back`]); dropped otherwise (a failed or cancelled put, whose I/O on it may
+    /// still be running), it is unlinked.
     pub fn take(self: &Arc<Self>, size: u64) -> Option<Taken> {
         let mut files = self.lock();
         loop {
@@ -162,7 +163,7 @@ impl FreePool {
 
     /// Returns a taken file that was not used (reusable at once: it never held a visible chunk),
     /// or unlinks it if the cap was lowered meanwhile.
-    fn put_back(&self, path: PathBuf, size: u64) {
+    fn give_back(&self, path: PathBuf, size: u64) {
         let mut files = self.lock();
         if files.bytes.saturating_add(size) <= self.max_bytes() {
             files.add(size, Entry { path, ready: Instant::now() });
@@ -196,14 +197,15 @@ impl FreePool {
             if needed > evictable {
                 false
             } else {
-                while files.bytes + size > max {
-                    match files.evict(self.preferred, size == self.preferred) {
-                        Some(victim) => victims.push(victim),
-                        None => break,
-                    }
-                }
                 match std::fs::rename(path, &free_path) {
                     Ok(()) => {
+                        // Room is made only for a file that did move in.
+                        while files.bytes + size > max {
+                            match files.evict(self.preferred, size == self.preferred) {
+                                Some(victim) => victims.push(victim),
+                                None => break,
+                            }
+                        }
                         let ready = Instant::now() + Duration::from_millis(self.reuse_after_ms.load(Ordering::Relaxed));
                         files.add(size, Entry { path: free_path, ready });
                         true
@@ -291,7 +293,8 @@ impl Files {
     }
 }
 
-/// A free file taken for a put (module docs). Goes back to the pool when dropped unused.
+/// A free file taken for a put (module docs). Unlinked when dropped without being used or put
+/// back: an abandoned put's write or rename may still be in flight on it.
 pub struct Taken {
     pool: Arc<FreePool>,
     path: Option<PathBuf>,
@@ -309,18 +312,24 @@ impl Taken {
         self.pool.reused.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Unlinks it (a write to it failed: its blocks may be bad). Blocking.
-    pub fn discard(mut self) {
+    /// Hands it back unused (the chunk turned out to be stored already): nothing else touches
+    /// it, so it is reusable at once.
+    pub fn put_back(mut self) {
         if let Some(path) = self.path.take() {
-            let _ = std::fs::remove_file(path);
+            self.pool.give_back(path, self.size);
         }
+    }
+
+    /// Unlinks it (a write to it failed: its blocks may be bad). Blocking.
+    pub fn discard(self) {
+        drop(self);
     }
 }
 
 impl Drop for Taken {
     fn drop(&mut self) {
         if let Some(path) = self.path.take() {
-            self.pool.put_back(path, self.size);
+            let _ = std::fs::remove_file(path);
         }
     }
 }
@@ -367,8 +376,8 @@ mod tests {
         let taken = pool.take(8192).unwrap();
         assert_eq!(std::fs::metadata(taken.path()).unwrap().len(), 8192);
         assert_eq!(pool.bytes(), 8192);
-        // Dropped unused (a failed put): back in the pool, not counted as reused.
-        drop(taken);
+        // Handed back unused: back in the pool, not counted as reused.
+        taken.put_back();
         assert_eq!((pool.bytes(), pool.reused()), (16384, 0));
         let taken = pool.take(8192).unwrap();
         taken.used();

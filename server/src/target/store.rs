@@ -538,9 +538,9 @@ impl ChunkStore {
             Ok(Renamed::Stored) => None,
             Ok(Renamed::Replaced { old_bytes }) => Some(old_bytes),
             Ok(Renamed::AlreadyPresent) => {
-                // A reused file goes back to the pool as `reused` drops.
-                if reused.is_none() {
-                    let _ = tokio::fs::remove_file(&temp_path).await;
+                match reused {
+                    Some(free) => free.put_back(),
+                    None => drop(tokio::fs::remove_file(&temp_path).await),
                 }
                 self.sync_chunk_dirs([hash]).await?;
                 return Ok(PutOutcome::AlreadyPresent);

@@ -102,6 +102,20 @@ def _track(handle: SaveHandle) -> None:
         _unfinished.add(handle)
 
 
+def _reset_after_fork() -> None:
+    """In a forked child: locks another thread of the parent may have held at the fork are
+    replaced (a plain lock stays held in the child forever), and the parent's objects are
+    forgotten (the child makes its own client; the parent's saves are the parent's)."""
+    global _shared_lock, _unfinished_lock
+    _shared_lock = threading.Lock()
+    _unfinished_lock = threading.Lock()
+    _shared.clear()
+    _unfinished.clear()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 @atexit.register
 def _wait_for_saves_at_exit() -> None:
     with _unfinished_lock:
