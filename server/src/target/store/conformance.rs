@@ -1,0 +1,443 @@
+//! One suite, run against every I/O engine.
+use super::*;
+use crate::target::engine::{EngineKind, open_engine};
+
+async fn store(kind: EngineKind, dir: &Path) -> ChunkStore {
+    ChunkStore::open(dir, open_engine(kind, 4).unwrap(), 64 * 1024, 4).await.unwrap()
+}
+
+async fn put(store: &ChunkStore, data: &[u8]) -> (ChunkHash, PutOutcome) {
+    let hash = ChunkHash::of(data);
+    let mut write = store.write_buffer(data.len()).await;
+    write.data_mut().copy_from_slice(data);
+    (hash, store.put(hash, write).await.unwrap())
+}
+
+fn random(len: usize, seed: u64) -> Vec<u8> {
+    use rand::{RngCore, SeedableRng};
+    let mut out = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut out);
+    out
+}
+
+async fn round_trip_sizes(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    // Sizes around the alignment and the pool buffer size (64 KiB), including one-off buffers.
+    for (i, len) in [1usize, 4095, 4096, 4097, 65536 - 4096, 65536, 300_001].into_iter().enumerate() {
+        let data = random(len, i as u64);
+        let (hash, outcome) = put(&store, &data).await;
+        assert_eq!(outcome, PutOutcome::Stored);
+        let ChunkRead { bytes, length: chunk_len, .. } = store.get(hash, 0, 0).await.unwrap();
+        assert_eq!(chunk_len, len as u64);
+        assert_eq!(&bytes[..], &data[..], "len {len}");
+        let (third, rest) = (len / 3, len - len / 3);
+        let tail = store.get(hash, third as u64, rest as u64).await.unwrap().bytes;
+        assert_eq!(&tail[..], &data[third..], "len {len}");
+    }
+    assert_eq!(store.stats().chunk_count, 7);
+}
+
+async fn dedup_has_delete(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    let data = random(10_000, 1);
+    let (hash, first) = put(&store, &data).await;
+    let (_, second) = put(&store, &data).await;
+    assert_eq!((first, second), (PutOutcome::Stored, PutOutcome::AlreadyPresent));
+    let other = ChunkHash::of(b"absent");
+    assert_eq!(store.has(vec![hash, other]).await.unwrap(), vec![true, false]);
+    assert!(store.stats().used_bytes >= 10_000);
+    assert_eq!(store.delete(vec![hash, other], None).await.unwrap(), 1);
+    assert_eq!(store.has(vec![hash]).await.unwrap(), vec![false]);
+    assert!(matches!(store.get(hash, 0, 0).await, Err(ChunkStoreError::NotFound { .. })));
+    assert_eq!(store.stats(), StoreStats { used_bytes: 0, chunk_count: 0, ..store.stats() });
+}
+
+async fn rejects_bad_input(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    let mut write = store.write_buffer(5).await;
+    write.data_mut().copy_from_slice(b"hello");
+    let wrong = ChunkHash::of(b"world");
+    assert!(matches!(store.put(wrong, write).await, Err(ChunkStoreError::HashMismatch { .. })));
+    assert_eq!(store.has(vec![wrong]).await.unwrap(), vec![false]);
+    let (hash, _) = put(&store, b"hello").await;
+    assert!(matches!(store.get(hash, 3, 10).await, Err(ChunkStoreError::BadRange { .. })));
+    assert!(matches!(store.get(hash, 6, 0).await, Err(ChunkStoreError::BadRange { .. })));
+}
+
+async fn detects_corruption_and_survives_restart(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = random(8192, 2);
+    let hash = {
+        let store = store(kind, dir.path()).await;
+        put(&store, &data).await.0
+    };
+    // A leftover temp file from a crash is cleaned; the stored chunk is counted again.
+    std::fs::write(dir.path().join("tmp").join("leftover"), b"partial").unwrap();
+    let store = store(kind, dir.path()).await;
+    assert_eq!(store.stats().chunk_count, 1);
+    assert_eq!(std::fs::read_dir(dir.path().join("tmp")).unwrap().count(), 0);
+    assert_eq!(&store.get(hash, 0, 0).await.unwrap().bytes[..], &data[..]);
+    // Rot in the header is caught by the header checksum.
+    let path = store.chunk_path(&hash);
+    let mut file = std::fs::read(&path).unwrap();
+    file[20] ^= 0x40;
+    std::fs::write(&path, &file).unwrap();
+    assert!(matches!(store.get(hash, 0, 0).await, Err(ChunkStoreError::Corrupt { .. })));
+    // A truncated file too.
+    std::fs::write(&path, &file[..100]).unwrap();
+    assert!(matches!(store.get(hash, 0, 0).await, Err(ChunkStoreError::Corrupt { .. })));
+    // A well-formed header (valid checksum) claiming an absurd length is an error, not a panic.
+    let mut crafted = vec![0u8; HEADER_BYTES + 4096];
+    let absurd =
+        StoredHeader { codec: Codec::None, stored_len: u64::MAX - 10, length: u64::MAX - 10, stored_hash: hash };
+    encode_header(&mut crafted[..HEADER_BYTES], &absurd, &hash);
+    std::fs::write(&path, &crafted).unwrap();
+    assert!(matches!(store.get(hash, 0, 0).await, Err(ChunkStoreError::Corrupt { .. })));
+}
+
+async fn concurrent_puts_of_one_chunk(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(store(kind, dir.path()).await);
+    let data = Arc::new(random(50_000, 3));
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (store, data) = (Arc::clone(&store), Arc::clone(&data));
+            tokio::spawn(async move { put(&store, &data).await.1 })
+        })
+        .collect();
+    let mut stored = 0;
+    for task in tasks {
+        if task.await.unwrap() == PutOutcome::Stored {
+            stored += 1;
+        }
+    }
+    assert_eq!(stored, 1, "exactly one writer creates the chunk");
+    assert_eq!(store.stats().chunk_count, 1);
+}
+
+fn set_last_use(store: &ChunkStore, hash: &ChunkHash, ago: Duration) {
+    let file = std::fs::File::options().write(true).open(store.chunk_path(hash)).unwrap();
+    file.set_modified(SystemTime::now() - ago).unwrap();
+}
+
+async fn list_pages_and_guarded_delete(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    let mut hashes = Vec::new();
+    for seed in 0..5 {
+        hashes.push(put(&store, &random(3000, 100 + seed)).await.0);
+    }
+    hashes.sort();
+    std::fs::write(dir.path().join("chunks").join("00").join("not-a-chunk"), b"x").unwrap();
+    // Pages in hash order, resumable after the last hash of the previous page.
+    let (first, done) = store.list(None, 3).await.unwrap();
+    assert!(!done);
+    let (rest, done) = store.list(Some(first[2].hash), 3).await.unwrap();
+    assert!(done);
+    let listed: Vec<ChunkHash> = first.iter().chain(&rest).map(|c| c.hash).collect();
+    assert_eq!(listed, hashes);
+
+    let hour = Duration::from_secs(3600);
+    for hash in &hashes {
+        set_last_use(&store, hash, hour);
+    }
+    // A chunk is never older than the store's own uptime: nothing is collectable yet.
+    let (capped, _) = store.list(None, 10).await.unwrap();
+    assert!(capped.iter().all(|c| c.unused_for < Duration::from_secs(60)), "{capped:?}");
+    assert_eq!(store.delete(hashes.clone(), Some(hour / 2)).await.unwrap(), 0);
+    store.assume_uptime(2 * hour);
+    let (all, _) = store.list(None, 10).await.unwrap();
+    assert!(all.iter().all(|c| c.unused_for >= hour - Duration::from_secs(60)), "{all:?}");
+    // HAS and a repeated PUT refresh a chunk's last use, so GC's guarded delete keeps it.
+    assert_eq!(store.has(vec![hashes[0]]).await.unwrap(), vec![true]);
+    let mut again = store.write_buffer(3000).await;
+    let data = (100..105).map(|seed| random(3000, seed)).find(|d| ChunkHash::of(d) == hashes[1]).unwrap();
+    again.data_mut().copy_from_slice(&data);
+    assert_eq!(store.put(hashes[1], again).await.unwrap(), PutOutcome::AlreadyPresent);
+    let deleted = store.delete(hashes.clone(), Some(hour / 2)).await.unwrap();
+    assert_eq!(deleted, 3);
+    assert_eq!(store.has(hashes.clone()).await.unwrap(), vec![true, true, false, false, false]);
+    assert_eq!(store.stats().chunk_count, 2);
+    // Unguarded delete removes recently used chunks too.
+    assert_eq!(store.delete(hashes.clone(), None).await.unwrap(), 2);
+    assert_eq!(store.list(None, 10).await.unwrap(), (vec![], true));
+}
+
+async fn verify_and_repair_replace_only_bad_copies(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    let data = random(100_000, 31);
+    let (hash, _) = put(&store, &data).await;
+    assert_eq!(store.check_copy(hash).await.unwrap(), Copy::Good { length: 100_000 });
+    // A good copy is left alone by a repair.
+    let mut write = store.write_buffer(data.len()).await;
+    write.data_mut().copy_from_slice(&data);
+    assert_eq!(store.repair(hash, write).await.unwrap(), PutOutcome::AlreadyPresent);
+    // Rot in the payload (the header still names the chunk): verify catches it, a plain put
+    // would not replace it, a repair does.
+    let path = store.chunk_path(&hash);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[HEADER_BYTES + 5] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    let Copy::Bad { inode, .. } = store.check_copy(hash).await.unwrap() else { panic!("rot not found") };
+    assert_eq!(put(&store, &data).await.1, PutOutcome::AlreadyPresent);
+    let mut write = store.write_buffer(data.len()).await;
+    write.data_mut().copy_from_slice(&data);
+    assert_eq!(store.repair(hash, write).await.unwrap(), PutOutcome::Stored);
+    assert_eq!(store.check_copy(hash).await.unwrap(), Copy::Good { length: 100_000 });
+    assert_eq!(store.stats().chunk_count, 1);
+    // The bad file is gone: removing "it" leaves the good copy that replaced it.
+    assert!(!store.remove_copy_if(hash, inode).await.unwrap());
+    assert_eq!(store.check_copy(hash).await.unwrap(), Copy::Good { length: 100_000 });
+    // A file of a format this build does not know is an error, never judged bad.
+    let good = std::fs::read(&path).unwrap();
+    let mut newer = good.clone();
+    newer[8] = 9;
+    let sum = header_sum(&newer);
+    newer[64..72].copy_from_slice(&sum);
+    std::fs::write(&path, &newer).unwrap();
+    assert!(matches!(store.check_copy(hash).await, Err(ChunkStoreError::Io { .. })));
+    std::fs::write(&path, &good).unwrap();
+    // A repair of a missing copy stores it; a payload that is not the chunk is refused.
+    store.delete(vec![hash], None).await.unwrap();
+    assert!(matches!(store.check_copy(hash).await, Err(ChunkStoreError::NotFound { .. })));
+    let mut write = store.write_buffer(data.len()).await;
+    write.data_mut().copy_from_slice(&random(100_000, 32));
+    assert!(matches!(store.repair(hash, write).await, Err(ChunkStoreError::HashMismatch { .. })));
+    let mut write = store.write_buffer(data.len()).await;
+    write.data_mut().copy_from_slice(&data);
+    assert_eq!(store.repair(hash, write).await.unwrap(), PutOutcome::Stored);
+    assert_eq!(&store.get(hash, 0, 0).await.unwrap().bytes[..], &data[..]);
+}
+
+async fn packed_write(store: &ChunkStore, packed: &codec::Compressed, length: usize) -> ChunkWrite {
+    let mut write = store.write_buffer(packed.bytes.len()).await;
+    write.data_mut().copy_from_slice(&packed.bytes);
+    write.set_codec(packed.codec, length as u64);
+    write
+}
+
+/// A compressed chunk: decoded and checked on put, kept as sent (format version 2, with the
+/// stored bytes' hash), returned encoded whole or decoded in ranges, scrubbed by the stored
+/// hash, and survives a restart.
+async fn compressed_chunks(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    let data: Vec<u8> =
+        (0..150_000u32).flat_map(|i| (((i % 512) as f32 * 1e-4).to_bits() >> 16).to_le_bytes()[..2].to_vec()).collect();
+    let hash = ChunkHash::of(&data);
+    let packed = codec::compress(&data, &codec::CompressConfig::default()).expect("compresses");
+    assert_eq!(store.put(hash, packed_write(&store, &packed, data.len()).await).await.unwrap(), PutOutcome::Stored);
+    let path = store.chunk_path(&hash);
+    let file = std::fs::read(&path).unwrap();
+    assert_eq!(u16::from_le_bytes([file[8], file[9]]), FORMAT_VERSION_STORED_HASH);
+    assert_eq!(&file[HEADER_BYTES..HEADER_BYTES + packed.bytes.len()], &packed.bytes[..], "stored as sent");
+    let whole = store.get(hash, 0, 0).await.unwrap();
+    assert_eq!((whole.codec, whole.length, &whole.bytes[..]), (packed.codec, data.len() as u64, &packed.bytes[..]));
+    let range = store.get(hash, 5, 1000).await.unwrap();
+    assert_eq!((range.codec, &range.bytes[..]), (Codec::None, &data[5..1005]));
+    assert_eq!(store.check_copy(hash).await.unwrap(), Copy::Good { length: packed.bytes.len() as u64 });
+    drop(store);
+    let store = self::store(kind, dir.path()).await;
+    assert_eq!(store.get(hash, 0, 0).await.unwrap().bytes, whole.bytes, "survives a restart");
+
+    // Rot in the stored bytes is found by the scrub's check; the codec byte is covered too.
+    let mut rotten = file.clone();
+    rotten[HEADER_BYTES + 10] ^= 0x10;
+    std::fs::write(&path, &rotten).unwrap();
+    assert!(matches!(store.check_copy(hash).await.unwrap(), Copy::Bad { .. }));
+    let mut extension = file.clone();
+    extension[80] ^= 0x01;
+    std::fs::write(&path, &extension).unwrap();
+    assert!(matches!(store.check_copy(hash).await.unwrap(), Copy::Bad { .. }), "the stored hash is covered");
+    let mut recoded = file.clone();
+    recoded[10] = Codec::Zstd.to_wire() as u8;
+    std::fs::write(&path, &recoded).unwrap();
+    assert!(matches!(store.check_copy(hash).await.unwrap(), Copy::Bad { .. }));
+    assert!(matches!(store.get(hash, 0, 0).await, Err(ChunkStoreError::Corrupt { .. })));
+    std::fs::write(&path, &file).unwrap();
+
+    // A payload that decodes to other bytes, or claims another length, is refused.
+    let other = ChunkHash::of(b"other");
+    assert!(matches!(
+        store.put(other, packed_write(&store, &packed, data.len()).await).await,
+        Err(ChunkStoreError::HashMismatch { .. })
+    ));
+    let mut short = packed_write(&store, &packed, data.len()).await;
+    short.set_codec(packed.codec, data.len() as u64 - 2);
+    assert!(matches!(store.put(hash, short).await, Err(ChunkStoreError::Undecodable { .. })));
+    assert!(store.chunk_path(&other).metadata().is_err());
+    // Stored as large as decoded: refused (a reader would fetch more than the chunk).
+    let mut bloated = store.write_buffer(data.len()).await;
+    bloated.data_mut().copy_from_slice(&data);
+    bloated.set_codec(Codec::Zstd, data.len() as u64);
+    assert!(matches!(store.put(hash, bloated).await, Err(ChunkStoreError::Undecodable { .. })));
+    // A reader that does not decode gets the chunk decoded.
+    let plain = store.read(hash, 0, 0, false).await.unwrap();
+    assert_eq!((plain.codec, &plain.bytes[..]), (Codec::None, &data[..]));
+}
+
+fn inode(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().ino()
+}
+
+async fn reuses_deleted_chunk_files(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    let pool = |max_bytes, reuse_after| FreePoolConfig { max_bytes, reuse_after };
+    store.set_free_pool(pool(1 << 20, Duration::ZERO)).await.unwrap();
+    // A chunk file of 64 KiB (header + 60,000 bytes, padded), deleted: kept, not counted used.
+    let a = random(60_000, 1);
+    let (hash_a, _) = put(&store, &a).await;
+    let file_a = inode(&store.chunk_path(&hash_a));
+    assert_eq!(store.delete(vec![hash_a], None).await.unwrap(), 1);
+    let stats = store.stats();
+    assert_eq!((stats.used_bytes, stats.chunk_count, stats.free_pool_bytes), (0, 0, 65536));
+    assert!(matches!(store.get(hash_a, 0, 0).await, Err(ChunkStoreError::NotFound { .. })));
+    assert!(!store.has(vec![hash_a]).await.unwrap()[0]);
+
+    // A chunk whose file has the same size overwrites that file: all of it, no old byte left.
+    let b = random(61_000, 2);
+    let (hash_b, outcome) = put(&store, &b).await;
+    assert_eq!(outcome, PutOutcome::Stored);
+    assert_eq!(inode(&store.chunk_path(&hash_b)), file_a);
+    let stats = store.stats();
+    assert_eq!((stats.used_bytes, stats.chunk_count, stats.free_pool_bytes, stats.reused_files), (65536, 1, 0, 1));
+    assert_eq!(&store.get(hash_b, 0, 0).await.unwrap().bytes[..], &b[..]);
+    assert_eq!(store.check_copy(hash_b).await.unwrap(), Copy::Good { length: 61_000 });
+    // Another size gets a new file.
+    let c = random(100, 3);
+    let (hash_c, _) = put(&store, &c).await;
+    assert_ne!(inode(&store.chunk_path(&hash_c)), file_a);
+
+    // Not reused before the delay (a reader may still hold the file open).
+    store.set_free_pool(pool(1 << 20, Duration::from_secs(3600))).await.unwrap();
+    assert_eq!(store.delete(vec![hash_b], None).await.unwrap(), 1);
+    let d = random(59_000, 4);
+    let (hash_d, _) = put(&store, &d).await;
+    assert_ne!(inode(&store.chunk_path(&hash_d)), file_a);
+    assert_eq!(store.stats().free_pool_bytes, 65536);
+
+    // After a restart every free file is reusable at once.
+    drop(store);
+    let store = self::store(kind, dir.path()).await;
+    store.set_free_pool(pool(1 << 20, Duration::from_secs(3600))).await.unwrap();
+    assert_eq!(store.stats().free_pool_bytes, 65536);
+    assert_eq!(store.stats().chunk_count, 2);
+    let e = random(60_500, 5);
+    let (hash_e, _) = put(&store, &e).await;
+    assert_eq!(inode(&store.chunk_path(&hash_e)), file_a);
+    for (hash, data) in [(hash_c, &c), (hash_d, &d), (hash_e, &e)] {
+        assert_eq!(&store.get(hash, 0, 0).await.unwrap().bytes[..], &data[..]);
+        assert!(matches!(store.check_copy(hash).await.unwrap(), Copy::Good { .. }));
+    }
+
+    // The cap: beyond it deleted files are unlinked; lowering it drops free files.
+    store.set_free_pool(pool(65536, Duration::ZERO)).await.unwrap();
+    assert_eq!(store.delete(vec![hash_c, hash_d, hash_e], None).await.unwrap(), 3);
+    // Each file displaces the older one (none is of the store's own chunk file size, 68 KiB
+    // here, which an odd size would never displace): e's is kept.
+    assert_eq!(store.stats().free_pool_bytes, 65536);
+    store.set_free_pool(pool(0, Duration::ZERO)).await.unwrap();
+    assert_eq!(store.stats().free_pool_bytes, 0);
+    assert_eq!(std::fs::read_dir(dir.path().join("free")).unwrap().count(), 0);
+}
+
+async fn preallocates_free_files(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    // Files of one pool buffer: a header and a 64 KiB chunk here.
+    let file = (HEADER_BYTES + 65536) as u64;
+    store.set_free_pool(FreePoolConfig { max_bytes: 4 * file, reuse_after: Duration::from_secs(3600) }).await.unwrap();
+    // Up to the cap.
+    assert_eq!(store.preallocate(1 << 30).await.unwrap(), 4 * file);
+    assert_eq!(store.stats().free_pool_bytes, 4 * file);
+    assert_eq!(store.preallocate(1 << 30).await.unwrap(), 0, "already full");
+    let free: Vec<u64> =
+        std::fs::read_dir(dir.path().join("free")).unwrap().map(|entry| inode(&entry.unwrap().path())).collect();
+    // Full-size chunks are written into them, and read back intact.
+    for seed in 0..4 {
+        let data = random(65536, seed);
+        let (hash, outcome) = put(&store, &data).await;
+        assert_eq!(outcome, PutOutcome::Stored);
+        assert!(free.contains(&inode(&store.chunk_path(&hash))));
+        assert_eq!(&store.get(hash, 0, 0).await.unwrap().bytes[..], &data[..]);
+    }
+    let stats = store.stats();
+    assert_eq!((stats.free_pool_bytes, stats.reused_files, stats.chunk_count), (0, 4, 4));
+}
+
+macro_rules! suite {
+    ($engine:ident, $kind:expr) => {
+        mod $engine {
+            use super::*;
+            #[tokio::test]
+            async fn round_trip() {
+                round_trip_sizes($kind).await
+            }
+            #[tokio::test]
+            async fn dedup() {
+                dedup_has_delete($kind).await
+            }
+            #[tokio::test]
+            async fn bad_input() {
+                rejects_bad_input($kind).await
+            }
+            #[tokio::test]
+            async fn corruption_and_restart() {
+                detects_corruption_and_survives_restart($kind).await
+            }
+            #[tokio::test]
+            async fn list_and_guarded_delete() {
+                list_pages_and_guarded_delete($kind).await
+            }
+            #[tokio::test]
+            async fn verify_and_repair() {
+                verify_and_repair_replace_only_bad_copies($kind).await
+            }
+            #[tokio::test]
+            async fn compressed() {
+                compressed_chunks($kind).await
+            }
+            #[tokio::test]
+            async fn reuse_deleted_files() {
+                reuses_deleted_chunk_files($kind).await
+            }
+            #[tokio::test]
+            async fn preallocate() {
+                preallocates_free_files($kind).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_puts() {
+                concurrent_puts_of_one_chunk($kind).await
+            }
+        }
+    };
+}
+suite!(uring, EngineKind::Uring);
+suite!(std_io, EngineKind::Std);
+
+#[tokio::test]
+async fn uring_registers_pool_buffers_once_and_moves_others_unregistered() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(EngineKind::Uring, dir.path()).await;
+    // Pool-sized chunks (the pool has 4 buffers of 64 KiB) use fixed buffers; a chunk larger
+    // than a pool buffer gets a one-off buffer, which is never registered.
+    let mut stored = Vec::new();
+    for seed in 0..12 {
+        let data = random(60_000, seed);
+        stored.push((put(&store, &data).await.0, data));
+    }
+    let registered = store.engine.fixed_buffers();
+    assert!((1..=4).contains(&registered), "{registered} buffers registered");
+    let big = random(300_001, 99);
+    stored.push((put(&store, &big).await.0, big));
+    for (hash, data) in &stored {
+        assert_eq!(&store.read(*hash, 0, 0, false).await.unwrap().bytes[..], &data[..]);
+    }
+    assert_eq!(store.engine.fixed_buffers(), registered, "one-off buffers are not registered");
+}
