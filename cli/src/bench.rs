@@ -84,6 +84,61 @@ pub struct BenchArgs {
     /// measured per target, `starckpt target --queue-depth`).
     #[arg(long, default_value = "8")]
     queue_depth: starckpt_server::target::QueueDepth,
+    /// Profile one phase only: perf's control FIFO (`perf record --control fifo:FIFO -D -1 --
+    /// starckpt bench --perf-control FIFO`, likewise `perf stat`), told `enable` when each run's
+    /// `--perf-phase` starts and `disable` when it ends, so baselines and data generation stay out
+    /// of the profile.
+    #[arg(long)]
+    perf_control: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "committed", requires = "perf_control")]
+    perf_phase: PerfPhase,
+}
+
+/// The phase a [`BenchArgs::perf_control`] profile covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum PerfPhase {
+    /// From the first rank's save call until every rank's part is committed.
+    Committed,
+    /// From the first read until every rank's tensors are restored and verified.
+    Restore,
+}
+
+/// Tells perf (through its control FIFO) when the profiled phase starts and ends.
+struct PerfControl {
+    fifo: Option<std::fs::File>,
+    phase: PerfPhase,
+}
+
+impl PerfControl {
+    fn open(args: &BenchArgs) -> anyhow::Result<PerfControl> {
+        let fifo = match &args.perf_control {
+            Some(path) => Some(
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .with_context(|| format!("opening perf's control FIFO {}", path.display()))?,
+            ),
+            None => None,
+        };
+        Ok(PerfControl { fifo, phase: args.perf_phase })
+    }
+
+    fn tell(&self, phase: PerfPhase, command: &str) {
+        if let Some(mut fifo) = self.fifo.as_ref().filter(|_| phase == self.phase) {
+            use std::io::Write;
+            if let Err(e) = fifo.write_all(command.as_bytes()) {
+                tracing::warn!("perf control FIFO: {e}");
+            }
+        }
+    }
+
+    fn start(&self, phase: PerfPhase) {
+        self.tell(phase, "enable\n");
+    }
+
+    fn end(&self, phase: PerfPhase) {
+        self.tell(phase, "disable\n");
+    }
 }
 
 /// Waits until every target's free pool holds `bytes`, or stops growing for 10 s (a target's
@@ -235,7 +290,13 @@ struct Run {
 }
 
 /// Saves `state` as `step` from every rank at once, then restores it from every rank.
-async fn run_once(clients: &[Client], job: &str, step: u64, state: &[Shard]) -> anyhow::Result<Run> {
+async fn run_once(
+    clients: &[Client],
+    job: &str,
+    step: u64,
+    state: &[Shard],
+    perf: &PerfControl,
+) -> anyhow::Result<Run> {
     let ranks = clients.len() as u32;
     let parts: Vec<SavePart> = state
         .iter()
@@ -246,6 +307,7 @@ async fn run_once(clients: &[Client], job: &str, step: u64, state: &[Shard]) -> 
             })
         })
         .collect::<Result<_, _>>()?;
+    perf.start(PerfPhase::Committed);
     let started = Instant::now();
     let cpu = baseline::cpu_seconds();
     // Each rank on its own task, as ranks are separate processes: their copies run in parallel,
@@ -269,6 +331,7 @@ async fn run_once(clients: &[Client], job: &str, step: u64, state: &[Shard]) -> 
     let progress: Vec<_> = handles.iter().map(|h| Arc::clone(h.progress())).collect();
     let outcomes = futures::future::try_join_all(handles.into_iter().map(|h| h.wait())).await?;
     let committed = Timed { wall: started.elapsed(), cpu: baseline::cpu_seconds() - cpu };
+    perf.end(PerfPhase::Committed);
     if !outcomes.iter().any(|o| o.committed()) {
         bail!("step {step} did not commit");
     }
@@ -277,6 +340,7 @@ async fn run_once(clients: &[Client], job: &str, step: u64, state: &[Shard]) -> 
     let buffers: Vec<Vec<Vec<u8>>> =
         state.iter().map(|shard| shard.iter().map(|(_, data)| vec![1u8; data.len()]).collect()).collect();
     let manifest = Arc::new(clients[0].manifest(job, Some(step)).await?);
+    perf.start(PerfPhase::Restore);
     let (buffers, restore) = timed(async {
         // Each rank on its own task, as ranks are separate processes.
         let reads = clients.iter().zip(state).zip(buffers).map(|((client, shard), mut buffers)| {
@@ -294,6 +358,7 @@ async fn run_once(clients: &[Client], job: &str, step: u64, state: &[Shard]) -> 
         Ok(restored)
     })
     .await?;
+    perf.end(PerfPhase::Restore);
     for (shard, buffers) in state.iter().zip(&buffers) {
         for ((path, data), buffer) in shard.iter().zip(buffers) {
             if buffer[..] != data[..] {
@@ -419,6 +484,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     }
     say(format!("staging memory allocated and pre-faulted once in {:.2?} (not counted)", warm.elapsed()));
 
+    let perf = PerfControl::open(&args)?;
     let mut runs = Vec::new();
     let mut memcpy = Vec::new();
     let mut direct_write = Vec::new();
@@ -446,7 +512,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         {
             all.push(Timed { wall: this, cpu: 0.0 });
         }
-        let run = run_once(&clients, &job, u64::from(n) + 1, &state).await?;
+        let run = run_once(&clients, &job, u64::from(n) + 1, &state, &perf).await?;
         say(format!(
             "run {}: blocking {:.2?} ({} staging waits), committed {:.2?} (sent {:.3} of the bytes), restore \
              {:.2?} | memcpy {:.2?}, O_DIRECT write {:.2?}, buffered write+fsync {:.2?}, O_DIRECT read {:.2?}",

@@ -169,6 +169,8 @@ struct Targets {
     by_id: Mutex<HashMap<String, KnownTarget>>,
     /// This client's RDMA device and registrations, if it has a device.
     rdma: Option<Arc<RdmaClient>>,
+    /// The staging pool's shared region, passed to targets on this host.
+    staging: Option<Arc<starckpt_proto::shm::Region>>,
 }
 
 impl Targets {
@@ -188,6 +190,7 @@ impl Targets {
             config.tcp.clone(),
             config.shm.clone(),
             config.chunk_size_bytes,
+            self.staging.clone(),
             self.rdma.clone(),
         ));
         map.insert(target_id.to_owned(), (address.to_owned(), Arc::clone(&transport)));
@@ -252,13 +255,22 @@ impl Client {
         let control =
             ControlClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
         let buffers = (config.staging_bytes / config.chunk_size_bytes).max(1);
-        let staging = BufPool::new(config.chunk_size_bytes, buffers);
+        // In a memfd when shared memory is on, so targets on this host read staged chunks where
+        // they lie; on the heap if the memfd cannot be made (a sandbox without memfd_create).
+        let staging = match config.shm.enabled {
+            true => BufPool::shared("starckpt-staging", config.chunk_size_bytes, buffers).unwrap_or_else(|error| {
+                tracing::warn!(%error, "staging memory not shareable; shared-memory PUTs copy through slots");
+                BufPool::new(config.chunk_size_bytes, buffers)
+            }),
+            false => BufPool::new(config.chunk_size_bytes, buffers),
+        };
         // A device whose receive region cannot be registered (a memlock limit) means TCP.
         let rdma = rdma_device(&config.rdma)?.and_then(|verbs| {
             RdmaClient::new(verbs, &staging, config.rdma.slots, config.chunk_size_bytes)
                 .inspect_err(|error| tracing::warn!(%error, "RDMA receive memory not registered; using TCP"))
                 .ok()
         });
+        let shared_staging = staging.arena().cloned();
         let (run_id, run_id_shared) = match &config.run_id {
             Some(id) => (id.clone(), true),
             None => (uuid::Uuid::new_v4().to_string(), false),
@@ -272,7 +284,7 @@ impl Client {
                 upload_slot: Arc::new(tokio::sync::Semaphore::new(1)),
                 control,
                 staging,
-                targets: Targets { by_id: Default::default(), rdma },
+                targets: Targets { by_id: Default::default(), rdma, staging: shared_staging },
                 repairs: Arc::new(tokio::sync::Semaphore::new(REPAIRS_IN_FLIGHT)),
                 repairs_running: Arc::new(tokio::sync::Semaphore::new(REPAIRS_RUNNING)),
                 verify_pool: std::sync::OnceLock::new(),

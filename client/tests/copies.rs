@@ -15,6 +15,12 @@ use starckpt_proto::buf::copies;
 
 /// Payload copies per chunk transfer on the way to the targets and back, for one transport.
 async fn copies_per_transfer(fabric: Option<&str>, shm: bool, expected_kind: &str) -> (f64, f64) {
+    copies_saving(fabric, shm, expected_kind, true).await
+}
+
+/// [`copies_per_transfer`] of a save whose bytes are `staged` (copied into staging buffers, as
+/// `SavePart::buffer` does) or not (`SavePart::shared`: uploaded from the caller's memory).
+async fn copies_saving(fabric: Option<&str>, shm: bool, expected_kind: &str, staged: bool) -> (f64, f64) {
     let chunk = 1 << 20;
     let (_dir, _cluster, client) = common::cluster_on(fabric, 2, |config| {
         config.shm.enabled = shm;
@@ -27,7 +33,11 @@ async fn copies_per_transfer(fabric: Option<&str>, shm: bool, expected_kind: &st
     // Every chunk distinct (a repeated chunk would be deduplicated, not sent).
     let data: Vec<u8> = (0..8 * chunk).map(|i| (i * 7 + (i >> 12) * 13 + (i >> 20) * 101) as u8).collect();
     let (before, _) = copies::snapshot();
-    let part = SavePart::new("copies", 1).buffer("w.bin", Bytes::from(data.clone())).unwrap();
+    let part = SavePart::new("copies", 1);
+    let part = match staged {
+        true => part.buffer("w.bin", Bytes::from(data.clone())).unwrap(),
+        false => part.shared("w.bin", Bytes::from(data.clone())).unwrap(),
+    };
     let outcome = client.save(part).await.unwrap().wait().await.unwrap();
     let (saved, _) = copies::snapshot();
     // Every chunk went to each of its replicas (two: the job's default).
@@ -47,8 +57,11 @@ async fn payload_copies_per_transport() {
     // RDMA: the target reads straight from the client's registered staging buffer into the buffer
     // it writes to the device; a GET lands in a receive slot and is copied out once, into place.
     assert_eq!(copies_per_transfer(Some("soft"), false, "rdma").await, (0.0, 1.0));
-    // Shared memory: the client copies into a slot and the target out of it (it must own what it
-    // verifies); a GET is copied into a slot by the target and out of it, into place, by the
-    // client.
-    assert_eq!(copies_per_transfer(None, true, "shm").await, (2.0, 2.0));
+    // Shared memory: the target copies a staged chunk out of the client's staging memory, which
+    // the client shared at attach (it must own what it verifies); a GET is copied into a slot by
+    // the target and out of it, into place, by the client.
+    assert_eq!(copies_per_transfer(None, true, "shm").await, (1.0, 2.0));
+    // Bytes that were not staged (the caller's own memory) go through a slot: the client copies
+    // them in, the target out.
+    assert_eq!(copies_saving(None, true, "shm", false).await, (2.0, 2.0));
 }

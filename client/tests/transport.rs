@@ -263,7 +263,7 @@ async fn a_silent_target_times_out_instead_of_hanging() {
 async fn shm_target(dir: &std::path::Path, slots: u32) -> (Target, ShmTransport) {
     let socket = dir.join("shm.sock");
     let target = start_target_with(&dir.join("data"), "127.0.0.1:0", Some(&socket)).await;
-    let transport = ShmTransport::connect(socket, None, TcpConfig::default(), slots, 1 << 20).await.unwrap();
+    let transport = ShmTransport::connect(socket, None, TcpConfig::default(), slots, 1 << 20, None).await.unwrap();
     (target, transport)
 }
 
@@ -308,7 +308,8 @@ async fn auto_uses_shared_memory_on_this_host_and_tcp_otherwise() {
     let with_shm = start_target_with(&dir.path().join("a"), "127.0.0.1:0", Some(&socket)).await;
     let tcp_only = start_target(&dir.path().join("b"), "127.0.0.1:0").await;
     let (hash, data) = chunk(200_000, 3);
-    let auto = |address, shm: ShmConfig| AutoTransport::new(address, "t", TcpConfig::default(), shm, 1 << 20, None);
+    let auto =
+        |address, shm: ShmConfig| AutoTransport::new(address, "t", TcpConfig::default(), shm, 1 << 20, None, None);
 
     let local = auto(with_shm.address, ShmConfig::default());
     assert_eq!(local.kind(), "tcp", "undecided: TCP, while the target is asked in the background");
@@ -341,6 +342,7 @@ async fn auto_uses_shared_memory_on_this_host_and_tcp_otherwise() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_shared_memory_attach_is_refused() {
     use starckpt_proto::shm::{self, Attach, Region};
+    use std::os::fd::AsFd;
     use tokio::io::AsyncReadExt;
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("shm.sock");
@@ -348,7 +350,7 @@ async fn a_bad_shared_memory_attach_is_refused() {
     // A region smaller than the geometry it claims; garbage instead of an attach.
     let small = Region::create("small", 4096).unwrap();
     let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
-    shm::send_attach(&stream, Attach { slots: 4, slot_bytes: 4096 }, small.fd()).await.unwrap();
+    shm::send_attach(&stream, Attach { slots: 4, slot_bytes: 4096, staging_bytes: 0 }, small.fd(), None).await.unwrap();
     let mut answer = [0u8; 8];
     assert!(stream.read_exact(&mut answer).await.is_err(), "an undersized region was accepted");
     let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
@@ -358,7 +360,9 @@ async fn a_bad_shared_memory_attach_is_refused() {
     // is a BAD_REQUEST, and the connection goes on serving.
     let region = Region::create("good", 2 * 4096).unwrap();
     let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
-    shm::send_attach(&stream, Attach { slots: 2, slot_bytes: 4096 }, region.fd()).await.unwrap();
+    shm::send_attach(&stream, Attach { slots: 2, slot_bytes: 4096, staging_bytes: 0 }, region.fd(), None)
+        .await
+        .unwrap();
     stream.read_exact(&mut answer).await.unwrap();
     assert_eq!(&answer, shm::ATTACH_OK);
     let (hash, data) = chunk(4000, 1);
@@ -383,6 +387,54 @@ async fn a_bad_shared_memory_attach_is_refused() {
         assert_eq!((head.request_id, response.code), (id, code as i32), "{}", response.message);
     }
     assert_eq!(target.store.stats().chunk_count, 1);
+
+    // A staging region smaller than it claims, or not sealed, is refused.
+    let slots = Region::create("slots", 4096).unwrap();
+    let attach = Attach { slots: 1, slot_bytes: 4096, staging_bytes: 3 * 4096 };
+    let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
+    shm::send_attach(&stream, attach, slots.fd(), Some(region.fd())).await.unwrap();
+    assert!(stream.read_exact(&mut answer).await.is_err(), "an undersized staging region was accepted");
+    let unsealed = std::fs::File::options().create_new(true).read(true).write(true).open(dir.path().join("u")).unwrap();
+    unsealed.set_len(3 * 4096).unwrap();
+    let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
+    shm::send_attach(&stream, attach, slots.fd(), Some(unsealed.as_fd())).await.unwrap();
+    assert!(stream.read_exact(&mut answer).await.is_err(), "an unsealed staging region was accepted");
+
+    // With a staging region: a PUT names a range of it; one outside it, one that also names a
+    // slot, or bytes that do not match the hash are refused, and the connection goes on serving.
+    let staging = Region::create("staging", 3 * 4096).unwrap();
+    let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
+    shm::send_attach(&stream, attach, slots.fd(), Some(staging.fd())).await.unwrap();
+    stream.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, shm::ATTACH_OK);
+    let (hash, data) = chunk(5000, 2);
+    staging.write_at(4096, &data).unwrap();
+    let staged = |offset: u64, length: u64, slot: u32| {
+        use prost::Message;
+        starckpt_proto::data::PutRequest {
+            hash: hash.to_bytes(),
+            shm_slot: slot,
+            shm_length: if slot == 0 { 0 } else { length },
+            staging: Some(starckpt_proto::data::StagingRange { offset, length }),
+            ..Default::default()
+        }
+        .encode_to_vec()
+    };
+    for (id, header, code) in [
+        (1, staged(4096 * 2, 5000, 0), ErrorCode::BadRequest),
+        (2, staged(u64::MAX - 10, 5000, 0), ErrorCode::BadRequest),
+        (3, staged(4096, 5000, 1), ErrorCode::BadRequest),
+        (4, staged(4096, 0, 0), ErrorCode::BadRequest),
+        (5, staged(0, 5000, 0), ErrorCode::HashMismatch),
+        (6, staged(4096, 5000, 0), ErrorCode::Ok),
+    ] {
+        starckpt_proto::frame::write_frame(&mut stream, Opcode::Put, id, &header, &[]).await.unwrap();
+        let (head, response) = starckpt_proto::frame::read_frame_head(&mut stream).await.unwrap();
+        let response = <starckpt_proto::data::Response as prost::Message>::decode(response).unwrap();
+        assert_eq!((head.request_id, response.code), (id, code as i32), "{}", response.message);
+    }
+    assert_eq!(target.store.stats().chunk_count, 2);
+    assert_eq!(&target.store.get(hash, 0, 0).await.unwrap().bytes[..], &data[..]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -396,8 +448,8 @@ async fn requests_waiting_for_a_slot_fail_instead_of_hanging_when_its_holder_tim
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let (attach, fd) = shm::recv_attach(&stream).await.unwrap();
-                let _region = Region::attach(fd, attach.region_bytes()).unwrap();
+                let attached = shm::recv_attach(&stream).await.unwrap();
+                let _region = Region::attach(attached.slots, attached.attach.region_bytes()).unwrap();
                 stream.writable().await.unwrap();
                 stream.try_write(shm::ATTACH_OK).unwrap();
                 let (mut reader, mut writer) = stream.into_split();
@@ -412,7 +464,7 @@ async fn requests_waiting_for_a_slot_fail_instead_of_hanging_when_its_holder_tim
         }
     });
     let config = TcpConfig { request_timeout: Duration::from_millis(300), ..TcpConfig::default() };
-    let transport = Arc::new(ShmTransport::connect(socket, None, config, 1, 1 << 20).await.unwrap());
+    let transport = Arc::new(ShmTransport::connect(socket, None, config, 1, 1 << 20, None).await.unwrap());
     // One slot, three GETs: the first holds it and times out; the others must not wait forever
     // for a slot that is never handed back.
     let gets: Vec<_> = (0..3u8)
@@ -602,7 +654,7 @@ async fn auto_uses_rdma_when_both_sides_have_it_and_falls_back_to_tcp() {
     let (hash, data) = chunk(200_000, 3);
     let no_shm = ShmConfig { enabled: false, ..ShmConfig::default() };
     let auto = |address, rdma: Option<Arc<RdmaClient>>| {
-        AutoTransport::new(address, "t", TcpConfig::default(), no_shm.clone(), 1 << 20, rdma)
+        AutoTransport::new(address, "t", TcpConfig::default(), no_shm.clone(), 1 << 20, None, rdma)
     };
 
     let fast = auto(with_rdma.address, Some(Arc::clone(&client)));

@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::shm::Region;
+
 /// Payload bytes copied in user space on the data path, between a client's staging buffers (or
 /// the reader's) and a target's device buffers: every such copy site records itself here, so a
 /// test can count the copies each transport makes (`client/tests/copies.rs`). Two relaxed atomic
@@ -55,6 +57,9 @@ pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
     capacity: usize,
+    /// The shared region this buffer is carved from ([`BufPool::shared`]); None: a heap
+    /// allocation of its own.
+    arena: Option<Arc<Region>>,
 }
 
 // SAFETY: AlignedBuf owns its allocation exclusively, like Vec<u8>.
@@ -73,7 +78,7 @@ impl AlignedBuf {
         // SAFETY: layout has non-zero size.
         let raw = unsafe { alloc(layout) };
         let Some(ptr) = NonNull::new(raw) else { std::alloc::handle_alloc_error(layout) };
-        let buf = AlignedBuf { ptr, len: 0, capacity };
+        let buf = AlignedBuf { ptr, len: 0, capacity, arena: None };
         if layout.align() == HUGE_PAGE {
             // Transparent huge pages are `madvise` on these VMs: first touch runs at 6.8 GB/s with
             // them against 0.6 GB/s with 4 KiB pages (../shared/MACHINE.md). Advice only: a kernel
@@ -84,6 +89,22 @@ impl AlignedBuf {
         // Zero every byte now: the contents are defined (the allocator may return memory it used
         // before) and every page is faulted in here rather than on the hot path.
         // SAFETY: the allocation is `capacity` bytes.
+        unsafe { std::ptr::write_bytes(buf.ptr.as_ptr(), 0, capacity) };
+        buf
+    }
+
+    /// The `capacity` bytes at `offset` of `arena` as a buffer, every page touched.
+    fn carve(arena: &Arc<Region>, offset: usize, capacity: usize) -> AlignedBuf {
+        assert!(
+            offset.is_multiple_of(ALIGN) && capacity.is_multiple_of(ALIGN) && offset + capacity <= arena.len(),
+            "a buffer of {capacity} bytes at {offset} outside the {}-byte arena",
+            arena.len()
+        );
+        // SAFETY: in bounds (asserted); the pool lends each range to one buffer at a time.
+        let ptr = NonNull::new(unsafe { arena.base().add(offset) }).expect("a mapping is never at 0");
+        let buf = AlignedBuf { ptr, len: 0, capacity, arena: Some(Arc::clone(arena)) };
+        // Touched (the memfd's pages allocated) now, not on the hot path.
+        // SAFETY: the range lies in the writable mapping `arena` holds.
         unsafe { std::ptr::write_bytes(buf.ptr.as_ptr(), 0, capacity) };
         buf
     }
@@ -141,6 +162,9 @@ impl AsMut<[u8]> for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if self.arena.is_some() {
+            return; // the region's mapping goes with its last handle
+        }
         let layout = layout_for(self.capacity);
         // SAFETY: allocated in `new` with this layout.
         unsafe { dealloc(self.ptr.as_ptr(), layout) };
@@ -175,14 +199,21 @@ struct PoolInner {
     /// Start addresses of the buffers created, sorted: a pool's buffers live as long as the pool,
     /// so memory registered for RDMA once stays valid ([`BufPool::buffer_containing`]).
     bases: Mutex<Vec<usize>>,
+    /// The shared region the buffers are carved from ([`BufPool::shared`]), buffer `i` at
+    /// `i × buf_bytes`.
+    arena: Option<Arc<Region>>,
 }
 
 impl PoolInner {
     /// A new buffer and its index (creation order).
     fn create(&self) -> (AlignedBuf, u32) {
-        let buf = AlignedBuf::new(self.buf_bytes);
         let mut bases = self.bases.lock().unwrap_or_else(|p| p.into_inner());
         let index = bases.len() as u32;
+        let buf = match &self.arena {
+            // Under the lock: the index names the range, so two creators never carve the same one.
+            Some(arena) => AlignedBuf::carve(arena, index as usize * self.buf_bytes, self.buf_bytes),
+            None => AlignedBuf::new(self.buf_bytes),
+        };
         let at = bases.partition_point(|&b| b < buf.as_ptr() as usize);
         bases.insert(at, buf.as_ptr() as usize);
         (buf, index)
@@ -199,6 +230,22 @@ pub struct BufPool {
 
 impl BufPool {
     pub fn new(buf_bytes: usize, max_buffers: usize) -> BufPool {
+        BufPool::with_arena(buf_bytes, max_buffers, None)
+    }
+
+    /// A pool whose buffers are carved out of one sealed memfd ([`Region`]), so another process
+    /// on this host that maps it ([`BufPool::arena`], passed at a shared-memory attach) can read
+    /// them where they lie. The memfd's pages are allocated as buffers are created, as with
+    /// [`BufPool::new`].
+    pub fn shared(name: &str, buf_bytes: usize, max_buffers: usize) -> std::io::Result<BufPool> {
+        let bytes = round_up(buf_bytes.max(1))
+            .checked_mul(max_buffers.max(1))
+            .ok_or_else(|| std::io::Error::other("the staging arena's size overflows"))?;
+        let arena = Region::create(name, bytes)?;
+        Ok(BufPool::with_arena(buf_bytes, max_buffers, Some(Arc::new(arena))))
+    }
+
+    fn with_arena(buf_bytes: usize, max_buffers: usize, arena: Option<Arc<Region>>) -> BufPool {
         BufPool {
             inner: Arc::new(PoolInner {
                 id: NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -208,8 +255,14 @@ impl BufPool {
                 free: Mutex::new(Vec::new()),
                 permits: Arc::new(Semaphore::new(max_buffers.max(1))),
                 bases: Mutex::new(Vec::new()),
+                arena,
             }),
         }
+    }
+
+    /// The shared region the buffers live in, for a pool made by [`BufPool::shared`].
+    pub fn arena(&self) -> Option<&Arc<Region>> {
+        self.inner.arena.as_ref()
     }
 
     /// Capacity of each buffer.
@@ -405,6 +458,37 @@ mod tests {
         drop((c, _b));
         pool.prefill(10);
         assert_eq!(pool.inner.created.load(std::sync::atomic::Ordering::Relaxed), 2, "prefill respects the bound");
+    }
+
+    #[tokio::test]
+    async fn a_shared_pool_carves_its_buffers_out_of_one_region() {
+        let pool = BufPool::shared("test-staging", 5000, 3).unwrap();
+        let arena = Arc::clone(pool.arena().unwrap());
+        assert_eq!(arena.len(), 3 * 8192);
+        let mut bufs = Vec::new();
+        for _ in 0..3 {
+            let mut buf = pool.acquire().await;
+            buf.buf_mut().full_mut()[..5].copy_from_slice(b"bytes");
+            buf.buf_mut().set_len(5);
+            bufs.push(buf);
+        }
+        assert!(pool.try_acquire().is_none(), "bounded like any pool");
+        let mut offsets: Vec<usize> = bufs.iter().map(|b| arena.offset_of(b.buf().as_ptr(), 8192).unwrap()).collect();
+        offsets.sort();
+        assert_eq!(offsets, [0, 8192, 16384], "each buffer its own range");
+        // Another mapping of the region (a target's) sees the bytes where they lie.
+        let other = Region::attach_read_only(arena.fd().try_clone_to_owned().unwrap(), arena.len()).unwrap();
+        let mut seen = [0u8; 5];
+        other.read_at(offsets[1], &mut seen).unwrap();
+        assert_eq!(&seen, b"bytes");
+        // Buffers outlive the pool handle (the region with them), then are reused, not re-carved.
+        let first = bufs.remove(0).freeze();
+        drop(pool.clone());
+        assert_eq!(&first[..], b"bytes");
+        drop(first);
+        let again = pool.acquire().await;
+        assert!(arena.offset_of(again.buf().as_ptr(), 8192).is_some());
+        assert_eq!(pool.allocated(), 3);
     }
 
     #[tokio::test]

@@ -5,13 +5,22 @@
 //! ## Attach handshake (on a fresh Unix-socket connection, before any frame)
 //!
 //! ```text
-//!  client ──► 16 bytes: "SCKSHM01" | slots u32 LE | slot bytes u32 LE, with the memfd (SCM_RIGHTS)
+//!  client ──► 24 bytes: "SCKSHM02" | slots u32 LE | slot bytes u32 LE | staging bytes u64 LE,
+//!             with the slot memfd and, when staging bytes > 0, the staging memfd (SCM_RIGHTS)
 //!  target ──► 8 bytes: "SCKSHMOK" (then frames as on TCP), or it closes the connection
 //! ```
 //!
-//! The region is `slots × slot bytes`, split into slots of `slot bytes` each (a multiple of 4096).
-//! A frame names a slot (1-based; 0 means "payload inline, as on TCP") and a length: a PUT's
-//! payload lies in its slot; a GET's response is written into the slot its request named.
+//! (A version-1 client sends 16 bytes, "SCKSHM01" | slots | slot bytes, and one memfd: no staging
+//! region. Targets accept both.)
+//!
+//! The slot region is `slots × slot bytes`, split into slots of `slot bytes` each (a multiple of
+//! 4096). A frame names a slot (1-based; 0 means "payload inline, as on TCP") and a length: a
+//! PUT's payload lies in its slot; a GET's response is written into the slot its request named.
+//!
+//! The staging region is the client's staging memory itself (`buf::BufPool::shared`): the
+//! buffers a save copies the caller's bytes into. A PUT may name a range of it (offset, length),
+//! so a staged chunk reaches the target without being copied into a slot first; the target maps
+//! it read-only and copies the range into its own buffer, as it copies a slot.
 //!
 //! ## Why a target can trust the mapping
 //!
@@ -34,19 +43,27 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
-pub const ATTACH_MAGIC: &[u8; 8] = b"SCKSHM01";
+pub const ATTACH_MAGIC: &[u8; 8] = b"SCKSHM02";
+/// The first version's magic: slots only, no staging region.
+pub const ATTACH_MAGIC_V1: &[u8; 8] = b"SCKSHM01";
 pub const ATTACH_OK: &[u8; 8] = b"SCKSHMOK";
-pub const ATTACH_BYTES: usize = 16;
+pub const ATTACH_BYTES: usize = 24;
+const ATTACH_BYTES_V1: usize = 16;
 /// Most slots one connection may share.
 pub const MAX_SLOTS: u32 = 256;
-/// Largest region one connection may share (the target maps it; the memory is the client's).
+/// Largest slot region one connection may share (the target maps it; the memory is the client's).
 pub const MAX_REGION_BYTES: usize = 1 << 30;
+/// Largest staging region a target maps. Only address space: the pages are the client's, and
+/// the target touches only ranges PUTs name.
+pub const MAX_STAGING_BYTES: u64 = 1 << 40;
 
-/// The slot geometry a client proposes when attaching.
+/// The geometry a client proposes when attaching.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Attach {
     pub slots: u32,
     pub slot_bytes: u32,
+    /// Bytes of the staging region sent with the slots (0: none).
+    pub staging_bytes: u64,
 }
 
 impl Attach {
@@ -59,16 +76,30 @@ impl Attach {
         out[..8].copy_from_slice(ATTACH_MAGIC);
         out[8..12].copy_from_slice(&self.slots.to_le_bytes());
         out[12..16].copy_from_slice(&self.slot_bytes.to_le_bytes());
+        out[16..24].copy_from_slice(&self.staging_bytes.to_le_bytes());
         out
     }
 
-    /// Checks the magic and the geometry's bounds.
-    pub fn decode(bytes: &[u8; ATTACH_BYTES]) -> Result<Attach, String> {
-        if &bytes[..8] != ATTACH_MAGIC {
-            return Err("not a starckpt shared-memory attach".into());
-        }
+    /// Checks the magic and the geometry's bounds; takes a version-1 (16-byte) message too.
+    pub fn decode(bytes: &[u8]) -> Result<Attach, String> {
         let word = |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
-        let attach = Attach { slots: word(8), slot_bytes: word(12) };
+        let attach = match bytes.len() {
+            ATTACH_BYTES if &bytes[..8] == ATTACH_MAGIC => Attach {
+                slots: word(8),
+                slot_bytes: word(12),
+                staging_bytes: u64::from(word(16)) | (u64::from(word(20)) << 32),
+            },
+            ATTACH_BYTES_V1 if &bytes[..8] == ATTACH_MAGIC_V1 => {
+                Attach { slots: word(8), slot_bytes: word(12), staging_bytes: 0 }
+            }
+            _ => return Err("not a starckpt shared-memory attach".into()),
+        };
+        if attach.staging_bytes > MAX_STAGING_BYTES || !attach.staging_bytes.is_multiple_of(4096) {
+            return Err(format!(
+                "a staging region of {} bytes is not a multiple of 4096 up to {MAX_STAGING_BYTES}",
+                attach.staging_bytes
+            ));
+        }
         let max_slot = crate::frame::MAX_PAYLOAD_BYTES as usize;
         if attach.slots == 0 || attach.slots > MAX_SLOTS {
             return Err(format!("{} slots is outside 1..={MAX_SLOTS}", attach.slots));
@@ -88,6 +119,8 @@ pub struct Region {
     fd: OwnedFd,
     ptr: NonNull<u8>,
     len: usize,
+    /// False for a region mapped read-only ([`Region::attach_read_only`]): writes are refused.
+    writable: bool,
 }
 
 // SAFETY: the region is plain bytes shared with another process; every access goes through the
@@ -101,12 +134,30 @@ impl Region {
         let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)?;
         nix::unistd::ftruncate(&fd, i64::try_from(len).map_err(io::Error::other)?)?;
         fcntl(&fd, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL))?;
-        Region::map(fd, len)
+        let region = Region::map(fd, len, true)?;
+        // Huge pages where the kernel allows them for shared memory (`shmem_enabled` advise or
+        // above; advice only). A child forked later does not inherit the mapping: it would share,
+        // not copy, the parent's in-flight bytes.
+        // SAFETY: the range is exactly this mapping.
+        unsafe {
+            libc::madvise(region.ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE);
+            libc::madvise(region.ptr.as_ptr().cast(), len, libc::MADV_DONTFORK);
+        }
+        Ok(region)
     }
 
     /// Maps a region received from a client, after checking that it is sealed against shrinking
     /// and holds at least `len` bytes.
     pub fn attach(fd: OwnedFd, len: usize) -> io::Result<Region> {
+        Region::attach_as(fd, len, true)
+    }
+
+    /// [`Region::attach`], mapped read-only (a client's staging memory: the target only reads it).
+    pub fn attach_read_only(fd: OwnedFd, len: usize) -> io::Result<Region> {
+        Region::attach_as(fd, len, false)
+    }
+
+    fn attach_as(fd: OwnedFd, len: usize, writable: bool) -> io::Result<Region> {
         let seals =
             fcntl(&fd, FcntlArg::F_GET_SEALS).map_err(|e| io::Error::other(format!("not a sealed memfd: {e}")))?;
         let required = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW;
@@ -121,16 +172,27 @@ impl Region {
         if usize::try_from(size).map_or(true, |size| size < len) {
             return Err(io::Error::other(format!("the memfd holds {size} bytes, fewer than {len}")));
         }
-        Region::map(fd, len)
+        Region::map(fd, len, writable)
     }
 
-    fn map(fd: OwnedFd, len: usize) -> io::Result<Region> {
+    fn map(fd: OwnedFd, len: usize, writable: bool) -> io::Result<Region> {
         let length = NonZeroUsize::new(len).ok_or_else(|| io::Error::other("empty region"))?;
+        let protection = if writable { ProtFlags::PROT_READ | ProtFlags::PROT_WRITE } else { ProtFlags::PROT_READ };
         // SAFETY: a fresh shared mapping of a file we hold; unmapped in Drop, never aliased as a
         // Rust reference (only raw copies touch it).
-        let ptr =
-            unsafe { mmap(None, length, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, &fd, 0) }?;
-        Ok(Region { fd, ptr: ptr.cast(), len })
+        let ptr = unsafe { mmap(None, length, protection, MapFlags::MAP_SHARED, &fd, 0) }?;
+        Ok(Region { fd, ptr: ptr.cast(), len, writable })
+    }
+
+    /// The mapping's first byte (for carving buffers out of a region this process created).
+    pub fn base(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The offset of `len` bytes at `ptr` in this mapping, if they lie wholly within it.
+    pub fn offset_of(&self, ptr: *const u8, len: usize) -> Option<usize> {
+        let offset = (ptr as usize).checked_sub(self.ptr.as_ptr() as usize)?;
+        (offset.checked_add(len)? <= self.len).then_some(offset)
     }
 
     pub fn len(&self) -> usize {
@@ -152,9 +214,16 @@ impl Region {
         }
     }
 
+    fn check_writable(&self, offset: usize, len: usize) -> io::Result<()> {
+        if !self.writable {
+            return Err(io::Error::other("the region is mapped read-only"));
+        }
+        self.check(offset, len)
+    }
+
     /// Copies `src` into the region at `offset`.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> io::Result<()> {
-        self.check(offset, src.len())?;
+        self.check_writable(offset, src.len())?;
         // SAFETY: in bounds (checked); the region never overlaps Rust-owned memory.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len()) };
         crate::buf::copies::record(src.len());
@@ -169,6 +238,28 @@ impl Region {
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
         crate::buf::copies::record(dst.len());
         Ok(())
+    }
+
+    /// [`Region::read_at`], hashing the copy as it is made: each piece is hashed (BLAKE3) right
+    /// after it is copied, while it is still in the CPU's cache, so the hash does not read the
+    /// bytes from memory a second time. The hash is of `dst` as copied (never of the region,
+    /// which another process may change meanwhile).
+    pub fn read_at_hashed(&self, offset: usize, dst: &mut [u8]) -> io::Result<crate::ChunkHash> {
+        /// Small enough to stay in a core's L2 cache between the copy and the hash.
+        const PIECE: usize = 128 << 10;
+        self.check(offset, dst.len())?;
+        let mut hasher = blake3::Hasher::new();
+        for (index, piece) in dst.chunks_mut(PIECE).enumerate() {
+            // SAFETY: in bounds (checked for the whole range); the region never overlaps Rust-owned
+            // memory.
+            unsafe {
+                let from = self.ptr.as_ptr().add(offset + index * PIECE);
+                std::ptr::copy_nonoverlapping(from, piece.as_mut_ptr(), piece.len());
+            }
+            hasher.update(piece);
+        }
+        crate::buf::copies::record(dst.len());
+        Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
     }
 
     /// [`Region::read_at`] into fresh `Bytes` (not zeroed first).
@@ -190,7 +281,7 @@ impl Region {
 
     /// Zeroes `len` bytes at `offset`.
     pub fn zero(&self, offset: usize, len: usize) -> io::Result<()> {
-        self.check(offset, len)?;
+        self.check_writable(offset, len)?;
         // SAFETY: in bounds (checked).
         unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), 0, len) };
         Ok(())
@@ -204,10 +295,19 @@ impl Drop for Region {
     }
 }
 
-/// Sends the attach message with the region's descriptor.
-pub async fn send_attach(stream: &UnixStream, attach: Attach, fd: BorrowedFd<'_>) -> io::Result<()> {
+/// Sends the attach message with the slot region's descriptor and, when `attach.staging_bytes`
+/// is not 0, the staging region's.
+pub async fn send_attach(
+    stream: &UnixStream,
+    attach: Attach,
+    fd: BorrowedFd<'_>,
+    staging: Option<BorrowedFd<'_>>,
+) -> io::Result<()> {
+    if staging.is_some() != (attach.staging_bytes > 0) {
+        return Err(io::Error::other("a staging region needs both its size and its descriptor"));
+    }
     let message = attach.encode();
-    let fds = [fd.as_raw_fd()];
+    let fds: Vec<_> = std::iter::once(fd).chain(staging).map(|fd| fd.as_raw_fd()).collect();
     let sent = stream
         .async_io(Interest::WRITABLE, || {
             let cmsgs = [ControlMessage::ScmRights(&fds)];
@@ -221,12 +321,20 @@ pub async fn send_attach(stream: &UnixStream, attach: Attach, fd: BorrowedFd<'_>
     Ok(())
 }
 
-/// Receives an attach message and the descriptor that came with it.
-pub async fn recv_attach(stream: &UnixStream) -> io::Result<(Attach, OwnedFd)> {
+/// What a client attached: the slot region's descriptor and the staging region's, if any.
+#[derive(Debug)]
+pub struct Attached {
+    pub attach: Attach,
+    pub slots: OwnedFd,
+    pub staging: Option<OwnedFd>,
+}
+
+/// Receives an attach message and the descriptors that came with it.
+pub async fn recv_attach(stream: &UnixStream) -> io::Result<Attached> {
     let mut message = [0u8; ATTACH_BYTES];
     let (received, fds) = stream
         .async_io(Interest::READABLE, || {
-            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 2]);
+            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 3]);
             let mut iov = [io::IoSliceMut::new(&mut message)];
             let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
                 .map_err(io::Error::from)?;
@@ -240,16 +348,13 @@ pub async fn recv_attach(stream: &UnixStream) -> io::Result<(Attach, OwnedFd)> {
             Ok((msg.bytes, fds))
         })
         .await?;
-    if received != ATTACH_BYTES {
-        return Err(io::Error::other(format!("attach message of {received} bytes")));
+    let attach = Attach::decode(&message[..received]).map_err(io::Error::other)?;
+    let wanted = 1 + usize::from(attach.staging_bytes > 0);
+    if fds.len() != wanted {
+        return Err(io::Error::other(format!("attach with {} descriptors, not {wanted}", fds.len())));
     }
-    let attach = Attach::decode(&message).map_err(io::Error::other)?;
     let mut fds = fds.into_iter();
-    match (fds.next(), fds.next()) {
-        (Some(fd), None) => Ok((attach, fd)),
-        (None, _) => Err(io::Error::other("attach without a descriptor")),
-        (Some(_), Some(_)) => Err(io::Error::other("attach with more than one descriptor")),
-    }
+    Ok(Attached { attach, slots: fds.next().expect("counted"), staging: fds.next() })
 }
 
 /// This host's identity for deciding whether a target is local: the kernel's boot id (processes
@@ -264,21 +369,32 @@ mod tests {
 
     #[test]
     fn attach_geometry_is_bounded() {
-        let good = Attach { slots: 8, slot_bytes: 4 << 20 };
+        let good = Attach { slots: 8, slot_bytes: 4 << 20, staging_bytes: 3 << 40 >> 2 };
         assert_eq!(Attach::decode(&good.encode()), Ok(good));
+        let geometry = |slots, slot_bytes| Attach { slots, slot_bytes, staging_bytes: 0 };
         for bad in [
-            Attach { slots: 0, slot_bytes: 4096 },
-            Attach { slots: MAX_SLOTS + 1, slot_bytes: 4096 },
-            Attach { slots: 1, slot_bytes: 4095 },
-            Attach { slots: 1, slot_bytes: 0 },
-            Attach { slots: 1, slot_bytes: 128 << 20 },
-            Attach { slots: 64, slot_bytes: 64 << 20 },
+            geometry(0, 4096),
+            geometry(MAX_SLOTS + 1, 4096),
+            geometry(1, 4095),
+            geometry(1, 0),
+            geometry(1, 128 << 20),
+            geometry(64, 64 << 20),
+            Attach { staging_bytes: 4097, ..good },
+            Attach { staging_bytes: MAX_STAGING_BYTES + 4096, ..good },
         ] {
             assert!(Attach::decode(&bad.encode()).is_err(), "{bad:?}");
         }
         let mut wrong = good.encode();
         wrong[0] = b'X';
         assert!(Attach::decode(&wrong).is_err());
+        assert!(Attach::decode(&good.encode()[..20]).is_err(), "truncated");
+        // A version-1 client: 16 bytes, no staging region.
+        let mut v1 = [0u8; 16];
+        v1.copy_from_slice(&good.encode()[..16]);
+        v1[..8].copy_from_slice(ATTACH_MAGIC_V1);
+        assert_eq!(Attach::decode(&v1), Ok(Attach { staging_bytes: 0, ..good }));
+        v1[..8].copy_from_slice(ATTACH_MAGIC);
+        assert!(Attach::decode(&v1).is_err(), "a 16-byte message with the version-2 magic");
     }
 
     #[test]
@@ -297,6 +413,23 @@ mod tests {
         let unsealed = memfd_create("unsealed", MFdFlags::MFD_CLOEXEC).unwrap();
         nix::unistd::ftruncate(&unsealed, 8192).unwrap();
         assert!(Region::attach(unsealed, 8192).is_err());
+        // A read-only mapping reads what the creator wrote and refuses writes.
+        let read_only = Region::attach_read_only(region.fd().try_clone_to_owned().unwrap(), 8192).unwrap();
+        read_only.read_at(4000, &mut got).unwrap();
+        assert_eq!(&got, b"hello");
+        assert!(read_only.write_at(0, b"x").is_err());
+        assert!(read_only.zero(0, 1).is_err());
+        assert_eq!(region.offset_of(region.base().wrapping_add(4096), 4096), Some(4096));
+        assert_eq!(region.offset_of(region.base().wrapping_add(4096), 4097), None);
+        assert_eq!(region.offset_of(got.as_ptr(), 1), None);
+        // A hashed copy hashes what it copied, across pieces.
+        let big = Region::create("big", 512 << 10).unwrap();
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i * 31 % 251) as u8).collect();
+        big.write_at(8192, &data).unwrap();
+        let mut copy = vec![0u8; data.len()];
+        assert_eq!(big.read_at_hashed(8192, &mut copy).unwrap(), crate::ChunkHash::of(&data));
+        assert_eq!(copy, data);
+        assert!(big.read_at_hashed(300_000, &mut copy).is_err());
         // A hugetlb memfd, even sealed (creating one needs no huge pages; mapping it would).
         let huge = memfd_create("huge", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING | MFdFlags::MFD_HUGETLB);
         if let Ok(huge) = huge {

@@ -496,6 +496,8 @@ pub(crate) enum Place {
     Inline,
     /// In this 1-based shared-memory slot.
     Slot(u32),
+    /// At this offset of the client's shared staging region (a PUT's payload only).
+    Staging(u64),
     /// In client memory registered for RDMA.
     Rdma(RemoteBuffer),
 }
@@ -522,6 +524,10 @@ pub(crate) fn put_header<F: FrameTransport + ?Sized>(
         shm_length,
         rdma: match place {
             Place::Rdma(remote) => Some(remote.to_wire()),
+            _ => None,
+        },
+        staging: match place {
+            Place::Staging(offset) => Some(data::StagingRange { offset, length: payload.bytes.len() as u64 }),
             _ => None,
         },
     }

@@ -2,9 +2,11 @@
 //!
 //! A [`ShmTransport`] connection is a Unix-socket connection to the target plus a memfd region
 //! the client creates, seals and passes over it (`starckpt_proto::shm` has the handshake and why
-//! the target can trust the mapping). The region is split into slots. A PUT copies its payload
-//! into a free slot and sends a frame naming the slot; the target copies it out into its aligned
-//! write buffer, verifies and stores it. A GET names a slot; the target writes the bytes there and
+//! the target can trust the mapping). The region is split into slots. A PUT of a staged chunk
+//! names where it lies in the client's staging memory, which the client passed at attach too
+//! (its staging pool is carved out of a memfd, `BufPool::shared`); any other PUT copies its
+//! payload into a free slot and names the slot. Either way the target copies the bytes into its
+//! aligned write buffer, verifies and stores them: one user-space copy per staged chunk. A GET names a slot; the target writes the bytes there and
 //! answers with their length. So payload bytes never pass through socket buffers; the frames that
 //! carry the requests are the same as on TCP (HAS, LIST, ... travel on the same socket). A payload
 //! larger than a slot travels inline on the same socket.
@@ -53,28 +55,34 @@ pub struct ShmTransport {
     target_id: Option<String>,
     config: TcpConfig,
     attach: Attach,
+    /// The client's staging memory, shared at every attach.
+    staging: Option<Arc<Region>>,
     connection: tokio::sync::Mutex<Option<Arc<ShmConnection>>>,
 }
 
 impl ShmTransport {
     /// Connects to the target's shared-memory socket and attaches a region of `slots` slots of
-    /// `slot_bytes` (rounded up to 4 KiB) each.
+    /// `slot_bytes` (rounded up to 4 KiB) each, and `staging` (the client's staging pool's
+    /// region, `BufPool::arena`) if given: PUTs of bytes that lie in it name them there.
     pub async fn connect(
         socket: PathBuf,
         target_id: Option<&str>,
         config: TcpConfig,
         slots: u32,
         slot_bytes: usize,
+        staging: Option<Arc<Region>>,
     ) -> Result<ShmTransport, TransportError> {
         let slot_bytes = u32::try_from(slot_bytes.div_ceil(4096) * 4096)
             .map_err(|_| TransportError::Connect(format!("slot of {slot_bytes} bytes")))?;
-        let attach = Attach { slots, slot_bytes };
+        let staging_bytes = staging.as_ref().map_or(0, |region| region.len() as u64);
+        let attach = Attach { slots, slot_bytes, staging_bytes };
         Attach::decode(&attach.encode()).map_err(TransportError::Connect)?;
         let transport = ShmTransport {
             socket,
             target_id: target_id.map(str::to_owned),
             config,
             attach,
+            staging,
             connection: tokio::sync::Mutex::new(None),
         };
         // Over the attached connection, so a socket that belongs to another target (two
@@ -86,6 +94,14 @@ impl ShmTransport {
     async fn put_request(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
         let (response, _) = once_more(|| async {
             let connection = self.connection().await?;
+            // Staged: named where it lies. The request holds `payload`, so the staging buffer is
+            // not reused before the target answers (an abandoned request closes the connection;
+            // a target still copying then sees changed bytes, and its hash check refuses them).
+            let staged = self.staging.as_ref().and_then(|r| r.offset_of(payload.bytes.as_ptr(), payload.bytes.len()));
+            if let Some(offset) = staged.filter(|_| !payload.bytes.is_empty()) {
+                let header = put_header(self, hash, &payload, repair, Place::Staging(offset as u64));
+                return self.call_on(&connection, Opcode::Put, header, None).await;
+            }
             if payload.bytes.len() > connection.slots.slot_bytes() {
                 let header = put_header(self, hash, &payload, repair, Place::Inline);
                 return self.call_on(&connection, Opcode::Put, header, Some(payload.bytes.clone())).await;
@@ -125,7 +141,9 @@ impl Dialled for ShmTransport {
         let connect = |e: std::io::Error| TransportError::Connect(format!("{}: {e}", self.socket.display()));
         let mut stream = UnixStream::connect(&self.socket).await.map_err(connect)?;
         let region = Region::create("starckpt-slots", self.attach.region_bytes()).map_err(connect)?;
-        shm::send_attach(&stream, self.attach, region.fd()).await.map_err(connect)?;
+        shm::send_attach(&stream, self.attach, region.fd(), self.staging.as_ref().map(|r| r.fd()))
+            .await
+            .map_err(connect)?;
         let mut answer = [0u8; 8];
         stream.read_exact(&mut answer).await.map_err(connect)?;
         if &answer != shm::ATTACH_OK {
@@ -208,6 +226,8 @@ struct Probe {
     config: TcpConfig,
     shm_config: ShmConfig,
     slot_bytes: usize,
+    /// The client's staging region, shared with targets on this host.
+    staging: Option<Arc<Region>>,
     rdma: Option<Arc<RdmaClient>>,
     /// What the last probe decided: the faster transport set up, or None for TCP. Cleared when
     /// the faster transport fails (the target changed, the link broke): asked again later.
@@ -289,6 +309,7 @@ impl Probe {
             self.config.clone(),
             self.shm_config.slots,
             self.slot_bytes,
+            self.staging.clone(),
         )
         .await;
         match attached {
@@ -331,6 +352,7 @@ impl AutoTransport {
         config: TcpConfig,
         shm_config: ShmConfig,
         slot_bytes: usize,
+        staging: Option<Arc<Region>>,
         rdma: Option<Arc<RdmaClient>>,
     ) -> AutoTransport {
         let tcp = Arc::new(TcpTransport::for_target(address, target_id, config.clone()));
@@ -340,6 +362,7 @@ impl AutoTransport {
             config,
             shm_config,
             slot_bytes,
+            staging,
             rdma,
             decided: Mutex::new(None),
             running: std::sync::atomic::AtomicBool::new(false),

@@ -239,10 +239,12 @@ enum Accepted {
     Unix(tokio::net::UnixStream),
 }
 
-/// A region a client shared, split into slots.
+/// A region a client shared, split into slots, and its staging memory if it shared that too.
 struct Slots {
     region: Region,
     attach: Attach,
+    /// The client's staging region, mapped read-only.
+    staging: Option<Region>,
 }
 
 impl Slots {
@@ -256,12 +258,37 @@ impl Slots {
         }
         Ok((slot - 1) as usize * self.attach.slot_bytes as usize)
     }
+
+    /// `range` of the staging region as (offset, length), if it lies within it and is no larger
+    /// than a payload may be.
+    fn staged(&self, range: &data::StagingRange) -> Result<(usize, usize), String> {
+        let Some(staging) = &self.staging else {
+            return Err("a staging range named on a connection without a staging region".into());
+        };
+        if range.length == 0 || range.length > u64::from(frame::MAX_PAYLOAD_BYTES) {
+            return Err(format!("a staging range of {} bytes", range.length));
+        }
+        match range.offset.checked_add(range.length) {
+            Some(end) if end <= staging.len() as u64 => Ok((range.offset as usize, range.length as usize)),
+            _ => Err(format!(
+                "{} bytes at {} are outside the {}-byte staging region",
+                range.length,
+                range.offset,
+                staging.len()
+            )),
+        }
+    }
 }
 
 /// The shared-memory handshake: the client's region, mapped, or why not.
 async fn attach(stream: &tokio::net::UnixStream) -> std::io::Result<Arc<Slots>> {
-    let (attach, fd) = shm::recv_attach(stream).await?;
-    let region = Region::attach(fd, attach.region_bytes())?;
+    let attached = shm::recv_attach(stream).await?;
+    let attach = attached.attach;
+    let region = Region::attach(attached.slots, attach.region_bytes())?;
+    let staging = match attached.staging {
+        Some(fd) => Some(Region::attach_read_only(fd, attach.staging_bytes as usize)?),
+        None => None,
+    };
     let mut written = 0;
     while written < shm::ATTACH_OK.len() {
         stream.writable().await?;
@@ -271,8 +298,13 @@ async fn attach(stream: &tokio::net::UnixStream) -> std::io::Result<Arc<Slots>> 
             Err(e) => return Err(e),
         }
     }
-    debug!(slots = attach.slots, slot_bytes = attach.slot_bytes, "shared-memory client attached");
-    Ok(Arc::new(Slots { region, attach }))
+    debug!(
+        slots = attach.slots,
+        slot_bytes = attach.slot_bytes,
+        staging_bytes = attach.staging_bytes,
+        "shared-memory client attached"
+    );
+    Ok(Arc::new(Slots { region, attach, staging }))
 }
 
 async fn serve_connection<R, W>(
@@ -364,7 +396,7 @@ where
                 break Err("protocol error: a PUT with its payload both in the frame and elsewhere".into());
             }
             let payload_len = match &source {
-                PayloadSource::Slot(_, len) => *len,
+                PayloadSource::Slot(_, len) | PayloadSource::Staging(_, len) => *len,
                 PayloadSource::Rdma(remote) => remote.len as usize,
                 PayloadSource::Frame | PayloadSource::Bad(_) => header.payload_len as usize,
             };
@@ -386,7 +418,7 @@ where
             tokio::spawn(async move {
                 let response = match request {
                     Err(response) => response,
-                    Ok(request) => match fetch(&served, source, slots.as_deref(), rdma.as_deref(), chunk).await {
+                    Ok(request) => match fetch(&served, source, slots, rdma.as_deref(), chunk).await {
                         Ok(chunk) => put(&served.store, request, chunk).await,
                         Err(response) => response,
                     },
@@ -477,6 +509,8 @@ enum PayloadSource {
     Frame,
     /// In a slot of the connection's shared region: (offset, length).
     Slot(usize, usize),
+    /// In the client's staging region: (offset, length).
+    Staging(usize, usize),
     /// In the client's registered memory, for an RDMA READ.
     Rdma(RemoteBuffer),
     /// Named wrongly (the frame's payload, if any, is read and dropped).
@@ -485,6 +519,18 @@ enum PayloadSource {
 
 impl PayloadSource {
     fn of(request: &data::PutRequest, slots: Option<&Slots>, rdma: Option<&Arc<QpDriver>>) -> PayloadSource {
+        if let Some(range) = &request.staging {
+            return match (request.shm_slot, &request.rdma, slots) {
+                (0, None, Some(slots)) => match slots.staged(range) {
+                    Ok((offset, len)) => PayloadSource::Staging(offset, len),
+                    Err(reason) => PayloadSource::Bad(reason),
+                },
+                (0, None, None) => {
+                    PayloadSource::Bad("a staging range named on a connection without shared memory".into())
+                }
+                _ => PayloadSource::Bad("a PUT names a staging range and another place for its payload".into()),
+            };
+        }
         match (request.shm_slot, &request.rdma) {
             (0, None) => PayloadSource::Frame,
             (slot, None) => match slots {
@@ -510,23 +556,45 @@ impl PayloadSource {
 async fn fetch(
     served: &Served,
     source: PayloadSource,
-    slots: Option<&Slots>,
+    slots: Option<Arc<Slots>>,
     rdma: Option<&QpDriver>,
     mut chunk: super::store::ChunkWrite,
 ) -> Result<super::store::ChunkWrite, data::Response> {
     match (source, slots, rdma) {
         (PayloadSource::Frame, _, _) => Ok(chunk),
         (PayloadSource::Bad(reason), _, _) => Err(error_response(ErrorCode::BadRequest, reason)),
-        (PayloadSource::Slot(offset, _), Some(slots), _) => match slots.region.read_at(offset, chunk.data_mut()) {
-            Ok(()) => Ok(chunk),
-            Err(error) => Err(error_response(ErrorCode::BadRequest, error.to_string())),
-        },
+        (PayloadSource::Slot(offset, _), Some(slots), _) => {
+            copy_hashed(slots, |slots| &slots.region, offset, chunk).await
+        }
+        (PayloadSource::Staging(offset, _), Some(slots), _) if slots.staging.is_some() => {
+            copy_hashed(slots, |slots| slots.staging.as_ref().expect("checked"), offset, chunk).await
+        }
         (PayloadSource::Rdma(remote), _, Some(driver)) => {
             let data = chunk.data_mut();
             let (at, len) = (data.as_mut_ptr() as usize, data.len());
             rdma_transfer(served, driver, Op::Read, at, len, remote, chunk).await.map_err(|failed| failed.response)
         }
         _ => Err(error_response(ErrorCode::Internal, "the payload's source went away".into())),
+    }
+}
+
+/// Copies a PUT's payload out of shared memory (`region` of `slots`, from `offset`) into `chunk`,
+/// hashing it as it goes (`Region::read_at_hashed`: the hash reads the copy from cache, and the
+/// store's verification only compares), off the runtime's workers.
+async fn copy_hashed(
+    slots: Arc<Slots>,
+    region: fn(&Slots) -> &Region,
+    offset: usize,
+    mut chunk: super::store::ChunkWrite,
+) -> Result<super::store::ChunkWrite, data::Response> {
+    let copied = tokio::task::spawn_blocking(move || {
+        chunk.fill_hashed(|data| region(&slots).read_at_hashed(offset, data)).map(|()| chunk)
+    })
+    .await;
+    match copied {
+        Ok(Ok(chunk)) => Ok(chunk),
+        Ok(Err(error)) => Err(error_response(ErrorCode::BadRequest, error.to_string())),
+        Err(error) => Err(error_response(ErrorCode::Internal, format!("copying a payload: {error}"))),
     }
 }
 

@@ -157,6 +157,8 @@ pub struct ChunkWrite {
     /// How the payload is encoded, and the chunk's length once decoded.
     codec: Codec,
     length: u64,
+    /// BLAKE3 of the payload, when whoever filled it hashed it on the way ([`ChunkWrite::fill_hashed`]).
+    data_hash: Option<ChunkHash>,
 }
 
 impl ChunkWrite {
@@ -167,8 +169,18 @@ impl ChunkWrite {
 
     /// The region the payload must be written into.
     pub fn data_mut(&mut self) -> &mut [u8] {
+        self.data_hash = None; // about to change
         let end = HEADER_BYTES + self.data_len;
         &mut self.buf.aligned_mut().full_mut()[HEADER_BYTES..end]
+    }
+
+    /// Fills the payload with `fill`, which returns the BLAKE3 of the bytes it wrote (a copy
+    /// that hashes as it goes, `Region::read_at_hashed`): verifying the chunk then does not read
+    /// them again.
+    pub fn fill_hashed<E>(&mut self, fill: impl FnOnce(&mut [u8]) -> Result<ChunkHash, E>) -> Result<(), E> {
+        let hash = fill(self.data_mut())?;
+        self.data_hash = Some(hash);
+        Ok(())
     }
 
     pub fn data(&self) -> &[u8] {
@@ -394,7 +406,7 @@ impl ChunkStore {
         } else {
             Box::new(AlignedBuf::new(needed))
         };
-        let mut write = ChunkWrite { buf, data_len, codec: Codec::None, length: data_len as u64 };
+        let mut write = ChunkWrite { buf, data_len, codec: Codec::None, length: data_len as u64, data_hash: None };
         // Pooled buffers are reused: clear the padding after the data so old bytes never reach disk.
         let padded = round_up(needed);
         write.buf.aligned_mut().full_mut()[needed..padded].fill(0);
@@ -418,6 +430,11 @@ impl ChunkStore {
     /// Checks a payload against the chunk hash it was sent under ([`verify_payload`]), off the
     /// runtime and within the decode budget. Returns the chunk and the BLAKE3 of its stored bytes.
     async fn verify(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<(ChunkWrite, ChunkHash), ChunkStoreError> {
+        if chunk.codec == Codec::None && chunk.data_hash.is_some() {
+            // Hashed as it was copied: a comparison, no work for the blocking pool.
+            let verified = verify_payload(hash, &chunk);
+            return Ok((chunk, verified?));
+        }
         let _budget = match chunk.codec {
             Codec::None => None,
             // verify_payload refuses lengths beyond MAX_PAYLOAD_BYTES before decoding.
@@ -1074,7 +1091,8 @@ pub struct ChunkRead {
 fn verify_payload(hash: ChunkHash, chunk: &ChunkWrite) -> Result<ChunkHash, ChunkStoreError> {
     let max = u64::from(starckpt_proto::frame::MAX_PAYLOAD_BYTES);
     let stored_len = chunk.data_len as u64;
-    let stored_hash = ChunkHash::of(chunk.data());
+    let stored_hash = chunk.data_hash.unwrap_or_else(|| ChunkHash::of(chunk.data()));
+    debug_assert_eq!(stored_hash, ChunkHash::of(chunk.data()), "a fill_hashed hash that does not match its bytes");
     let actual = match chunk.codec {
         Codec::None if chunk.length == stored_len && stored_len <= max => stored_hash,
         codec => {
