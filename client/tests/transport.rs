@@ -3,6 +3,7 @@
 //! transport (TCP, shared memory, RDMA over the in-process software fabric) must pass these.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -388,21 +389,58 @@ async fn a_bad_shared_memory_attach_is_refused() {
     }
     assert_eq!(target.store.stats().chunk_count, 1);
 
-    // A staging region smaller than it claims, or not sealed, is refused.
+    // A staging region smaller than it claims, not sealed, or writable by the target (sealed
+    // only against resizing, like a slot region) is refused; so are descriptors that do not
+    // match the message.
     let slots = Region::create("slots", 4096).unwrap();
     let attach = Attach { slots: 1, slot_bytes: 4096, staging_bytes: 3 * 4096 };
-    let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
-    shm::send_attach(&stream, attach, slots.fd(), Some(region.fd())).await.unwrap();
-    assert!(stream.read_exact(&mut answer).await.is_err(), "an undersized staging region was accepted");
+    let staging = Region::create_private_writes("staging", 3 * 4096).unwrap();
+    let small = Region::create_private_writes("small", 2 * 4096).unwrap();
     let unsealed = std::fs::File::options().create_new(true).read(true).write(true).open(dir.path().join("u")).unwrap();
     unsealed.set_len(3 * 4096).unwrap();
-    let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
-    shm::send_attach(&stream, attach, slots.fd(), Some(unsealed.as_fd())).await.unwrap();
-    assert!(stream.read_exact(&mut answer).await.is_err(), "an unsealed staging region was accepted");
+    let writable = Region::create("writable", 3 * 4096).unwrap();
+    for (why, staging_fd) in
+        [("undersized", small.fd()), ("unsealed", unsealed.as_fd()), ("writable by the target", writable.fd())]
+    {
+        let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
+        shm::send_attach(&stream, attach, slots.fd(), Some(staging_fd)).await.unwrap();
+        assert!(stream.read_exact(&mut answer).await.is_err(), "a staging region {why} was accepted");
+    }
+    let raw_attach = |message: Vec<u8>, fds: Vec<std::os::fd::RawFd>| {
+        let socket = socket.clone();
+        async move {
+            let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+            let cmsgs = [nix::sys::socket::ControlMessage::ScmRights(&fds)];
+            let iov = [std::io::IoSlice::new(&message)];
+            use std::os::fd::AsRawFd;
+            nix::sys::socket::sendmsg::<()>(
+                stream.as_raw_fd(),
+                &iov,
+                &cmsgs,
+                nix::sys::socket::MsgFlags::empty(),
+                None,
+            )
+            .unwrap();
+            let mut stream = tokio::net::UnixStream::from_std({
+                stream.set_nonblocking(true).unwrap();
+                stream
+            })
+            .unwrap();
+            let mut answer = [0u8; 8];
+            stream.read_exact(&mut answer).await.is_ok()
+        }
+    };
+    use std::os::fd::AsRawFd;
+    let (slots_fd, staging_fd) = (slots.fd().as_raw_fd(), staging.fd().as_raw_fd());
+    let slots_only = Attach { staging_bytes: 0, ..attach };
+    assert!(raw_attach(attach.encode(), vec![slots_fd, staging_fd]).await, "a proper version-2 attach");
+    assert!(!raw_attach(attach.encode(), vec![slots_fd]).await, "a staging region without its descriptor");
+    assert!(!raw_attach(slots_only.encode(), vec![slots_fd, staging_fd]).await, "an extra descriptor");
+    assert!(!raw_attach(attach.encode(), vec![slots_fd; 5]).await, "five descriptors");
+    assert!(raw_attach(slots_only.encode(), vec![slots_fd]).await, "a version-1 attach");
 
     // With a staging region: a PUT names a range of it; one outside it, one that also names a
     // slot, or bytes that do not match the hash are refused, and the connection goes on serving.
-    let staging = Region::create("staging", 3 * 4096).unwrap();
     let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
     shm::send_attach(&stream, attach, slots.fd(), Some(staging.fd())).await.unwrap();
     stream.read_exact(&mut answer).await.unwrap();
@@ -435,6 +473,65 @@ async fn a_bad_shared_memory_attach_is_refused() {
     }
     assert_eq!(target.store.stats().chunk_count, 2);
     assert_eq!(&target.store.get(hash, 0, 0).await.unwrap().bytes[..], &data[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_that_refuses_staging_memory_gets_puts_through_slots() {
+    use prost::Message;
+    use starckpt_proto::buf::BufPool;
+    use starckpt_proto::shm::{self, Region};
+    // A target from before staging regions: it closes a connection whose attach carries one, and
+    // serves STAT and slot PUTs (checking each payload's hash).
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("old.sock");
+    let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+    let (refused, slot_puts) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let (refused_seen, slot_puts_seen) = (Arc::clone(&refused), Arc::clone(&slot_puts));
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (refused, slot_puts) = (Arc::clone(&refused), Arc::clone(&slot_puts));
+            tokio::spawn(async move {
+                let attached = shm::recv_attach(&stream).await.unwrap();
+                if attached.staging.is_some() {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                let region = Region::attach(attached.slots, attached.attach.region_bytes()).unwrap();
+                stream.writable().await.unwrap();
+                stream.try_write(shm::ATTACH_OK).unwrap();
+                let (mut reader, mut writer) = stream.into_split();
+                while let Ok((head, header)) = starckpt_proto::frame::read_frame_head(&mut reader).await {
+                    let mut answer = starckpt_proto::data::Response::default();
+                    if head.opcode == Opcode::Put {
+                        let put = starckpt_proto::data::PutRequest::decode(header).unwrap();
+                        assert!(put.staging.is_none() && put.shm_slot != 0, "{put:?}");
+                        let offset = (put.shm_slot as usize - 1) * attached.attach.slot_bytes as usize;
+                        let mut payload = vec![0u8; put.shm_length as usize];
+                        region.read_at(offset, &mut payload).unwrap();
+                        assert_eq!(ChunkHash::of(&payload).to_bytes(), put.hash);
+                        slot_puts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let (opcode, id) = (head.opcode.response(), head.request_id);
+                    starckpt_proto::frame::write_frame(&mut writer, opcode, id, &answer.encode_to_vec(), &[])
+                        .await
+                        .unwrap();
+                    answer.clear();
+                }
+            });
+        }
+    });
+    let staging = BufPool::shared("staging", 1 << 20, 2).unwrap();
+    let config = TcpConfig::default();
+    let arena = staging.arena().cloned();
+    let transport = ShmTransport::connect(socket, None, config, 2, 1 << 20, arena).await.unwrap();
+    for seed in 0..3u8 {
+        let (hash, data) = chunk(100_000, seed);
+        let mut staged = staging.acquire().await;
+        staged.buf_mut().full_mut()[..data.len()].copy_from_slice(&data);
+        staged.buf_mut().set_len(data.len());
+        assert!(!transport.put(hash, Payload::raw(staged.freeze())).await.unwrap());
+    }
+    assert_eq!((refused_seen.load(Ordering::Relaxed), slot_puts_seen.load(Ordering::Relaxed)), (1, 3));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -491,10 +588,12 @@ async fn rdma_target(dir: &std::path::Path, limits: DataPlaneLimits) -> (Target,
     (start_target_on(dir, "127.0.0.1:0", transports, limits).await, device)
 }
 
-/// A client's RDMA state on its own software device, with a staging pool of 1 MiB buffers.
+/// A client's RDMA state on its own software device, with a staging pool of 1 MiB buffers carved
+/// out of a memfd, as a client with shared memory on (the default) has them (`copies.rs` runs
+/// RDMA with heap staging).
 fn rdma_client() -> (Arc<RdmaClient>, BufPool, Arc<SoftDevice>) {
     let device = SoftDevice::new("client");
-    let pool = BufPool::new(1 << 20, 4);
+    let pool = BufPool::shared("staging", 1 << 20, 4).unwrap();
     (RdmaClient::new(device.clone(), &pool, 4, 1 << 20).unwrap(), pool, device)
 }
 

@@ -51,8 +51,9 @@ fn layout_for(capacity: usize) -> Layout {
     Layout::from_size_align(capacity, align).expect("capacity fits isize")
 }
 
-/// An owned, [`ALIGN`]-aligned heap buffer whose capacity is a multiple of [`ALIGN`]. `len` marks
-/// how many leading bytes are meaningful.
+/// An owned, [`ALIGN`]-aligned buffer whose capacity is a multiple of [`ALIGN`]: a heap allocation
+/// of its own, or a range of a pool's shared region ([`BufPool::shared`]) that the pool lends to
+/// one buffer at a time. `len` marks how many leading bytes are meaningful.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
@@ -62,7 +63,9 @@ pub struct AlignedBuf {
     arena: Option<Arc<Region>>,
 }
 
-// SAFETY: AlignedBuf owns its allocation exclusively, like Vec<u8>.
+// SAFETY: AlignedBuf owns its memory exclusively within this process, like Vec<u8> (a shared
+// region's range is lent to one buffer at a time; other processes can only read it, see
+// `Region::create_private_writes`).
 unsafe impl Send for AlignedBuf {}
 // SAFETY: shared access only hands out &[u8].
 unsafe impl Sync for AlignedBuf {}
@@ -193,6 +196,8 @@ struct PoolInner {
     max_buffers: usize,
     /// Buffers allocated so far (lent out or free); never exceeds `max_buffers`.
     created: std::sync::atomic::AtomicUsize,
+    /// The next buffer's index (creation order), reserved before the buffer is made.
+    next_index: std::sync::atomic::AtomicU32,
     /// Free buffers with their index in the pool.
     free: Mutex<Vec<(AlignedBuf, u32)>>,
     permits: Arc<Semaphore>,
@@ -207,13 +212,14 @@ struct PoolInner {
 impl PoolInner {
     /// A new buffer and its index (creation order).
     fn create(&self) -> (AlignedBuf, u32) {
-        let mut bases = self.bases.lock().unwrap_or_else(|p| p.into_inner());
-        let index = bases.len() as u32;
+        // Reserved first, so the buffer (touched page by page, which takes a while) is made
+        // without holding the lock; an arena's range is the index's alone.
+        let index = self.next_index.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         let buf = match &self.arena {
-            // Under the lock: the index names the range, so two creators never carve the same one.
             Some(arena) => AlignedBuf::carve(arena, index as usize * self.buf_bytes, self.buf_bytes),
             None => AlignedBuf::new(self.buf_bytes),
         };
+        let mut bases = self.bases.lock().unwrap_or_else(|p| p.into_inner());
         let at = bases.partition_point(|&b| b < buf.as_ptr() as usize);
         bases.insert(at, buf.as_ptr() as usize);
         (buf, index)
@@ -241,7 +247,7 @@ impl BufPool {
         let bytes = round_up(buf_bytes.max(1))
             .checked_mul(max_buffers.max(1))
             .ok_or_else(|| std::io::Error::other("the staging arena's size overflows"))?;
-        let arena = Region::create(name, bytes)?;
+        let arena = Region::create_private_writes(name, bytes)?;
         Ok(BufPool::with_arena(buf_bytes, max_buffers, Some(Arc::new(arena))))
     }
 
@@ -252,6 +258,7 @@ impl BufPool {
                 buf_bytes: round_up(buf_bytes.max(1)),
                 max_buffers: max_buffers.max(1),
                 created: std::sync::atomic::AtomicUsize::new(0),
+                next_index: std::sync::atomic::AtomicU32::new(0),
                 free: Mutex::new(Vec::new()),
                 permits: Arc::new(Semaphore::new(max_buffers.max(1))),
                 bases: Mutex::new(Vec::new()),
@@ -477,9 +484,9 @@ mod tests {
         offsets.sort();
         assert_eq!(offsets, [0, 8192, 16384], "each buffer its own range");
         // Another mapping of the region (a target's) sees the bytes where they lie.
-        let other = Region::attach_read_only(arena.fd().try_clone_to_owned().unwrap(), arena.len()).unwrap();
+        let other = crate::shm::StagingFile::attach(arena.fd().try_clone_to_owned().unwrap(), arena.len() as u64);
         let mut seen = [0u8; 5];
-        other.read_at(offsets[1], &mut seen).unwrap();
+        other.unwrap().read_at_hashed(offsets[1] as u64, &mut seen).unwrap();
         assert_eq!(&seen, b"bytes");
         // Buffers outlive the pool handle (the region with them), then are reused, not re-carved.
         let first = bufs.remove(0).freeze();

@@ -19,8 +19,11 @@
 //!
 //! The staging region is the client's staging memory itself (`buf::BufPool::shared`): the
 //! buffers a save copies the caller's bytes into. A PUT may name a range of it (offset, length),
-//! so a staged chunk reaches the target without being copied into a slot first; the target maps
-//! it read-only and copies the range into its own buffer, as it copies a slot.
+//! so a staged chunk reaches the target without being copied into a slot first. The target does
+//! not map it: it reads the named range with `pread` ([`StagingFile`]), so a client cannot make it
+//! spend address space or memory on a large sparse file (reading a hole yields zeros without
+//! allocating), and the client seals it against writes by anyone but its own mapping
+//! (`F_SEAL_FUTURE_WRITE`), so a target cannot change staged bytes before the client hashes them.
 //!
 //! ## Why a target can trust the mapping
 //!
@@ -53,8 +56,8 @@ const ATTACH_BYTES_V1: usize = 16;
 pub const MAX_SLOTS: u32 = 256;
 /// Largest slot region one connection may share (the target maps it; the memory is the client's).
 pub const MAX_REGION_BYTES: usize = 1 << 30;
-/// Largest staging region a target maps. Only address space: the pages are the client's, and
-/// the target touches only ranges PUTs name.
+/// Largest staging region a client may share. The target reads it with `pread` (it maps
+/// nothing), so this bounds only what PUT offsets may name.
 pub const MAX_STAGING_BYTES: u64 = 1 << 40;
 
 /// The geometry a client proposes when attaching.
@@ -71,12 +74,16 @@ impl Attach {
         self.slots as usize * self.slot_bytes as usize
     }
 
-    pub fn encode(&self) -> [u8; ATTACH_BYTES] {
-        let mut out = [0u8; ATTACH_BYTES];
-        out[..8].copy_from_slice(ATTACH_MAGIC);
-        out[8..12].copy_from_slice(&self.slots.to_le_bytes());
-        out[12..16].copy_from_slice(&self.slot_bytes.to_le_bytes());
-        out[16..24].copy_from_slice(&self.staging_bytes.to_le_bytes());
+    /// The attach message: version 1 (16 bytes) without a staging region, so a target that
+    /// predates staging regions still attaches the slots; version 2 (24 bytes) with one.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(ATTACH_BYTES);
+        out.extend_from_slice(if self.staging_bytes > 0 { ATTACH_MAGIC } else { ATTACH_MAGIC_V1 });
+        out.extend_from_slice(&self.slots.to_le_bytes());
+        out.extend_from_slice(&self.slot_bytes.to_le_bytes());
+        if self.staging_bytes > 0 {
+            out.extend_from_slice(&self.staging_bytes.to_le_bytes());
+        }
         out
     }
 
@@ -131,10 +138,23 @@ unsafe impl Sync for Region {}
 impl Region {
     /// A new region of `len` bytes (a positive multiple of 4096), sealed against resizing.
     pub fn create(name: &str, len: usize) -> io::Result<Region> {
+        Region::create_sealed(name, len, SealFlag::empty())
+    }
+
+    /// A new region only this mapping may write ([`Region::create`], then sealed with
+    /// `F_SEAL_FUTURE_WRITE`: no `write` and no new writable mapping, by this process or any
+    /// process it passes the descriptor to). For staging memory a target reads.
+    pub fn create_private_writes(name: &str, len: usize) -> io::Result<Region> {
+        Region::create_sealed(name, len, SealFlag::F_SEAL_FUTURE_WRITE)
+    }
+
+    fn create_sealed(name: &str, len: usize, after_mapping: SealFlag) -> io::Result<Region> {
         let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)?;
         nix::unistd::ftruncate(&fd, i64::try_from(len).map_err(io::Error::other)?)?;
-        fcntl(&fd, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL))?;
+        fcntl(&fd, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW))?;
         let region = Region::map(fd, len, true)?;
+        // After the mapping: a write seal applies to mappings made after it.
+        fcntl(&region.fd, FcntlArg::F_ADD_SEALS(after_mapping | SealFlag::F_SEAL_SEAL))?;
         // Huge pages where the kernel allows them for shared memory (`shmem_enabled` advise or
         // above; advice only). A child forked later does not inherit the mapping: it would share,
         // not copy, the parent's in-flight bytes.
@@ -149,30 +169,13 @@ impl Region {
     /// Maps a region received from a client, after checking that it is sealed against shrinking
     /// and holds at least `len` bytes.
     pub fn attach(fd: OwnedFd, len: usize) -> io::Result<Region> {
-        Region::attach_as(fd, len, true)
+        check_received(&fd, len as u64, SealFlag::empty())?;
+        Region::map(fd, len, true)
     }
 
-    /// [`Region::attach`], mapped read-only (a client's staging memory: the target only reads it).
-    pub fn attach_read_only(fd: OwnedFd, len: usize) -> io::Result<Region> {
-        Region::attach_as(fd, len, false)
-    }
-
-    fn attach_as(fd: OwnedFd, len: usize, writable: bool) -> io::Result<Region> {
-        let seals =
-            fcntl(&fd, FcntlArg::F_GET_SEALS).map_err(|e| io::Error::other(format!("not a sealed memfd: {e}")))?;
-        let required = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW;
-        if !SealFlag::from_bits_truncate(seals).contains(required) {
-            return Err(io::Error::other("the memfd is not sealed against resizing"));
-        }
-        // A hugetlb file faults with SIGBUS when the huge-page pool runs dry, seals or not.
-        if nix::sys::statfs::fstatfs(&fd)?.filesystem_type() == nix::sys::statfs::HUGETLBFS_MAGIC {
-            return Err(io::Error::other("a hugetlb memfd is refused"));
-        }
-        let size = nix::sys::stat::fstat(&fd)?.st_size;
-        if usize::try_from(size).map_or(true, |size| size < len) {
-            return Err(io::Error::other(format!("the memfd holds {size} bytes, fewer than {len}")));
-        }
-        Region::map(fd, len, writable)
+    /// Maps a region read-only (this process created `fd` and only reads through this mapping).
+    pub fn map_read_only(fd: OwnedFd, len: usize) -> io::Result<Region> {
+        Region::map(fd, len, false)
     }
 
     fn map(fd: OwnedFd, len: usize, writable: bool) -> io::Result<Region> {
@@ -245,15 +248,13 @@ impl Region {
     /// bytes from memory a second time. The hash is of `dst` as copied (never of the region,
     /// which another process may change meanwhile).
     pub fn read_at_hashed(&self, offset: usize, dst: &mut [u8]) -> io::Result<crate::ChunkHash> {
-        /// Small enough to stay in a core's L2 cache between the copy and the hash.
-        const PIECE: usize = 128 << 10;
         self.check(offset, dst.len())?;
         let mut hasher = blake3::Hasher::new();
-        for (index, piece) in dst.chunks_mut(PIECE).enumerate() {
+        for (index, piece) in dst.chunks_mut(HASHED_PIECE).enumerate() {
             // SAFETY: in bounds (checked for the whole range); the region never overlaps Rust-owned
             // memory.
             unsafe {
-                let from = self.ptr.as_ptr().add(offset + index * PIECE);
+                let from = self.ptr.as_ptr().add(offset + index * HASHED_PIECE);
                 std::ptr::copy_nonoverlapping(from, piece.as_mut_ptr(), piece.len());
             }
             hasher.update(piece);
@@ -288,6 +289,88 @@ impl Region {
     }
 }
 
+/// Checks a memfd received from a client: sealed against resizing (and with `also` besides), not
+/// hugetlb, at least `len` bytes.
+fn check_received(fd: &OwnedFd, len: u64, also: SealFlag) -> io::Result<()> {
+    let seals = fcntl(fd, FcntlArg::F_GET_SEALS).map_err(|e| io::Error::other(format!("not a sealed memfd: {e}")))?;
+    let required = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | also;
+    if !SealFlag::from_bits_truncate(seals).contains(required) {
+        return Err(io::Error::other(format!("the memfd lacks the seals {required:?}")));
+    }
+    // A hugetlb file faults with SIGBUS when the huge-page pool runs dry, seals or not.
+    if nix::sys::statfs::fstatfs(fd)?.filesystem_type() == nix::sys::statfs::HUGETLBFS_MAGIC {
+        return Err(io::Error::other("a hugetlb memfd is refused"));
+    }
+    let size = nix::sys::stat::fstat(fd)?.st_size;
+    if u64::try_from(size).map_or(true, |size| size < len) {
+        return Err(io::Error::other(format!("the memfd holds {size} bytes, fewer than {len}")));
+    }
+    Ok(())
+}
+
+/// A client's staging memory as a target holds it: the memfd, read with `pread`, never mapped
+/// (module docs). Sealed against resizing and against writes other than the client's own
+/// mapping's.
+pub struct StagingFile {
+    fd: OwnedFd,
+    len: u64,
+}
+
+impl StagingFile {
+    pub fn attach(fd: OwnedFd, len: u64) -> io::Result<StagingFile> {
+        check_received(&fd, len, SealFlag::F_SEAL_FUTURE_WRITE)?;
+        Ok(StagingFile { fd, len })
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Reads `dst.len()` bytes at `offset` into `dst`, hashing each piece (BLAKE3) right after it
+    /// arrives, while it is in the CPU's cache: the hash is of `dst` as read. The client may be
+    /// changing the bytes meanwhile: the caller's hash check then refuses them.
+    pub fn read_at_hashed(&self, offset: u64, dst: &mut [u8]) -> io::Result<crate::ChunkHash> {
+        match offset.checked_add(dst.len() as u64) {
+            Some(end) if end <= self.len => {}
+            _ => {
+                return Err(io::Error::other(format!(
+                    "{} bytes at {offset} are outside the {}-byte staging region",
+                    dst.len(),
+                    self.len
+                )));
+            }
+        }
+        let mut hasher = blake3::Hasher::new();
+        let mut at = offset;
+        for piece in dst.chunks_mut(HASHED_PIECE) {
+            let mut filled = 0;
+            while filled < piece.len() {
+                let position = libc::off_t::try_from(at + filled as u64).map_err(io::Error::other)?;
+                match nix::sys::uio::pread(&self.fd, &mut piece[filled..], position) {
+                    Ok(0) => {
+                        return Err(io::Error::other(format!("the staging region ends before {}", at + filled as u64)));
+                    }
+                    Ok(n) => filled += n,
+                    Err(nix::errno::Errno::EINTR) => {}
+                    Err(error) => return Err(error.into()),
+                }
+            }
+            hasher.update(piece);
+            at += piece.len() as u64;
+        }
+        crate::buf::copies::record(dst.len());
+        Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
+    }
+}
+
+/// Bytes copied, then hashed while still in a core's L2 cache, in [`Region::read_at_hashed`] and
+/// [`StagingFile::read_at_hashed`].
+const HASHED_PIECE: usize = 256 << 10;
+
 impl Drop for Region {
     fn drop(&mut self) {
         // SAFETY: mapped in `map` with this length and not used after this.
@@ -308,10 +391,11 @@ pub async fn send_attach(
     }
     let message = attach.encode();
     let fds: Vec<_> = std::iter::once(fd).chain(staging).map(|fd| fd.as_raw_fd()).collect();
+    let message = &message[..];
     let sent = stream
         .async_io(Interest::WRITABLE, || {
             let cmsgs = [ControlMessage::ScmRights(&fds)];
-            sendmsg::<()>(stream.as_raw_fd(), &[io::IoSlice::new(&message)], &cmsgs, MsgFlags::MSG_NOSIGNAL, None)
+            sendmsg::<()>(stream.as_raw_fd(), &[io::IoSlice::new(message)], &cmsgs, MsgFlags::MSG_NOSIGNAL, None)
                 .map_err(io::Error::from)
         })
         .await?;
@@ -334,7 +418,10 @@ pub async fn recv_attach(stream: &UnixStream) -> io::Result<Attached> {
     let mut message = [0u8; ATTACH_BYTES];
     let (received, fds) = stream
         .async_io(Interest::READABLE, || {
-            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 3]);
+            // Room for the most descriptors one message can carry (SCM_MAX_FD): the control data
+            // is never truncated, so every descriptor a client sends is received, owned and (if
+            // not wanted) closed, never leaked.
+            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 253]);
             let mut iov = [io::IoSliceMut::new(&mut message)];
             let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
                 .map_err(io::Error::from)?;
@@ -388,13 +475,16 @@ mod tests {
         wrong[0] = b'X';
         assert!(Attach::decode(&wrong).is_err());
         assert!(Attach::decode(&good.encode()[..20]).is_err(), "truncated");
-        // A version-1 client: 16 bytes, no staging region.
-        let mut v1 = [0u8; 16];
-        v1.copy_from_slice(&good.encode()[..16]);
-        v1[..8].copy_from_slice(ATTACH_MAGIC_V1);
-        assert_eq!(Attach::decode(&v1), Ok(Attach { staging_bytes: 0, ..good }));
+        // Without a staging region the message is version 1 (16 bytes), which older targets take.
+        let slots_only = Attach { staging_bytes: 0, ..good };
+        let mut v1 = slots_only.encode();
+        assert_eq!((v1.len(), &v1[..8]), (16, &ATTACH_MAGIC_V1[..]));
+        assert_eq!(Attach::decode(&v1), Ok(slots_only));
         v1[..8].copy_from_slice(ATTACH_MAGIC);
         assert!(Attach::decode(&v1).is_err(), "a 16-byte message with the version-2 magic");
+        let mut v2_without_staging = good.encode();
+        v2_without_staging[16..].fill(0);
+        assert_eq!(Attach::decode(&v2_without_staging), Ok(slots_only));
     }
 
     #[test]
@@ -414,7 +504,7 @@ mod tests {
         nix::unistd::ftruncate(&unsealed, 8192).unwrap();
         assert!(Region::attach(unsealed, 8192).is_err());
         // A read-only mapping reads what the creator wrote and refuses writes.
-        let read_only = Region::attach_read_only(region.fd().try_clone_to_owned().unwrap(), 8192).unwrap();
+        let read_only = Region::map_read_only(region.fd().try_clone_to_owned().unwrap(), 8192).unwrap();
         read_only.read_at(4000, &mut got).unwrap();
         assert_eq!(&got, b"hello");
         assert!(read_only.write_at(0, b"x").is_err());
@@ -430,6 +520,33 @@ mod tests {
         assert_eq!(big.read_at_hashed(8192, &mut copy).unwrap(), crate::ChunkHash::of(&data));
         assert_eq!(copy, data);
         assert!(big.read_at_hashed(300_000, &mut copy).is_err());
+    }
+
+    #[test]
+    fn staging_files_are_read_not_mapped_and_sealed_against_other_writers() {
+        let staging = Region::create_private_writes("staging", 1 << 20).unwrap();
+        let data: Vec<u8> = (0..600_000u32).map(|i| (i * 7 % 253) as u8).collect();
+        staging.write_at(4096, &data).unwrap(); // its own mapping still writes
+        let received = || staging.fd().try_clone_to_owned().unwrap();
+        // Nobody else may write it: not through the descriptor, not through a new mapping.
+        assert!(nix::unistd::write(staging.fd(), b"x").is_err());
+        assert!(Region::attach(received(), 1 << 20).is_err(), "a writable mapping of a write-sealed memfd");
+        let file = StagingFile::attach(received(), 1 << 20).unwrap();
+        let mut copy = vec![0u8; data.len()];
+        assert_eq!(file.read_at_hashed(4096, &mut copy).unwrap(), crate::ChunkHash::of(&data));
+        assert_eq!(copy, data);
+        assert!(file.read_at_hashed((1 << 20) - 4096, &mut copy).is_err(), "past the end");
+        assert!(file.read_at_hashed(u64::MAX - 10, &mut copy).is_err(), "overflowing");
+        // Bigger than it is, or not sealed against writes (a slot region), is refused.
+        assert!(StagingFile::attach(received(), 2 << 20).is_err());
+        let slots = Region::create("slots", 8192).unwrap();
+        assert!(StagingFile::attach(slots.fd().try_clone_to_owned().unwrap(), 8192).is_err());
+        // A sparse region: reading a hole yields zeros.
+        let sparse = Region::create_private_writes("sparse", 64 << 20).unwrap();
+        let file = StagingFile::attach(sparse.fd().try_clone_to_owned().unwrap(), 64 << 20).unwrap();
+        let mut hole = vec![1u8; 1 << 20];
+        file.read_at_hashed(32 << 20, &mut hole).unwrap();
+        assert!(hole.iter().all(|&b| b == 0));
         // A hugetlb memfd, even sealed (creating one needs no huge pages; mapping it would).
         let huge = memfd_create("huge", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING | MFdFlags::MFD_HUGETLB);
         if let Ok(huge) = huge {

@@ -6,13 +6,17 @@
 //! names where it lies in the client's staging memory, which the client passed at attach too
 //! (its staging pool is carved out of a memfd, `BufPool::shared`); any other PUT copies its
 //! payload into a free slot and names the slot. Either way the target copies the bytes into its
-//! aligned write buffer, verifies and stores them: one user-space copy per staged chunk. A GET names a slot; the target writes the bytes there and
-//! answers with their length. So payload bytes never pass through socket buffers; the frames that
-//! carry the requests are the same as on TCP (HAS, LIST, ... travel on the same socket). A payload
-//! larger than a slot travels inline on the same socket.
+//! aligned write buffer, verifies and stores them: one user-space copy per staged chunk. A GET
+//! names a slot; the target writes the bytes there and answers with their length. So payload
+//! bytes never pass through socket buffers; the frames that carry the requests are the same as on
+//! TCP (HAS, LIST, ... travel on the same socket). A payload that is not staged and is larger
+//! than a slot travels inline on the same socket.
 //!
 //! Slots are lent as `slots.rs` describes: reused only once the target answered; an abandoned
-//! request closes its connection, and the next request attaches a fresh region.
+//! request closes its connection, and the next request attaches a fresh region. A staged PUT
+//! holds its staging buffer until answered; abandoned, the buffer may be refilled while the
+//! target still reads it, which its hash check refuses. A target that refuses staging memory (one
+//! older than it) gets the slots alone from then on.
 //!
 //! [`AutoTransport`] is what the SDK uses: it asks a target over TCP (STAT, in the background, so
 //! no request waits for it) for its shared-memory endpoint, host and RDMA device. On the same host
@@ -47,7 +51,14 @@ impl Default for ShmConfig {
 }
 
 /// One attached connection.
-pub(crate) type ShmConnection = Slotted<Region>;
+pub(crate) type ShmConnection = Slotted<Regions>;
+
+/// What a connection shares with its target.
+pub(crate) struct Regions {
+    slots: Region,
+    /// The client's staging memory, if the target took it at this attach.
+    staging: Option<Arc<Region>>,
+}
 
 /// The shared-memory transport to one target on this host.
 pub struct ShmTransport {
@@ -57,6 +68,9 @@ pub struct ShmTransport {
     attach: Attach,
     /// The client's staging memory, shared at every attach.
     staging: Option<Arc<Region>>,
+    /// The target refused an attach with staging memory (a target that predates it): attach the
+    /// slots alone from then on.
+    staging_refused: std::sync::atomic::AtomicBool,
     connection: tokio::sync::Mutex<Option<Arc<ShmConnection>>>,
 }
 
@@ -74,15 +88,17 @@ impl ShmTransport {
     ) -> Result<ShmTransport, TransportError> {
         let slot_bytes = u32::try_from(slot_bytes.div_ceil(4096) * 4096)
             .map_err(|_| TransportError::Connect(format!("slot of {slot_bytes} bytes")))?;
-        let staging_bytes = staging.as_ref().map_or(0, |region| region.len() as u64);
-        let attach = Attach { slots, slot_bytes, staging_bytes };
+        let attach = Attach { slots, slot_bytes, staging_bytes: 0 };
         Attach::decode(&attach.encode()).map_err(TransportError::Connect)?;
+        // Staging memory larger than a target takes is not shared (PUTs go through slots).
+        let staging = staging.filter(|region| region.len() as u64 <= shm::MAX_STAGING_BYTES);
         let transport = ShmTransport {
             socket,
             target_id: target_id.map(str::to_owned),
             config,
             attach,
             staging,
+            staging_refused: std::sync::atomic::AtomicBool::new(false),
             connection: tokio::sync::Mutex::new(None),
         };
         // Over the attached connection, so a socket that belongs to another target (two
@@ -94,10 +110,12 @@ impl ShmTransport {
     async fn put_request(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
         let (response, _) = once_more(|| async {
             let connection = self.connection().await?;
-            // Staged: named where it lies. The request holds `payload`, so the staging buffer is
-            // not reused before the target answers (an abandoned request closes the connection;
-            // a target still copying then sees changed bytes, and its hash check refuses them).
-            let staged = self.staging.as_ref().and_then(|r| r.offset_of(payload.bytes.as_ptr(), payload.bytes.len()));
+            // Staged: named where it lies. The request holds `payload`, so its staging buffer is
+            // not reused before the target answers. An abandoned request (a timeout) lets it go
+            // sooner, and the buffer may be refilled while the target still reads it: the target
+            // hashes what it read, so changed bytes are refused, never stored.
+            let staged = connection.region.staging.as_ref();
+            let staged = staged.and_then(|r| r.offset_of(payload.bytes.as_ptr(), payload.bytes.len()));
             if let Some(offset) = staged.filter(|_| !payload.bytes.is_empty()) {
                 let header = put_header(self, hash, &payload, repair, Place::Staging(offset as u64));
                 return self.call_on(&connection, Opcode::Put, header, None).await;
@@ -109,6 +127,7 @@ impl ShmTransport {
             let mut slot = Slot::lend(&connection).await?;
             connection
                 .region
+                .slots
                 .write_at(slot.offset(), &payload.bytes)
                 .map_err(|e| TransportError::Protocol(e.to_string()))?;
             let header = put_header(self, hash, &payload, repair, Place::Slot(slot.number()));
@@ -118,6 +137,47 @@ impl ShmTransport {
         })
         .await?;
         Ok(response.already_present)
+    }
+}
+
+/// Why an attach failed.
+enum Attached {
+    /// The target closed the connection instead of answering the attach.
+    Refused,
+    Failed(TransportError),
+}
+
+impl Attached {
+    fn into_error(self) -> TransportError {
+        match self {
+            Attached::Refused => TransportError::Connect("the target refused the shared-memory region".into()),
+            Attached::Failed(error) => error,
+        }
+    }
+}
+
+impl ShmTransport {
+    /// A fresh connection with a fresh slot region and, if given, the staging memory.
+    async fn attach_with(&self, staging: Option<&Arc<Region>>) -> Result<ShmConnection, Attached> {
+        let connect =
+            |e: std::io::Error| Attached::Failed(TransportError::Connect(format!("{}: {e}", self.socket.display())));
+        let mut stream = UnixStream::connect(&self.socket).await.map_err(connect)?;
+        let region = Region::create("starckpt-slots", self.attach.region_bytes()).map_err(connect)?;
+        let attach = Attach { staging_bytes: staging.map_or(0, |r| r.len() as u64), ..self.attach };
+        shm::send_attach(&stream, attach, region.fd(), staging.map(|r| r.fd())).await.map_err(connect)?;
+        let mut answer = [0u8; 8];
+        match stream.read_exact(&mut answer).await {
+            Ok(_) if &answer == shm::ATTACH_OK => {}
+            Ok(_) => return Err(Attached::Refused),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(Attached::Refused),
+            Err(e) => return Err(connect(e)),
+        }
+        let (reader, writer) = stream.into_split();
+        Ok(ShmConnection {
+            frames: Connection::start(reader, writer, self.config.max_requests_per_connection),
+            region: Regions { slots: region, staging: staging.cloned() },
+            slots: SlotPool::new(self.attach.slots, self.attach.slot_bytes as usize),
+        })
     }
 }
 
@@ -138,23 +198,18 @@ impl Dialled for ShmTransport {
     }
 
     async fn open(&self) -> Result<ShmConnection, TransportError> {
-        let connect = |e: std::io::Error| TransportError::Connect(format!("{}: {e}", self.socket.display()));
-        let mut stream = UnixStream::connect(&self.socket).await.map_err(connect)?;
-        let region = Region::create("starckpt-slots", self.attach.region_bytes()).map_err(connect)?;
-        shm::send_attach(&stream, self.attach, region.fd(), self.staging.as_ref().map(|r| r.fd()))
-            .await
-            .map_err(connect)?;
-        let mut answer = [0u8; 8];
-        stream.read_exact(&mut answer).await.map_err(connect)?;
-        if &answer != shm::ATTACH_OK {
-            return Err(TransportError::Connect("the target refused the shared-memory region".into()));
+        let staging = self.staging.as_ref().filter(|_| !self.staging_refused.load(Ordering::Relaxed));
+        match self.attach_with(staging).await {
+            Err(Attached::Refused) if staging.is_some() => {
+                tracing::info!(
+                    socket = %self.socket.display(),
+                    "the target did not take the staging memory (an older target?); PUTs go through slots"
+                );
+                self.staging_refused.store(true, Ordering::Relaxed);
+                self.attach_with(None).await.map_err(Attached::into_error)
+            }
+            other => other.map_err(Attached::into_error),
         }
-        let (reader, writer) = stream.into_split();
-        Ok(ShmConnection {
-            frames: Connection::start(reader, writer, self.config.max_requests_per_connection),
-            region,
-            slots: SlotPool::new(self.attach.slots, self.attach.slot_bytes as usize),
-        })
     }
 
     fn slot_place(&self, _: &ShmConnection, slot: &Slot<ShmConnection>) -> Place {
@@ -166,11 +221,11 @@ impl Dialled for ShmTransport {
     }
 
     fn copy_out(connection: &ShmConnection, offset: usize, dest: &mut [u8]) -> Result<(), TransportError> {
-        connection.region.read_at(offset, dest).map_err(|e| TransportError::Protocol(e.to_string()))
+        connection.region.slots.read_at(offset, dest).map_err(|e| TransportError::Protocol(e.to_string()))
     }
 
     fn copy_fresh(connection: &ShmConnection, offset: usize, len: usize) -> Result<Bytes, TransportError> {
-        connection.region.read_bytes(offset, len).map_err(|e| TransportError::Protocol(e.to_string()))
+        connection.region.slots.read_bytes(offset, len).map_err(|e| TransportError::Protocol(e.to_string()))
     }
 }
 

@@ -34,7 +34,7 @@ use starckpt_proto::frame::{
     self, FrameHeader, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, MAX_LIST_ENTRIES, Opcode, ReadFrameError,
 };
 use starckpt_proto::rdma::{RemoteBuffer, endpoint_from_wire, endpoint_to_wire};
-use starckpt_proto::shm::{self, Attach, Region};
+use starckpt_proto::shm::{self, Attach, Region, StagingFile};
 use starckpt_rdma::{Access, MemoryMap, Op, QpDriver, Verbs, WorkRequest};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
@@ -243,8 +243,8 @@ enum Accepted {
 struct Slots {
     region: Region,
     attach: Attach,
-    /// The client's staging region, mapped read-only.
-    staging: Option<Region>,
+    /// The client's staging region, read with `pread` (never mapped: `shm::StagingFile`).
+    staging: Option<StagingFile>,
 }
 
 impl Slots {
@@ -269,7 +269,7 @@ impl Slots {
             return Err(format!("a staging range of {} bytes", range.length));
         }
         match range.offset.checked_add(range.length) {
-            Some(end) if end <= staging.len() as u64 => Ok((range.offset as usize, range.length as usize)),
+            Some(end) if end <= staging.len() => Ok((range.offset as usize, range.length as usize)),
             _ => Err(format!(
                 "{} bytes at {} are outside the {}-byte staging region",
                 range.length,
@@ -286,7 +286,7 @@ async fn attach(stream: &tokio::net::UnixStream) -> std::io::Result<Arc<Slots>> 
     let attach = attached.attach;
     let region = Region::attach(attached.slots, attach.region_bytes())?;
     let staging = match attached.staging {
-        Some(fd) => Some(Region::attach_read_only(fd, attach.staging_bytes as usize)?),
+        Some(fd) => Some(StagingFile::attach(fd, attach.staging_bytes)?),
         None => None,
     };
     let mut written = 0;
@@ -564,10 +564,14 @@ async fn fetch(
         (PayloadSource::Frame, _, _) => Ok(chunk),
         (PayloadSource::Bad(reason), _, _) => Err(error_response(ErrorCode::BadRequest, reason)),
         (PayloadSource::Slot(offset, _), Some(slots), _) => {
-            copy_hashed(slots, |slots| &slots.region, offset, chunk).await
+            copy_hashed(chunk, move |data| slots.region.read_at_hashed(offset, data)).await
         }
-        (PayloadSource::Staging(offset, _), Some(slots), _) if slots.staging.is_some() => {
-            copy_hashed(slots, |slots| slots.staging.as_ref().expect("checked"), offset, chunk).await
+        (PayloadSource::Staging(offset, _), Some(slots), _) => {
+            copy_hashed(chunk, move |data| match &slots.staging {
+                Some(staging) => staging.read_at_hashed(offset as u64, data),
+                None => Err(std::io::Error::other("no staging region")),
+            })
+            .await
         }
         (PayloadSource::Rdma(remote), _, Some(driver)) => {
             let data = chunk.data_mut();
@@ -578,19 +582,14 @@ async fn fetch(
     }
 }
 
-/// Copies a PUT's payload out of shared memory (`region` of `slots`, from `offset`) into `chunk`,
-/// hashing it as it goes (`Region::read_at_hashed`: the hash reads the copy from cache, and the
-/// store's verification only compares), off the runtime's workers.
+/// Copies a PUT's payload out of shared memory into `chunk` with `copy`, which hashes it as it
+/// goes (`read_at_hashed`: the hash reads the copy from cache, and the store's verification only
+/// compares), off the runtime's workers.
 async fn copy_hashed(
-    slots: Arc<Slots>,
-    region: fn(&Slots) -> &Region,
-    offset: usize,
     mut chunk: super::store::ChunkWrite,
+    copy: impl FnOnce(&mut [u8]) -> std::io::Result<ChunkHash> + Send + 'static,
 ) -> Result<super::store::ChunkWrite, data::Response> {
-    let copied = tokio::task::spawn_blocking(move || {
-        chunk.fill_hashed(|data| region(&slots).read_at_hashed(offset, data)).map(|()| chunk)
-    })
-    .await;
+    let copied = tokio::task::spawn_blocking(move || chunk.fill_hashed(copy).map(|()| chunk)).await;
     match copied {
         Ok(Ok(chunk)) => Ok(chunk),
         Ok(Err(error)) => Err(error_response(ErrorCode::BadRequest, error.to_string())),
