@@ -202,7 +202,7 @@ impl FreePool {
                         // Room is made only for a file that did move in.
                         while files.bytes + size > max {
                             match files.evict(self.preferred, size == self.preferred) {
-                                Some(victim) => victims.push(victim),
+                                Some((victim, _)) => victims.push(victim),
                                 None => break,
                             }
                         }
@@ -235,23 +235,13 @@ impl FreePool {
         true
     }
 
-    /// Unlinks free files, oldest first within each size, until at least `bytes` are released or
-    /// none are left. Returns the bytes released. Blocking.
+    /// Unlinks free files, as a full pool evicts them (odd sizes first, then the preferred
+    /// size, oldest first), until at least `bytes` are released or none are left. Returns the
+    /// bytes released. Blocking.
     pub fn release(&self, bytes: u64) -> io::Result<u64> {
         let mut released = 0;
         while released < bytes {
-            let victim = {
-                let mut files = self.lock();
-                let Some(size) = files.by_size.keys().next().copied() else { break };
-                let queue = files.by_size.get_mut(&size).expect("key present");
-                let entry = queue.pop_front().expect("queues are never left empty");
-                if queue.is_empty() {
-                    files.by_size.remove(&size);
-                }
-                files.bytes -= size;
-                files.count -= 1;
-                (entry.path, size)
-            };
+            let Some(victim) = self.lock().evict(self.preferred, true) else { break };
             match std::fs::remove_file(&victim.0) {
                 Ok(()) => released += victim.1,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -270,8 +260,8 @@ impl Files {
     }
 
     /// Removes the oldest file of an odd size (one not `preferred`), or with `any`, failing that
-    /// the oldest of the preferred size; returns its path.
-    fn evict(&mut self, preferred: u64, any: bool) -> Option<PathBuf> {
+    /// the oldest of the preferred size; returns its path and size.
+    fn evict(&mut self, preferred: u64, any: bool) -> Option<(PathBuf, u64)> {
         let oldest = |files: &Files, odd_only: bool| {
             files
                 .by_size
@@ -289,7 +279,7 @@ impl Files {
         }
         self.bytes -= size;
         self.count -= 1;
-        Some(entry.path)
+        Some((entry.path, size))
     }
 }
 
@@ -418,11 +408,16 @@ mod tests {
 
         // Lowering the cap, or space pressure, unlinks free files.
         std::fs::create_dir(dir.path().join("free")).unwrap();
-        assert!(pool.recycle(&g, 4096).unwrap());
         let h = file(dir.path(), "h", 8192);
         assert!(pool.recycle(&h, 8192).unwrap());
+        assert!(pool.recycle(&g, 4096).unwrap());
+        // Released as a full pool evicts: the odd-sized file first, though it is newer.
+        assert_eq!(pool.release(1).unwrap(), 4096);
+        assert_eq!((pool.bytes(), pool.count()), (8192, 1));
+        let i = file(dir.path(), "i", 4096);
+        assert!(pool.recycle(&i, 4096).unwrap());
         pool.configure(FreePoolConfig { max_bytes: 9000, reuse_after: Duration::ZERO }).unwrap();
-        assert!(pool.bytes() <= 9000);
+        assert_eq!(pool.bytes(), 8192, "the odd-sized file went, the preferred one stayed");
         let rest = pool.bytes();
         assert_eq!(pool.release(u64::MAX).unwrap(), rest);
         assert_eq!((pool.bytes(), pool.count()), (0, 0));
