@@ -37,6 +37,7 @@
 use std::io;
 use std::num::NonZeroUsize;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
 
 use nix::fcntl::{FcntlArg, SealFlag, fcntl};
@@ -249,18 +250,14 @@ impl Region {
     /// which another process may change meanwhile).
     pub fn read_at_hashed(&self, offset: usize, dst: &mut [u8]) -> io::Result<crate::ChunkHash> {
         self.check(offset, dst.len())?;
-        let mut hasher = blake3::Hasher::new();
-        for (index, piece) in dst.chunks_mut(HASHED_PIECE).enumerate() {
+        fill_hashed(dst, |at, piece| {
             // SAFETY: in bounds (checked for the whole range); the region never overlaps Rust-owned
             // memory.
             unsafe {
-                let from = self.ptr.as_ptr().add(offset + index * HASHED_PIECE);
-                std::ptr::copy_nonoverlapping(from, piece.as_mut_ptr(), piece.len());
-            }
-            hasher.update(piece);
-        }
-        crate::buf::copies::record(dst.len());
-        Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
+                std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset + at), piece.as_mut_ptr(), piece.len())
+            };
+            Ok(())
+        })
     }
 
     /// [`Region::read_at`] into fresh `Bytes` (not zeroed first).
@@ -312,14 +309,14 @@ fn check_received(fd: &OwnedFd, len: u64, also: SealFlag) -> io::Result<()> {
 /// (module docs). Sealed against resizing and against writes other than the client's own
 /// mapping's.
 pub struct StagingFile {
-    fd: OwnedFd,
+    file: std::fs::File,
     len: u64,
 }
 
 impl StagingFile {
     pub fn attach(fd: OwnedFd, len: u64) -> io::Result<StagingFile> {
         check_received(&fd, len, SealFlag::F_SEAL_FUTURE_WRITE)?;
-        Ok(StagingFile { fd, len })
+        Ok(StagingFile { file: fd.into(), len })
     }
 
     pub fn len(&self) -> u64 {
@@ -344,27 +341,23 @@ impl StagingFile {
                 )));
             }
         }
-        let mut hasher = blake3::Hasher::new();
-        let mut at = offset;
-        for piece in dst.chunks_mut(HASHED_PIECE) {
-            let mut filled = 0;
-            while filled < piece.len() {
-                let position = libc::off_t::try_from(at + filled as u64).map_err(io::Error::other)?;
-                match nix::sys::uio::pread(&self.fd, &mut piece[filled..], position) {
-                    Ok(0) => {
-                        return Err(io::Error::other(format!("the staging region ends before {}", at + filled as u64)));
-                    }
-                    Ok(n) => filled += n,
-                    Err(nix::errno::Errno::EINTR) => {}
-                    Err(error) => return Err(error.into()),
-                }
-            }
-            hasher.update(piece);
-            at += piece.len() as u64;
-        }
-        crate::buf::copies::record(dst.len());
-        Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
+        fill_hashed(dst, |at, piece| self.file.read_exact_at(piece, offset + at as u64))
     }
+}
+
+/// Fills `dst` piece by piece with `fill(offset in dst, piece)`, hashing (BLAKE3) each piece right
+/// after it is filled, while it is in the CPU's cache; counts the copy. Returns the hash of `dst`.
+fn fill_hashed(
+    dst: &mut [u8],
+    mut fill: impl FnMut(usize, &mut [u8]) -> io::Result<()>,
+) -> io::Result<crate::ChunkHash> {
+    let mut hasher = blake3::Hasher::new();
+    for (index, piece) in dst.chunks_mut(HASHED_PIECE).enumerate() {
+        fill(index * HASHED_PIECE, piece)?;
+        hasher.update(piece);
+    }
+    crate::buf::copies::record(dst.len());
+    Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
 }
 
 /// Bytes copied, then hashed while still in a core's L2 cache, in [`Region::read_at_hashed`] and
