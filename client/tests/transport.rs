@@ -34,9 +34,22 @@ async fn start_target(dir: &std::path::Path, address: &str) -> Target {
 
 /// A target serving TCP and, with `shm`, same-host shared memory on that Unix socket.
 async fn start_target_with(dir: &std::path::Path, address: &str, shm: Option<&std::path::Path>) -> Target {
+    start_target_placing(dir, address, shm, None).await
+}
+
+/// [`start_target_with`], with GETs over shared memory read straight into slots or not
+/// (`placed_reads`; None: where shared memory gets huge pages).
+async fn start_target_placing(
+    dir: &std::path::Path,
+    address: &str,
+    shm: Option<&std::path::Path>,
+    placed_reads: Option<bool>,
+) -> Target {
     let shm = shm.map(|path| {
         let _ = std::fs::remove_file(path);
-        ShmListener { listener: tokio::net::UnixListener::bind(path).unwrap(), path: path.to_path_buf() }
+        let mut listener = ShmListener::new(tokio::net::UnixListener::bind(path).unwrap(), path.to_path_buf());
+        listener.placed_reads = placed_reads;
+        listener
     });
     start_target_on(dir, address, Transports { shm, rdma: None }, DataPlaneLimits::default()).await
 }
@@ -262,16 +275,20 @@ async fn a_silent_target_times_out_instead_of_hanging() {
 
 /// The shared-memory transport against a target serving both, with 1 MiB slots.
 async fn shm_target(dir: &std::path::Path, slots: u32) -> (Target, ShmTransport) {
+    shm_target_placing(dir, slots, None).await
+}
+
+async fn shm_target_placing(dir: &std::path::Path, slots: u32, placed_reads: Option<bool>) -> (Target, ShmTransport) {
     let socket = dir.join("shm.sock");
-    let target = start_target_with(&dir.join("data"), "127.0.0.1:0", Some(&socket)).await;
+    let target = start_target_placing(&dir.join("data"), "127.0.0.1:0", Some(&socket), placed_reads).await;
     let transport = ShmTransport::connect(socket, None, TcpConfig::default(), slots, 1 << 20, None).await.unwrap();
     (target, transport)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shm_operations() {
+/// Every operation over shared memory, with GETs read straight into slots or copied there.
+async fn shm_operations_placing(placed_reads: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let (_target, transport) = shm_target(dir.path(), 4).await;
+    let (target, transport) = shm_target_placing(dir.path(), 4, Some(placed_reads)).await;
     assert_eq!(transport.kind(), "shm");
     operations(&transport).await;
     // A payload larger than a slot travels inline on the same socket, both ways.
@@ -279,6 +296,31 @@ async fn shm_operations() {
     assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
     assert_eq!(transport.get(hash, 0, 0).await.unwrap().bytes, data);
     assert_eq!(transport.get(hash, 5, 1 << 20).await.unwrap().bytes, data.slice(5..(1 << 20) + 5));
+    // Into the caller's memory, exactly a slot's worth; then from a truncated file and a missing
+    // one: errors, never the slot's stale bytes passed off as the chunk.
+    let (hash, data) = chunk(1 << 20, 10);
+    transport.put(hash, Payload::raw(data.clone())).await.unwrap();
+    let mut dest = vec![0u8; 1 << 20];
+    assert!(transport.get_into(hash, &mut dest).await.unwrap().is_none());
+    assert_eq!(dest, data);
+    let path = target.store.chunk_path(&hash);
+    let file = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &file[..file.len() - 8192]).unwrap();
+    let error = transport.get_into(hash, &mut dest).await.unwrap_err();
+    assert!(matches!(error, TransportError::Remote { code: ErrorCode::Corrupt, .. }), "{error}");
+    std::fs::remove_file(&path).unwrap();
+    let error = transport.get(hash, 0, 0).await.unwrap_err();
+    assert!(matches!(error, TransportError::Remote { code: ErrorCode::NotFound, .. }), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_operations() {
+    shm_operations_placing(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_operations_copying_into_slots() {
+    shm_operations_placing(false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

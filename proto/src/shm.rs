@@ -286,6 +286,21 @@ impl Region {
     }
 }
 
+/// Whether shared memory gets transparent huge pages where a mapping asks for them
+/// (`MADV_HUGEPAGE`): the kernel's `shmem_enabled` mode is `always`, `within_size`, `advise` or
+/// `force` (not `never` or `deny`, nor unknown).
+pub fn shared_huge_pages() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .is_ok_and(|modes| huge_pages_mode(&modes))
+}
+
+/// The selected mode of a `shmem_enabled` file ("always within_size [advise] never deny force")
+/// gives huge pages to a mapping that asks.
+fn huge_pages_mode(modes: &str) -> bool {
+    let selected = modes.split_whitespace().find_map(|mode| mode.strip_prefix('[')?.strip_suffix(']'));
+    matches!(selected, Some("always" | "within_size" | "advise" | "force"))
+}
+
 /// Checks a memfd received from a client: sealed against resizing (and with `also` besides), not
 /// hugetlb, at least `len` bytes.
 fn check_received(fd: &OwnedFd, len: u64, also: SealFlag) -> io::Result<()> {
@@ -446,6 +461,20 @@ pub fn host_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn huge_pages_for_shared_memory_follow_the_selected_mode() {
+        for (modes, huge) in [
+            ("always within_size [advise] never deny force\n", true),
+            ("[always] within_size advise never deny force", true),
+            ("always within_size advise [never] deny force\n", false),
+            ("always within_size advise never [deny] force", false),
+            ("always within_size advise never deny force", false),
+            ("", false),
+        ] {
+            assert_eq!(huge_pages_mode(modes), huge, "{modes:?}");
+        }
+    }
 
     #[test]
     fn attach_geometry_is_bounded() {

@@ -8,6 +8,9 @@
 //!   their pages once instead of on every operation (fio, 4 MiB O_DIRECT writes at QD8 on these
 //!   VMs: system CPU 1-2% of a core instead of 8-12%). Files are not registered: each chunk file
 //!   is opened for one write (or read) and one sync, so registering it would cost a syscall more.
+//!   A split read ([`IoEngine::read_file_split`]) is one vectored READV: a chunk's header into a
+//!   small buffer, its bytes into memory outside the pools ([`ExternalBuf`], a same-host client's
+//!   shared-memory slot), pinned for that operation only.
 //! - [`StdEngine`]: the same operations with ordinary blocking syscalls (still O_DIRECT) on
 //!   tokio's blocking pool, bounded by a semaphore. For systems where io_uring is unavailable,
 //!   such as Docker's default seccomp profile.
@@ -56,6 +59,11 @@ pub trait IoEngine: Send + Sync + 'static {
     /// Reads `path` from offset 0 into `buf` up to its capacity or end of file; sets `buf.len()`
     /// to the bytes read.
     async fn read_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf>;
+    /// Reads `path` from offset 0 in one vectored read: its first `head.capacity()` bytes into
+    /// `head` (whose length is set to what it got), the rest into `tail` up to `tail`'s length or
+    /// the end of the file. Returns `head` and how many bytes went into `tail`. (A chunk whose
+    /// header stays here while its bytes go straight into a client's shared memory.)
+    async fn read_file_split(&self, path: PathBuf, head: BoxedBuf, tail: ExternalBuf) -> io::Result<(BoxedBuf, usize)>;
     /// fsyncs a directory, making renames and unlinks in it durable.
     async fn sync_dir(&self, path: PathBuf) -> io::Result<()>;
     fn kind(&self) -> EngineKind;
@@ -70,6 +78,68 @@ pub fn open_engine(kind: EngineKind, queue_depth: usize) -> io::Result<Arc<dyn I
         EngineKind::Uring => Arc::new(UringEngine::start(queue_depth)?),
         EngineKind::Std => Arc::new(StdEngine::new(queue_depth)),
     })
+}
+
+/// Memory outside the store's pools that a read fills (a client's shared-memory slot): `len`
+/// bytes at `ptr`, both multiples of 4096 as O_DIRECT requires, kept mapped by `owner` until the
+/// engine has dropped this (after the device is done with them).
+pub struct ExternalBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+    _owner: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+// SAFETY: memory `owner` keeps mapped; only the device (and the owner's raw copies) touch it.
+unsafe impl Send for ExternalBuf {}
+
+impl ExternalBuf {
+    /// # Safety
+    /// `len` bytes at `ptr` must stay mapped and writable while `owner` lives, and no Rust
+    /// reference to them may exist (another process may use them too: only raw copies, as
+    /// `starckpt_proto::shm::Region` makes).
+    pub unsafe fn new(
+        ptr: *mut u8,
+        len: usize,
+        owner: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> io::Result<ExternalBuf> {
+        let aligned = |n: usize| n.is_multiple_of(starckpt_proto::buf::ALIGN);
+        match std::ptr::NonNull::new(ptr) {
+            Some(ptr) if len > 0 && aligned(ptr.as_ptr() as usize) && aligned(len) => {
+                Ok(ExternalBuf { ptr, len, _owner: owner })
+            }
+            _ => Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{len} bytes at {ptr:?} are not aligned"))),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The iovecs of a split read (`head`'s whole capacity, then `tail`) with the first `done` bytes
+/// skipped; returns how many of `iovecs` are in use.
+fn split_iovecs(head: &mut BoxedBuf, tail: &ExternalBuf, done: usize, iovecs: &mut [libc::iovec; 2]) -> usize {
+    let head = head.aligned_mut();
+    let head_len = head.capacity();
+    let mut count = 0;
+    if done < head_len {
+        // SAFETY: within the buffer's capacity.
+        let base = unsafe { head.as_mut_ptr().add(done) };
+        iovecs[0] = libc::iovec { iov_base: base.cast(), iov_len: head_len - done };
+        count = 1;
+    }
+    let into_tail = done.saturating_sub(head_len);
+    if into_tail < tail.len {
+        // SAFETY: within the external buffer (`into_tail < len`).
+        let base = unsafe { tail.ptr.as_ptr().add(into_tail) };
+        iovecs[count] = libc::iovec { iov_base: base.cast(), iov_len: tail.len - into_tail };
+        count += 1;
+    }
+    count
 }
 
 /// Bytes an O_DIRECT write of `buf` transfers: its length rounded up to the alignment.
@@ -139,6 +209,39 @@ impl IoEngine for StdEngine {
         .await
     }
 
+    async fn read_file_split(
+        &self,
+        path: PathBuf,
+        mut head: BoxedBuf,
+        tail: ExternalBuf,
+    ) -> io::Result<(BoxedBuf, usize)> {
+        self.run(move || {
+            let file = open_direct_read(&path)?;
+            let (head_len, total) = (head.aligned().capacity(), head.aligned().capacity() + tail.len);
+            let mut done = 0;
+            let mut iovecs = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2];
+            while done < total {
+                let count = split_iovecs(&mut head, &tail, done, &mut iovecs);
+                // SAFETY: the iovecs cover `head`'s capacity and `tail`, both alive and
+                // unaliased for the call.
+                let n = unsafe { libc::preadv(file.as_raw_fd(), iovecs.as_ptr(), count as i32, done as libc::off_t) };
+                match n {
+                    0 => break,
+                    n if n < 0 => {
+                        let error = io::Error::last_os_error();
+                        if error.kind() != io::ErrorKind::Interrupted {
+                            return Err(error);
+                        }
+                    }
+                    n => done += n as usize,
+                }
+            }
+            head.aligned_mut().set_len(done.min(head_len));
+            Ok((head, done.saturating_sub(head_len)))
+        })
+        .await
+    }
+
     async fn sync_dir(&self, path: PathBuf) -> io::Result<()> {
         self.run(move || File::open(&path)?.sync_all()).await
     }
@@ -161,7 +264,15 @@ struct Request {
     kind: OpKind,
     path: PathBuf,
     buf: Option<BoxedBuf>,
-    reply: oneshot::Sender<io::Result<Option<BoxedBuf>>>,
+    /// A read's second destination, after `buf` ([`IoEngine::read_file_split`]).
+    tail: Option<ExternalBuf>,
+    reply: oneshot::Sender<io::Result<Completed>>,
+}
+
+/// A finished operation: its buffer back, and the bytes it transferred.
+struct Completed {
+    buf: Option<BoxedBuf>,
+    bytes: usize,
 }
 
 /// Most buffers a ring registers (a store's pool has 64 by default).
@@ -194,9 +305,19 @@ impl UringEngine {
     }
 
     async fn submit(&self, kind: OpKind, path: PathBuf, buf: Option<BoxedBuf>) -> io::Result<Option<BoxedBuf>> {
+        self.submit_with(kind, path, buf, None).await.map(|done| done.buf)
+    }
+
+    async fn submit_with(
+        &self,
+        kind: OpKind,
+        path: PathBuf,
+        buf: Option<BoxedBuf>,
+        tail: Option<ExternalBuf>,
+    ) -> io::Result<Completed> {
         let (reply, answer) = oneshot::channel();
         self.requests
-            .send(Request { kind, path, buf, reply })
+            .send(Request { kind, path, buf, tail, reply })
             .await
             .map_err(|_| io::Error::other("io_uring thread has stopped"))?;
         answer.await.map_err(|_| io::Error::other("io_uring thread dropped a request"))?
@@ -219,6 +340,13 @@ impl IoEngine for UringEngine {
 
     async fn read_file(&self, path: PathBuf, buf: BoxedBuf) -> io::Result<BoxedBuf> {
         self.submit(OpKind::Read, path, Some(buf)).await?.ok_or_else(|| io::Error::other("buffer lost"))
+    }
+
+    async fn read_file_split(&self, path: PathBuf, head: BoxedBuf, tail: ExternalBuf) -> io::Result<(BoxedBuf, usize)> {
+        let head_len = head.aligned().capacity();
+        let done = self.submit_with(OpKind::Read, path, Some(head), Some(tail)).await?;
+        let head = done.buf.ok_or_else(|| io::Error::other("buffer lost"))?;
+        Ok((head, done.bytes.saturating_sub(head_len)))
     }
 
     async fn sync_dir(&self, path: PathBuf) -> io::Result<()> {
@@ -296,10 +424,14 @@ struct InFlight {
     phase: Phase,
     file: File,
     buf: Option<BoxedBuf>,
+    /// A split read's second destination; the read is then vectored over `iovecs`.
+    tail: Option<ExternalBuf>,
+    /// A vectored read's iovecs, boxed so that their address stays put while the kernel reads them.
+    iovecs: Box<[libc::iovec; 2]>,
     /// The buffer's fixed index, when registered with the ring.
     fixed: Option<u16>,
     done: usize,
-    reply: oneshot::Sender<io::Result<Option<BoxedBuf>>>,
+    reply: oneshot::Sender<io::Result<Completed>>,
 }
 
 impl InFlight {
@@ -307,6 +439,13 @@ impl InFlight {
     fn next_entry(&mut self, slot: usize) -> io_uring::squeue::Entry {
         use io_uring::{opcode, types};
         let fd = types::Fd(self.file.as_raw_fd());
+        if let (Phase::Transfer, Some(buf), Some(tail)) = (&self.phase, self.buf.as_mut(), self.tail.as_ref()) {
+            let count = split_iovecs(buf, tail, self.done, &mut self.iovecs);
+            // SAFETY (for the iovecs): they, the buffer and the tail live in this InFlight until
+            // completion.
+            let entry = opcode::Readv::new(fd, self.iovecs.as_ptr(), count as u32).offset(self.done as u64).build();
+            return entry.user_data(slot as u64);
+        }
         let entry = match (&self.phase, &mut self.buf) {
             (Phase::Transfer, Some(buf)) => {
                 let total = match self.kind {
@@ -333,7 +472,7 @@ impl InFlight {
     }
 
     /// Advances on a completion. Returns true when the operation is finished (and replied to).
-    fn complete(&mut self, result: i32) -> Option<io::Result<Option<BoxedBuf>>> {
+    fn complete(&mut self, result: i32) -> Option<io::Result<Completed>> {
         if result < 0 {
             return Some(Err(io::Error::from_raw_os_error(-result)));
         }
@@ -342,7 +481,7 @@ impl InFlight {
                 let capacity = match (&self.kind, self.buf.as_ref()) {
                     (_, None) => 0,
                     (OpKind::Write { .. }, Some(b)) => write_len(b),
-                    (_, Some(b)) => b.aligned().capacity(),
+                    (_, Some(b)) => b.aligned().capacity() + self.tail.as_ref().map_or(0, ExternalBuf::len),
                 };
                 let n = result as usize;
                 self.done += n;
@@ -351,9 +490,10 @@ impl InFlight {
                     OpKind::Read if eof || self.done >= capacity => {
                         let mut buf = self.buf.take();
                         if let Some(b) = buf.as_mut() {
-                            b.aligned_mut().set_len(self.done);
+                            let len = self.done.min(b.aligned().capacity());
+                            b.aligned_mut().set_len(len);
                         }
-                        Some(Ok(buf))
+                        Some(Ok(Completed { buf, bytes: self.done }))
                     }
                     OpKind::Write { .. } if eof => {
                         Some(Err(io::Error::new(io::ErrorKind::WriteZero, "device accepted no bytes")))
@@ -365,7 +505,7 @@ impl InFlight {
                     _ => None,
                 }
             }
-            Phase::Sync => Some(Ok(self.buf.take())),
+            Phase::Sync => Some(Ok(Completed { buf: self.buf.take(), bytes: self.done })),
         }
     }
 }
@@ -383,8 +523,11 @@ fn start_request(request: Request, ring: &io_uring::IoUring, registry: &mut Fixe
             phase: if matches!(request.kind, OpKind::SyncDir) { Phase::Sync } else { Phase::Transfer },
             kind: request.kind,
             file,
-            fixed: request.buf.as_ref().and_then(|buf| registry.index(ring, buf)),
+            // A vectored read uses no fixed buffer.
+            fixed: request.buf.as_ref().filter(|_| request.tail.is_none()).and_then(|buf| registry.index(ring, buf)),
             buf: request.buf,
+            tail: request.tail,
+            iovecs: Box::new([libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2]),
             done: 0,
             reply: request.reply,
         }),
@@ -452,8 +595,10 @@ fn uring_thread(
             tracing::error!(%error, "io_uring failed; this target's device engine has stopped");
             for slot in slots.iter_mut() {
                 if let Some(op) = slot.take() {
-                    let InFlight { reply, buf, file, .. } = op;
+                    let InFlight { reply, buf, tail, iovecs, file, .. } = op;
                     std::mem::forget(buf);
+                    std::mem::forget(tail);
+                    std::mem::forget(iovecs);
                     std::mem::forget(file);
                     let _ = reply.send(Err(io::Error::new(error.kind(), format!("io_uring submit: {error}"))));
                 }

@@ -193,7 +193,7 @@ fn bind_shm_socket(path: &Path) -> Option<dataplane::ShmListener> {
     match tokio::net::UnixListener::bind(path) {
         Ok(listener) => {
             info!(socket = %path.display(), "serving same-host clients over shared memory");
-            Some(dataplane::ShmListener { listener, path: path.to_path_buf() })
+            Some(dataplane::ShmListener::new(listener, path.to_path_buf()))
         }
         Err(error) => {
             tracing::warn!(%error, socket = %path.display(), "no shared-memory socket; same-host clients use TCP");

@@ -76,7 +76,7 @@ use starckpt_proto::buf::{AlignedBuf, BoxedBuf, BufPool, boxed_to_bytes, round_u
 use starckpt_proto::codec::{self, Codec};
 use thiserror::Error;
 
-use super::engine::IoEngine;
+use super::engine::{ExternalBuf, IoEngine};
 use super::freepool::{FreePool, FreePoolConfig};
 
 pub const HEADER_BYTES: usize = 4096;
@@ -805,6 +805,33 @@ impl ChunkStore {
         Ok(ChunkRead { bytes, codec: Codec::None, length: chunk_len })
     }
 
+    /// Reads a whole chunk from the device straight into `dest` (a client's shared-memory slot):
+    /// the header into a small buffer of the store's, the stored bytes (as stored: compressed
+    /// ones stay compressed) into `dest`, with no copy through the target's memory. Ok(None) when
+    /// the chunk does not fit `dest` ([`ChunkStore::read`] serves it then). The header is checked
+    /// as `read` checks it; the payload is verified by the reader, as with [`ChunkStore::get`].
+    pub async fn read_placed(&self, hash: ChunkHash, dest: ExternalBuf) -> Result<Option<Placed>, ChunkStoreError> {
+        let path = self.chunk_path(&hash);
+        let room = dest.len() as u64;
+        let head: BoxedBuf = Box::new(AlignedBuf::new(HEADER_BYTES));
+        let (head, placed) = match self.engine.read_file_split(path.clone(), head, dest).await {
+            Ok(read) => read,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ChunkStoreError::NotFound { hash }),
+            Err(source) => return Err(ChunkStoreError::Io { op: "read", path, source }),
+        };
+        let header = decode_header(head.aligned().as_ref(), &hash)?;
+        if header.stored_len > room {
+            return Ok(None);
+        }
+        if header.stored_len > placed as u64 {
+            return Err(ChunkStoreError::Corrupt {
+                hash,
+                reason: format!("header says {} bytes, file holds {placed}", header.stored_len),
+            });
+        }
+        Ok(Some(Placed { stored_len: header.stored_len, codec: header.codec, length: header.length }))
+    }
+
     /// Which chunks are stored. A chunk reported present is durable: its directory is fsync'd
     /// first, because a concurrent put may have renamed it in without yet syncing the rename,
     /// and a writer that deduplicates against it will commit a checkpoint naming it.
@@ -1082,6 +1109,15 @@ struct StoredHeader {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkRead {
     pub bytes: Bytes,
+    pub codec: Codec,
+    pub length: u64,
+}
+
+/// A chunk [`ChunkStore::read_placed`] put into the caller's memory: its first `stored_len`
+/// bytes hold the chunk as stored (encoded with `codec`), `length` bytes once decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placed {
+    pub stored_len: u64,
     pub codec: Codec,
     pub length: u64,
 }

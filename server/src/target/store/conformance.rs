@@ -280,6 +280,75 @@ async fn compressed_chunks(kind: EngineKind) {
     assert_eq!((plain.codec, &plain.bytes[..]), (Codec::None, &data[..]));
 }
 
+/// Memory outside the store (as a client's shared-memory slot is) that `read_placed` fills: the
+/// buffer and a pointer to it, read back through the pointer as the device wrote it.
+fn outside(len: usize) -> (Arc<AlignedBuf>, *mut u8) {
+    let mut memory = AlignedBuf::new(len);
+    let at = memory.as_mut_ptr();
+    (Arc::new(memory), at)
+}
+
+fn placed_dest(memory: &Arc<AlignedBuf>, at: *mut u8) -> ExternalBuf {
+    let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(memory) as _;
+    // SAFETY: `memory` holds `capacity()` bytes at `at` while `owner` lives; read back only after.
+    unsafe { ExternalBuf::new(at, memory.capacity(), owner) }.unwrap()
+}
+
+/// Whole chunks read from the device straight into outside memory: the stored bytes land there
+/// (compressed ones as stored), one too big for it is left to `read`, and a missing, damaged or
+/// short file is an error, not bytes.
+async fn placed_reads(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    let (memory, at) = outside(128 * 1024);
+    for (i, len) in [1usize, 4095, 4096, 4097, 128 * 1024].into_iter().enumerate() {
+        let data = random(len, 40 + i as u64);
+        let (hash, _) = put(&store, &data).await;
+        let placed = store.read_placed(hash, placed_dest(&memory, at)).await.unwrap();
+        assert_eq!(placed, Some(Placed { stored_len: len as u64, codec: Codec::None, length: len as u64 }));
+        // SAFETY: the read completed; `memory` is alive.
+        assert_eq!(unsafe { std::slice::from_raw_parts(at, len) }, &data[..], "len {len}");
+    }
+    let big = random(128 * 1024 + 1, 49);
+    let (big_hash, _) = put(&store, &big).await;
+    assert_eq!(store.read_placed(big_hash, placed_dest(&memory, at)).await.unwrap(), None, "does not fit");
+    assert_eq!(&store.get(big_hash, 0, 0).await.unwrap().bytes[..], &big[..]);
+
+    let data: Vec<u8> = (0..60_000u32).flat_map(|i| ((i % 300) as u16).to_le_bytes()).collect();
+    let hash = ChunkHash::of(&data);
+    let packed = codec::compress(&data, &codec::CompressConfig::default()).expect("compresses");
+    store.put(hash, packed_write(&store, &packed, data.len()).await).await.unwrap();
+    let placed = store.read_placed(hash, placed_dest(&memory, at)).await.unwrap().unwrap();
+    let stored = placed.stored_len as usize;
+    assert_eq!((placed.codec, placed.length, stored), (packed.codec, data.len() as u64, packed.bytes.len()));
+    // SAFETY: as above.
+    assert_eq!(unsafe { std::slice::from_raw_parts(at, stored) }, &packed.bytes[..], "kept as stored");
+
+    let absent = ChunkHash::of(b"absent");
+    assert!(matches!(store.read_placed(absent, placed_dest(&memory, at)).await, Err(ChunkStoreError::NotFound { .. })));
+    let data = random(20_000, 50);
+    let (hash, _) = put(&store, &data).await;
+    let path = store.chunk_path(&hash);
+    let file = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &file[..HEADER_BYTES + 8192]).unwrap();
+    let short = store.read_placed(hash, placed_dest(&memory, at)).await;
+    assert!(matches!(short, Err(ChunkStoreError::Corrupt { .. })), "{short:?}");
+    let mut renamed = file.clone();
+    renamed[40] ^= 1;
+    std::fs::write(&path, &renamed).unwrap();
+    let other = store.read_placed(hash, placed_dest(&memory, at)).await;
+    assert!(matches!(other, Err(ChunkStoreError::Corrupt { .. })), "{other:?}");
+    std::fs::write(&path, &file[..100]).unwrap();
+    let headless = store.read_placed(hash, placed_dest(&memory, at)).await;
+    assert!(matches!(headless, Err(ChunkStoreError::Corrupt { .. })), "{headless:?}");
+
+    // O_DIRECT needs aligned memory: anything else is refused before it reaches the device.
+    let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(&memory) as _;
+    // SAFETY: never used (refused).
+    assert!(unsafe { ExternalBuf::new(at.add(512), 4096, Arc::clone(&owner)) }.is_err());
+    assert!(unsafe { ExternalBuf::new(at, 4000, owner) }.is_err());
+}
+
 fn inode(path: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path).unwrap().ino()
@@ -398,6 +467,10 @@ macro_rules! suite {
             #[tokio::test]
             async fn verify_and_repair() {
                 verify_and_repair_replace_only_bad_copies($kind).await
+            }
+            #[tokio::test]
+            async fn placed() {
+                placed_reads($kind).await
             }
             #[tokio::test]
             async fn compressed() {
