@@ -214,10 +214,6 @@ struct Inner {
     /// Read repairs queued or running in the background (see `read_chunk`), and those running.
     repairs: Arc<tokio::sync::Semaphore>,
     repairs_running: Arc<tokio::sync::Semaphore>,
-    /// Threads that hash a chunk verified in place (`restore.rs`), made on first use. This
-    /// client's own, not rayon's process-global pool: a process forked from this one makes its
-    /// own client, and a global pool would be inherited without its threads.
-    verify_pool: std::sync::OnceLock<Option<rayon::ThreadPool>>,
 }
 
 /// Most read repairs a client holds at once, queued or running (each holds one chunk in memory);
@@ -287,7 +283,6 @@ impl Client {
                 targets: Targets { by_id: Default::default(), rdma, staging: shared_staging },
                 repairs: Arc::new(tokio::sync::Semaphore::new(REPAIRS_IN_FLIGHT)),
                 repairs_running: Arc::new(tokio::sync::Semaphore::new(REPAIRS_RUNNING)),
-                verify_pool: std::sync::OnceLock::new(),
             }),
         })
     }

@@ -21,7 +21,7 @@ use starckpt_proto::control::{self as pb};
 use starckpt_proto::model::{ChunkRef, FileEntry, Manifest};
 use starckpt_proto::{JobName, RelPath};
 
-use crate::transport::{ChunkTransport, Payload, TransportError};
+use crate::transport::{ChunkTransport, Fetched, Payload, TransportError};
 use crate::{CheckpointInfo, Client, Error, Result, TargetInfo};
 use starckpt_proto::data::ErrorCode;
 
@@ -34,39 +34,15 @@ async fn verify(chunk: &ChunkRef, payload: Payload) -> Result<std::result::Resul
         .map_err(|e| Error::Cancelled(e.to_string()))
 }
 
-/// Checks bytes a transport placed in the caller's buffer against `chunk`'s hash, where they lie.
-/// The buffer is borrowed, so the hashing cannot move to the blocking pool: a large chunk is
-/// hashed on all of `pool`'s threads (BLAKE3's tree splits it) while this worker hands its other
-/// tasks over (`block_in_place`, on a multi-threaded runtime); a small one inline. The pool is
-/// the client's own, never a process-global one a forked child would inherit without its threads.
-fn verify_in_place(pool: Option<&rayon::ThreadPool>, chunk: &ChunkRef, data: &[u8]) -> std::result::Result<(), String> {
-    let hash = || match pool {
-        Some(pool) if data.len() >= PARALLEL_HASH_BYTES => {
-            pool.install(|| ChunkHash(*blake3::Hasher::new().update_rayon(data).finalize().as_bytes()))
-        }
-        _ => ChunkHash::of(data),
-    };
-    let multi_threaded = tokio::runtime::Handle::try_current()
-        .is_ok_and(|runtime| runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    let actual =
-        if multi_threaded && data.len() >= BLOCK_IN_PLACE_BYTES { tokio::task::block_in_place(hash) } else { hash() };
-    if actual == chunk.hash { Ok(()) } else { Err(format!("got {actual}")) }
-}
-
-/// Chunks at least this big (~0.1 ms of hashing) are hashed off the runtime's books.
-const BLOCK_IN_PLACE_BYTES: usize = 256 << 10;
-/// Chunks at least this big are hashed on several threads.
-const PARALLEL_HASH_BYTES: usize = 1 << 20;
-
-/// One GET of a whole chunk: into `dest` when there is one (`Ok(None)` when it landed there).
+/// One GET of a whole chunk: into `dest` when there is one and the transport can put it there.
 async fn fetch_from(
     transport: &dyn ChunkTransport,
     chunk: &ChunkRef,
     dest: Option<&mut [u8]>,
-) -> std::result::Result<Option<Payload>, TransportError> {
+) -> std::result::Result<Fetched, TransportError> {
     match dest {
         Some(dest) => transport.get_into(chunk.hash, dest).await,
-        None => transport.get(chunk.hash, 0, 0).await.map(Some),
+        None => transport.get(chunk.hash, 0, 0).await.map(Fetched::Payload),
     }
 }
 
@@ -216,23 +192,6 @@ impl Client {
         self.fetch_chunk(manifest, chunk, Some(dest)).await.map(drop)
     }
 
-    /// The client's threads for hashing chunks verified in place (one per core, up to 8), made
-    /// on first use; None if the system refuses threads (hashing then stays on one).
-    fn verify_pool(&self) -> Option<&rayon::ThreadPool> {
-        self.inner
-            .verify_pool
-            .get_or_init(|| {
-                let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .thread_name(|i| format!("starckpt-verify-{i}"))
-                    .build()
-                    .map_err(|error| tracing::warn!(%error, "no threads for parallel verification"))
-                    .ok()
-            })
-            .as_ref()
-    }
-
     /// The replica loop of [`Client::read_chunk`] and [`Client::read_chunk_into`]: with `dest`,
     /// the verified chunk ends up there (`Ok(None)`), otherwise it is returned.
     async fn fetch_chunk(
@@ -266,12 +225,12 @@ impl Client {
                     address: address.clone(),
                     source,
                 })?;
+                // Bytes placed in `dest` were hashed as the transport copied them there.
                 let checked = match fetched {
-                    Some(payload) => verify(chunk, payload).await?.map(Some),
-                    None => match dest.as_deref() {
-                        Some(placed) => verify_in_place(self.verify_pool(), chunk, placed).map(|()| None),
-                        None => Err("placed in no buffer".to_owned()),
-                    },
+                    Fetched::Payload(payload) => verify(chunk, payload).await?.map(Some),
+                    Fetched::Placed(hash) if dest.is_none() => Err(format!("placed in no buffer ({hash})")),
+                    Fetched::Placed(hash) if hash == chunk.hash => Ok(None),
+                    Fetched::Placed(hash) => Err(format!("got {hash}")),
                 };
                 checked.map_err(|found| Error::Checksum {
                     hash: chunk.hash,

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use starckpt_client::transport::{
-    AutoTransport, ChunkPage, ChunkTransport, Payload, RdmaClient, RdmaTransport, ShmConfig, ShmTransport, TcpConfig,
-    TcpTransport, TransportError,
+    AutoTransport, ChunkPage, ChunkTransport, Fetched, Payload, RdmaClient, RdmaTransport, ShmConfig, ShmTransport,
+    TcpConfig, TcpTransport, TransportError,
 };
 use starckpt_proto::ChunkHash;
 use starckpt_proto::codec::{self, Codec, CompressConfig};
@@ -301,10 +301,18 @@ async fn shm_operations_placing(placed_reads: bool) {
     let (hash, data) = chunk(1 << 20, 10);
     transport.put(hash, Payload::raw(data.clone())).await.unwrap();
     let mut dest = vec![0u8; 1 << 20];
-    assert!(transport.get_into(hash, &mut dest).await.unwrap().is_none());
+    let fetched = transport.get_into(hash, &mut dest).await.unwrap();
+    assert!(matches!(fetched, Fetched::Placed(placed) if placed == hash), "{fetched:?}");
     assert_eq!(dest, data);
+    // A flipped bit in the stored bytes comes through (the reader verifies), hashed as copied.
     let path = target.store.chunk_path(&hash);
     let file = std::fs::read(&path).unwrap();
+    let mut flipped = file.clone();
+    flipped[4096 + 1000] ^= 4;
+    std::fs::write(&path, &flipped).unwrap();
+    let fetched = transport.get_into(hash, &mut dest).await.unwrap();
+    assert!(matches!(fetched, Fetched::Placed(placed) if placed == ChunkHash::of(&dest) && placed != hash));
+    assert_eq!(dest[1000], data[1000] ^ 4);
     std::fs::write(&path, &file[..file.len() - 8192]).unwrap();
     let error = transport.get_into(hash, &mut dest).await.unwrap_err();
     assert!(matches!(error, TransportError::Remote { code: ErrorCode::Corrupt, .. }), "{error}");

@@ -250,7 +250,7 @@ impl Region {
     /// which another process may change meanwhile).
     pub fn read_at_hashed(&self, offset: usize, dst: &mut [u8]) -> io::Result<crate::ChunkHash> {
         self.check(offset, dst.len())?;
-        fill_hashed(dst, |at, piece| {
+        crate::buf::fill_hashed(dst, |at, piece| {
             // SAFETY: in bounds (checked for the whole range); the region never overlaps Rust-owned
             // memory.
             unsafe {
@@ -356,28 +356,9 @@ impl StagingFile {
                 )));
             }
         }
-        fill_hashed(dst, |at, piece| self.file.read_exact_at(piece, offset + at as u64))
+        crate::buf::fill_hashed(dst, |at, piece| self.file.read_exact_at(piece, offset + at as u64))
     }
 }
-
-/// Fills `dst` piece by piece with `fill(offset in dst, piece)`, hashing (BLAKE3) each piece right
-/// after it is filled, while it is in the CPU's cache; counts the copy. Returns the hash of `dst`.
-fn fill_hashed(
-    dst: &mut [u8],
-    mut fill: impl FnMut(usize, &mut [u8]) -> io::Result<()>,
-) -> io::Result<crate::ChunkHash> {
-    let mut hasher = blake3::Hasher::new();
-    for (index, piece) in dst.chunks_mut(HASHED_PIECE).enumerate() {
-        fill(index * HASHED_PIECE, piece)?;
-        hasher.update(piece);
-    }
-    crate::buf::copies::record(dst.len());
-    Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
-}
-
-/// Bytes copied, then hashed while still in a core's L2 cache, in [`Region::read_at_hashed`] and
-/// [`StagingFile::read_at_hashed`].
-const HASHED_PIECE: usize = 256 << 10;
 
 impl Drop for Region {
     fn drop(&mut self) {

@@ -148,12 +148,12 @@ pub trait ChunkTransport: Send + Sync + 'static {
     /// as stored (maybe compressed); a range comes decoded.
     async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError>;
     /// Reads a whole chunk into `dest` when it comes raw and exactly `dest.len()` bytes long
-    /// (`Ok(None)`: shared memory and RDMA copy it there straight out of their slot, with no
-    /// buffer between); otherwise returns it (compressed, another length) for the caller to
-    /// decode. Bytes placed in `dest` are not verified yet: the caller checks them there.
-    async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+    /// (shared memory and RDMA copy it there straight out of their slot, with no buffer between,
+    /// hashing it as they copy: [`Fetched::Placed`]); otherwise returns it (compressed, another
+    /// length, or over TCP) for the caller to decode and verify.
+    async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
         let _ = dest;
-        self.get(hash, 0, 0).await.map(Some)
+        self.get(hash, 0, 0).await.map(Fetched::Payload)
     }
     async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError>;
     /// Deletes chunks; with `unused_for`, only those not used (written, re-put, reported present)
@@ -438,9 +438,9 @@ pub trait FrameTransport: Send + Sync + 'static {
     async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError>;
     async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError>;
     /// [`ChunkTransport::get_into`]; by default the chunk comes as a payload.
-    async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+    async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
         let _ = dest;
-        self.get_chunk(hash, 0, 0).await.map(Some)
+        self.get_chunk(hash, 0, 0).await.map(Fetched::Payload)
     }
     fn name(&self) -> &'static str;
 }
@@ -560,25 +560,57 @@ pub(crate) fn get_header<F: FrameTransport + ?Sized>(
 }
 
 /// A GET response's bytes as a [`Payload`], its codec checked.
-/// Where the `len` bytes a target put into a GET's slot go: into `dest` (copied by `read_into`;
-/// `Ok(None)`) when the chunk came raw and exactly `dest`'s size, otherwise into a fresh payload
-/// (copied by `read_fresh`).
+/// What [`ChunkTransport::get_into`] fetched.
+#[derive(Debug)]
+pub enum Fetched {
+    /// The chunk is in the caller's buffer, copied there out of a slot; this is the BLAKE3 hash
+    /// of the bytes as copied (computed piece by piece as they were copied, while in cache), for
+    /// the caller to compare with the chunk's.
+    Placed(ChunkHash),
+    /// The chunk as it came (compressed, another length than the buffer, or over TCP), for the
+    /// caller to decode and verify.
+    Payload(Payload),
+}
+
+/// Where the `len` bytes a target put into a GET's slot go: into `dest` (copied and hashed by
+/// `read_into`) when the chunk came raw and exactly `dest`'s size, otherwise into a fresh
+/// payload (copied by `read_fresh`).
 pub(crate) fn land_slot(
     response: &data::Response,
     len: usize,
     dest: Option<&mut [u8]>,
-    read_into: impl FnOnce(&mut [u8]) -> Result<(), TransportError>,
+    read_into: impl FnOnce(&mut [u8]) -> Result<ChunkHash, TransportError>,
     read_fresh: impl FnOnce() -> Result<Bytes, TransportError>,
-) -> Result<Option<Payload>, TransportError> {
+) -> Result<Fetched, TransportError> {
     match dest {
-        Some(dest) if response.codec == Codec::None.to_wire() && dest.len() == len => read_into(dest).map(|()| None),
-        _ => get_payload(response, read_fresh()?).map(Some),
+        Some(dest) if response.codec == Codec::None.to_wire() && dest.len() == len => {
+            hashing(len, || read_into(dest)).map(Fetched::Placed)
+        }
+        _ => get_payload(response, read_fresh()?).map(Fetched::Payload),
     }
 }
 
+/// Runs `copy_and_hash` of `len` bytes on this worker: a large one (~0.1 ms and more) with the
+/// worker's other tasks handed over meanwhile (`block_in_place`, on a multi-threaded runtime).
+fn hashing<T>(len: usize, copy_and_hash: impl FnOnce() -> T) -> T {
+    let multi_threaded = tokio::runtime::Handle::try_current()
+        .is_ok_and(|runtime| runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi_threaded && len >= BLOCK_IN_PLACE_BYTES {
+        tokio::task::block_in_place(copy_and_hash)
+    } else {
+        copy_and_hash()
+    }
+}
+
+/// Copies at least this big are hashed off the runtime's books ([`hashing`]).
+const BLOCK_IN_PLACE_BYTES: usize = 256 << 10;
+
 /// A GET that had no buffer to land in always comes as a payload.
-pub(crate) fn fetched_payload(fetched: Option<Payload>) -> Result<Payload, TransportError> {
-    fetched.ok_or_else(|| TransportError::Protocol("a GET without a buffer placed its bytes nowhere".into()))
+pub(crate) fn fetched_payload(fetched: Fetched) -> Result<Payload, TransportError> {
+    match fetched {
+        Fetched::Payload(payload) => Ok(payload),
+        Fetched::Placed(_) => Err(TransportError::Protocol("a GET without a buffer placed its bytes somewhere".into())),
+    }
 }
 
 pub(crate) fn get_payload(response: &data::Response, bytes: Bytes) -> Result<Payload, TransportError> {
@@ -671,7 +703,7 @@ impl<T: FrameTransport> ChunkTransport for T {
         self.get_chunk(hash, offset, length).await
     }
 
-    async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+    async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
         self.get_chunk_into(hash, dest).await
     }
 

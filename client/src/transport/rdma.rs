@@ -270,11 +270,12 @@ impl Dialled for RdmaTransport {
     // holds until its `Slot` drops, and the target wrote it before answering. Raw copies: other
     // slots may be written concurrently by the device, so no reference to the whole buffer is
     // formed.
-    fn copy_out(connection: &RdmaConnection, offset: usize, dest: &mut [u8]) -> Result<(), TransportError> {
+    fn copy_out(connection: &RdmaConnection, offset: usize, dest: &mut [u8]) -> Result<ChunkHash, TransportError> {
         let from = receive_range(connection, offset, dest.len())?;
-        unsafe { std::ptr::copy_nonoverlapping(from, dest.as_mut_ptr(), dest.len()) };
-        starckpt_proto::buf::copies::record(dest.len());
-        Ok(())
+        starckpt_proto::buf::fill_hashed(dest, |at, piece| {
+            unsafe { std::ptr::copy_nonoverlapping(from.add(at), piece.as_mut_ptr(), piece.len()) };
+            Ok(())
+        })
     }
 
     fn copy_fresh(connection: &RdmaConnection, offset: usize, len: usize) -> Result<Bytes, TransportError> {
@@ -349,7 +350,7 @@ impl FrameTransport for RdmaTransport {
         fetched_payload(self.get_slot(hash, offset, length, None).await?)
     }
 
-    async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+    async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
         self.get_slot(hash, 0, 0, Some(dest)).await
     }
 

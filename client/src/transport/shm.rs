@@ -220,8 +220,8 @@ impl Dialled for ShmTransport {
         response.shm_length
     }
 
-    fn copy_out(connection: &ShmConnection, offset: usize, dest: &mut [u8]) -> Result<(), TransportError> {
-        connection.region.slots.read_at(offset, dest).map_err(|e| TransportError::Protocol(e.to_string()))
+    fn copy_out(connection: &ShmConnection, offset: usize, dest: &mut [u8]) -> Result<ChunkHash, TransportError> {
+        connection.region.slots.read_at_hashed(offset, dest).map_err(|e| TransportError::Protocol(e.to_string()))
     }
 
     fn copy_fresh(connection: &ShmConnection, offset: usize, len: usize) -> Result<Bytes, TransportError> {
@@ -252,7 +252,7 @@ impl FrameTransport for ShmTransport {
         fetched_payload(self.get_slot(hash, offset, length, None).await?)
     }
 
-    async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+    async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
         self.get_slot(hash, 0, 0, Some(dest)).await
     }
 
@@ -489,7 +489,7 @@ impl ChunkTransport for AutoTransport {
         self.run(|t| async move { t.get(hash, offset, length).await }).await
     }
 
-    async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Option<Payload>, TransportError> {
+    async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
         let chosen = self.chosen();
         match chosen.get_into(hash, dest).await {
             Err(error) if self.falls_back(&chosen, &error) => self.tcp.get_into(hash, dest).await,

@@ -17,7 +17,7 @@ use tokio::sync::Semaphore;
 use starckpt_proto::ChunkHash;
 
 use super::{
-    Connection, FrameTransport, Payload, Place, TcpConfig, TransportError, checked, get_header, get_payload, land_slot,
+    Connection, Fetched, FrameTransport, Place, TcpConfig, TransportError, checked, get_header, get_payload, land_slot,
     once_more,
 };
 
@@ -140,8 +140,9 @@ pub(crate) trait Dialled: FrameTransport + Send + Sync {
     fn slot_place(&self, connection: &Self::Conn, slot: &Slot<Self::Conn>) -> Place;
     /// Bytes the target says it put into the slot (0: they came in the frame).
     fn slot_length(response: &data::Response) -> u64;
-    /// Copies `dest.len()` bytes at `offset` of the region out into `dest`.
-    fn copy_out(connection: &Self::Conn, offset: usize, dest: &mut [u8]) -> Result<(), TransportError>;
+    /// Copies `dest.len()` bytes at `offset` of the region out into `dest`, hashing them as it
+    /// goes (`starckpt_proto::buf::fill_hashed`); returns the hash of `dest` as copied.
+    fn copy_out(connection: &Self::Conn, offset: usize, dest: &mut [u8]) -> Result<ChunkHash, TransportError>;
     /// Copies `len` bytes at `offset` of the region into fresh bytes (not zeroed first).
     fn copy_fresh(connection: &Self::Conn, offset: usize, len: usize) -> Result<Bytes, TransportError>;
 
@@ -153,7 +154,7 @@ pub(crate) trait Dialled: FrameTransport + Send + Sync {
         offset: u64,
         length: u64,
         dest: Option<&mut [u8]>,
-    ) -> Result<Option<Payload>, TransportError> {
+    ) -> Result<Fetched, TransportError> {
         let connection = self.connection().await?;
         let mut slot = Slot::lend(&connection).await?;
         let header = get_header(self, hash, offset, length, self.slot_place(&connection, &slot));
@@ -163,7 +164,7 @@ pub(crate) trait Dialled: FrameTransport + Send + Sync {
         let len = Self::slot_length(&response);
         if len == 0 {
             // Too big for a slot (or empty): it came in the frame.
-            return get_payload(&response, inline).map(Some);
+            return get_payload(&response, inline).map(Fetched::Payload);
         }
         let len = usize::try_from(len).unwrap_or(usize::MAX);
         if len > connection.slot_pool().slot_bytes() || !inline.is_empty() {
@@ -186,7 +187,7 @@ pub(crate) trait Dialled: FrameTransport + Send + Sync {
         offset: u64,
         length: u64,
         mut dest: Option<&mut [u8]>,
-    ) -> Result<Option<Payload>, TransportError> {
+    ) -> Result<Fetched, TransportError> {
         match self.get_once(hash, offset, length, dest.as_deref_mut()).await {
             Err(TransportError::Connection(_)) => self.get_once(hash, offset, length, dest).await,
             other => other,
