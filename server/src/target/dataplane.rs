@@ -188,7 +188,15 @@ pub async fn serve_with(
     let placed_reads =
         shm.as_ref().is_some_and(|s| s.placed_reads.unwrap_or_else(starckpt_proto::shm::shared_huge_pages));
     if shm.is_some() {
-        info!(placed_reads, "serving shared memory");
+        if placed_reads {
+            info!("serving shared memory: GETs are read from the device straight into the client's slot");
+        } else {
+            info!(
+                "serving shared memory: GETs are copied into the client's slot (shared memory gets no huge pages \
+                 here; `echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled` to read them straight \
+                 there, README \"starckpt bench\")"
+            );
+        }
     }
     let served = Arc::new(Served { store, limits, inflight_bytes, shm: advertised, rdma, placed_reads });
     let stopping = CancellationToken::new();
