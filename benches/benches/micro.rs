@@ -26,7 +26,7 @@ use rand::{RngCore, SeedableRng};
 use starckpt_proto::ChunkHash;
 use starckpt_proto::frame::{FIXED_HEADER_BYTES, FrameHeader, Opcode, read_frame_head, write_frame};
 use starckpt_server::target::EngineKind;
-use starckpt_server::target::engine::{IoEngine, UringEngine, open_engine};
+use starckpt_server::target::engine::{FIXED_BUFFERS, IoEngine, UringEngine, open_engine};
 use starckpt_server::target::freepool::FreePoolConfig;
 use starckpt_server::target::store::ChunkStore;
 use tokio::io::AsyncReadExt;
@@ -148,10 +148,12 @@ fn frame(c: &mut Criterion) {
     group.finish();
 }
 
-/// The engines compared: io_uring with the store's buffers registered (fixed), the same without
-/// (every operation pins its buffer), and blocking std I/O; each chunk into a new file. And
-/// io_uring writing chunks into the files of deleted ones (the free pool: `UringReused`, puts only).
-const ENGINES: [&str; 4] = ["Uring", "UringReused", "UringUnfixed", "Std"];
+/// The engines compared: io_uring with the store's buffers registered (fixed) and its files opened
+/// by the ring into its file table, the same with files opened by a syscall (`UringOpened`, as
+/// before Linux 5.19), without fixed buffers (every operation pins its buffer), and blocking std
+/// I/O; each chunk into a new file. And io_uring writing chunks into the files of deleted ones (the
+/// free pool: `UringReused`, puts only).
+const ENGINES: [&str; 5] = ["Uring", "UringOpened", "UringReused", "UringUnfixed", "Std"];
 
 /// A store on the machine's disk (TMPDIR), with `engine` (one of [`ENGINES`]).
 fn open_store(runtime: &tokio::runtime::Runtime, engine: &str) -> (tempfile::TempDir, Arc<ChunkStore>) {
@@ -160,7 +162,8 @@ fn open_store(runtime: &tokio::runtime::Runtime, engine: &str) -> (tempfile::Tem
     let store = runtime.block_on(async {
         let engine: Arc<dyn IoEngine> = match engine {
             "Uring" | "UringReused" => open_engine(EngineKind::Uring, 16).unwrap(),
-            "UringUnfixed" => Arc::new(UringEngine::start_with(16, 0).unwrap()),
+            "UringOpened" => Arc::new(UringEngine::start_with(16, FIXED_BUFFERS, false).unwrap()),
+            "UringUnfixed" => Arc::new(UringEngine::start_with(16, 0, true).unwrap()),
             _ => open_engine(EngineKind::Std, 16).unwrap(),
         };
         let store = ChunkStore::open(dir.path(), engine, CHUNK, 16).await.unwrap();

@@ -494,6 +494,30 @@ macro_rules! suite {
 suite!(uring, EngineKind::Uring);
 suite!(std_io, EngineKind::Std);
 
+/// The io_uring engine opening files with a syscall (kernels without registered files, before
+/// 5.19) rather than into the ring's file table: the same round trips, split reads and errors.
+#[tokio::test]
+async fn uring_without_registered_files() {
+    use crate::target::engine::{FIXED_BUFFERS, UringEngine};
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(UringEngine::start_with(4, FIXED_BUFFERS, false).unwrap());
+    assert!(!engine.registered_files());
+    let store = ChunkStore::open(dir.path(), engine, 64 * 1024, 4).await.unwrap();
+    for (i, len) in [1usize, 4097, 65536, 300_001].into_iter().enumerate() {
+        let data = random(len, 60 + i as u64);
+        let (hash, outcome) = put(&store, &data).await;
+        assert_eq!(outcome, PutOutcome::Stored);
+        assert_eq!(&store.get(hash, 0, 0).await.unwrap().bytes[..], &data[..]);
+    }
+    let (memory, at) = outside(64 * 1024);
+    let data = random(5000, 70);
+    let (hash, _) = put(&store, &data).await;
+    assert!(store.read_placed(hash, placed_dest(&memory, at)).await.unwrap().is_some());
+    // SAFETY: the read completed; `memory` is alive.
+    assert_eq!(unsafe { std::slice::from_raw_parts(at, data.len()) }, &data[..]);
+    assert!(matches!(store.get(ChunkHash::of(b"absent"), 0, 0).await, Err(ChunkStoreError::NotFound { .. })));
+}
+
 #[tokio::test]
 async fn uring_registers_pool_buffers_once_and_moves_others_unregistered() {
     let dir = tempfile::tempdir().unwrap();
