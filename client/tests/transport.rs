@@ -319,6 +319,9 @@ async fn shm_operations_placing(placed_reads: bool) {
     std::fs::remove_file(&path).unwrap();
     let error = transport.get(hash, 0, 0).await.unwrap_err();
     assert!(matches!(error, TransportError::Remote { code: ErrorCode::NotFound, .. }), "{error}");
+    // The target says which way it served them.
+    let placed = transport.stat().await.unwrap().placed_reads;
+    assert_eq!(placed > 0, placed_reads, "{placed} GETs read straight into slots");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -286,19 +286,28 @@ impl Region {
     }
 }
 
-/// Whether shared memory gets transparent huge pages where a mapping asks for them
-/// (`MADV_HUGEPAGE`): the kernel's `shmem_enabled` mode is `always`, `within_size`, `advise` or
-/// `force` (not `never` or `deny`, nor unknown).
+/// Whether shared memory gets transparent huge pages (2 MiB) where a mapping asks for them
+/// (`MADV_HUGEPAGE`): the kernel's `shmem_enabled` mode for 2 MiB pages (Linux 6.11 and later:
+/// `hugepages-2048kB/shmem_enabled`, unless `inherit`), else the global one, is `always`,
+/// `within_size`, `advise` or `force` (not `never` or `deny`, nor unknown).
 pub fn shared_huge_pages() -> bool {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-        .is_ok_and(|modes| huge_pages_mode(&modes))
+    let mode = |path: &str| std::fs::read_to_string(path).ok().and_then(|modes| selected_mode(&modes));
+    let per_size = mode("/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled");
+    let mode = match per_size.as_deref() {
+        None | Some("inherit") => mode("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
+        Some(_) => per_size,
+    };
+    huge_pages_mode(mode.as_deref())
 }
 
-/// The selected mode of a `shmem_enabled` file ("always within_size [advise] never deny force")
-/// gives huge pages to a mapping that asks.
-fn huge_pages_mode(modes: &str) -> bool {
-    let selected = modes.split_whitespace().find_map(|mode| mode.strip_prefix('[')?.strip_suffix(']'));
-    matches!(selected, Some("always" | "within_size" | "advise" | "force"))
+/// The selected mode of a `shmem_enabled` file: "always within_size [advise] never deny force".
+fn selected_mode(modes: &str) -> Option<String> {
+    modes.split_whitespace().find_map(|mode| Some(mode.strip_prefix('[')?.strip_suffix(']')?.to_owned()))
+}
+
+/// Whether a `shmem_enabled` mode gives huge pages to a mapping that asks.
+fn huge_pages_mode(mode: Option<&str>) -> bool {
+    matches!(mode, Some("always" | "within_size" | "advise" | "force"))
 }
 
 /// Checks a memfd received from a client: sealed against resizing (and with `also` besides), not
@@ -452,8 +461,9 @@ mod tests {
             ("always within_size advise never [deny] force", false),
             ("always within_size advise never deny force", false),
             ("", false),
+            ("always [inherit] within_size advise never", false),
         ] {
-            assert_eq!(huge_pages_mode(modes), huge, "{modes:?}");
+            assert_eq!(huge_pages_mode(selected_mode(modes).as_deref()), huge, "{modes:?}");
         }
     }
 

@@ -73,6 +73,8 @@ pub struct TargetStat {
     /// Bytes of deleted chunks' files the target keeps for reuse, and puts that reused one.
     pub free_pool_bytes: u64,
     pub reused_files: u64,
+    /// GETs the target read from its device straight into a same-host client's slot.
+    pub placed_reads: u64,
     /// The target's scrubber since it started: passes finished, chunks verified, corrupt copies
     /// found and removed.
     pub scrub_passes: u64,
@@ -565,7 +567,8 @@ pub(crate) fn get_header<F: FrameTransport + ?Sized>(
 pub enum Fetched {
     /// The chunk is in the caller's buffer, copied there out of a slot; this is the BLAKE3 hash
     /// of the bytes as copied (computed piece by piece as they were copied, while in cache), for
-    /// the caller to compare with the chunk's.
+    /// the caller to compare with the chunk's. A transport must hash exactly the bytes it left
+    /// in the buffer: restore trusts this hash instead of hashing the buffer again.
     Placed(ChunkHash),
     /// The chunk as it came (compressed, another length than the buffer, or over TCP), for the
     /// caller to decode and verify.
@@ -680,6 +683,7 @@ async fn stat_frames<F: FrameTransport + ?Sized>(frames: &F) -> Result<TargetSta
         chunk_count: response.chunk_count,
         free_pool_bytes: response.free_pool_bytes,
         reused_files: response.reused_files,
+        placed_reads: response.placed_reads,
         scrub_passes: response.scrub_passes,
         scrub_verified_chunks: response.scrub_verified_chunks,
         scrub_corrupt_removed: response.scrub_corrupt_removed,

@@ -317,12 +317,6 @@ async fn attach(stream: &tokio::net::UnixStream, placed_reads: bool) -> std::io:
     let attached = shm::recv_attach(stream).await?;
     let attach = attached.attach;
     let region = Region::attach(attached.slots, attach.region_bytes())?;
-    if placed_reads {
-        // Huge pages for the slots where this mapping faults them in first (the device's reads):
-        // a read into them is a few contiguous segments rather than one per 4 KiB page.
-        // SAFETY: advice on exactly this mapping.
-        unsafe { libc::madvise(region.base().cast(), region.len(), libc::MADV_HUGEPAGE) };
-    }
     let staging = match attached.staging {
         Some(fd) => Some(StagingFile::attach(fd, attach.staging_bytes)?),
         None => None,
@@ -342,7 +336,28 @@ async fn attach(stream: &tokio::net::UnixStream, placed_reads: bool) -> std::io:
         staging_bytes = attach.staging_bytes,
         "shared-memory client attached"
     );
-    Ok(Arc::new(Slots { region, attach, staging, placed_reads }))
+    let slots = Arc::new(Slots { region, attach, staging, placed_reads });
+    if placed_reads {
+        // Huge pages for the slots where this mapping faults them in first (the device's reads):
+        // a read into them is a few contiguous segments rather than one per 4 KiB page. And
+        // faulted in now, off the runtime, rather than by the first read into each slot on the
+        // ring's thread (which would stall every other client's I/O meanwhile). The memory is
+        // the client's region, which it sized (within the attach's limits).
+        let mapped = Arc::clone(&slots);
+        let populated = tokio::task::spawn_blocking(move || {
+            let (at, len) = (mapped.region.base().cast::<libc::c_void>(), mapped.region.len());
+            // SAFETY: advice on exactly this mapping, which `mapped` keeps mapped.
+            unsafe {
+                libc::madvise(at, len, libc::MADV_HUGEPAGE);
+                libc::madvise(at, len, libc::MADV_POPULATE_WRITE)
+            }
+        })
+        .await;
+        if !matches!(populated, Ok(0)) {
+            debug!("could not fault the client's slots in at attach; the first reads into them will");
+        }
+    }
+    Ok(slots)
 }
 
 async fn serve_connection<R, W>(
@@ -555,7 +570,9 @@ where
 /// A whole-chunk GET from a client on this host, read from the device straight into the slot it
 /// named: no copy on the target, and no bytes held here (so nothing charged to the in-flight
 /// budget). None when the GET takes the ordinary path: a range, a request that path answers with
-/// an error, a chunk larger than the slot, a compressed one the client does not decode.
+/// an error, a chunk larger than the slot, a compressed one the client does not decode, or an I/O
+/// error (the device may refuse to read into the client's memory where it reads into the
+/// target's: a memory limit on pinning it, a filesystem without O_DIRECT into shared memory).
 async fn get_placed(store: &ChunkStore, slots: &Arc<Slots>, request: &data::GetRequest) -> Option<data::Response> {
     if request.offset != 0 || request.length != 0 || check_target(store, &request.auth).is_err() {
         return None;
@@ -578,6 +595,10 @@ async fn get_placed(store: &ChunkStore, slots: &Arc<Slots>, request: &data::GetR
             ..Default::default()
         }),
         Ok(_) => None,
+        Err(error @ ChunkStoreError::Io { .. }) => {
+            debug!(%error, "a GET read into the client's slot failed; reading it into the target's buffer");
+            None
+        }
         Err(error) => Some(store_error(error)),
     }
 }
@@ -1052,6 +1073,7 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
                 chunk_count: stats.chunk_count,
                 free_pool_bytes: stats.free_pool_bytes,
                 reused_files: stats.reused_files,
+                placed_reads: stats.placed_reads,
                 scrub_passes: scrub.passes.load(std::sync::atomic::Ordering::Relaxed),
                 scrub_verified_chunks: scrub.verified_chunks.load(std::sync::atomic::Ordering::Relaxed),
                 scrub_corrupt_removed: scrub.corrupt_removed.load(std::sync::atomic::Ordering::Relaxed),

@@ -126,6 +126,8 @@ pub struct StoreStats {
     pub free_pool_bytes: u64,
     /// Puts that overwrote a kept file instead of allocating a new one, since start.
     pub reused_files: u64,
+    /// Chunks read straight into a client's memory ([`ChunkStore::read_placed`]), since start.
+    pub placed_reads: u64,
 }
 
 /// What [`ChunkStore::check_copy`] found.
@@ -262,6 +264,8 @@ pub struct ChunkStore {
     pool: BufPool,
     chunk_count: AtomicU64,
     used_bytes: AtomicU64,
+    /// [`StoreStats::placed_reads`].
+    placed_reads: AtomicU64,
     use_locks: Arc<UseLocks>,
     clock: Arc<UseClock>,
     /// Free bytes the store never writes into (see [`ChunkStore::set_reserve`]).
@@ -312,6 +316,7 @@ impl ChunkStore {
             pool: BufPool::new(HEADER_BYTES + chunk_size_bytes, pool_buffers),
             chunk_count: AtomicU64::new(count),
             used_bytes: AtomicU64::new(used),
+            placed_reads: AtomicU64::new(0),
             use_locks: Arc::new(UseLocks::new()),
             clock: Arc::new(UseClock::new()),
             reserve_bytes: AtomicU64::new(0),
@@ -829,6 +834,7 @@ impl ChunkStore {
                 reason: format!("header says {} bytes, file holds {placed}", header.stored_len),
             });
         }
+        self.placed_reads.fetch_add(1, Ordering::Relaxed);
         Ok(Some(Placed { stored_len: header.stored_len, codec: header.codec, length: header.length }))
     }
 
@@ -972,6 +978,7 @@ impl ChunkStore {
             chunk_count: self.chunk_count.load(Ordering::Relaxed),
             free_pool_bytes: self.free.bytes(),
             reused_files: self.free.reused(),
+            placed_reads: self.placed_reads.load(Ordering::Relaxed),
         }
     }
 }

@@ -494,6 +494,21 @@ macro_rules! suite {
 suite!(uring, EngineKind::Uring);
 suite!(std_io, EngineKind::Std);
 
+/// Where the kernel has a table of registered files for the ring to open into (5.19), the engine
+/// uses it: the conformance suite's `uring` runs cover that path, `uring_without_registered_files`
+/// the other.
+#[tokio::test]
+async fn uring_opens_files_into_the_ring_where_the_kernel_can() {
+    use crate::target::engine::UringEngine;
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut numbers = release.trim().split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().unwrap_or(0));
+    let version = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+    let engine = UringEngine::start(4).unwrap();
+    if version >= (5, 19) {
+        assert!(engine.registered_files(), "kernel {release}");
+    }
+}
+
 /// The io_uring engine opening files with a syscall (kernels without registered files, before
 /// 5.19) rather than into the ring's file table: the same round trips, split reads and errors.
 #[tokio::test]
