@@ -971,6 +971,16 @@ fn same_host_targets_use_shared_memory_unless_they_serve_none() {
     cluster.targets.push(cluster.start_target_with(0, &["--queue-depth", "auto"]));
     cluster.targets.push(cluster.start_target_with(1, &["--no-shm", "--no-rdma", "--queue-depth", "2"]));
     cluster.wait_alive(2);
+    // A target stopped while it measures its device stops then (cleanly), and measures again on
+    // its next start.
+    let mut measuring = cluster.start_target_with(2, &["--queue-depth", "auto"]);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(measuring.pid() as i32, libc::SIGTERM) };
+    assert!(measuring.child.wait().unwrap().success());
+    let log = std::fs::read_to_string(cluster.dir.path().join("target-2.log")).unwrap();
+    assert!(log.contains("stopped while measuring the device"), "{log}");
+    assert!(!cluster.target_dir(2).join("queue-depth").exists());
+    assert!(!cluster.target_dir(2).join("calibrating").exists());
     let measured = std::fs::read_to_string(cluster.target_dir(0).join("queue-depth")).unwrap();
     let depth: usize = measured.lines().next().unwrap().parse().unwrap();
     assert!([1, 2, 4, 8, 16, 32].contains(&depth), "{measured}");

@@ -202,6 +202,20 @@ fn bind_shm_socket(path: &Path) -> Option<dataplane::ShmListener> {
     }
 }
 
+/// Removes a cut-short measurement's scratch directory. Its last operations (a rename, an
+/// fsync on the blocking pool) may still be finishing and create entries in it, so it is removed
+/// again until it stays gone, for up to about a second; a start removes whatever is left.
+async fn remove_scratch(scratch: &std::path::Path) {
+    for _ in 0..20 {
+        let _ = std::fs::remove_dir_all(scratch);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if !scratch.exists() {
+            return;
+        }
+    }
+    warn!(dir = %scratch.display(), "could not remove the measurement's scratch files; the next start will");
+}
+
 /// Runs a target on `listener` until `shutdown` resolves.
 pub async fn run(
     config: TargetConfig,
@@ -210,13 +224,25 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let target_id = load_or_create_target_id(&config.dir)?;
     // Whatever a measurement cut short by a crash left behind.
-    let _ = std::fs::remove_dir_all(config.dir.join("calibrating"));
+    let scratch = config.dir.join("calibrating");
+    let _ = std::fs::remove_dir_all(&scratch);
+    let mut shutdown = std::pin::pin!(shutdown);
     let queue_depth = match config.queue_depth {
         QueueDepth::Fixed(depth) => depth,
         QueueDepth::Measured => {
-            match calibrate::queue_depth(&config.dir, config.engine, config.chunk_size_bytes, config.reserve_bytes)
-                .await
-            {
+            let measuring =
+                calibrate::queue_depth(&config.dir, config.engine, config.chunk_size_bytes, config.reserve_bytes);
+            let measured = tokio::select! {
+                measured = measuring => measured,
+                () = &mut shutdown => {
+                    // Nothing is served yet: stop now, not after the measurement (seconds); the
+                    // next start measures again.
+                    info!("stopped while measuring the device; the next start measures it again");
+                    remove_scratch(&scratch).await;
+                    return Ok(());
+                }
+            };
+            match measured {
                 Ok(depth) => depth,
                 Err(error) => {
                     warn!(%error, "could not measure the device; queue depth 8 until a later start measures it");
