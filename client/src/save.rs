@@ -849,7 +849,7 @@ fn copy_blocking(
 }
 
 /// Runs blocking work (a copy) without stalling other tasks of a multi-threaded runtime.
-fn off_runtime<R>(work: impl FnOnce() -> R) -> R {
+pub(crate) fn off_runtime<R>(work: impl FnOnce() -> R) -> R {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
         _ => work(),

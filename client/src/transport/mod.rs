@@ -587,25 +587,16 @@ pub(crate) fn land_slot(
 ) -> Result<Fetched, TransportError> {
     match dest {
         Some(dest) if response.codec == Codec::None.to_wire() && dest.len() == len => {
-            hashing(len, || read_into(dest)).map(Fetched::Placed)
+            let copy_and_hash = || read_into(dest);
+            // A large copy (~0.1 ms and more) hands the worker's other tasks over meanwhile.
+            if len >= BLOCK_IN_PLACE_BYTES { crate::save::off_runtime(copy_and_hash) } else { copy_and_hash() }
+                .map(Fetched::Placed)
         }
         _ => get_payload(response, read_fresh()?).map(Fetched::Payload),
     }
 }
 
-/// Runs `copy_and_hash` of `len` bytes on this worker: a large one (~0.1 ms and more) with the
-/// worker's other tasks handed over meanwhile (`block_in_place`, on a multi-threaded runtime).
-fn hashing<T>(len: usize, copy_and_hash: impl FnOnce() -> T) -> T {
-    let multi_threaded = tokio::runtime::Handle::try_current()
-        .is_ok_and(|runtime| runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    if multi_threaded && len >= BLOCK_IN_PLACE_BYTES {
-        tokio::task::block_in_place(copy_and_hash)
-    } else {
-        copy_and_hash()
-    }
-}
-
-/// Copies at least this big are hashed off the runtime's books ([`hashing`]).
+/// Copies at least this big are hashed off the runtime's books ([`land_slot`]).
 const BLOCK_IN_PLACE_BYTES: usize = 256 << 10;
 
 /// A GET that had no buffer to land in always comes as a payload.

@@ -774,12 +774,7 @@ impl ChunkStore {
         let read = buf.aligned().as_ref();
         let header = decode_header(read, &hash)?;
         let stored_len = header.stored_len;
-        if (HEADER_BYTES as u64).checked_add(stored_len).is_none_or(|end| end > read.len() as u64) {
-            return Err(ChunkStoreError::Corrupt {
-                hash,
-                reason: format!("header says {stored_len} bytes, file holds {}", read.len() - HEADER_BYTES),
-            });
-        }
+        header.check_held(&hash, read.len() - HEADER_BYTES)?;
         let chunk_len = header.length;
         let end = if length == 0 { chunk_len } else { offset.saturating_add(length) };
         if offset > chunk_len || end > chunk_len || offset > end {
@@ -828,12 +823,7 @@ impl ChunkStore {
         if header.stored_len > room {
             return Ok(None);
         }
-        if header.stored_len > placed as u64 {
-            return Err(ChunkStoreError::Corrupt {
-                hash,
-                reason: format!("header says {} bytes, file holds {placed}", header.stored_len),
-            });
-        }
+        header.check_held(&hash, placed)?;
         self.placed_reads.fetch_add(1, Ordering::Relaxed);
         Ok(Some(Placed { stored_len: header.stored_len, codec: header.codec, length: header.length }))
     }
@@ -1109,6 +1099,17 @@ struct StoredHeader {
     length: u64,
     /// BLAKE3 of the stored bytes (the content hash for an uncompressed chunk).
     stored_hash: ChunkHash,
+}
+
+impl StoredHeader {
+    /// Checks that the `held` bytes read after the header hold the stored bytes it names.
+    fn check_held(&self, hash: &ChunkHash, held: usize) -> Result<(), ChunkStoreError> {
+        if self.stored_len > held as u64 {
+            let reason = format!("header says {} bytes, file holds {held}", self.stored_len);
+            return Err(ChunkStoreError::Corrupt { hash: *hash, reason });
+        }
+        Ok(())
+    }
 }
 
 /// A chunk (or a range of one) as read: `bytes` are `codec`-encoded (only a whole chunk is ever
