@@ -256,21 +256,135 @@ async fn a_request_meant_for_another_target_is_refused() {
     assert_eq!(tcp(target.address, 1).has(&[hash]).await.unwrap(), vec![true], "no expectation: unchecked");
 }
 
-#[tokio::test]
-async fn a_silent_target_times_out_instead_of_hanging() {
+/// Flips a bit of chunk `hash`'s stored bytes at `at`: a GET into `dest` brings it through (the
+/// reader verifies), hashed as it landed. Returns the chunk file's path and its unflipped bytes.
+async fn flipped_bit_comes_through(
+    target: &Target,
+    transport: &dyn ChunkTransport,
+    hash: ChunkHash,
+    dest: &mut [u8],
+    at: usize,
+) -> (std::path::PathBuf, Vec<u8>) {
+    let path = target.store.chunk_path(&hash);
+    let file = std::fs::read(&path).unwrap();
+    let mut flipped = file.clone();
+    flipped[4096 + at] ^= 1;
+    std::fs::write(&path, &flipped).unwrap();
+    let fetched = transport.get_into(hash, dest).await.unwrap();
+    assert!(matches!(fetched, Fetched::Placed(placed) if placed == ChunkHash::of(dest) && placed != hash));
+    (path, file)
+}
+
+/// A target that accepts connections and holds them open, answering nothing, or (`half_a_payload`)
+/// answering each connection's first request with a GET response of a 1 MiB payload of which it
+/// sends half.
+async fn silent_target(half_a_payload: bool) -> std::net::SocketAddr {
+    use tokio::io::AsyncWriteExt;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
-    let _holder = tokio::spawn(async move {
+    tokio::spawn(async move {
         let mut held = Vec::new();
         loop {
-            let (socket, _) = listener.accept().await.unwrap();
+            let (mut socket, _) = listener.accept().await.unwrap();
+            if half_a_payload {
+                let (header, _) = starckpt_proto::frame::read_frame_head(&mut socket).await.unwrap();
+                let response = prost::Message::encode_to_vec(&starckpt_proto::data::Response::default());
+                let fixed = starckpt_proto::frame::FrameHeader {
+                    opcode: Opcode::GetResponse,
+                    request_id: header.request_id,
+                    header_len: response.len() as u32,
+                    payload_len: 1 << 20,
+                };
+                socket.write_all(&fixed.encode()).await.unwrap();
+                socket.write_all(&response).await.unwrap();
+                socket.write_all(&vec![5u8; 1 << 19]).await.unwrap();
+            }
             held.push(socket);
         }
     });
+    address
+}
+
+#[tokio::test]
+async fn a_silent_target_times_out_instead_of_hanging() {
+    let address = silent_target(false).await;
     let config = TcpConfig { request_timeout: Duration::from_millis(300), ..TcpConfig::default() };
     let transport = TcpTransport::new(address, config);
     let Err(error) = transport.stat().await else { panic!("a silent target answered") };
     assert!(matches!(error, TransportError::Timeout(_)), "{error}");
+}
+
+/// A raw chunk of the caller's buffer's size is read from the socket straight into it, hashed as
+/// it arrives; any other comes back as a payload. Requests abandoned before or while their payload
+/// is read leave the transport serving the next ones correctly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_gets_land_in_the_callers_buffer() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = start_target(dir.path(), "127.0.0.1:0").await;
+    let transport = Arc::new(tcp(target.address, 1));
+    let (hash, data) = chunk(4 << 20, 11);
+    transport.put(hash, Payload::raw(data.clone())).await.unwrap();
+    let mut dest = vec![0u8; data.len()];
+    let fetched = transport.get_into(hash, &mut dest).await.unwrap();
+    assert!(matches!(fetched, Fetched::Placed(placed) if placed == hash), "{fetched:?}");
+    assert_eq!(dest, data);
+    // Another length than the chunk's: a payload, the buffer untouched.
+    let mut short = vec![0u8; data.len() - 1];
+    let Fetched::Payload(payload) = transport.get_into(hash, &mut short).await.unwrap() else { panic!("placed") };
+    assert_eq!((payload.bytes, short.iter().all(|b| *b == 0)), (data.clone(), true));
+    // Compressed: as stored, for the caller to decode.
+    let (packed_hash, floats) = float_chunk(200_000);
+    let packed = codec::compress(&floats, &CompressConfig::default()).expect("compresses");
+    let payload = Payload { bytes: Bytes::from(packed.bytes), codec: packed.codec, length: floats.len() as u64 };
+    transport.put(packed_hash, payload.clone()).await.unwrap();
+    let mut dest_floats = vec![0u8; floats.len()];
+    let fetched = transport.get_into(packed_hash, &mut dest_floats).await.unwrap();
+    assert!(matches!(&fetched, Fetched::Payload(p) if *p == payload), "{fetched:?}");
+    let (path, file) = flipped_bit_comes_through(&target, transport.as_ref(), hash, &mut dest, 77).await;
+    std::fs::write(&path, &file).unwrap();
+    let missing = ChunkHash::of(b"missing");
+    let error = transport.get_into(missing, &mut dest).await.unwrap_err();
+    assert!(matches!(error, TransportError::Remote { code: ErrorCode::NotFound, .. }), "{error}");
+
+    // Abandoned at every stage: before the response, with the stream lent but unread, midway.
+    for round in 0..40u64 {
+        let wait = Duration::from_micros(round * round * 5);
+        let _ = tokio::time::timeout(wait, transport.get_into(hash, &mut dest)).await;
+    }
+    // Then many at once on the one connection, landing and not, each with the right bytes.
+    let tasks: Vec<_> = (0..24)
+        .map(|i| {
+            let (transport, data, floats) = (Arc::clone(&transport), data.clone(), floats.clone());
+            tokio::spawn(async move {
+                if i % 3 == 0 {
+                    let got = transport.get(packed_hash, 0, 0).await.unwrap();
+                    assert_eq!(got.verified(packed_hash, floats.len() as u64).unwrap(), floats);
+                } else {
+                    let mut dest = vec![0u8; data.len()];
+                    let fetched = transport.get_into(hash, &mut dest).await.unwrap();
+                    assert!(matches!(fetched, Fetched::Placed(placed) if placed == hash));
+                    assert_eq!(dest, data);
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
+/// A target that sends half a GET's payload and goes silent: the caller reading it straight into
+/// its buffer times out instead of hanging, and a fresh connection serves the next request.
+#[tokio::test]
+async fn a_payload_that_stops_midway_times_out() {
+    let address = silent_target(true).await;
+    let config = TcpConfig { request_timeout: Duration::from_millis(300), ..TcpConfig::default() };
+    let transport = TcpTransport::new(address, config);
+    let mut dest = vec![0u8; 1 << 20];
+    let error = transport.get_into(ChunkHash::of(b"x"), &mut dest).await.unwrap_err();
+    assert!(matches!(error, TransportError::Timeout(_)), "{error}");
+    let error = transport.get_into(ChunkHash::of(b"x"), &mut dest).await.unwrap_err();
+    assert!(matches!(error, TransportError::Timeout(_)), "a fresh connection, the same silence: {error}");
 }
 
 /// The shared-memory transport against a target serving both, with 1 MiB slots.
@@ -304,15 +418,8 @@ async fn shm_operations_placing(placed_reads: bool) {
     let fetched = transport.get_into(hash, &mut dest).await.unwrap();
     assert!(matches!(fetched, Fetched::Placed(placed) if placed == hash), "{fetched:?}");
     assert_eq!(dest, data);
-    // A flipped bit in the stored bytes comes through (the reader verifies), hashed as copied.
-    let path = target.store.chunk_path(&hash);
-    let file = std::fs::read(&path).unwrap();
-    let mut flipped = file.clone();
-    flipped[4096 + 1000] ^= 4;
-    std::fs::write(&path, &flipped).unwrap();
-    let fetched = transport.get_into(hash, &mut dest).await.unwrap();
-    assert!(matches!(fetched, Fetched::Placed(placed) if placed == ChunkHash::of(&dest) && placed != hash));
-    assert_eq!(dest[1000], data[1000] ^ 4);
+    let (path, file) = flipped_bit_comes_through(&target, &transport, hash, &mut dest, 1000).await;
+    assert_eq!(dest[1000], data[1000] ^ 1);
     std::fs::write(&path, &file[..file.len() - 8192]).unwrap();
     let error = transport.get_into(hash, &mut dest).await.unwrap_err();
     assert!(matches!(error, TransportError::Remote { code: ErrorCode::Corrupt, .. }), "{error}");

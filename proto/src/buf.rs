@@ -53,7 +53,26 @@ pub fn fill_hashed<E>(
     Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
 }
 
-/// Bytes [`fill_hashed`] fills, then hashes while they are still in a core's L2 cache.
+/// Reads `dst.len()` bytes of `reader` (a socket) into `dst` piece by piece, hashing (BLAKE3) each
+/// piece right after the kernel copied it in, while it is in the CPU's cache, as [`fill_hashed`]
+/// does for user-space copies. Returns the hash of `dst` as read. The kernel's copy out of the
+/// socket buffer is not a user-space copy and is not counted. Cancel-safe only in that a dropped
+/// read leaves `dst` partly filled and the stream mid-payload: the caller owns both.
+pub async fn read_hashed<R: tokio::io::AsyncRead + Unpin + ?Sized>(
+    reader: &mut R,
+    dst: &mut [u8],
+) -> std::io::Result<crate::ChunkHash> {
+    use tokio::io::AsyncReadExt;
+    let mut hasher = blake3::Hasher::new();
+    for piece in dst.chunks_mut(HASHED_PIECE) {
+        reader.read_exact(piece).await?;
+        hasher.update(piece);
+    }
+    Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
+}
+
+/// Bytes [`fill_hashed`] and [`read_hashed`] fill, then hash while they are still in a core's L2
+/// cache.
 const HASHED_PIECE: usize = 256 << 10;
 
 /// Alignment of every buffer: the page size, which satisfies O_DIRECT on every Linux block device.

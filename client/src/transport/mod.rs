@@ -6,7 +6,8 @@
 //!
 //! [`TcpTransport`] keeps a few persistent connections per target. Each connection multiplexes
 //! many requests: a writer task sends frames in order, a reader task matches responses to
-//! requests by id, so a slow GET never blocks a PUT behind it. Requests in flight per connection
+//! requests by id, so a slow GET never blocks a PUT behind it; a GET's raw chunk bound for the
+//! caller's memory is read from the socket straight into it ([`LentReader`]). Requests in flight per connection
 //! are bounded; the bytes in flight are bounded by the caller (the staging pool for saves, the
 //! restore concurrency for reads). A broken connection fails its pending requests at once and is
 //! replaced on the next request; every operation is idempotent (chunks are content-addressed), so
@@ -150,9 +151,10 @@ pub trait ChunkTransport: Send + Sync + 'static {
     /// as stored (maybe compressed); a range comes decoded.
     async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError>;
     /// Reads a whole chunk into `dest` when it comes raw and exactly `dest.len()` bytes long
-    /// (shared memory and RDMA copy it there straight out of their slot, with no buffer between,
-    /// hashing it as they copy: [`Fetched::Placed`]); otherwise returns it (compressed, another
-    /// length, or over TCP) for the caller to decode and verify.
+    /// (shared memory and RDMA copy it there straight out of their slot, TCP reads it there
+    /// straight from the socket, with no buffer between, hashing it as it lands:
+    /// [`Fetched::Placed`]); otherwise returns it (compressed, or another length) for the caller
+    /// to decode and verify.
     async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
         let _ = dest;
         self.get(hash, 0, 0).await.map(Fetched::Payload)
@@ -197,7 +199,69 @@ impl Default for TcpConfig {
     }
 }
 
-type Reply = oneshot::Sender<Result<(data::Response, Bytes), TransportError>>;
+type Reply = oneshot::Sender<Result<Answer, TransportError>>;
+
+/// A connection's reading half. Boxed so that it can be lent to a caller ([`LentReader`]).
+type Reader = Box<dyn AsyncRead + Unpin + Send>;
+
+/// How a response reaches its request.
+enum Answer {
+    /// With its payload, read by the connection's reader task.
+    Whole(data::Response, Bytes),
+    /// With its payload still on the stream, of exactly the length the request asked to land
+    /// itself: the caller reads it into its own buffer ([`LentReader::read_hashed`]).
+    Lent(data::Response, LentReader),
+}
+
+/// The reading half of a connection, lent by its reader task to the request whose raw payload is
+/// next on the stream, so the payload goes from the socket straight into the caller's buffer (no
+/// intermediate buffer, no copy in user space). Dropping it gives the stream back to the reader
+/// task: with the payload read, or not begun (the task skips it), or abandoned mid-read (a
+/// timeout: the stream is lost mid-frame and the task closes the connection).
+struct LentReader {
+    lent: Option<(Reader, oneshot::Sender<Returned>)>,
+    /// Payload bytes not yet read.
+    left: usize,
+    /// A read began and did not finish.
+    broken: bool,
+}
+
+/// A lent reader coming back to its connection's reader task.
+struct Returned {
+    reader: Reader,
+    left: usize,
+    broken: bool,
+}
+
+impl LentReader {
+    /// Reads the payload into `dest` (exactly its length), hashing it as it arrives.
+    async fn read_hashed(mut self, dest: &mut [u8]) -> Result<ChunkHash, TransportError> {
+        let Some((reader, _)) = self.lent.as_mut() else {
+            return Err(TransportError::Connection("the connection's stream is gone".into()));
+        };
+        if dest.len() != self.left {
+            return Err(TransportError::Protocol(format!(
+                "{} payload bytes for {} bytes of buffer",
+                self.left,
+                dest.len()
+            )));
+        }
+        self.broken = true;
+        let hash = starckpt_proto::buf::read_hashed(reader, dest)
+            .await
+            .map_err(|e| TransportError::Connection(format!("reading a payload: {e}")))?;
+        (self.broken, self.left) = (false, 0);
+        Ok(hash)
+    }
+}
+
+impl Drop for LentReader {
+    fn drop(&mut self) {
+        if let Some((reader, back)) = self.lent.take() {
+            let _ = back.send(Returned { reader, left: self.left, broken: self.broken });
+        }
+    }
+}
 
 struct OutFrame {
     opcode: Opcode,
@@ -206,13 +270,19 @@ struct OutFrame {
     payload: Option<Bytes>,
 }
 
+/// A request waiting for its response; `land`: the length of a raw payload it reads itself.
+struct Waiting {
+    reply: Reply,
+    land: Option<usize>,
+}
+
 /// Pending requests of one connection; `None` once the connection is dead.
-type Pending = Arc<Mutex<Option<HashMap<u64, Reply>>>>;
+type Pending = Arc<Mutex<Option<HashMap<u64, Waiting>>>>;
 
 fn fail_all(pending: &Pending, error: TransportError) {
     let drained = pending.lock().unwrap_or_else(|p| p.into_inner()).take();
-    for (_, reply) in drained.into_iter().flatten() {
-        let _ = reply.send(Err(error.clone()));
+    for (_, waiting) in drained.into_iter().flatten() {
+        let _ = waiting.reply.send(Err(error.clone()));
     }
 }
 
@@ -244,7 +314,7 @@ impl Connection {
         let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
         let (frames, outgoing) = mpsc::channel(max_requests);
         tokio::spawn(write_loop(writer, outgoing, Arc::clone(&pending)));
-        tokio::spawn(read_loop(reader, Arc::clone(&pending)));
+        tokio::spawn(read_loop(Box::new(reader), Arc::clone(&pending)));
         Connection { frames, pending, next_id: AtomicU64::new(1), slots: Arc::new(Semaphore::new(max_requests)) }
     }
 
@@ -264,13 +334,29 @@ impl Connection {
         payload: Option<Bytes>,
         timeout: Duration,
     ) -> Result<(data::Response, Bytes), TransportError> {
+        match self.exchange(opcode, header, payload, None, timeout).await? {
+            Answer::Whole(response, payload) => Ok((response, payload)),
+            Answer::Lent(..) => Err(TransportError::Protocol("a payload lent to a request that reads none".into())),
+        }
+    }
+
+    /// Sends a request and waits for its response. `land`: a raw (not encoded) response payload
+    /// of exactly this length is left on the stream for the caller ([`Answer::Lent`]).
+    async fn exchange(
+        &self,
+        opcode: Opcode,
+        header: Vec<u8>,
+        payload: Option<Bytes>,
+        land: Option<usize>,
+        timeout: Duration,
+    ) -> Result<Answer, TransportError> {
         let _slot = self.slots.acquire().await.map_err(|_| TransportError::Connection("closed".into()))?;
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
         {
             let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
             match pending.as_mut() {
-                Some(map) => map.insert(request_id, reply),
+                Some(map) => map.insert(request_id, Waiting { reply, land }),
                 None => return Err(TransportError::Connection("connection is closed".into())),
             };
         }
@@ -318,7 +404,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(writer: W, mut outgoing: mpsc::Receiv
     }
 }
 
-async fn read_loop<R: AsyncRead + Unpin>(mut reader: R, pending: Pending) {
+async fn read_loop(mut reader: Reader, pending: Pending) {
     let error = loop {
         let (header, prost_header) = match frame::read_frame_head(&mut reader).await {
             Ok(head) => head,
@@ -328,6 +414,32 @@ async fn read_loop<R: AsyncRead + Unpin>(mut reader: R, pending: Pending) {
         };
         if !header.opcode.is_response() {
             break TransportError::Protocol(format!("target sent request opcode {:?}", header.opcode));
+        }
+        let decoded = data::Response::decode(prost_header);
+        // A raw payload of the length its request lands itself goes straight into the request's
+        // buffer: the stream is lent to it until it has read the payload.
+        if let Ok(response) = &decoded
+            && header.payload_len != 0
+            && response.codec == Codec::None.to_wire()
+        {
+            let lands = |land| land == Some(header.payload_len as usize);
+            if let Some(waiting) = take_waiting(&pending, header.request_id, lands) {
+                let (back, returned) = oneshot::channel();
+                let lent = LentReader { lent: Some((reader, back)), left: header.payload_len as usize, broken: false };
+                // Not received (the request gave up): the answer is dropped and the stream comes back.
+                let _ = waiting.reply.send(Ok(Answer::Lent(response.clone(), lent)));
+                match returned.await {
+                    Ok(Returned { reader: back, left, broken: false }) => {
+                        reader = back;
+                        if let Err(error) = skip(&mut reader, left).await {
+                            break TransportError::Connection(error.to_string());
+                        }
+                        continue;
+                    }
+                    Ok(_) => break TransportError::Connection("a request stopped reading its payload midway".into()),
+                    Err(_) => break TransportError::Connection("a lent stream was never given back".into()),
+                }
+            }
         }
         let mut payload = BytesMut::with_capacity(header.payload_len as usize);
         while payload.len() < header.payload_len as usize {
@@ -344,17 +456,34 @@ async fn read_loop<R: AsyncRead + Unpin>(mut reader: R, pending: Pending) {
         if payload.len() != header.payload_len as usize {
             break TransportError::Connection("closed in the middle of a payload".into());
         }
-        let outcome = data::Response::decode(prost_header)
-            .map(|response| (response, payload.freeze()))
+        let outcome = decoded
+            .map(|response| Answer::Whole(response, payload.freeze()))
             .map_err(|e| TransportError::Protocol(format!("undecodable response header: {e}")));
-        let reply =
-            pending.lock().unwrap_or_else(|p| p.into_inner()).as_mut().and_then(|m| m.remove(&header.request_id));
         // A response to a request that timed out is dropped.
-        if let Some(reply) = reply {
-            let _ = reply.send(outcome);
+        if let Some(waiting) = take_waiting(&pending, header.request_id, |_| true) {
+            let _ = waiting.reply.send(outcome);
         }
     };
     fail_all(&pending, error);
+}
+
+/// Removes request `id`'s entry if `wanted` accepts the length it lands itself.
+fn take_waiting(pending: &Pending, id: u64, wanted: impl FnOnce(Option<usize>) -> bool) -> Option<Waiting> {
+    let mut pending = pending.lock().unwrap_or_else(|p| p.into_inner());
+    let map = pending.as_mut()?;
+    match wanted(map.get(&id)?.land) {
+        true => map.remove(&id),
+        false => None,
+    }
+}
+
+/// Reads and drops `len` bytes of `reader` (a payload whose request went away).
+async fn skip(reader: &mut Reader, len: usize) -> std::io::Result<()> {
+    let copied = tokio::io::copy(&mut reader.take(len as u64), &mut tokio::io::sink()).await?;
+    match copied == len as u64 {
+        true => Ok(()),
+        false => Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof)),
+    }
 }
 
 /// The TCP data-plane transport to one target.
@@ -479,6 +608,37 @@ impl FrameTransport for TcpTransport {
         get_payload(&response, bytes)
     }
 
+    /// A raw chunk of `dest`'s size is read from the socket straight into `dest`, hashed as it
+    /// arrives; anything else comes as a payload.
+    async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
+        let timeout = self.config.request_timeout;
+        let mut retried = false;
+        loop {
+            let attempt = async {
+                let connection = self.connection().await?;
+                let header = get_header(self, hash, 0, 0, Place::Inline);
+                match connection.exchange(Opcode::Get, header, None, Some(dest.len()), timeout).await? {
+                    Answer::Whole(response, bytes) => {
+                        let (response, bytes) = checked(response, bytes)?;
+                        get_payload(&response, bytes).map(Fetched::Payload)
+                    }
+                    Answer::Lent(response, lent) => {
+                        checked(response, Bytes::new())?;
+                        match tokio::time::timeout(timeout, lent.read_hashed(dest)).await {
+                            Ok(hash) => hash.map(Fetched::Placed),
+                            Err(_) => Err(TransportError::Timeout(timeout)),
+                        }
+                    }
+                }
+            };
+            // Once more on a fresh connection if this one broke, as `once_more` does.
+            match attempt.await {
+                Err(TransportError::Connection(_)) if !retried => retried = true,
+                other => return other,
+            }
+        }
+    }
+
     fn name(&self) -> &'static str {
         "tcp"
     }
@@ -561,17 +721,17 @@ pub(crate) fn get_header<F: FrameTransport + ?Sized>(
     .encode_to_vec()
 }
 
-/// A GET response's bytes as a [`Payload`], its codec checked.
 /// What [`ChunkTransport::get_into`] fetched.
 #[derive(Debug)]
 pub enum Fetched {
-    /// The chunk is in the caller's buffer, copied there out of a slot; this is the BLAKE3 hash
-    /// of the bytes as copied (computed piece by piece as they were copied, while in cache), for
+    /// The chunk is in the caller's buffer, copied there out of a slot or read there from a
+    /// socket; this is the BLAKE3 hash of the bytes as they landed (computed piece by piece as
+    /// they landed, while in cache), for
     /// the caller to compare with the chunk's. A transport must hash exactly the bytes it left
     /// in the buffer: restore trusts this hash instead of hashing the buffer again.
     Placed(ChunkHash),
-    /// The chunk as it came (compressed, another length than the buffer, or over TCP), for the
-    /// caller to decode and verify.
+    /// The chunk as it came (compressed, or another length than the buffer), for the caller to
+    /// decode and verify.
     Payload(Payload),
 }
 
@@ -607,6 +767,7 @@ pub(crate) fn fetched_payload(fetched: Fetched) -> Result<Payload, TransportErro
     }
 }
 
+/// A GET response's bytes as a [`Payload`], its codec checked.
 pub(crate) fn get_payload(response: &data::Response, bytes: Bytes) -> Result<Payload, TransportError> {
     let codec = Codec::from_wire(response.codec).map_err(|e| TransportError::Protocol(format!("GET: {e}")))?;
     if codec == Codec::None {
@@ -720,5 +881,116 @@ impl<T: FrameTransport> ChunkTransport for T {
 
     fn kind(&self) -> &'static str {
         self.name()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
+    use super::*;
+    use tokio::io::DuplexStream;
+
+    /// A connection over an in-memory stream, and the far end, which plays the target by hand.
+    fn connection() -> (Connection, DuplexStream) {
+        let (near, far) = tokio::io::duplex(1 << 20);
+        let (reader, writer) = tokio::io::split(near);
+        (Connection::start(reader, writer, 8), far)
+    }
+
+    /// Reads one request off `far`; returns its id.
+    async fn request(far: &mut DuplexStream) -> u64 {
+        let (header, _) = frame::read_frame_head(far).await.unwrap();
+        header.request_id
+    }
+
+    /// Answers request `id` with an OK response and `payload`.
+    async fn respond(far: &mut DuplexStream, id: u64, payload: &[u8]) {
+        let header = data::Response::default().encode_to_vec();
+        frame::write_frame(far, Opcode::GetResponse, id, &header, &[Bytes::copy_from_slice(payload)]).await.unwrap();
+    }
+
+    async fn get(connection: &Connection, land: Option<usize>) -> Result<Answer, TransportError> {
+        connection.exchange(Opcode::Get, vec![], None, land, Duration::from_secs(10)).await
+    }
+
+    /// A lent payload the caller drops unread is skipped: the next response is read intact.
+    #[tokio::test]
+    async fn a_lent_payload_left_unread_is_skipped() {
+        let (connection, mut far) = connection();
+        let serve = async {
+            let id = request(&mut far).await;
+            respond(&mut far, id, &[1u8; 5000]).await;
+            let id = request(&mut far).await;
+            respond(&mut far, id, b"next").await;
+        };
+        let ask = async {
+            let Answer::Lent(_, lent) = get(&connection, Some(5000)).await.unwrap() else { panic!("not lent") };
+            drop(lent);
+            match get(&connection, Some(3)).await.unwrap() {
+                Answer::Whole(_, payload) => assert_eq!(&payload[..], b"next", "another length: read whole"),
+                Answer::Lent(..) => panic!("lent a payload of another length"),
+            }
+        };
+        tokio::join!(serve, ask);
+    }
+
+    /// A lent payload abandoned midway leaves the stream mid-frame: the connection is closed and
+    /// every request on it fails, instead of reading payload bytes as a frame header.
+    #[tokio::test]
+    async fn a_lent_payload_abandoned_midway_closes_the_connection() {
+        let (connection, mut far) = connection();
+        let serve = async {
+            let id = request(&mut far).await;
+            respond_partly(&mut far, id, 8192, 3000).await;
+        };
+        let ask = async {
+            let Answer::Lent(_, lent) = get(&connection, Some(8192)).await.unwrap() else { panic!("not lent") };
+            lent
+        };
+        let ((), lent) = tokio::join!(serve, ask);
+        let mut dest = vec![0u8; 8192];
+        let read = tokio::time::timeout(Duration::from_millis(100), lent.read_hashed(&mut dest)).await;
+        assert!(read.is_err(), "half a payload cannot be read whole");
+        // Failed when the reader task closes the connection, whether or not it was sent.
+        let asked = tokio::time::timeout(Duration::from_secs(10), get(&connection, None)).await.unwrap();
+        let Err(error) = asked else { panic!("a request was answered from the middle of a payload") };
+        assert!(error.is_connection(), "{error}");
+        assert!(!connection.is_alive());
+    }
+
+    /// Sends the response header of request `id` with a `len`-byte payload, and `sent` bytes of it.
+    async fn respond_partly(far: &mut DuplexStream, id: u64, len: u32, sent: usize) {
+        let header = data::Response::default().encode_to_vec();
+        let fixed = frame::FrameHeader {
+            opcode: Opcode::GetResponse,
+            request_id: id,
+            header_len: header.len() as u32,
+            payload_len: len,
+        };
+        far.write_all(&fixed.encode()).await.unwrap();
+        far.write_all(&header).await.unwrap();
+        far.write_all(&vec![9u8; sent]).await.unwrap();
+    }
+
+    /// A lent payload read whole lands in the caller's buffer with its hash; the stream goes back.
+    #[tokio::test]
+    async fn a_lent_payload_lands_hashed() {
+        let (connection, mut far) = connection();
+        let data: Vec<u8> = (0..700_000u32).map(|i| (i * 13) as u8).collect();
+        let serve = async {
+            let id = request(&mut far).await;
+            respond(&mut far, id, &data).await;
+            let id = request(&mut far).await;
+            respond(&mut far, id, b"after").await;
+        };
+        let ask = async {
+            let Answer::Lent(_, lent) = get(&connection, Some(data.len())).await.unwrap() else { panic!("not lent") };
+            let mut dest = vec![0u8; data.len()];
+            assert_eq!(lent.read_hashed(&mut dest).await.unwrap(), ChunkHash::of(&data));
+            assert_eq!(dest, data);
+            let Answer::Whole(_, payload) = get(&connection, None).await.unwrap() else { panic!("lent unasked") };
+            assert_eq!(&payload[..], b"after");
+        };
+        tokio::join!(serve, ask);
     }
 }
