@@ -275,6 +275,19 @@ async fn flipped_bit_comes_through(
     (path, file)
 }
 
+/// A 3 MiB chunk through a transport with 1 MiB slots: stored, read whole and in part, and read
+/// into the caller's memory straight from the stream (not tried in a slot first).
+async fn larger_than_a_slot(transport: &dyn ChunkTransport) {
+    let (hash, data) = chunk(3 << 20, 9);
+    assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
+    assert_eq!(transport.get(hash, 0, 0).await.unwrap().bytes, data);
+    assert_eq!(transport.get(hash, 5, 1 << 20).await.unwrap().bytes, data.slice(5..(1 << 20) + 5));
+    let mut dest = vec![0u8; data.len()];
+    let fetched = transport.get_into(hash, &mut dest).await.unwrap();
+    assert!(matches!(fetched, Fetched::Placed(placed) if placed == hash), "{fetched:?}");
+    assert_eq!(dest, data);
+}
+
 /// A target that accepts connections and holds them open, answering nothing, or (`half_a_payload`)
 /// answering each connection's first request with a GET response of a 1 MiB payload of which it
 /// sends half.
@@ -406,10 +419,7 @@ async fn shm_operations_placing(placed_reads: bool) {
     assert_eq!(transport.kind(), "shm");
     operations(&transport).await;
     // A payload larger than a slot travels inline on the same socket, both ways.
-    let (hash, data) = chunk(3 << 20, 9);
-    assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
-    assert_eq!(transport.get(hash, 0, 0).await.unwrap().bytes, data);
-    assert_eq!(transport.get(hash, 5, 1 << 20).await.unwrap().bytes, data.slice(5..(1 << 20) + 5));
+    larger_than_a_slot(&transport).await;
     // Into the caller's memory, exactly a slot's worth; then from a truncated file and a missing
     // one: errors, never the slot's stale bytes passed off as the chunk.
     let (hash, data) = chunk(1 << 20, 10);
@@ -770,10 +780,7 @@ async fn rdma_operations() {
     operations(&transport).await;
     // A payload larger than a receive slot comes back in the frame; one larger than a staging
     // buffer is registered for its request.
-    let (hash, data) = chunk(3 << 20, 9);
-    assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
-    assert_eq!(transport.get(hash, 0, 0).await.unwrap().bytes, data);
-    assert_eq!(transport.get(hash, 5, 1 << 20).await.unwrap().bytes, data.slice(5..(1 << 20) + 5));
+    larger_than_a_slot(&transport).await;
     // Per-request registrations are gone; the client's receive region remains, until the client.
     assert_eq!(client_device.registered_regions(), 1);
     drop(transport);

@@ -467,6 +467,29 @@ async fn read_loop(mut reader: Reader, pending: Pending) {
     fail_all(&pending, error);
 }
 
+/// One GET of a whole chunk on `connection` (its `header` asks for the bytes in the frame): a raw
+/// chunk of `dest`'s size is read from the stream straight into `dest`, hashed as it lands.
+async fn get_landing(
+    connection: &Connection,
+    header: Vec<u8>,
+    dest: &mut [u8],
+    timeout: Duration,
+) -> Result<Fetched, TransportError> {
+    match connection.exchange(Opcode::Get, header, None, Some(dest.len()), timeout).await? {
+        Answer::Whole(response, bytes) => {
+            let (response, bytes) = checked(response, bytes)?;
+            get_payload(&response, bytes).map(Fetched::Payload)
+        }
+        Answer::Lent(response, lent) => {
+            checked(response, Bytes::new())?;
+            match tokio::time::timeout(timeout, lent.read_hashed(dest)).await {
+                Ok(hash) => hash.map(Fetched::Placed),
+                Err(_) => Err(TransportError::Timeout(timeout)),
+            }
+        }
+    }
+}
+
 /// Removes request `id`'s entry if `wanted` accepts the length it lands itself.
 fn take_waiting(pending: &Pending, id: u64, wanted: impl FnOnce(Option<usize>) -> bool) -> Option<Waiting> {
     let mut pending = pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -616,20 +639,7 @@ impl FrameTransport for TcpTransport {
         loop {
             let attempt = async {
                 let connection = self.connection().await?;
-                let header = get_header(self, hash, 0, 0, Place::Inline);
-                match connection.exchange(Opcode::Get, header, None, Some(dest.len()), timeout).await? {
-                    Answer::Whole(response, bytes) => {
-                        let (response, bytes) = checked(response, bytes)?;
-                        get_payload(&response, bytes).map(Fetched::Payload)
-                    }
-                    Answer::Lent(response, lent) => {
-                        checked(response, Bytes::new())?;
-                        match tokio::time::timeout(timeout, lent.read_hashed(dest)).await {
-                            Ok(hash) => hash.map(Fetched::Placed),
-                            Err(_) => Err(TransportError::Timeout(timeout)),
-                        }
-                    }
-                }
+                get_landing(&connection, get_header(self, hash, 0, 0, Place::Inline), dest, timeout).await
             };
             // Once more on a fresh connection if this one broke, as `once_more` does.
             match attempt.await {

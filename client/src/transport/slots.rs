@@ -17,8 +17,8 @@ use tokio::sync::Semaphore;
 use starckpt_proto::ChunkHash;
 
 use super::{
-    Connection, Fetched, FrameTransport, Place, TcpConfig, TransportError, checked, get_header, get_payload, land_slot,
-    once_more,
+    Connection, Fetched, FrameTransport, Place, TcpConfig, TransportError, checked, get_header, get_landing,
+    get_payload, land_slot, once_more,
 };
 
 pub(crate) struct SlotPool {
@@ -156,6 +156,15 @@ pub(crate) trait Dialled: FrameTransport + Send + Sync {
         dest: Option<&mut [u8]>,
     ) -> Result<Fetched, TransportError> {
         let connection = self.connection().await?;
+        let dest = match dest {
+            // Bigger than a slot: in the frame, read from the stream straight into place (asking
+            // for a slot would have the target fill it, find the chunk larger, and read it again).
+            Some(dest) if dest.len() > connection.slot_pool().slot_bytes() && offset == 0 && length == 0 => {
+                let header = get_header(self, hash, 0, 0, Place::Inline);
+                return get_landing(connection.frames(), header, dest, self.timeouts().request_timeout).await;
+            }
+            dest => dest,
+        };
         let mut slot = Slot::lend(&connection).await?;
         let header = get_header(self, hash, offset, length, self.slot_place(&connection, &slot));
         let result = self.call_on(&connection, Opcode::Get, header, None).await;
