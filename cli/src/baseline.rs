@@ -94,6 +94,96 @@ pub fn buffered_fsync(state: &[Bytes], dir: &Path) -> anyhow::Result<Duration> {
     Ok(started.elapsed())
 }
 
+/// What a phase cost: its wall time, this process's CPU seconds, and how long the data disk was
+/// busy meanwhile (None where the disk's activity cannot be read).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timed {
+    pub wall: Duration,
+    pub cpu: f64,
+    pub disk_busy: Option<Duration>,
+}
+
+impl Timed {
+    /// A baseline's time, which measures nothing else.
+    pub fn wall(wall: Duration) -> Timed {
+        Timed { wall, cpu: 0.0, disk_busy: None }
+    }
+
+    /// Cores kept busy on average: CPU seconds per wall second.
+    pub fn cores(&self) -> f64 {
+        self.cpu / self.wall.as_secs_f64().max(1e-9)
+    }
+
+    /// The share of the phase the disk had requests in flight (1.0: busy throughout).
+    pub fn disk_share(&self) -> Option<f64> {
+        self.disk_busy.map(|busy| (busy.as_secs_f64() / self.wall.as_secs_f64().max(1e-9)).min(1.0))
+    }
+}
+
+/// The clocks a phase is read against, to tell what bounded it: wall time, this process's CPU
+/// time, and the busy time (`io_ticks` in `/proc/diskstats`) of the block device that holds the
+/// data directory, which the targets and the baselines write to.
+pub struct Meter {
+    /// The device's name in `/proc/diskstats`; None for a filesystem on no block device (tmpfs).
+    disk: Option<String>,
+}
+
+/// One reading of a [`Meter`].
+pub struct Reading {
+    at: Instant,
+    cpu: f64,
+    disk_ms: Option<u64>,
+}
+
+impl Meter {
+    pub fn for_dir(dir: &Path) -> Meter {
+        use std::os::unix::fs::MetadataExt;
+        let disk = std::fs::metadata(dir).ok().and_then(|m| {
+            let dev = m.dev();
+            let (major, minor) = (libc::major(dev), libc::minor(dev));
+            // The sysfs link's last component is the device (or partition) name.
+            let link = std::fs::read_link(format!("/sys/dev/block/{major}:{minor}")).ok()?;
+            Some(link.file_name()?.to_string_lossy().into_owned())
+        });
+        let meter = Meter { disk };
+        match meter.disk_ms() {
+            Some(_) => meter,
+            None => Meter { disk: None },
+        }
+    }
+
+    /// The disk measured, if any.
+    pub fn disk(&self) -> Option<&str> {
+        self.disk.as_deref()
+    }
+
+    pub fn read(&self) -> Reading {
+        Reading { at: Instant::now(), cpu: cpu_seconds(), disk_ms: self.disk_ms() }
+    }
+
+    /// The cost of the phase since `start`.
+    pub fn since(&self, start: &Reading) -> Timed {
+        let now = self.read();
+        Timed {
+            wall: now.at - start.at,
+            cpu: now.cpu - start.cpu,
+            disk_busy: start.disk_ms.zip(now.disk_ms).map(|(a, b)| Duration::from_millis(b.saturating_sub(a))),
+        }
+    }
+
+    /// Milliseconds the disk has spent with I/O in flight since boot.
+    fn disk_ms(&self) -> Option<u64> {
+        io_ticks(&std::fs::read_to_string("/proc/diskstats").ok()?, self.disk.as_deref()?)
+    }
+}
+
+/// Device `name`'s `io_ticks` (milliseconds with I/O in flight) in `/proc/diskstats` text: the
+/// tenth statistic, after major, minor and name (Documentation/admin-guide/iostats.rst).
+fn io_ticks(diskstats: &str, name: &str) -> Option<u64> {
+    let line = diskstats.lines().find(|line| line.split_whitespace().nth(2) == Some(name))?;
+    line.split_whitespace().nth(12)?.parse().ok()
+}
+
 /// CPU seconds (user + system) this process has used so far.
 pub fn cpu_seconds() -> f64 {
     // SAFETY: getrusage fills the struct we pass; RUSAGE_SELF is always valid.
@@ -109,4 +199,34 @@ pub fn cpu_seconds() -> f64 {
 /// `a` over `b`.
 pub fn ratio(a: Duration, b: Duration) -> f64 {
     a.as_secs_f64() / b.as_secs_f64().max(1e-9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_ticks_is_the_tenth_statistic_of_the_named_device() {
+        let stats = "\
+ 253       0 vda 5631 2048 512834 2103 81764 10922 30148762 219337 0 64516 221440 0 0 0 0 1034 1000
+ 253       1 vda1 5571 2048 510170 2091 81764 10922 30148762 219337 0 64504 221428 0 0 0 0 0 0
+   7       0 loop0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0
+";
+        assert_eq!(io_ticks(stats, "vda"), Some(64516));
+        assert_eq!(io_ticks(stats, "vda1"), Some(64504));
+        assert_eq!(io_ticks(stats, "loop0"), Some(0));
+        assert_eq!(io_ticks(stats, "vdb"), None);
+        assert_eq!(io_ticks(" 253 0 short 1 2 3", "short"), None);
+    }
+
+    #[test]
+    fn a_directory_on_no_block_device_measures_no_disk() {
+        let meter = Meter::for_dir(Path::new("/proc"));
+        assert_eq!(meter.disk(), None);
+        let start = meter.read();
+        std::thread::sleep(Duration::from_millis(5));
+        let timed = meter.since(&start);
+        assert!(timed.wall >= Duration::from_millis(5));
+        assert_eq!((timed.disk_busy, timed.disk_share()), (None, None));
+    }
 }

@@ -32,7 +32,7 @@ use starckpt_client::{Client, ClientConfig, SavePart, SaveProgress};
 use starckpt_server::dev::DevCluster;
 use starckpt_server::target::EngineKind;
 
-use crate::baseline::{self, ratio};
+use crate::baseline::{self, Meter, Timed, ratio};
 use crate::demo::parse_size;
 use crate::output;
 
@@ -237,17 +237,13 @@ fn model_state(params: &[Param], ranks: u32, seed: u64) -> Vec<Shard> {
     shards.into_iter().map(|(_, shard)| shard).collect()
 }
 
-/// One phase's time and the CPU the process spent in it.
-#[derive(Clone, Copy)]
-struct Timed {
-    wall: Duration,
-    cpu: f64,
-}
-
-async fn timed<T>(work: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<(T, Timed)> {
-    let (cpu, started) = (baseline::cpu_seconds(), Instant::now());
+async fn timed<T>(
+    meter: &Meter,
+    work: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<(T, Timed)> {
+    let start = meter.read();
     let value = work.await?;
-    Ok((value, Timed { wall: started.elapsed(), cpu: baseline::cpu_seconds() - cpu }))
+    Ok((value, meter.since(&start)))
 }
 
 /// Reads a rank's tensors into `buffers`, 4 tensors at a time.
@@ -275,7 +271,8 @@ async fn restore_rank(
 fn median(mut values: Vec<Timed>) -> Timed {
     values.sort_by_key(|t| t.wall);
     let (low, high) = (values[(values.len() - 1) / 2], values[values.len() / 2]);
-    Timed { wall: (low.wall + high.wall) / 2, cpu: (low.cpu + high.cpu) / 2.0 }
+    let disk_busy = low.disk_busy.zip(high.disk_busy).map(|(a, b)| (a + b) / 2);
+    Timed { wall: (low.wall + high.wall) / 2, cpu: (low.cpu + high.cpu) / 2.0, disk_busy }
 }
 
 struct Run {
@@ -296,6 +293,7 @@ async fn run_once(
     step: u64,
     state: &[Shard],
     perf: &PerfControl,
+    meter: &Meter,
 ) -> anyhow::Result<Run> {
     let ranks = clients.len() as u32;
     let parts: Vec<SavePart> = state
@@ -308,8 +306,8 @@ async fn run_once(
         })
         .collect::<Result<_, _>>()?;
     perf.start(PerfPhase::Committed);
+    let start = meter.read();
     let started = Instant::now();
-    let cpu = baseline::cpu_seconds();
     // Each rank on its own task, as ranks are separate processes: their copies run in parallel,
     // and the stall is the slowest rank's.
     let saves = clients.iter().zip(parts).map(|(client, part)| {
@@ -326,11 +324,11 @@ async fn run_once(
         stall = stall.max(elapsed);
         handles.push(handle);
     }
-    let blocking = Timed { wall: stall, cpu: baseline::cpu_seconds() - cpu };
+    let blocking = Timed { wall: stall, ..meter.since(&start) };
     let staging_waits = handles.iter().map(|h| h.progress().staging_waits.load(Ordering::Relaxed)).sum();
     let progress: Vec<_> = handles.iter().map(|h| Arc::clone(h.progress())).collect();
     let outcomes = futures::future::try_join_all(handles.into_iter().map(|h| h.wait())).await?;
-    let committed = Timed { wall: started.elapsed(), cpu: baseline::cpu_seconds() - cpu };
+    let committed = meter.since(&start);
     perf.end(PerfPhase::Committed);
     if !outcomes.iter().any(|o| o.committed()) {
         bail!("step {step} did not commit");
@@ -341,7 +339,7 @@ async fn run_once(
         state.iter().map(|shard| shard.iter().map(|(_, data)| vec![1u8; data.len()]).collect()).collect();
     let manifest = Arc::new(clients[0].manifest(job, Some(step)).await?);
     perf.start(PerfPhase::Restore);
-    let (buffers, restore) = timed(async {
+    let (buffers, restore) = timed(meter, async {
         // Each rank on its own task, as ranks are separate processes.
         let reads = clients.iter().zip(state).zip(buffers).map(|((client, shard), mut buffers)| {
             let (client, manifest) = (client.clone(), Arc::clone(&manifest));
@@ -485,6 +483,8 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     say(format!("staging memory allocated and pre-faulted once in {:.2?} (not counted)", warm.elapsed()));
 
     let perf = PerfControl::open(&args)?;
+    let meter = Meter::for_dir(&data_dir);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut runs = Vec::new();
     let mut memcpy = Vec::new();
     let mut direct_write = Vec::new();
@@ -510,9 +510,9 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         let baselines = [copy, direct.write, torch_save, direct.read];
         for (all, this) in [&mut memcpy, &mut direct_write, &mut buffered, &mut direct_read].into_iter().zip(baselines)
         {
-            all.push(Timed { wall: this, cpu: 0.0 });
+            all.push(Timed::wall(this));
         }
-        let run = run_once(&clients, &job, u64::from(n) + 1, &state, &perf).await?;
+        let run = run_once(&clients, &job, u64::from(n) + 1, &state, &perf, &meter).await?;
         say(format!(
             "run {}: blocking {:.2?} ({} staging waits), committed {:.2?} (sent {:.3} of the bytes), restore \
              {:.2?} | memcpy {:.2?}, O_DIRECT write {:.2?}, buffered write+fsync {:.2?}, O_DIRECT read {:.2?}",
@@ -549,13 +549,18 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         ("restore", restore, "O_DIRECT read", direct_read),
     ];
     if json {
-        let phase =
-            |t: Timed| json!({"seconds": t.wall.as_secs_f64(), "gb_per_s": gbps(t), "cpu_seconds_per_gb": t.cpu / gb});
+        let phase = |t: Timed| {
+            json!({
+                "seconds": t.wall.as_secs_f64(), "gb_per_s": gbps(t), "cpu_seconds_per_gb": t.cpu / gb,
+                "cores_busy": t.cores(), "disk_busy": t.disk_share(),
+            })
+        };
         let baseline = |t: Timed| json!({"seconds": t.wall.as_secs_f64(), "gb_per_s": gbps(t)});
         println!(
             "{}",
             serde_json::to_string_pretty(&json!({
                 "bytes": total, "parameters": params, "tensors": layout.len() * 4, "ranks": args.ranks,
+                "cores": cores, "disk": meter.disk(),
                 "targets": targets, "replicas": args.replicas, "chunk_bytes": args.chunk_size, "runs": args.runs, "fresh_files": preallocate == 0,
                 "built_in_cluster": args.cluster.is_none(),
                 "compression": args.compression.compress, "compression_ratio": compression_ratio,
@@ -575,16 +580,28 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     } else {
         println!();
         println!(
-            "{:<10} {:>9} {:>8} {:>9}   {:<36} {:>9} {:>8}   {:>10}",
-            "phase", "starckpt", "GB/s", "CPU s/GB", "baseline (same bytes, same disk)", "time", "GB/s", "time ratio"
+            "{:<10} {:>9} {:>8} {:>9} {:>6} {:>5}   {:<36} {:>9} {:>8}   {:>10}",
+            "phase",
+            "starckpt",
+            "GB/s",
+            "CPU s/GB",
+            "cores",
+            "disk",
+            "baseline (same bytes, same disk)",
+            "time",
+            "GB/s",
+            "time ratio"
         );
         for (phase, ours, name, base) in rows {
+            let disk = ours.disk_share().map_or("-".to_owned(), |share| format!("{:.0}%", share * 100.0));
             println!(
-                "{:<10} {:>8.2}s {:>8.2} {:>9.2}   {:<36} {:>8.2}s {:>8.2}   {:>9.2}x",
+                "{:<10} {:>8.2}s {:>8.2} {:>9.2} {:>6.2} {:>5}   {:<36} {:>8.2}s {:>8.2}   {:>9.2}x",
                 phase,
                 ours.wall.as_secs_f64(),
                 gbps(ours),
                 ours.cpu / gb,
+                ours.cores(),
+                disk,
                 name,
                 base.wall.as_secs_f64(),
                 gbps(base),
@@ -595,12 +612,16 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             println!("compression: {compression_ratio:.3}x (bytes uploaded ÷ bytes sent and stored, all runs)");
         }
         println!(
-            "(time ratio: starckpt's time ÷ the baseline's; below 1 is faster. CPU: {}.)",
+            "(time ratio: starckpt's time ÷ the baseline's; below 1 is faster. CPU: {}. cores: CPU seconds per \
+             second, of {cores} here; disk: the share of the phase {} had I/O in flight, /proc/diskstats.)",
             if args.cluster.is_none() {
                 "this process, which runs the client, the targets and the control plane"
             } else {
                 "the client process only"
-            }
+            },
+            meter
+                .disk()
+                .map_or("the data directory's disk (unknown here)".to_owned(), |d| format!("{d}, the data disk,"))
         );
     }
     if let Some(path) = &args.chart {

@@ -937,6 +937,14 @@ fn bench_reports_every_phase_beside_its_baseline() {
         let seconds = report["starckpt"][phase]["seconds"].as_f64().unwrap();
         let cpu = report["starckpt"][phase]["cpu_seconds_per_gb"].as_f64().unwrap();
         assert!(seconds > 0.0 && cpu > 0.0, "{phase}: {report}");
+        let cores = report["starckpt"][phase]["cores_busy"].as_f64().unwrap();
+        assert!(cores > 0.0 && cores <= report["cores"].as_f64().unwrap() * 1.5, "{phase}: {report}");
+        // The data disk's busy share where /proc/diskstats names it (not on tmpfs).
+        let disk = &report["starckpt"][phase]["disk_busy"];
+        match report["disk"].is_string() {
+            true => assert!((0.0..=1.0).contains(&disk.as_f64().unwrap()), "{phase}: {report}"),
+            false => assert!(disk.is_null(), "{phase}: {report}"),
+        }
     }
     for baseline in ["memcpy", "odirect_write_fsync", "buffered_write_fsync", "odirect_read"] {
         assert!(report["baselines"][baseline]["seconds"].as_f64().unwrap() > 0.0, "{baseline}: {report}");
