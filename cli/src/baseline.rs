@@ -171,6 +171,23 @@ impl Meter {
         }
     }
 
+    /// Flushes dirty data and waits (at most 10 s) until the disk has been idle for 100 ms, so
+    /// that one measurement's aftermath does not land in the next: removing a baseline's 2 GB
+    /// file on a filesystem mounted with `discard` keeps the disk busy discarding for a while.
+    pub fn settle(&self) {
+        // SAFETY: sync() takes no arguments and cannot fail.
+        unsafe { libc::sync() };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let (mut last, mut idle_since) = (self.disk_ms(), Instant::now());
+        while self.disk.is_some() && Instant::now() < deadline && idle_since.elapsed() < Duration::from_millis(100) {
+            std::thread::sleep(Duration::from_millis(10));
+            let now = self.disk_ms();
+            if now != last {
+                (last, idle_since) = (now, Instant::now());
+            }
+        }
+    }
+
     /// Milliseconds the disk has spent with I/O in flight since boot.
     fn disk_ms(&self) -> Option<u64> {
         io_ticks(&std::fs::read_to_string("/proc/diskstats").ok()?, self.disk.as_deref()?)

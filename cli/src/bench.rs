@@ -503,10 +503,14 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             None => model_state(&layout, args.ranks, u64::from(n) + 1),
         };
         let flat: Vec<Bytes> = state.iter().flatten().map(|(_, data)| data.clone()).collect();
-        // The baselines of this run, interleaved with it so drift hits both alike.
+        // The baselines of this run, interleaved with it so drift hits both alike, each measure
+        // starting on an idle disk.
+        meter.settle();
         let direct = baseline::direct(total, &data_dir)?;
         let copy = baseline::memcpy(&flat);
+        meter.settle();
         let torch_save = baseline::buffered_fsync(&flat, &data_dir)?;
+        meter.settle();
         let baselines = [copy, direct.write, torch_save, direct.read];
         for (all, this) in [&mut memcpy, &mut direct_write, &mut buffered, &mut direct_read].into_iter().zip(baselines)
         {
