@@ -8,8 +8,9 @@
 //! `--ranks` ranks by size. Each rank is its own client with its own staging memory; the ranks
 //! save one checkpoint together.
 //!
-//! Phases, each timed and charged the process's CPU time (client, and with the built-in dev
-//! cluster the targets and control plane too), each beside its baseline:
+//! Phases, each timed, charged the process's CPU time (client, and with the built-in dev cluster
+//! the targets and control plane too) and the data disk's busy time (what bounds it:
+//! `baseline::Meter`), each beside its baseline:
 //! - blocking: until every rank's `save` returned (the trainer's stall) ÷ a memcpy into touched
 //!   memory;
 //! - committed: until the checkpoint is committed (every chunk durable on its targets) ÷ an
