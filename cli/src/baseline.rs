@@ -122,7 +122,9 @@ impl Timed {
 
 /// The clocks a phase is read against, to tell what bounded it: wall time, this process's CPU
 /// time, and the busy time (`io_ticks` in `/proc/diskstats`) of the block device that holds the
-/// data directory, which the targets and the baselines write to.
+/// data directory, which the targets and the baselines write to. Busy means some I/O was in
+/// flight: a single disk busy throughout is saturated, a RAID or device-mapper volume (several
+/// disks behind one device) need not be.
 pub struct Meter {
     /// The device's name in `/proc/diskstats`; None for a filesystem on no block device (tmpfs).
     disk: Option<String>,

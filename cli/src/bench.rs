@@ -339,6 +339,7 @@ async fn run_once(
     let buffers: Vec<Vec<Vec<u8>>> =
         state.iter().map(|shard| shard.iter().map(|(_, data)| vec![1u8; data.len()]).collect()).collect();
     let manifest = Arc::new(clients[0].manifest(job, Some(step)).await?);
+    meter.settle();
     perf.start(PerfPhase::Restore);
     let (buffers, restore) = timed(meter, async {
         // Each rank on its own task, as ranks are separate processes.

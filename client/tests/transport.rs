@@ -290,15 +290,18 @@ async fn larger_than_a_slot(transport: &dyn ChunkTransport) {
 
 /// A target that accepts connections and holds them open, answering nothing, or (`half_a_payload`)
 /// answering each connection's first request with a GET response of a 1 MiB payload of which it
-/// sends half.
-async fn silent_target(half_a_payload: bool) -> std::net::SocketAddr {
+/// sends half. Counts the connections it accepted.
+async fn silent_target(half_a_payload: bool) -> (std::net::SocketAddr, Arc<AtomicU32>) {
     use tokio::io::AsyncWriteExt;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicU32::new(0));
+    let counter = Arc::clone(&accepted);
     tokio::spawn(async move {
         let mut held = Vec::new();
         loop {
             let (mut socket, _) = listener.accept().await.unwrap();
+            counter.fetch_add(1, Ordering::SeqCst);
             if half_a_payload {
                 let (header, _) = starckpt_proto::frame::read_frame_head(&mut socket).await.unwrap();
                 let response = prost::Message::encode_to_vec(&starckpt_proto::data::Response::default());
@@ -315,12 +318,12 @@ async fn silent_target(half_a_payload: bool) -> std::net::SocketAddr {
             held.push(socket);
         }
     });
-    address
+    (address, accepted)
 }
 
 #[tokio::test]
 async fn a_silent_target_times_out_instead_of_hanging() {
-    let address = silent_target(false).await;
+    let (address, _) = silent_target(false).await;
     let config = TcpConfig { request_timeout: Duration::from_millis(300), ..TcpConfig::default() };
     let transport = TcpTransport::new(address, config);
     let Err(error) = transport.stat().await else { panic!("a silent target answered") };
@@ -390,14 +393,17 @@ async fn tcp_gets_land_in_the_callers_buffer() {
 /// its buffer times out instead of hanging, and a fresh connection serves the next request.
 #[tokio::test]
 async fn a_payload_that_stops_midway_times_out() {
-    let address = silent_target(true).await;
-    let config = TcpConfig { request_timeout: Duration::from_millis(300), ..TcpConfig::default() };
+    let (address, accepted) = silent_target(true).await;
+    let config =
+        TcpConfig { request_timeout: Duration::from_millis(300), connections_per_target: 1, ..TcpConfig::default() };
     let transport = TcpTransport::new(address, config);
     let mut dest = vec![0u8; 1 << 20];
     let error = transport.get_into(ChunkHash::of(b"x"), &mut dest).await.unwrap_err();
     assert!(matches!(error, TransportError::Timeout(_)), "{error}");
+    // The stream is mid-payload: that connection is closed, and the next request dials anew.
     let error = transport.get_into(ChunkHash::of(b"x"), &mut dest).await.unwrap_err();
     assert!(matches!(error, TransportError::Timeout(_)), "a fresh connection, the same silence: {error}");
+    assert_eq!(accepted.load(Ordering::SeqCst), 2, "the second request went out on a fresh connection");
 }
 
 /// The shared-memory transport against a target serving both, with 1 MiB slots.

@@ -301,20 +301,22 @@ impl Connection {
             .map_err(|e| TransportError::Connect(e.to_string()))?;
         let _ = stream.set_nodelay(true);
         let (reader, writer) = stream.into_split();
-        Ok(Connection::start(reader, writer, config.max_requests_per_connection))
+        Ok(Connection::start(reader, writer, config))
     }
 
     /// A connection over any byte stream: a writer task sends frames, a reader task matches
-    /// responses to requests.
-    pub(crate) fn start<R, W>(reader: R, writer: W, max_requests: usize) -> Connection
+    /// responses to requests. `config`: its requests in flight, and how long a request may hold
+    /// the stream lent to it ([`LentReader`]).
+    pub(crate) fn start<R, W>(reader: R, writer: W, config: &TcpConfig) -> Connection
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
+        let max_requests = config.max_requests_per_connection.max(1);
         let (frames, outgoing) = mpsc::channel(max_requests);
         tokio::spawn(write_loop(writer, outgoing, Arc::clone(&pending)));
-        tokio::spawn(read_loop(Box::new(reader), Arc::clone(&pending)));
+        tokio::spawn(read_loop(Box::new(reader), Arc::clone(&pending), config.request_timeout));
         Connection { frames, pending, next_id: AtomicU64::new(1), slots: Arc::new(Semaphore::new(max_requests)) }
     }
 
@@ -404,7 +406,10 @@ async fn write_loop<W: AsyncWrite + Unpin>(writer: W, mut outgoing: mpsc::Receiv
     }
 }
 
-async fn read_loop(mut reader: Reader, pending: Pending) {
+/// Reads responses and hands each to its request. `lend_timeout`: how long a request may hold the
+/// stream lent to it; one that holds it longer (its future kept but no longer polled) would stall
+/// every other response on the connection, so the connection is given up instead.
+async fn read_loop(mut reader: Reader, pending: Pending, lend_timeout: Duration) {
     let error = loop {
         let (header, prost_header) = match frame::read_frame_head(&mut reader).await {
             Ok(head) => head,
@@ -428,7 +433,10 @@ async fn read_loop(mut reader: Reader, pending: Pending) {
                 let lent = LentReader { lent: Some((reader, back)), left: header.payload_len as usize, broken: false };
                 // Not received (the request gave up): the answer is dropped and the stream comes back.
                 let _ = waiting.reply.send(Ok(Answer::Lent(response.clone(), lent)));
-                match returned.await {
+                let Ok(returned) = tokio::time::timeout(lend_timeout, returned).await else {
+                    break TransportError::Connection(format!("a request held the stream over {lend_timeout:?}"));
+                };
+                match returned {
                     Ok(Returned { reader: back, left, broken: false }) => {
                         reader = back;
                         if let Err(error) = skip(&mut reader, left).await {
@@ -475,19 +483,20 @@ async fn get_landing(
     dest: &mut [u8],
     timeout: Duration,
 ) -> Result<Fetched, TransportError> {
-    match connection.exchange(Opcode::Get, header, None, Some(dest.len()), timeout).await? {
-        Answer::Whole(response, bytes) => {
-            let (response, bytes) = checked(response, bytes)?;
-            get_payload(&response, bytes).map(Fetched::Payload)
-        }
-        Answer::Lent(response, lent) => {
-            checked(response, Bytes::new())?;
-            match tokio::time::timeout(timeout, lent.read_hashed(dest)).await {
-                Ok(hash) => hash.map(Fetched::Placed),
-                Err(_) => Err(TransportError::Timeout(timeout)),
+    // One deadline for the response and the payload read after it.
+    let fetch = async {
+        match connection.exchange(Opcode::Get, header, None, Some(dest.len()), timeout).await? {
+            Answer::Whole(response, bytes) => {
+                let (response, bytes) = checked(response, bytes)?;
+                get_payload(&response, bytes).map(Fetched::Payload)
+            }
+            Answer::Lent(response, lent) => {
+                checked(response, Bytes::new())?;
+                lent.read_hashed(dest).await.map(Fetched::Placed)
             }
         }
-    }
+    };
+    tokio::time::timeout(timeout, fetch).await.unwrap_or(Err(TransportError::Timeout(timeout)))
 }
 
 /// Removes request `id`'s entry if `wanted` accepts the length it lands itself.
@@ -904,7 +913,12 @@ mod tests {
     fn connection() -> (Connection, DuplexStream) {
         let (near, far) = tokio::io::duplex(1 << 20);
         let (reader, writer) = tokio::io::split(near);
-        (Connection::start(reader, writer, 8), far)
+        let config = TcpConfig {
+            max_requests_per_connection: 8,
+            request_timeout: Duration::from_secs(2),
+            ..TcpConfig::default()
+        };
+        (Connection::start(reader, writer, &config), far)
     }
 
     /// Reads one request off `far`; returns its id.
@@ -964,6 +978,26 @@ mod tests {
         // Failed when the reader task closes the connection, whether or not it was sent.
         let asked = tokio::time::timeout(Duration::from_secs(10), get(&connection, None)).await.unwrap();
         let Err(error) = asked else { panic!("a request was answered from the middle of a payload") };
+        assert!(error.is_connection(), "{error}");
+        assert!(!connection.is_alive());
+    }
+
+    /// A request that keeps its lent stream without reading it (its future held, no longer
+    /// polled) does not stall the connection for ever: past the request timeout the connection is
+    /// given up, and its other requests fail at once instead of waiting behind it.
+    #[tokio::test(start_paused = true)]
+    async fn a_lent_stream_held_unread_gives_the_connection_up() {
+        let (connection, mut far) = connection();
+        let serve = async {
+            let id = request(&mut far).await;
+            respond(&mut far, id, &[3u8; 4096]).await;
+        };
+        let ask = async {
+            let Answer::Lent(_, lent) = get(&connection, Some(4096)).await.unwrap() else { panic!("not lent") };
+            lent
+        };
+        let ((), _held) = tokio::join!(serve, ask);
+        let error = get(&connection, None).await.err().expect("answered behind a held stream");
         assert!(error.is_connection(), "{error}");
         assert!(!connection.is_alive());
     }
