@@ -140,9 +140,10 @@ enum Command {
         /// Address clients should dial (default: the listen address).
         #[arg(long)]
         advertise: Option<SocketAddr>,
-        /// I/O engine: uring (io_uring + O_DIRECT) or std (blocking O_DIRECT, for containers
-        /// whose seccomp profile blocks io_uring).
-        #[arg(long, default_value = "uring")]
+        /// I/O engine: uring (io_uring + O_DIRECT), std (blocking O_DIRECT, for containers whose
+        /// seccomp profile blocks io_uring), or auto: uring where this process may use it, else
+        /// std with a warning.
+        #[arg(long, default_value = "auto")]
         io_engine: EngineKind,
         /// Device operations in flight (per target), 1 to 256, or `auto`: measured on the first
         /// start (writes ~1.5 GiB of chunk files at depths 1 to 32 and takes the smallest within
@@ -193,7 +194,8 @@ enum Command {
         targets: usize,
         #[arg(long, default_value = "127.0.0.1:7070")]
         listen: String,
-        #[arg(long, default_value = "uring")]
+        /// I/O engine of the targets: uring, std or auto (as `starckpt target --io-engine`).
+        #[arg(long, default_value = "auto")]
         io_engine: EngineKind,
     },
     /// Save files or directory trees as (a rank's part of) a checkpoint.
@@ -304,7 +306,11 @@ fn init_logging(verbose: u8, default: &str) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    // Colours only on a terminal: logs collected from a file, a pipe or a container runtime stay
+    // plain text that grep and log shippers read.
+    use std::io::IsTerminal;
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
 }
 
 #[tokio::main]

@@ -38,6 +38,8 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 pub enum EngineKind {
     Uring,
     Std,
+    /// io_uring where this process may use it, else std ([`resolve`]).
+    Auto,
 }
 
 impl std::str::FromStr for EngineKind {
@@ -46,7 +48,8 @@ impl std::str::FromStr for EngineKind {
         match s {
             "uring" | "io_uring" | "io-uring" => Ok(EngineKind::Uring),
             "std" => Ok(EngineKind::Std),
-            other => Err(format!("unknown I/O engine {other:?} (expected uring or std)")),
+            "auto" => Ok(EngineKind::Auto),
+            other => Err(format!("unknown I/O engine {other:?} (expected uring, std or auto)")),
         }
     }
 }
@@ -80,10 +83,37 @@ pub trait IoEngine: Send + Sync + 'static {
 }
 
 pub fn open_engine(kind: EngineKind, queue_depth: usize) -> io::Result<Arc<dyn IoEngine>> {
-    Ok(match kind {
+    Ok(match resolve(kind) {
         EngineKind::Uring => Arc::new(UringEngine::start(queue_depth)?),
-        EngineKind::Std => Arc::new(StdEngine::new(queue_depth)),
+        EngineKind::Std | EngineKind::Auto => Arc::new(StdEngine::new(queue_depth)),
     })
+}
+
+/// The engine `kind` stands for here: [`EngineKind::Auto`] is io_uring if this process may set up
+/// a ring, else std, with a warning. A container's default seccomp profile (Docker's, Podman's)
+/// answers io_uring_setup with ENOSYS, `kernel.io_uring_disabled` with EPERM; any other failure
+/// (out of memory, locked-memory limits) is left for the real start to report.
+pub fn resolve(kind: EngineKind) -> EngineKind {
+    if kind != EngineKind::Auto {
+        return kind;
+    }
+    match io_uring::IoUring::new(2) {
+        Err(error) if uring_refused(&error) => {
+            tracing::warn!(
+                %error,
+                "io_uring is not allowed here (a container's seccomp profile, or kernel.io_uring_disabled): \
+                 blocking O_DIRECT I/O instead, which needs a thread per operation in flight; docker/README.md \
+                 says how to allow io_uring"
+            );
+            EngineKind::Std
+        }
+        _ => EngineKind::Uring,
+    }
+}
+
+/// Whether a ring's setup failed because the kernel refuses io_uring to this process.
+fn uring_refused(error: &io::Error) -> bool {
+    matches!(error.raw_os_error(), Some(libc::ENOSYS | libc::EPERM | libc::EACCES))
 }
 
 /// Memory outside the store's pools that a read fills (a client's shared-memory slot): `len`
@@ -773,5 +803,27 @@ fn fail_slot(ring: &mut io_uring::IoUring, slot: &mut Option<InFlight>, error: i
     if let Some(op) = slot.take() {
         let _ = op.reply.send(Err(error));
         close_registered(ring, &op.handle);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_picks_io_uring_where_allowed_and_std_where_refused() {
+        assert_eq!(resolve(EngineKind::Std), EngineKind::Std);
+        assert_eq!(resolve(EngineKind::Uring), EngineKind::Uring);
+        // This host lets tests set up rings (the store's conformance suite runs on io_uring).
+        assert_eq!(resolve(EngineKind::Auto), EngineKind::Uring);
+        assert_eq!(open_engine(EngineKind::Auto, 4).unwrap().kind(), EngineKind::Uring);
+        for refused in [libc::ENOSYS, libc::EPERM, libc::EACCES] {
+            assert!(uring_refused(&io::Error::from_raw_os_error(refused)), "{refused}");
+        }
+        for other in [libc::ENOMEM, libc::EINVAL, libc::EMFILE] {
+            assert!(!uring_refused(&io::Error::from_raw_os_error(other)), "{other}");
+        }
+        assert_eq!("auto".parse::<EngineKind>(), Ok(EngineKind::Auto));
+        assert!("aio".parse::<EngineKind>().unwrap_err().contains("auto"));
     }
 }

@@ -35,7 +35,8 @@ pub struct TargetConfig {
     pub server: String,
     /// Address clients should dial; default: the listener's address.
     pub advertise: Option<SocketAddr>,
-    /// I/O engine. Default io_uring; `std` where io_uring is blocked (Docker's default seccomp).
+    /// I/O engine. Default io_uring; `std` where io_uring is blocked (Docker's default seccomp);
+    /// `auto` picks ([`engine::resolve`]).
     pub engine: EngineKind,
     /// Operations in flight on the device. Default 8: fio reaches 2.8 GiB/s at QD8 on these disks
     /// against 1.9 at QD1 (../shared/MACHINE.md); more adds latency, not throughput.
@@ -227,11 +228,12 @@ pub async fn run(
     let scratch = config.dir.join("calibrating");
     let _ = std::fs::remove_dir_all(&scratch);
     let mut shutdown = std::pin::pin!(shutdown);
+    let engine_kind = engine::resolve(config.engine);
     let queue_depth = match config.queue_depth {
         QueueDepth::Fixed(depth) => depth,
         QueueDepth::Measured => {
             let measuring =
-                calibrate::queue_depth(&config.dir, config.engine, config.chunk_size_bytes, config.reserve_bytes);
+                calibrate::queue_depth(&config.dir, engine_kind, config.chunk_size_bytes, config.reserve_bytes);
             let measured = tokio::select! {
                 measured = measuring => measured,
                 () = &mut shutdown => {
@@ -251,8 +253,8 @@ pub async fn run(
             }
         }
     };
-    let engine = engine::open_engine(config.engine, queue_depth)
-        .with_context(|| format!("start the {:?} I/O engine (try --io-engine std)", config.engine))?;
+    let engine = engine::open_engine(engine_kind, queue_depth)
+        .with_context(|| format!("start the {engine_kind:?} I/O engine (try --io-engine std)"))?;
     let store = Arc::new(
         ChunkStore::open(&config.dir, engine, config.chunk_size_bytes, config.pool_buffers)
             .await
@@ -268,7 +270,7 @@ pub async fn run(
     store.set_free_pool(freepool::FreePoolConfig { max_bytes, reuse_after }).await?;
     let local = listener.local_addr()?;
     let advertise = config.advertise.unwrap_or(local);
-    info!(%target_id, data_address = %advertise, dir = %config.dir.display(), engine = ?config.engine, queue_depth, "target starting");
+    info!(%target_id, data_address = %advertise, dir = %config.dir.display(), engine = ?engine_kind, queue_depth, "target starting");
 
     let rdma_device = config.rdma.device();
     let registration = Registration {
