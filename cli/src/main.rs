@@ -107,8 +107,10 @@ enum Command {
     Server {
         #[arg(long, default_value = "127.0.0.1:7070")]
         listen: String,
-        /// Metadata store: a SQLite file path or sqlite:// URL.
-        #[arg(long, default_value = "starckpt-meta.db")]
+        /// Metadata store: a SQLite file path or sqlite:// URL (embedded), or a
+        /// postgres://user:password@host/database URL (PostgreSQL, for HA: several servers may
+        /// share one). The environment keeps a password out of the process list.
+        #[arg(long, env = "STARCKPT_DB", default_value = "starckpt-meta.db")]
         db: String,
         /// Abort a checkpoint whose ranks have not all committed this many seconds after it began.
         #[arg(long, default_value_t = 1800)]

@@ -230,7 +230,9 @@ pub struct Client {
 }
 
 impl Client {
-    /// Connects to the control plane (failing fast if it is unreachable).
+    /// Connects to the control plane, failing fast if it is unreachable. `config.server` may list
+    /// several control planes of one cluster (`a:7070,b:7070`, sharing a PostgreSQL database):
+    /// the first that answers is used.
     pub async fn connect(config: ClientConfig) -> Result<Client> {
         if config.chunk_size_bytes == 0 || config.chunk_size_bytes > starckpt_proto::frame::MAX_PAYLOAD_BYTES as usize {
             return Err(Error::InvalidInput(format!(
@@ -239,15 +241,7 @@ impl Client {
                 starckpt_proto::frame::MAX_PAYLOAD_BYTES
             )));
         }
-        let url = starckpt_proto::control_url(&config.server);
-        let endpoint = tonic::transport::Endpoint::from_shared(url.clone())
-            .map_err(|e| Error::InvalidInput(format!("bad control-plane address {:?}: {e}", config.server)))?
-            .connect_timeout(Duration::from_secs(5))
-            .timeout(config.rpc_timeout);
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|e| Error::Unreachable { address: config.server.clone(), message: error_chain(&e) })?;
+        let channel = connect_control(&config).await?;
         let control =
             ControlClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
         let buffers = (config.staging_bytes / config.chunk_size_bytes).max(1);
@@ -461,6 +455,29 @@ impl Client {
 }
 
 /// The error and its sources on one line (tonic's connect errors hide the cause in the chain).
+/// A channel to the first of `config.server`'s control planes that accepts a connection.
+async fn connect_control(config: &ClientConfig) -> Result<tonic::transport::Channel> {
+    let urls = starckpt_proto::control_urls(&config.server);
+    if urls.is_empty() {
+        return Err(Error::InvalidInput(format!("no control-plane address in {:?}", config.server)));
+    }
+    let mut failures = Vec::new();
+    for url in urls {
+        let endpoint = tonic::transport::Endpoint::from_shared(url.clone())
+            .map_err(|e| Error::InvalidInput(format!("bad control-plane address {url:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(5))
+            .timeout(config.rpc_timeout);
+        match endpoint.connect().await {
+            Ok(channel) => return Ok(channel),
+            Err(error) => {
+                tracing::warn!(%url, error = %error_chain(&error), "control plane unreachable; trying the next");
+                failures.push(format!("{url}: {}", error_chain(&error)));
+            }
+        }
+    }
+    Err(Error::Unreachable { address: config.server.clone(), message: failures.join("; ") })
+}
+
 fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();

@@ -46,3 +46,10 @@ pub fn control_url(address: &str) -> String {
         format!("http://{address}")
     }
 }
+
+/// The URLs of a comma-separated list of control-plane addresses (control planes sharing one
+/// PostgreSQL database: any of them serves the cluster), in the order given; empty entries are
+/// dropped.
+pub fn control_urls(addresses: &str) -> Vec<String> {
+    addresses.split(',').map(str::trim).filter(|a| !a.is_empty()).map(control_url).collect()
+}

@@ -3,3 +3,4 @@
 pub mod control;
 pub mod dev;
 pub mod target;
+pub mod testing;

@@ -59,6 +59,11 @@ pub struct Cluster {
     pub targets: Vec<Proc>,
     /// The control plane's extra flags, kept across restarts.
     pub server_flags: Vec<String>,
+    /// The control plane's metadata store: `meta.db` in `dir`, or a PostgreSQL URL.
+    pub db: String,
+    /// Further control planes on the same PostgreSQL database ([`Cluster::start_ha`]); the
+    /// targets know them all.
+    pub peers: Vec<Proc>,
 }
 
 impl Cluster {
@@ -69,15 +74,38 @@ impl Cluster {
     /// A cluster whose control plane gets extra flags.
     pub fn start_with(targets: usize, server_flags: &[&str]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
-        let server = start_server_with(dir.path(), server_flags);
+        let db = dir.path().join("meta.db").to_str().unwrap().to_owned();
+        Cluster::start_on(dir, db, 1, targets, server_flags)
+    }
+
+    /// A cluster of `control_planes` control planes sharing the PostgreSQL database `db`, and
+    /// targets that know every one of them.
+    pub fn start_ha(db: &str, control_planes: usize, targets: usize) -> Cluster {
+        Cluster::start_on(tempfile::tempdir().unwrap(), db.to_owned(), control_planes, targets, &[])
+    }
+
+    fn start_on(
+        dir: tempfile::TempDir,
+        db: String,
+        control_planes: usize,
+        targets: usize,
+        server_flags: &[&str],
+    ) -> Cluster {
+        let server = start_server_on(dir.path(), &db, server_flags);
+        let peers = (1..control_planes).map(|_| start_server_on(dir.path(), &db, server_flags)).collect();
         let server_flags = server_flags.iter().map(|f| f.to_string()).collect();
-        let mut cluster = Cluster { dir, server, targets: Vec::new(), server_flags };
+        let mut cluster = Cluster { dir, server, targets: Vec::new(), server_flags, db, peers };
         for index in 0..targets {
             let target = cluster.start_target(index);
             cluster.targets.push(target);
         }
         cluster.wait_alive(targets);
         cluster
+    }
+
+    /// Every control plane's address, comma-separated (what `--server` takes).
+    pub fn servers(&self) -> String {
+        std::iter::once(&self.server).chain(&self.peers).map(|p| p.address.as_str()).collect::<Vec<_>>().join(",")
     }
 
     pub fn target_dir(&self, index: usize) -> PathBuf {
@@ -97,8 +125,8 @@ impl Cluster {
     pub fn start_target_env(&self, index: usize, extra: &[&str], env: &[(&str, &str)]) -> Proc {
         let dir = self.target_dir(index);
         // Targets that trust chunk ages as if they had run for a day, so GC tests can age chunks.
-        let args =
-            ["target", "--dir", dir.to_str().unwrap(), "--listen", "127.0.0.1:0", "--server", &self.server.address];
+        let servers = self.servers();
+        let args = ["target", "--dir", dir.to_str().unwrap(), "--listen", "127.0.0.1:0", "--server", &servers];
         let mut args = args.to_vec();
         args.extend(["--assume-uptime-secs", "86400"]);
         // A fixed queue depth unless a test asks otherwise: measuring the device (the default,
@@ -120,8 +148,7 @@ impl Cluster {
     pub fn restart_server_env(&mut self, env: &[(&str, &str)]) {
         let address = self.server.address.clone();
         self.server.kill();
-        let db = self.dir.path().join("meta.db");
-        let mut args = vec!["server", "--listen", &address, "--db", db.to_str().unwrap()];
+        let mut args = vec!["server", "--listen", &address, "--db", &self.db];
         args.extend(self.server_flags.iter().map(String::as_str));
         self.server = Proc::start(&args, &self.dir.path().join("server.log"), env);
     }
@@ -133,7 +160,7 @@ impl Cluster {
             target.kill();
         }
         let flags: Vec<&str> = self.server_flags.iter().map(String::as_str).collect();
-        self.server = start_server_with(self.dir.path(), &flags);
+        self.server = start_server_on(self.dir.path(), &self.db, &flags);
         let count = self.targets.len();
         self.targets = (0..count).map(|i| self.start_target(i)).collect();
         self.wait_alive(count);
@@ -232,10 +259,14 @@ impl Cluster {
     }
 }
 
-/// Starts a control plane on the cluster's database with extra flags.
+/// Starts a control plane on the cluster's database (`meta.db` in `dir`) with extra flags.
 pub fn start_server_with(dir: &Path, extra: &[&str]) -> Proc {
-    let db = dir.join("meta.db");
-    let mut args = vec!["server", "--listen", "127.0.0.1:0", "--db", db.to_str().unwrap()];
+    start_server_on(dir, dir.join("meta.db").to_str().unwrap(), extra)
+}
+
+/// Starts a control plane on the database `db` with extra flags; it logs to `dir`/server.log.
+pub fn start_server_on(dir: &Path, db: &str, extra: &[&str]) -> Proc {
+    let mut args = vec!["server", "--listen", "127.0.0.1:0", "--db", db];
     args.extend_from_slice(extra);
     Proc::start(&args, &dir.join("server.log"), &[])
 }

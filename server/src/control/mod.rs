@@ -4,7 +4,7 @@
 pub mod gc;
 pub mod repair;
 pub mod service;
-pub mod sqlite;
+pub mod sql;
 pub mod store;
 
 pub use service::{ControlConfig, open_store, run};

@@ -1,6 +1,6 @@
 -- starckpt control-plane schema, version 1.
--- Written in the common subset of SQLite and PostgreSQL: a PostgreSQL backend uses the same
--- tables, with BIGINT GENERATED ALWAYS AS IDENTITY for checkpoints.id and BYTEA for parts.manifest.
+-- Written in the common subset of SQLite and PostgreSQL; sql.rs fills in {ID} (checkpoints.id:
+-- SQLite's rowid, PostgreSQL's identity column) and {BYTES} (BLOB, BYTEA) per database.
 
 CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
@@ -32,7 +32,7 @@ CREATE TABLE IF NOT EXISTS leases (
 );
 
 CREATE TABLE IF NOT EXISTS checkpoints (
-    id              INTEGER PRIMARY KEY,
+    id              {ID},
     job             TEXT NOT NULL,
     step            BIGINT NOT NULL,
     state           TEXT NOT NULL CHECK (state IN ('pending', 'committed', 'aborted', 'deleted')),
@@ -61,7 +61,7 @@ CREATE TABLE IF NOT EXISTS parts (
     checkpoint_id   BIGINT NOT NULL REFERENCES checkpoints (id),
     rank            INTEGER NOT NULL,
     -- prost-encoded starckpt.control.v1.Manifest, validated before insertion and after reading.
-    manifest        BLOB NOT NULL,
+    manifest        {BYTES} NOT NULL,
     total_bytes     BIGINT NOT NULL,
     written_bytes   BIGINT NOT NULL,
     file_count      BIGINT NOT NULL,

@@ -483,14 +483,24 @@ impl ControlService {
     }
 }
 
-/// Opens the metadata store named by `url` (a SQLite path or `sqlite://` URL).
+/// Opens the metadata store named by `url`: a SQLite path or `sqlite://` URL, or a
+/// `postgres://` URL ([`super::sql::SqlStore::open`]).
 pub async fn open_store(url: &str) -> anyhow::Result<Arc<dyn MetaStore>> {
-    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        anyhow::bail!("the PostgreSQL metadata backend is not built yet; use a SQLite path or sqlite:// URL");
-    }
-    let store =
-        super::sqlite::SqliteStore::open(url).await.map_err(|e| anyhow::anyhow!("open metadata store {url}: {e}"))?;
+    let store = super::sql::SqlStore::open(url)
+        .await
+        .map_err(|e| anyhow::anyhow!("open metadata store {}: {e}", redact_password(url)))?;
     Ok(Arc::new(store))
+}
+
+/// `url` without its password, for messages.
+pub fn redact_password(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) if parsed.password().is_some() => {
+            let _ = parsed.set_password(Some("***"));
+            parsed.to_string()
+        }
+        _ => url.to_owned(),
+    }
 }
 
 /// Serves the control plane on `listener` until `shutdown` resolves.

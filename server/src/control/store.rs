@@ -1,9 +1,8 @@
 //! The metadata store behind the control plane.
 //!
 //! [`MetaStore`] is the whole contract between the gRPC service and its database. The embedded
-//! default is SQLite ([`super::sqlite::SqliteStore`]); the schema (`schema.sql`) sticks to SQL that
-//! PostgreSQL accepts too (partial unique index, integer ids, no SQLite-only types), so an HA
-//! backend implements the same trait over the same tables.
+//! default is SQLite; PostgreSQL, for HA, runs the same queries over the same tables
+//! ([`super::sql::SqlStore`]), and any number of control planes may share one PostgreSQL.
 //!
 //! ## Checkpoint state machine
 //!
@@ -576,13 +575,16 @@ pub(crate) mod conformance {
         assert_eq!(store.committed_chunks(2).await.unwrap()[&ChunkHash([1; 32])].wanted, 2, "cc's default");
     }
 
-    pub async fn concurrent_last_parts(store: std::sync::Arc<dyn MetaStore>) {
+    /// `stores`: one or more stores on the same database (control planes sharing it); rank `r`
+    /// commits through `stores[r % len]`.
+    pub async fn concurrent_last_parts(stores: &[std::sync::Arc<dyn MetaStore>]) {
         // Eight ranks commit at once: exactly one commit transition, all parts recorded.
+        let store = &stores[0];
         let epoch = lease(store.as_ref(), "par", "run").await.unwrap().epoch;
         let record = store.begin_checkpoint(&begin("par", 1, 8, epoch), 1).await.unwrap();
         let tasks: Vec<_> = (0..8)
             .map(|rank| {
-                let store = std::sync::Arc::clone(&store);
+                let store = std::sync::Arc::clone(&stores[rank as usize % stores.len()]);
                 tokio::spawn(
                     async move { store.commit_part(&part(record.id, rank, &format!("r{rank}"), 1), 2, 0).await },
                 )

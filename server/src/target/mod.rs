@@ -31,7 +31,9 @@ use store::ChunkStore;
 pub struct TargetConfig {
     /// Data directory on the device this target owns.
     pub dir: PathBuf,
-    /// Control-plane address (`host:port` or URL).
+    /// Control-plane address (`host:port` or URL), or a comma-separated list of the control planes
+    /// sharing one PostgreSQL database: the target registers with the first that answers and moves
+    /// to the next when it stops answering.
     pub server: String,
     /// Address clients should dial; default: the listener's address.
     pub advertise: Option<SocketAddr>,
@@ -333,20 +335,29 @@ async fn heartbeat_loop(
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
-    let endpoint = match tonic::transport::Endpoint::from_shared(starckpt_proto::control_url(&server)) {
-        Ok(endpoint) => endpoint.connect_timeout(Duration::from_secs(3)).timeout(Duration::from_secs(10)),
-        Err(error) => {
-            warn!(%error, %server, "invalid control-plane address; target will not register");
-            return;
+    let mut clients = Vec::new();
+    for url in starckpt_proto::control_urls(&server) {
+        match tonic::transport::Endpoint::from_shared(url.clone()) {
+            Ok(endpoint) => {
+                let endpoint = endpoint.connect_timeout(Duration::from_secs(3)).timeout(Duration::from_secs(10));
+                clients.push((url, ControlClient::new(endpoint.connect_lazy())));
+            }
+            Err(error) => warn!(%error, %url, "invalid control-plane address; skipping it"),
         }
-    };
+    }
+    if clients.is_empty() {
+        warn!(%server, "no valid control-plane address; target will not register");
+        return;
+    }
     let Registration { target_id, advertise, failure_domain, rdma_device } = registration;
-    let mut client = ControlClient::new(endpoint.connect_lazy());
+    // The control plane in use: the next one is tried when it stops answering.
+    let mut current = 0;
     let mut registered = false;
     let mut interval = Duration::from_secs(1);
     let mut unreachable_logged = false;
     loop {
         let stats = store.stats();
+        let (server, client) = &mut clients[current];
         let outcome = if registered {
             client
                 .heartbeat(HeartbeatRequest {
@@ -383,6 +394,7 @@ async fn heartbeat_loop(
                     warn!(%server, error = %status.message(), "control plane unreachable; retrying");
                     unreachable_logged = true;
                 }
+                current = (current + 1) % clients.len();
             }
         }
         let wait = if registered { interval } else { Duration::from_millis(500) };

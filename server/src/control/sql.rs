@@ -1,10 +1,25 @@
-//! The embedded metadata store: one SQLite file through sqlx.
+//! The metadata store over SQL: one SQLite file (the embedded default) or a PostgreSQL server
+//! (for HA), through sqlx's `Any` driver, so both run the same queries.
 //!
-//! WAL journal with `synchronous = FULL`, so a committed transaction survives power loss.
-//! Writes go through a pool of exactly one connection: SQLite allows one writer at a time anyway,
-//! and a single writer connection means transactions never race to upgrade a read lock into a
-//! write lock (which fails with SQLITE_BUSY instead of waiting). Reads use a separate pool and,
-//! thanks to WAL, never wait for the writer.
+//! The queries stick to SQL both accept (`$N` parameters, `string_agg`, `RETURNING`, `ON CONFLICT`,
+//! explicit casts where PostgreSQL's types differ); the one schema (`schema.sql`) differs only in
+//! the checkpoint id column and the manifest's byte type ([`Dialect::schema`]).
+//!
+//! **Writes are serialized.** Every write runs in a transaction that holds the database's one
+//! writer lock ([`SqlStore::write`]): on SQLite, a pool of exactly one writer connection (SQLite
+//! allows one writer at a time anyway, and a single writer connection means transactions never
+//! race to upgrade a read lock into a write lock, which fails with SQLITE_BUSY instead of
+//! waiting); on PostgreSQL, a transaction-scoped advisory lock as well, so any number of control
+//! planes may share one database and still see the state machine of `store.rs` step by step. The
+//! control plane writes a few rows per rank per checkpoint, so one writer at a time is no limit.
+//!
+//! **Reads** that span statements run in one snapshot ([`SqlStore::read`]): SQLite's WAL read
+//! transactions, PostgreSQL's REPEATABLE READ. Single-statement reads use the reader pool directly.
+//!
+//! **Durability.** SQLite: WAL journal with `synchronous = FULL`, so a committed transaction
+//! survives power loss. PostgreSQL: what the server is configured for (`synchronous_commit`,
+//! synchronous standbys); the control plane tells a writer "committed" only after the commit
+//! returns.
 
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
@@ -13,10 +28,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::TryStreamExt;
 use prost::Message;
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
-};
-use sqlx::{Row, Sqlite, Transaction};
+use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
+use sqlx::{Any, AnyPool, ConnectOptions, Connection, Row, Transaction};
 use starckpt_proto::control as pb;
 use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest, TargetRegistration};
 use starckpt_proto::{ChunkHash, JobName};
@@ -27,52 +41,145 @@ use super::store::{
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
-/// 2: targets.failure_domain, the replication table. 3: targets.rdma_device. Older databases are
-/// migrated on open.
+/// 2: targets.failure_domain, the replication table. 3: targets.rdma_device. Older SQLite
+/// databases are migrated on open (PostgreSQL support began at 3).
 const SCHEMA_VERSION: i64 = 3;
 const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
      written_bytes, file_count, created_at_ms, committed_at_ms, \
-     (SELECT GROUP_CONCAT(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags";
+     (SELECT string_agg(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags";
+/// The PostgreSQL advisory lock every write transaction holds ("starckpt" in ASCII).
+const WRITER_LOCK: i64 = 0x7374_6172_636b_7074;
+/// How long a write waits for the writer lock before it fails instead of hanging the RPC: 10 s,
+/// SQLite's busy timeout and PostgreSQL's lock_timeout, set on every connection.
+const LOCK_WAIT: Duration = Duration::from_secs(10);
+const SQLITE_SESSION: &str = "PRAGMA busy_timeout = 10000; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;";
+const POSTGRES_SESSION: &str = "SET lock_timeout = '10s'";
+/// Connections of the reader pool. With the one writer connection, a control plane holds at most
+/// this many plus one connections to its database.
+const READERS: u32 = 4;
 
-pub struct SqliteStore {
-    writer: SqlitePool,
-    reader: SqlitePool,
+/// Which SQL database a [`SqlStore`] talks to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dialect {
+    Sqlite,
+    Postgres,
 }
 
-impl SqliteStore {
-    /// Opens (creating if missing) the database at `url`: `sqlite://PATH` or a plain file path.
-    /// In-memory databases are refused: the control plane must be durable.
-    pub async fn open(url: &str) -> MetaResult<SqliteStore> {
-        let options = if url.starts_with("sqlite:") {
-            SqliteConnectOptions::from_str(url)?
+impl Dialect {
+    /// `postgres://` and `postgresql://` URLs name PostgreSQL; anything else is SQLite.
+    pub fn of(url: &str) -> Dialect {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Dialect::Postgres
         } else {
-            SqliteConnectOptions::new().filename(url)
-        };
-        if url.contains(":memory:") || url.contains("mode=memory") {
-            return Err(MetaError::InvalidArgument(
-                "an in-memory database would lose every checkpoint on restart".into(),
-            ));
+            Dialect::Sqlite
         }
-        let options = options
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Full)
-            .foreign_keys(true)
-            .busy_timeout(Duration::from_secs(10));
-        let writer = SqlitePoolOptions::new().max_connections(1).connect_with(options.clone()).await?;
-        sqlx::raw_sql(SCHEMA).execute(&writer).await?;
+    }
+
+    /// `schema.sql` with this database's column types filled in.
+    fn schema(self) -> String {
+        let (id, bytes) = match self {
+            Dialect::Sqlite => ("INTEGER PRIMARY KEY", "BLOB"),
+            Dialect::Postgres => ("BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY", "BYTEA"),
+        };
+        SCHEMA.replace("{ID}", id).replace("{BYTES}", bytes)
+    }
+}
+
+pub struct SqlStore {
+    dialect: Dialect,
+    writer: AnyPool,
+    reader: AnyPool,
+}
+
+impl SqlStore {
+    /// Opens the database at `url`, creating the schema if missing: `postgres://…` or
+    /// `postgresql://…` for PostgreSQL, else `sqlite://PATH` or a plain file path (created if
+    /// missing). In-memory SQLite databases are refused: the control plane must be durable.
+    pub async fn open(url: &str) -> MetaResult<SqlStore> {
+        sqlx::any::install_default_drivers();
+        let dialect = Dialect::of(url);
+        let options = match dialect {
+            Dialect::Postgres => {
+                let options = AnyConnectOptions::from_str(url)?;
+                // One plain connection first: a pool reports an unreachable server only as "pool
+                // timed out"; this says why (refused, unknown role, no such database, ...).
+                options.connect().await?.close().await?;
+                options
+            }
+            Dialect::Sqlite => {
+                if url.contains(":memory:") || url.contains("mode=memory") {
+                    return Err(MetaError::InvalidArgument(
+                        "an in-memory database would lose every checkpoint on restart".into(),
+                    ));
+                }
+                let options = if url.starts_with("sqlite:") {
+                    SqliteConnectOptions::from_str(url)?
+                } else {
+                    SqliteConnectOptions::new().filename(url)
+                };
+                let options = options.create_if_missing(true);
+                // Create the file and switch it to WAL (a property of the file) before the pools
+                // open it through the Any driver, whose URL form carries neither setting.
+                let setup =
+                    options.clone().journal_mode(SqliteJournalMode::Wal).busy_timeout(LOCK_WAIT).connect().await?;
+                setup.close().await?;
+                AnyConnectOptions::from_url(&options.to_url_lossy())?
+            }
+        };
+        let session = match dialect {
+            Dialect::Sqlite => SQLITE_SESSION,
+            Dialect::Postgres => POSTGRES_SESSION,
+        };
+        let pool = |connections: u32| {
+            AnyPoolOptions::new().max_connections(connections).acquire_timeout(LOCK_WAIT).after_connect(
+                move |conn, _| Box::pin(async move { sqlx::Executor::execute(conn, session).await.map(drop) }),
+            )
+        };
+        let writer = pool(1).connect_with(options.clone()).await?;
+        let store = SqlStore { dialect, writer, reader: pool(READERS).connect_with(options).await? };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Which database this store talks to.
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
+    /// Begins a write transaction holding the writer lock (module docs).
+    async fn write(&self) -> MetaResult<Transaction<'static, Any>> {
+        let mut tx = self.writer.begin().await?;
+        if self.dialect == Dialect::Postgres {
+            sqlx::query("SELECT 1 FROM pg_advisory_xact_lock($1)").bind(WRITER_LOCK).execute(&mut *tx).await?;
+        }
+        Ok(tx)
+    }
+
+    /// Begins a read transaction: every statement in it sees one snapshot.
+    async fn read(&self) -> MetaResult<Transaction<'static, Any>> {
+        let mut tx = self.reader.begin().await?;
+        if self.dialect == Dialect::Postgres {
+            sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY").execute(&mut *tx).await?;
+        }
+        Ok(tx)
+    }
+
+    /// Creates the schema, or brings an older one up to [`SCHEMA_VERSION`]; under the writer
+    /// lock, so control planes starting together against one PostgreSQL do not race.
+    async fn migrate(&self) -> MetaResult<()> {
+        let mut tx = self.write().await?;
+        sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&self.dialect.schema())).await?;
         let version: Option<i64> =
-            sqlx::query_scalar("SELECT version FROM schema_version").fetch_optional(&writer).await?;
+            sqlx::query_scalar("SELECT version FROM schema_version").fetch_optional(&mut *tx).await?;
         match version {
             None => {
-                sqlx::query("INSERT INTO schema_version (version) VALUES (?)")
+                sqlx::query("INSERT INTO schema_version (version) VALUES ($1)")
                     .bind(SCHEMA_VERSION)
-                    .execute(&writer)
+                    .execute(&mut *tx)
                     .await?;
             }
             Some(SCHEMA_VERSION) => {}
             Some(old @ (1 | 2)) => {
-                let mut tx = writer.begin().await?;
                 if old < 2 {
                     sqlx::query("ALTER TABLE targets ADD COLUMN failure_domain TEXT NOT NULL DEFAULT ''")
                         .execute(&mut *tx)
@@ -81,8 +188,7 @@ impl SqliteStore {
                 sqlx::query("ALTER TABLE targets ADD COLUMN rdma_device TEXT NOT NULL DEFAULT ''")
                     .execute(&mut *tx)
                     .await?;
-                sqlx::query("UPDATE schema_version SET version = ?").bind(SCHEMA_VERSION).execute(&mut *tx).await?;
-                tx.commit().await?;
+                sqlx::query("UPDATE schema_version SET version = $1").bind(SCHEMA_VERSION).execute(&mut *tx).await?;
             }
             Some(other) => {
                 return Err(MetaError::Corrupt(format!(
@@ -90,8 +196,8 @@ impl SqliteStore {
                 )));
             }
         }
-        let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options).await?;
-        Ok(SqliteStore { writer, reader })
+        tx.commit().await?;
+        Ok(())
     }
 }
 
@@ -99,12 +205,12 @@ fn to_i64(value: u64, what: &str) -> MetaResult<i64> {
     i64::try_from(value).map_err(|_| MetaError::InvalidArgument(format!("{what} {value} is out of range")))
 }
 
-fn get_u64(row: &SqliteRow, column: &str) -> MetaResult<u64> {
+fn get_u64(row: &AnyRow, column: &str) -> MetaResult<u64> {
     let value: i64 = row.try_get(column)?;
     u64::try_from(value).map_err(|_| MetaError::Corrupt(format!("negative {column}")))
 }
 
-fn checkpoint_from_row(row: &SqliteRow) -> MetaResult<CheckpointRecord> {
+fn checkpoint_from_row(row: &AnyRow) -> MetaResult<CheckpointRecord> {
     let committed_at: Option<i64> = row.try_get("committed_at_ms")?;
     let tags: Option<String> = row.try_get("tags")?;
     // Tags never contain ',' (validate_tag).
@@ -135,8 +241,8 @@ fn decode_manifest(blob: &[u8], checkpoint_id: u64, rank: u32) -> MetaResult<Man
 }
 
 /// The job's current lease epoch and run id, if any run ever took it.
-async fn current_lease(tx: &mut Transaction<'_, Sqlite>, job: &str) -> MetaResult<Option<(u64, String)>> {
-    let row = sqlx::query("SELECT epoch, run_id FROM leases WHERE job = ? ORDER BY epoch DESC LIMIT 1")
+async fn current_lease(tx: &mut Transaction<'_, Any>, job: &str) -> MetaResult<Option<(u64, String)>> {
+    let row = sqlx::query("SELECT epoch, run_id FROM leases WHERE job = $1 ORDER BY epoch DESC LIMIT 1")
         .bind(job)
         .fetch_optional(&mut **tx)
         .await?;
@@ -145,7 +251,7 @@ async fn current_lease(tx: &mut Transaction<'_, Sqlite>, job: &str) -> MetaResul
 
 /// Checks that `epoch` is the job's current one: Fenced if a newer run took over, InvalidArgument
 /// if it was never issued.
-async fn check_epoch(tx: &mut Transaction<'_, Sqlite>, job: &str, epoch: u64) -> MetaResult<()> {
+async fn check_epoch(tx: &mut Transaction<'_, Any>, job: &str, epoch: u64) -> MetaResult<()> {
     match current_lease(tx, job).await? {
         Some((current, _)) if current == epoch => Ok(()),
         Some((current, run_id)) if current > epoch => Err(MetaError::Fenced(format!(
@@ -158,8 +264,8 @@ async fn check_epoch(tx: &mut Transaction<'_, Sqlite>, job: &str, epoch: u64) ->
     }
 }
 
-async fn retention_policy(tx: &mut Transaction<'_, Sqlite>, job: &str) -> MetaResult<RetentionPolicy> {
-    let row = sqlx::query("SELECT keep_last, keep_every FROM retention WHERE job = ?")
+async fn retention_policy(tx: &mut Transaction<'_, Any>, job: &str) -> MetaResult<RetentionPolicy> {
+    let row = sqlx::query("SELECT keep_last, keep_every FROM retention WHERE job = $1")
         .bind(job)
         .fetch_optional(&mut **tx)
         .await?;
@@ -174,7 +280,7 @@ async fn retention_policy(tx: &mut Transaction<'_, Sqlite>, job: &str) -> MetaRe
 /// writer is never told "committed" about a checkpoint that is already gone (it goes at the next
 /// commit if the policy still drops it, e.g. a lower step than the kept ones).
 async fn apply_retention(
-    tx: &mut Transaction<'_, Sqlite>,
+    tx: &mut Transaction<'_, Any>,
     job: &str,
     now_ms: u64,
     spare: Option<u64>,
@@ -184,8 +290,8 @@ async fn apply_retention(
         return Ok(Vec::new());
     }
     let rows = sqlx::query(
-        "SELECT id, step, EXISTS (SELECT 1 FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tagged
-         FROM checkpoints WHERE job = ? AND state = 'committed' ORDER BY step DESC",
+        "SELECT id, step, CASE WHEN EXISTS (SELECT 1 FROM tags WHERE tags.checkpoint_id = checkpoints.id) THEN 1 ELSE 0 END AS tagged
+         FROM checkpoints WHERE job = $1 AND state = 'committed' ORDER BY step DESC",
     )
     .bind(job)
     .fetch_all(&mut **tx)
@@ -197,7 +303,7 @@ async fn apply_retention(
         if policy.keeps(rank, step, tagged != 0) || spare == Some(get_u64(row, "id")?) {
             continue;
         }
-        sqlx::query("UPDATE checkpoints SET state = 'deleted', ended_at_ms = ? WHERE id = ?")
+        sqlx::query("UPDATE checkpoints SET state = 'deleted', ended_at_ms = $1 WHERE id = $2")
             .bind(to_i64(now_ms, "time")?)
             .bind(row.try_get::<i64, _>("id")?)
             .execute(&mut **tx)
@@ -210,8 +316,8 @@ async fn apply_retention(
     Ok(deleted)
 }
 
-async fn checkpoint_by_id(tx: &mut Transaction<'_, Sqlite>, id: i64) -> MetaResult<Option<CheckpointRecord>> {
-    let row = sqlx::query(&format!("SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE id = ?"))
+async fn checkpoint_by_id(tx: &mut Transaction<'_, Any>, id: i64) -> MetaResult<Option<CheckpointRecord>> {
+    let row = sqlx::query(&format!("SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE id = $1"))
         .bind(id)
         .fetch_optional(&mut **tx)
         .await?;
@@ -219,12 +325,13 @@ async fn checkpoint_by_id(tx: &mut Transaction<'_, Sqlite>, id: i64) -> MetaResu
 }
 
 #[async_trait]
-impl MetaStore for SqliteStore {
+impl MetaStore for SqlStore {
     async fn upsert_target(&self, registration: &TargetRegistration, now_ms: u64) -> MetaResult<()> {
+        let mut tx = self.write().await?;
         sqlx::query(
             "INSERT INTO targets (target_id, data_address, capacity_bytes, used_bytes, registered_at_ms, last_heartbeat_ms,
                  failure_domain, rdma_device)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
              ON CONFLICT (target_id) DO UPDATE SET data_address = excluded.data_address,
                  capacity_bytes = excluded.capacity_bytes, used_bytes = excluded.used_bytes,
                  registered_at_ms = excluded.registered_at_ms, last_heartbeat_ms = excluded.last_heartbeat_ms,
@@ -238,25 +345,28 @@ impl MetaStore for SqliteStore {
         .bind(to_i64(now_ms, "time")?)
         .bind(&registration.failure_domain)
         .bind(&registration.rdma_device)
-        .execute(&self.writer)
+        .execute(&mut *tx)
         .await?;
+        tx.commit().await?;
         Ok(())
     }
 
     async fn heartbeat(&self, target_id: &str, capacity: u64, used: u64, chunks: u64, now_ms: u64) -> MetaResult<()> {
+        let mut tx = self.write().await?;
         let result = sqlx::query(
-            "UPDATE targets SET capacity_bytes = ?, used_bytes = ?, chunk_count = ?, last_heartbeat_ms = ? WHERE target_id = ?",
+            "UPDATE targets SET capacity_bytes = $1, used_bytes = $2, chunk_count = $3, last_heartbeat_ms = $4 WHERE target_id = $5",
         )
         .bind(to_i64(capacity, "capacity")?)
         .bind(to_i64(used, "used bytes")?)
         .bind(to_i64(chunks, "chunk count")?)
         .bind(to_i64(now_ms, "time")?)
         .bind(target_id)
-        .execute(&self.writer)
+        .execute(&mut *tx)
         .await?;
         if result.rows_affected() == 0 {
             return Err(MetaError::NotFound(format!("target {target_id} is not registered")));
         }
+        tx.commit().await?;
         Ok(())
     }
 
@@ -286,8 +396,8 @@ impl MetaStore for SqliteStore {
 
     async fn acquire_lease(&self, request: &AcquireLease, now_ms: u64) -> MetaResult<LeaseGrant> {
         let job = request.job.as_str();
-        let mut tx = self.writer.begin().await?;
-        let known: Option<i64> = sqlx::query_scalar("SELECT epoch FROM leases WHERE job = ? AND run_id = ?")
+        let mut tx = self.write().await?;
+        let known: Option<i64> = sqlx::query_scalar("SELECT epoch FROM leases WHERE job = $1 AND run_id = $2")
             .bind(job)
             .bind(&request.run_id)
             .fetch_optional(&mut *tx)
@@ -306,7 +416,7 @@ impl MetaStore for SqliteStore {
         }
         let epoch = current.map_or(1, |(current, _)| current + 1);
         let now = to_i64(now_ms, "time")?;
-        sqlx::query("INSERT INTO leases (job, run_id, epoch, acquired_at_ms) VALUES (?, ?, ?, ?)")
+        sqlx::query("INSERT INTO leases (job, run_id, epoch, acquired_at_ms) VALUES ($1, $2, $3, $4)")
             .bind(job)
             .bind(&request.run_id)
             .bind(to_i64(epoch, "epoch")?)
@@ -315,7 +425,7 @@ impl MetaStore for SqliteStore {
             .await?;
         // The takeover and the abort of the older runs' half-written checkpoints are one transaction.
         let aborted = sqlx::query(
-            "UPDATE checkpoints SET state = 'aborted', ended_at_ms = ? WHERE job = ? AND state = 'pending' AND epoch < ?",
+            "UPDATE checkpoints SET state = 'aborted', ended_at_ms = $1 WHERE job = $2 AND state = 'pending' AND epoch < $3",
         )
         .bind(now)
         .bind(job)
@@ -331,10 +441,10 @@ impl MetaStore for SqliteStore {
     async fn begin_checkpoint(&self, request: &BeginCheckpoint, now_ms: u64) -> MetaResult<CheckpointRecord> {
         let step = to_i64(request.step, "step")?;
         let now = to_i64(now_ms, "time")?;
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.write().await?;
         check_epoch(&mut tx, request.job.as_str(), request.epoch).await?;
         let live = sqlx::query(&format!(
-            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = ? AND step = ? AND state IN ('pending', 'committed')"
+            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = $1 AND step = $2 AND state IN ('pending', 'committed')"
         ))
         .bind(request.job.as_str())
         .bind(step)
@@ -361,7 +471,7 @@ impl MetaStore for SqliteStore {
                 _ => {
                     // Older epochs' pending checkpoints are aborted when a new run takes the lease;
                     // one left over (from a database written before that rule) is aborted here.
-                    sqlx::query("UPDATE checkpoints SET state = 'aborted', ended_at_ms = ? WHERE id = ?")
+                    sqlx::query("UPDATE checkpoints SET state = 'aborted', ended_at_ms = $1 WHERE id = $2")
                         .bind(now)
                         .bind(existing.id as i64)
                         .execute(&mut *tx)
@@ -371,7 +481,7 @@ impl MetaStore for SqliteStore {
         }
         let row = sqlx::query(&format!(
             "INSERT INTO checkpoints (job, step, state, world_size, epoch, created_at_ms)
-             VALUES (?, ?, 'pending', ?, ?, ?) RETURNING {CHECKPOINT_COLUMNS}"
+             VALUES ($1, $2, 'pending', $3, $4, $5) RETURNING {CHECKPOINT_COLUMNS}"
         ))
         .bind(request.job.as_str())
         .bind(step)
@@ -387,7 +497,7 @@ impl MetaStore for SqliteStore {
 
     async fn commit_part(&self, part: &CommitPart, now_ms: u64, begun_after_ms: u64) -> MetaResult<CheckpointRecord> {
         let id = to_i64(part.checkpoint_id, "checkpoint id")?;
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.write().await?;
         let Some(record) = checkpoint_by_id(&mut tx, id).await? else {
             return Err(MetaError::NotFound(format!("checkpoint {} does not exist", part.checkpoint_id)));
         };
@@ -398,7 +508,7 @@ impl MetaStore for SqliteStore {
             )));
         }
         let existing: Option<Vec<u8>> =
-            sqlx::query_scalar("SELECT manifest FROM parts WHERE checkpoint_id = ? AND rank = ?")
+            sqlx::query_scalar("SELECT manifest FROM parts WHERE checkpoint_id = $1 AND rank = $2")
                 .bind(id)
                 .bind(part.rank as i64)
                 .fetch_optional(&mut *tx)
@@ -423,7 +533,7 @@ impl MetaStore for SqliteStore {
             )));
         }
         if record.created_at_ms < begun_after_ms {
-            sqlx::query("UPDATE checkpoints SET state = 'aborted', ended_at_ms = ? WHERE id = ?")
+            sqlx::query("UPDATE checkpoints SET state = 'aborted', ended_at_ms = $1 WHERE id = $2")
                 .bind(to_i64(now_ms, "time")?)
                 .bind(id)
                 .execute(&mut *tx)
@@ -438,11 +548,12 @@ impl MetaStore for SqliteStore {
             )));
         }
         let blob = pb::Manifest::from(&part.manifest).encode_to_vec();
-        let stored: i64 =
-            sqlx::query_scalar("SELECT COALESCE(SUM(LENGTH(manifest)), 0) FROM parts WHERE checkpoint_id = ?")
-                .bind(id)
-                .fetch_one(&mut *tx)
-                .await?;
+        let stored: i64 = sqlx::query_scalar(
+            "SELECT CAST(COALESCE(SUM(LENGTH(manifest)), 0) AS BIGINT) FROM parts WHERE checkpoint_id = $1",
+        )
+        .bind(id)
+        .fetch_one(&mut *tx)
+        .await?;
         let manifest_total = stored.max(0) as u64 + blob.len() as u64;
         if manifest_total > starckpt_proto::model::MAX_CHECKPOINT_MANIFEST_BYTES {
             return Err(MetaError::InvalidArgument(format!(
@@ -458,7 +569,7 @@ impl MetaStore for SqliteStore {
         let now = to_i64(now_ms, "time")?;
         sqlx::query(
             "INSERT INTO parts (checkpoint_id, rank, manifest, total_bytes, written_bytes, file_count, committed_at_ms)
-             VALUES (?, ?, ?, ?, ?, ?, ?)",
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
         )
         .bind(id)
         .bind(part.rank as i64)
@@ -471,11 +582,11 @@ impl MetaStore for SqliteStore {
         .await?;
         // The commit transition happens in the same transaction as the last part's insertion.
         sqlx::query(
-            "UPDATE checkpoints SET parts_committed = parts_committed + 1, total_bytes = total_bytes + ?,
-                 written_bytes = written_bytes + ?, file_count = file_count + ?,
+            "UPDATE checkpoints SET parts_committed = parts_committed + 1, total_bytes = total_bytes + $1,
+                 written_bytes = written_bytes + $2, file_count = file_count + $3,
                  state = CASE WHEN parts_committed + 1 = world_size THEN 'committed' ELSE state END,
-                 committed_at_ms = CASE WHEN parts_committed + 1 = world_size THEN ? ELSE committed_at_ms END
-             WHERE id = ?",
+                 committed_at_ms = CASE WHEN parts_committed + 1 = world_size THEN $4 ELSE committed_at_ms END
+             WHERE id = $5",
         )
         .bind(total_bytes)
         .bind(written_bytes)
@@ -496,7 +607,7 @@ impl MetaStore for SqliteStore {
 
     async fn latest(&self, job: &JobName) -> MetaResult<Option<CheckpointRecord>> {
         let row = sqlx::query(&format!(
-            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = ? AND state = 'committed' ORDER BY step DESC LIMIT 1"
+            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = $1 AND state = 'committed' ORDER BY step DESC LIMIT 1"
         ))
         .bind(job.as_str())
         .fetch_optional(&self.reader)
@@ -507,9 +618,9 @@ impl MetaStore for SqliteStore {
     async fn list_jobs(&self) -> MetaResult<Vec<JobRecord>> {
         let rows = sqlx::query(
             "SELECT job,
-                    SUM(CASE WHEN state = 'committed' THEN 1 ELSE 0 END) AS committed,
+                    CAST(SUM(CASE WHEN state = 'committed' THEN 1 ELSE 0 END) AS BIGINT) AS committed,
                     MAX(CASE WHEN state = 'committed' THEN step END) AS latest_step,
-                    SUM(CASE WHEN state = 'committed' THEN total_bytes ELSE 0 END) AS committed_bytes
+                    CAST(SUM(CASE WHEN state = 'committed' THEN total_bytes ELSE 0 END) AS BIGINT) AS committed_bytes
              FROM checkpoints GROUP BY job ORDER BY job",
         )
         .fetch_all(&self.reader)
@@ -530,7 +641,7 @@ impl MetaStore for SqliteStore {
     async fn list_checkpoints(&self, job: &JobName, include_inactive: bool) -> MetaResult<Vec<CheckpointRecord>> {
         let filter = if include_inactive { "" } else { "AND state IN ('pending', 'committed')" };
         let rows = sqlx::query(&format!(
-            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = ? {filter} ORDER BY step, id"
+            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = $1 {filter} ORDER BY step, id"
         ))
         .bind(job.as_str())
         .fetch_all(&self.reader)
@@ -544,11 +655,11 @@ impl MetaStore for SqliteStore {
         step: Option<u64>,
     ) -> MetaResult<(CheckpointRecord, Vec<(u32, Manifest)>)> {
         // One read transaction, so the checkpoint and its parts come from the same snapshot.
-        let mut tx = self.reader.begin().await?;
+        let mut tx = self.read().await?;
         let row = match step {
             Some(step) => {
                 sqlx::query(&format!(
-                    "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = ? AND step = ? AND state = 'committed'"
+                    "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = $1 AND step = $2 AND state = 'committed'"
                 ))
                 .bind(job.as_str())
                 .bind(to_i64(step, "step")?)
@@ -557,7 +668,7 @@ impl MetaStore for SqliteStore {
             }
             None => {
                 sqlx::query(&format!(
-                    "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = ? AND state = 'committed' ORDER BY step DESC LIMIT 1"
+                    "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = $1 AND state = 'committed' ORDER BY step DESC LIMIT 1"
                 ))
                 .bind(job.as_str())
                 .fetch_optional(&mut *tx)
@@ -571,7 +682,7 @@ impl MetaStore for SqliteStore {
             }));
         };
         let record = checkpoint_from_row(&row)?;
-        let rows = sqlx::query("SELECT rank, manifest FROM parts WHERE checkpoint_id = ? ORDER BY rank")
+        let rows = sqlx::query("SELECT rank, manifest FROM parts WHERE checkpoint_id = $1 ORDER BY rank")
             .bind(record.id as i64)
             .fetch_all(&mut *tx)
             .await?;
@@ -593,37 +704,42 @@ impl MetaStore for SqliteStore {
     }
 
     async fn abort_stale_pending(&self, created_before_ms: u64, now_ms: u64) -> MetaResult<Vec<CheckpointRecord>> {
+        let mut tx = self.write().await?;
         let rows = sqlx::query(&format!(
-            "UPDATE checkpoints SET state = 'aborted', ended_at_ms = ?
-             WHERE state = 'pending' AND created_at_ms < ? RETURNING {CHECKPOINT_COLUMNS}"
+            "UPDATE checkpoints SET state = 'aborted', ended_at_ms = $1
+             WHERE state = 'pending' AND created_at_ms < $2 RETURNING {CHECKPOINT_COLUMNS}"
         ))
         .bind(to_i64(now_ms, "time")?)
         .bind(to_i64(created_before_ms, "time")?)
-        .fetch_all(&self.writer)
+        .fetch_all(&mut *tx)
         .await?;
-        rows.iter().map(checkpoint_from_row).collect()
+        let aborted = rows.iter().map(checkpoint_from_row).collect::<MetaResult<_>>()?;
+        tx.commit().await?;
+        Ok(aborted)
     }
 
     async fn delete_checkpoint(&self, job: &JobName, step: u64, now_ms: u64) -> MetaResult<()> {
+        let mut tx = self.write().await?;
         let result = sqlx::query(
-            "UPDATE checkpoints SET state = CASE WHEN state = 'committed' THEN 'deleted' ELSE 'aborted' END, ended_at_ms = ?
-             WHERE job = ? AND step = ? AND state IN ('pending', 'committed')",
+            "UPDATE checkpoints SET state = CASE WHEN state = 'committed' THEN 'deleted' ELSE 'aborted' END, ended_at_ms = $1
+             WHERE job = $2 AND step = $3 AND state IN ('pending', 'committed')",
         )
         .bind(to_i64(now_ms, "time")?)
         .bind(job.as_str())
         .bind(to_i64(step, "step")?)
-        .execute(&self.writer)
+        .execute(&mut *tx)
         .await?;
         if result.rows_affected() == 0 {
             return Err(MetaError::NotFound(format!("job {job} has no checkpoint at step {step}")));
         }
+        tx.commit().await?;
         Ok(())
     }
 
     async fn set_retention(&self, job: &JobName, policy: RetentionPolicy, now_ms: u64) -> MetaResult<Vec<u64>> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.write().await?;
         sqlx::query(
-            "INSERT INTO retention (job, keep_last, keep_every, updated_at_ms) VALUES (?, ?, ?, ?)
+            "INSERT INTO retention (job, keep_last, keep_every, updated_at_ms) VALUES ($1, $2, $3, $4)
              ON CONFLICT (job) DO UPDATE SET keep_last = excluded.keep_last, keep_every = excluded.keep_every,
                  updated_at_ms = excluded.updated_at_ms",
         )
@@ -639,7 +755,7 @@ impl MetaStore for SqliteStore {
     }
 
     async fn get_retention(&self, job: &JobName) -> MetaResult<RetentionPolicy> {
-        let mut tx = self.reader.begin().await?;
+        let mut tx = self.read().await?;
         retention_policy(&mut tx, job.as_str()).await
     }
 
@@ -650,20 +766,22 @@ impl MetaStore for SqliteStore {
                 starckpt_proto::model::MAX_REPLICAS
             )));
         }
+        let mut tx = self.write().await?;
         sqlx::query(
-            "INSERT INTO replication (job, replicas, updated_at_ms) VALUES (?, ?, ?)
+            "INSERT INTO replication (job, replicas, updated_at_ms) VALUES ($1, $2, $3)
              ON CONFLICT (job) DO UPDATE SET replicas = excluded.replicas, updated_at_ms = excluded.updated_at_ms",
         )
         .bind(job.as_str())
         .bind(i64::from(replicas))
         .bind(to_i64(now_ms, "time")?)
-        .execute(&self.writer)
+        .execute(&mut *tx)
         .await?;
+        tx.commit().await?;
         Ok(())
     }
 
     async fn replication(&self, job: &JobName) -> MetaResult<Option<u32>> {
-        let replicas: Option<i64> = sqlx::query_scalar("SELECT replicas FROM replication WHERE job = ?")
+        let replicas: Option<i64> = sqlx::query_scalar("SELECT replicas FROM replication WHERE job = $1")
             .bind(job.as_str())
             .fetch_optional(&self.reader)
             .await?;
@@ -674,9 +792,9 @@ impl MetaStore for SqliteStore {
 
     async fn tag_checkpoint(&self, job: &JobName, step: u64, tag: &str, remove: bool) -> MetaResult<()> {
         starckpt_proto::model::validate_tag(tag).map_err(|e| MetaError::InvalidArgument(e.to_string()))?;
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.write().await?;
         let id: Option<i64> =
-            sqlx::query_scalar("SELECT id FROM checkpoints WHERE job = ? AND step = ? AND state = 'committed'")
+            sqlx::query_scalar("SELECT id FROM checkpoints WHERE job = $1 AND step = $2 AND state = 'committed'")
                 .bind(job.as_str())
                 .bind(to_i64(step, "step")?)
                 .fetch_optional(&mut *tx)
@@ -685,9 +803,9 @@ impl MetaStore for SqliteStore {
             return Err(MetaError::NotFound(format!("job {job} has no committed checkpoint at step {step}")));
         };
         let statement = if remove {
-            "DELETE FROM tags WHERE checkpoint_id = ? AND tag = ?"
+            "DELETE FROM tags WHERE checkpoint_id = $1 AND tag = $2"
         } else {
-            "INSERT INTO tags (checkpoint_id, tag) VALUES (?, ?) ON CONFLICT DO NOTHING"
+            "INSERT INTO tags (checkpoint_id, tag) VALUES ($1, $2) ON CONFLICT DO NOTHING"
         };
         sqlx::query(statement).bind(id).bind(tag).execute(&mut *tx).await?;
         if remove {
@@ -700,7 +818,7 @@ impl MetaStore for SqliteStore {
 
     async fn live_chunks(&self) -> MetaResult<HashSet<ChunkHash>> {
         // One read transaction: a consistent snapshot, streamed one manifest at a time.
-        let mut tx = self.reader.begin().await?;
+        let mut tx = self.read().await?;
         let mut rows = sqlx::query(
             "SELECT p.checkpoint_id, p.rank, p.manifest FROM parts p JOIN checkpoints c ON c.id = p.checkpoint_id
              WHERE c.state IN ('pending', 'committed')",
@@ -717,7 +835,7 @@ impl MetaStore for SqliteStore {
     }
 
     async fn committed_chunks(&self, default_replicas: u32) -> MetaResult<HashMap<ChunkHash, CommittedChunk>> {
-        let mut tx = self.reader.begin().await?;
+        let mut tx = self.read().await?;
         let mut rows = sqlx::query(
             "SELECT p.checkpoint_id, p.rank, p.manifest, r.replicas FROM parts p
              JOIN checkpoints c ON c.id = p.checkpoint_id LEFT JOIN replication r ON r.job = c.job
@@ -751,41 +869,101 @@ mod tests {
     use super::*;
     use crate::control::store::conformance;
 
-    async fn open() -> (tempfile::TempDir, SqliteStore) {
+    async fn open() -> (tempfile::TempDir, SqlStore) {
         let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(&format!("sqlite://{}", dir.path().join("meta.db").display())).await.unwrap();
+        let store = SqlStore::open(&format!("sqlite://{}", dir.path().join("meta.db").display())).await.unwrap();
         (dir, store)
     }
 
-    #[tokio::test]
-    async fn targets() {
-        conformance::targets(&open().await.1).await;
+    /// A store on a fresh PostgreSQL database, where the tests have a server (`crate::testing`).
+    async fn postgres(test: &str) -> Option<(String, SqlStore)> {
+        let url = crate::testing::fresh_postgres_database(test).await.unwrap()?;
+        let store = SqlStore::open(&url).await.unwrap();
+        assert_eq!(store.dialect(), Dialect::Postgres);
+        Some((url, store))
     }
 
-    #[tokio::test]
-    async fn multi_rank_commit() {
-        conformance::multi_rank_commit(&open().await.1).await;
+    /// Each case of the conformance suite, on SQLite and then on PostgreSQL.
+    macro_rules! on_both {
+        ($($case:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                conformance::$case(&open().await.1).await;
+                if let Some((_, store)) = postgres(stringify!($case)).await {
+                    conformance::$case(&store).await;
+                }
+            }
+        )*};
     }
 
-    #[tokio::test]
-    async fn step_collisions() {
-        conformance::step_collisions(&open().await.1).await;
+    on_both!(
+        targets,
+        multi_rank_commit,
+        step_collisions,
+        fencing,
+        stale_pending_is_aborted,
+        replication,
+        retention_and_tags,
+        late_commit_is_refused,
+        committed_chunks,
+        live_chunks,
+    );
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_last_parts() {
+        let (_dir, store) = open().await;
+        conformance::concurrent_last_parts(&[Arc::new(store)]).await;
+        if let Some((url, first)) = postgres("concurrent_last_parts").await {
+            // Three control planes on one database: their writes still serialize.
+            let second = SqlStore::open(&url).await.unwrap();
+            let third = SqlStore::open(&url).await.unwrap();
+            conformance::concurrent_last_parts(&[Arc::new(first), Arc::new(second), Arc::new(third)]).await;
+        }
     }
 
-    #[tokio::test]
-    async fn fencing() {
-        conformance::fencing(&open().await.1).await;
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn control_planes_starting_together_create_one_schema() {
+        let Some(url) = crate::testing::fresh_postgres_database("schema race").await.unwrap() else { return };
+        // Four control planes open the same empty database at once.
+        let opens: Vec<_> = (0..4)
+            .map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move { SqlStore::open(&url).await.map(drop) })
+            })
+            .collect();
+        for open in opens {
+            open.await.unwrap().unwrap();
+        }
+        let store = SqlStore::open(&url).await.unwrap();
+        let versions: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM schema_version").fetch_one(&store.reader).await.unwrap();
+        assert_eq!(versions, 1);
     }
 
-    #[tokio::test]
-    async fn stale_pending_is_aborted() {
-        conformance::stale_pending_is_aborted(&open().await.1).await;
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn corrupt_manifest_is_an_error() {
+        let (_dir, store) = open().await;
+        let pg = postgres("corrupt_manifest_is_an_error").await.map(|(_, store)| store);
+        for store in std::iter::once(&store).chain(pg.as_ref()) {
+            conformance::multi_rank_commit(store).await;
+            sqlx::query("UPDATE parts SET manifest = $1")
+                .bind(vec![0xFFu8, 0xFF, 0x01])
+                .execute(&store.writer)
+                .await
+                .unwrap();
+            let job = JobName::try_from("j").unwrap();
+            assert!(
+                matches!(store.get_manifest(&job, None).await, Err(MetaError::Corrupt(_))),
+                "{:?}",
+                store.dialect()
+            );
+        }
     }
 
     /// A database of an older schema version with one target, as that version wrote it.
     async fn old_database(path: &std::path::Path, version: i64) {
         let options = SqliteConnectOptions::new().filename(path).create_if_missing(true);
-        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
+        let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
         let (domain_column, domain_value) =
             if version >= 2 { (", failure_domain TEXT NOT NULL DEFAULT ''", ", 'rack'") } else { ("", "") };
         sqlx::raw_sql(&format!(
@@ -808,47 +986,16 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("old.db");
             old_database(&path, version).await;
-            let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+            let store = SqlStore::open(path.to_str().unwrap()).await.unwrap();
             let targets = store.list_targets().await.unwrap();
             let target =
                 (targets[0].target_id.as_str(), targets[0].failure_domain.as_str(), targets[0].rdma_device.as_str());
             assert_eq!(target, ("old", domain, ""), "from version {version}");
             drop(store);
             // Opening again finds the current version and changes nothing.
-            let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+            let store = SqlStore::open(path.to_str().unwrap()).await.unwrap();
             assert_eq!(store.list_targets().await.unwrap().len(), 1);
         }
-    }
-
-    #[tokio::test]
-    async fn replication() {
-        conformance::replication(&open().await.1).await;
-    }
-
-    #[tokio::test]
-    async fn retention_and_tags() {
-        conformance::retention_and_tags(&open().await.1).await;
-    }
-
-    #[tokio::test]
-    async fn late_commit_is_refused() {
-        conformance::late_commit_is_refused(&open().await.1).await;
-    }
-
-    #[tokio::test]
-    async fn committed_chunks() {
-        conformance::committed_chunks(&open().await.1).await;
-    }
-
-    #[tokio::test]
-    async fn live_chunks() {
-        conformance::live_chunks(&open().await.1).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn concurrent_last_parts() {
-        let (_dir, store) = open().await;
-        conformance::concurrent_last_parts(Arc::new(store)).await;
     }
 
     #[tokio::test]
@@ -856,21 +1003,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("meta.db");
         {
-            let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+            let store = SqlStore::open(path.to_str().unwrap()).await.unwrap();
             conformance::multi_rank_commit(&store).await;
         }
-        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+        let store = SqlStore::open(path.to_str().unwrap()).await.unwrap();
         let job = JobName::try_from("j").unwrap();
         assert_eq!(store.latest(&job).await.unwrap().unwrap().step, 100);
-        assert!(SqliteStore::open("sqlite::memory:").await.is_err());
-    }
-
-    #[tokio::test]
-    async fn corrupt_manifest_is_an_error() {
-        let (_dir, store) = open().await;
-        conformance::multi_rank_commit(&store).await;
-        sqlx::query("UPDATE parts SET manifest = X'FFFF01'").execute(&store.writer).await.unwrap();
-        let job = JobName::try_from("j").unwrap();
-        assert!(matches!(store.get_manifest(&job, None).await, Err(MetaError::Corrupt(_))));
+        assert!(SqlStore::open("sqlite::memory:").await.is_err());
     }
 }

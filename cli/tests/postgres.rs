@@ -1,0 +1,120 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
+//! The control plane on PostgreSQL, end to end: real `starckpt server` processes on a real
+//! PostgreSQL server (scripts/test starts a throwaway one; `starckpt_server::testing`), real
+//! targets, the real CLI. Each test takes a database of its own.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{Cluster, cli_with_server, random_bytes, tree};
+
+/// A fresh database on the tests' PostgreSQL server; None where the tests have none.
+fn database(test: &str) -> Option<String> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(starckpt_server::testing::fresh_postgres_database(test)).unwrap()
+}
+
+/// A few files, different for each `seed`.
+fn make_tree(root: &Path, seed: u64) {
+    for (index, (path, len)) in
+        [("model.bin", 9 << 20), ("optim/rank0.pt", (3 << 20) + 17), ("meta.json", 300)].into_iter().enumerate()
+    {
+        let full = root.join(path);
+        std::fs::create_dir_all(full.parent().unwrap()).unwrap();
+        std::fs::write(full, random_bytes(len, seed * 10 + index as u64)).unwrap();
+    }
+}
+
+/// Runs the CLI against `servers`, asserting success; stdout.
+fn ok(servers: &str, args: &[&str]) -> String {
+    let output = cli_with_server(servers, args);
+    assert!(output.status.success(), "starckpt {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).unwrap()
+}
+
+fn save(servers: &str, source: &Path, step: &str) {
+    let saved: serde_json::Value = serde_json::from_str(&ok(
+        servers,
+        &["save", "--job", "llm", "--step", step, source.to_str().unwrap(), "--json"],
+    ))
+    .unwrap();
+    assert_eq!(saved["committed"], true, "{saved}");
+}
+
+fn restore_latest(servers: &str, to: &Path) {
+    ok(servers, &["restore", "--job", "llm", "--latest", "--to", to.to_str().unwrap()]);
+}
+
+/// Committed checkpoints of job llm, read from the database itself.
+fn committed_in_database(db: &str) -> Vec<i64> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        use sqlx::Connection;
+        let mut connection = sqlx::postgres::PgConnection::connect(db).await.unwrap();
+        sqlx::query_scalar("SELECT step FROM checkpoints WHERE job = 'llm' AND state = 'committed' ORDER BY step")
+            .fetch_all(&mut connection)
+            .await
+            .unwrap()
+    })
+}
+
+#[test]
+fn a_cluster_keeps_its_checkpoints_in_postgres() {
+    let Some(db) = database("a_cluster_keeps_its_checkpoints_in_postgres") else { return };
+    let mut cluster = Cluster::start_ha(&db, 1, 2);
+    let servers = cluster.servers();
+    let (one, two) = (cluster.dir.path().join("one"), cluster.dir.path().join("two"));
+    make_tree(&one, 1);
+    make_tree(&two, 2);
+    save(&servers, &one, "1");
+    save(&servers, &two, "2");
+    assert_eq!(committed_in_database(&db), [1, 2]);
+
+    // The control plane dies without warning and comes back: the checkpoints are in PostgreSQL.
+    cluster.restart_server();
+    cluster.wait_alive(2);
+    let restored = cluster.dir.path().join("restored");
+    restore_latest(&servers, &restored);
+    assert_eq!(tree(&two), tree(&restored));
+    let older = cluster.dir.path().join("older");
+    ok(&servers, &["restore", "--job", "llm", "--step", "1", "--to", older.to_str().unwrap()]);
+    assert_eq!(tree(&one), tree(&older));
+}
+
+#[test]
+fn control_planes_sharing_postgres_take_over_from_each_other() {
+    let Some(db) = database("control_planes_sharing_postgres_take_over_from_each_other") else { return };
+    let mut cluster = Cluster::start_ha(&db, 2, 2);
+    let servers = cluster.servers();
+    let standby = cluster.peers[0].address.clone();
+    let (one, two) = (cluster.dir.path().join("one"), cluster.dir.path().join("two"));
+    make_tree(&one, 1);
+    make_tree(&two, 2);
+    // Through the first control plane (the first of the list that answers).
+    save(&servers, &one, "1");
+
+    cluster.server.kill();
+    // A trainer restarting now still finds and restores its checkpoint: the client skips the
+    // dead control plane, and the other serves the same database.
+    let restored = cluster.dir.path().join("restored-1");
+    restore_latest(&servers, &restored);
+    assert_eq!(tree(&one), tree(&restored));
+
+    // The targets move their heartbeats to the control plane that answers.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for index in 0..2 {
+        let log = cluster.dir.path().join(format!("target-{index}.log"));
+        while !std::fs::read_to_string(&log).unwrap().lines().any(|l| l.contains("registered") && l.contains(&standby))
+        {
+            assert!(Instant::now() < deadline, "target {index} never registered with {standby}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    save(&servers, &two, "2");
+    let restored = cluster.dir.path().join("restored-2");
+    restore_latest(&standby, &restored);
+    assert_eq!(tree(&two), tree(&restored));
+    assert_eq!(committed_in_database(&db), [1, 2]);
+}
