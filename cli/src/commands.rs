@@ -57,6 +57,10 @@ pub struct ServerArgs {
     pub gc_deletes_per_sec: u32,
     pub lost_after: Duration,
     pub repair_interval: Option<Duration>,
+    /// The object-store tier's URL.
+    pub tier: Option<String>,
+    pub tier_interval: Option<Duration>,
+    pub tier_bytes_per_sec: u64,
 }
 
 pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<()> {
@@ -64,6 +68,10 @@ pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<
     // Checked before anything binds, so a bad flag is one clear line.
     gc.validate(args.pending_timeout).map_err(anyhow::Error::msg)?;
     let store = starckpt_server::control::open_store(db).await?;
+    let tier = match &args.tier {
+        Some(url) => Some(std::sync::Arc::new(starckpt_server::control::tier::Tier::open(url).await?)),
+        None => None,
+    };
     let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
     let shutdown = shutdown_signal();
     // The address line is for scripts and tests that listen on port 0.
@@ -74,6 +82,9 @@ pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<
         gc_interval: args.gc_interval,
         repair: starckpt_server::control::repair::RepairConfig { lost_after: args.lost_after, ..Default::default() },
         repair_interval: args.repair_interval,
+        tier,
+        tier_config: starckpt_server::control::tier::TierConfig { bytes_per_second: args.tier_bytes_per_sec },
+        tier_interval: args.tier_interval,
         ..Default::default()
     };
     starckpt_server::control::run(listener, store, config, shutdown).await
@@ -204,6 +215,7 @@ fn checkpoint_json(c: &CheckpointInfo) -> serde_json::Value {
         "world_size": c.world_size, "parts_committed": c.parts_committed, "bytes": c.total_bytes, "epoch": c.epoch,
         "written_bytes": c.written_bytes,
         "files": c.file_count, "created_at_ms": c.created_at_ms, "tags": c.tags,
+        "tiered_at_ms": (c.tiered_at_ms > 0).then_some(c.tiered_at_ms),
         "committed_at_ms": if c.committed_at_ms == 0 { None } else { Some(c.committed_at_ms) },
     })
 }
@@ -246,12 +258,12 @@ pub async fn ls(server: &str, job: Option<String>, all: bool, out: &Output) -> a
                 return Ok(());
             }
             println!(
-                "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16}  TAGS",
-                "STEP", "STATE", "RANKS", "EPOCH", "SIZE", "WRITTEN", "FILES", "CREATED"
+                "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16} {:>6}  TAGS",
+                "STEP", "STATE", "RANKS", "EPOCH", "SIZE", "WRITTEN", "FILES", "CREATED", "TIERED"
             );
             for c in checkpoints {
                 println!(
-                    "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16}  {}",
+                    "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16} {:>6}  {}",
                     c.step,
                     state_name(c.state),
                     format!("{}/{}", c.parts_committed, c.world_size),
@@ -260,6 +272,7 @@ pub async fn ls(server: &str, job: Option<String>, all: bool, out: &Output) -> a
                     output::bytes(c.written_bytes),
                     c.file_count,
                     output::age(c.created_at_ms),
+                    if c.tiered_at_ms > 0 { "yes" } else { "-" },
                     c.tags.join(",")
                 );
             }
@@ -374,21 +387,58 @@ fn describe_retention(policy: &RetentionPolicy) -> String {
     format!("keep {}, tagged checkpoints and the latest", rules.join(", "))
 }
 
+pub async fn tier(server: &str, out: &Output) -> anyhow::Result<()> {
+    let report = connect(server, None).await?.tier().await?;
+    if out.json {
+        out.json(json!({
+            "ran": report.ran, "checkpoints_tiered": report.checkpoints_tiered,
+            "checkpoints_behind": report.checkpoints_behind, "chunks_uploaded": report.chunks_uploaded,
+            "bytes_uploaded": report.bytes_uploaded, "chunks_present": report.chunks_present,
+            "chunks_deleted": report.chunks_deleted, "manifests_deleted": report.manifests_deleted,
+            "errors": report.errors, "duration_ms": report.duration_ms,
+        }));
+        return Ok(());
+    }
+    if !report.ran {
+        println!("tier: another control plane is running a pass; none ran here");
+        return Ok(());
+    }
+    println!(
+        "tier: {} checkpoints tiered ({} chunks, {} uploaded; {} chunks already there), {} still behind; \
+         swept {} chunks and {} manifests in {} ms",
+        report.checkpoints_tiered,
+        report.chunks_uploaded,
+        output::bytes(report.bytes_uploaded),
+        report.chunks_present,
+        report.checkpoints_behind,
+        report.chunks_deleted,
+        report.manifests_deleted,
+        report.duration_ms
+    );
+    for error in &report.errors {
+        println!("  {error}");
+    }
+    Ok(())
+}
+
 pub async fn repair(server: &str, out: &Output) -> anyhow::Result<()> {
     let report = connect(server, None).await?.rereplicate().await?;
     if out.json {
         out.json(json!({
             "chunks": report.chunks, "under_replicated": report.under_replicated,
             "copies_made": report.copies_made, "still_under_replicated": report.still_under_replicated,
-            "unreadable": report.unreadable, "errors": report.errors, "duration_ms": report.duration_ms,
+            "unreadable": report.unreadable, "from_tier": report.from_tier, "errors": report.errors,
+            "duration_ms": report.duration_ms,
         }));
         return Ok(());
     }
     println!(
-        "re-replication: {} chunks, {} short of copies, {} copies made, {} still short ({} unreadable) in {} ms",
+        "re-replication: {} chunks, {} short of copies, {} copies made ({} chunks from the tier), {} still short \
+         ({} unreadable) in {} ms",
         report.chunks,
         report.under_replicated,
         report.copies_made,
+        report.from_tier,
         report.still_under_replicated,
         report.unreadable,
         report.duration_ms

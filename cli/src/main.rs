@@ -132,6 +132,18 @@ enum Command {
         /// Seconds between background re-replication passes (0: only on `starckpt repair`).
         #[arg(long, default_value_t = 60)]
         repair_interval_secs: u64,
+        /// Object-store tier: committed checkpoints are copied to it, and chunks every target
+        /// lost are read back from it. s3://BUCKET/PREFIX (AWS_* environment: credentials,
+        /// AWS_REGION, AWS_ENDPOINT and AWS_ALLOW_HTTP=true for S3-compatible servers) or
+        /// file:///DIR.
+        #[arg(long, env = "STARCKPT_TIER")]
+        tier: Option<String>,
+        /// Seconds between background tier passes (0: only on `starckpt tier`).
+        #[arg(long, default_value_t = 60)]
+        tier_interval_secs: u64,
+        /// Upload pace of the tier, in MiB/s (it competes with saves for the targets' disks).
+        #[arg(long, default_value_t = 256)]
+        tier_mib_per_sec: u64,
     },
     /// Run a storage target on one device or directory.
     Target {
@@ -265,6 +277,9 @@ enum Command {
     /// Run a re-replication pass now: chunks that lost copies with a lost target (silent for
     /// `--lost-after-secs`) get them back on live targets. Prints the report.
     Repair,
+    /// Run an object-store tier pass now: committed checkpoints not yet in the tier are copied
+    /// to it, objects no committed checkpoint needs are deleted. Prints the report.
+    Tier,
     /// Set JOB's replication factor: copies of every chunk its saves make from now on, on
     /// distinct targets and failure domains (default 2; capped by the live targets).
     Replication { job: String, replicas: u32 },
@@ -368,6 +383,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             gc_deletes_per_sec,
             lost_after_secs,
             repair_interval_secs,
+            tier,
+            tier_interval_secs,
+            tier_mib_per_sec,
         } => {
             let pending_timeout = pending_timeout_secs.max(1);
             let args = commands::ServerArgs {
@@ -379,6 +397,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 gc_deletes_per_sec,
                 lost_after: Duration::from_secs(lost_after_secs),
                 repair_interval: (repair_interval_secs > 0).then(|| Duration::from_secs(repair_interval_secs)),
+                tier,
+                tier_interval: (tier_interval_secs > 0).then(|| Duration::from_secs(tier_interval_secs)),
+                tier_bytes_per_sec: tier_mib_per_sec.max(1) << 20,
             };
             commands::server(&listen, &db, args).await
         }
@@ -441,6 +462,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Tag { job, step, tag, remove } => commands::tag(&cli.server, &job, step, &tag, remove).await,
         Command::Gc => commands::gc(&cli.server, &out).await,
         Command::Repair => commands::repair(&cli.server, &out).await,
+        Command::Tier => commands::tier(&cli.server, &out).await,
         Command::Mount { mountpoint, threads, read_ahead_chunks } => {
             commands::mount(&cli.server, &mountpoint, threads, read_ahead_chunks).await
         }

@@ -364,6 +364,12 @@ impl Client {
         Ok(response.into_inner())
     }
 
+    /// Runs an object-store tier pass at the control plane now and returns its report.
+    pub async fn tier(&self) -> Result<pb::TierResponse> {
+        let response = self.control().tier(pb::TierRequest {}).await.map_err(self.status("tier"))?;
+        Ok(response.into_inner())
+    }
+
     /// Sets `job`'s replication factor: copies of every chunk its saves make from now on, on
     /// distinct targets (and failure domains, while there are enough).
     pub async fn set_replication(&self, job: &str, replicas: u32) -> Result<()> {

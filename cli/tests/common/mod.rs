@@ -73,15 +73,20 @@ impl Cluster {
 
     /// A cluster whose control plane gets extra flags.
     pub fn start_with(targets: usize, server_flags: &[&str]) -> Cluster {
+        Cluster::start_with_env(targets, server_flags, &[])
+    }
+
+    /// A cluster whose control plane gets extra flags and environment variables.
+    pub fn start_with_env(targets: usize, server_flags: &[&str], server_env: &[(&str, &str)]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("meta.db").to_str().unwrap().to_owned();
-        Cluster::start_on(dir, db, 1, targets, server_flags)
+        Cluster::start_on(dir, db, 1, targets, server_flags, server_env)
     }
 
     /// A cluster of `control_planes` control planes sharing the PostgreSQL database `db`, and
     /// targets that know every one of them.
     pub fn start_ha(db: &str, control_planes: usize, targets: usize) -> Cluster {
-        Cluster::start_on(tempfile::tempdir().unwrap(), db.to_owned(), control_planes, targets, &[])
+        Cluster::start_on(tempfile::tempdir().unwrap(), db.to_owned(), control_planes, targets, &[], &[])
     }
 
     fn start_on(
@@ -90,9 +95,11 @@ impl Cluster {
         control_planes: usize,
         targets: usize,
         server_flags: &[&str],
+        server_env: &[(&str, &str)],
     ) -> Cluster {
-        let server = start_server_on(dir.path(), &db, server_flags);
-        let peers = (1..control_planes).map(|_| start_server_on(dir.path(), &db, server_flags)).collect();
+        let start = || start_server_env(dir.path(), &db, server_flags, server_env);
+        let server = start();
+        let peers = (1..control_planes).map(|_| start()).collect();
         let server_flags = server_flags.iter().map(|f| f.to_string()).collect();
         let mut cluster = Cluster { dir, server, targets: Vec::new(), server_flags, db, peers };
         for index in 0..targets {
@@ -266,9 +273,14 @@ pub fn start_server_with(dir: &Path, extra: &[&str]) -> Proc {
 
 /// Starts a control plane on the database `db` with extra flags; it logs to `dir`/server.log.
 pub fn start_server_on(dir: &Path, db: &str, extra: &[&str]) -> Proc {
+    start_server_env(dir, db, extra, &[])
+}
+
+/// `start_server_on`, the process started with extra environment variables.
+pub fn start_server_env(dir: &Path, db: &str, extra: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut args = vec!["server", "--listen", "127.0.0.1:0", "--db", db];
     args.extend_from_slice(extra);
-    Proc::start(&args, &dir.join("server.log"), &[])
+    Proc::start(&args, &dir.join("server.log"), env)
 }
 
 pub fn cli_with_server(server: &str, args: &[&str]) -> Output {

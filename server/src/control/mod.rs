@@ -6,5 +6,6 @@ pub mod repair;
 pub mod service;
 pub mod sql;
 pub mod store;
+pub mod tier;
 
 pub use service::{ControlConfig, open_store, run};

@@ -13,22 +13,28 @@
 //!    next live targets in rendezvous order that lack it, preferring failure domains without a
 //!    copy, until it has enough (or no target is left), at most `copies_per_second`.
 //!
+//! A chunk no live target can provide is read from the object-store tier, when the control plane
+//! has one and the chunk is there (`tier.rs`), and its copies made from that.
+//!
 //! Manifests are not rewritten: a reader that finds none of the listed copies looks for the
 //! chunk on the live targets in its rendezvous order (`read_chunk` in the SDK). GC keeps every
 //! copy of a hash that any retained checkpoint names, so the new copies live as long as the
 //! chunk is needed.
 
 use std::collections::{BTreeSet, HashSet};
+
+use bytes::Bytes;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use starckpt_client::placement::rank_targets;
-use starckpt_client::transport::{ChunkTransport, TcpConfig, TcpTransport, TransportError};
+use starckpt_client::transport::{ChunkTransport, Payload, TcpConfig, TcpTransport, TransportError};
 use starckpt_proto::ChunkHash;
 use starckpt_proto::frame::MAX_BATCH_HASHES;
 
 use super::store::{CommittedChunk, MetaResult, MetaStore, TargetRecord};
+use super::tier::Tier;
 
 #[derive(Clone, Debug)]
 pub struct RepairConfig {
@@ -55,37 +61,24 @@ pub struct RepairReport {
     pub copies_made: u64,
     /// Chunks still short after the pass (no live source, or no target left to copy to).
     pub still_under_replicated: u64,
-    /// Chunks no live target could provide a verified copy of.
+    /// Chunks no live target could provide a verified copy of (nor the tier).
     pub unreadable: u64,
+    /// Chunks no live target had, read back from the object-store tier.
+    pub from_tier: u64,
     pub errors: Vec<String>,
     pub duration: Duration,
 }
 
 /// A target the pass may read from or write to.
-struct Live {
-    id: String,
-    domain: String,
-    transport: Arc<dyn ChunkTransport>,
+pub(crate) struct Live {
+    pub id: String,
+    pub domain: String,
+    pub transport: Arc<dyn ChunkTransport>,
 }
 
-/// Runs one pass. `targets` are every registered target with its data address when alive;
-/// `silent_ms` says how long each has been silent.
-pub async fn rereplicate(
-    store: &dyn MetaStore,
-    targets: Vec<(TargetRecord, Option<SocketAddr>)>,
-    now_ms: u64,
-    default_replicas: u32,
-    config: &RepairConfig,
-) -> MetaResult<RepairReport> {
-    let started = Instant::now();
-    let chunks = store.committed_chunks(default_replicas).await?;
-    let lost: HashSet<String> = targets
-        .iter()
-        .filter(|(t, _)| now_ms.saturating_sub(t.last_heartbeat_ms) > config.lost_after.as_millis() as u64)
-        .map(|(t, _)| t.target_id.clone())
-        .collect();
-    let known: HashSet<&str> = targets.iter().map(|(t, _)| t.target_id.as_str()).collect();
-    let live: Vec<Live> = targets
+/// The live ones of `targets` (those with an address), each with a TCP transport.
+pub(crate) fn live_targets(targets: &[(TargetRecord, Option<SocketAddr>)]) -> Vec<Live> {
+    targets
         .iter()
         .filter_map(|(t, address)| {
             let address = (*address)?;
@@ -96,7 +89,48 @@ pub async fn rereplicate(
                 transport: Arc::new(TcpTransport::for_target(address, &t.target_id, tcp)),
             })
         })
+        .collect()
+}
+
+/// Why no verified copy came from a target.
+pub(crate) enum CopyError {
+    /// It could not be read (the target is unreachable, or lacks it).
+    Unreadable(String),
+    /// It was read and is not the chunk: the target's copy wants repairing.
+    Corrupt(String),
+}
+
+/// `hash`'s copy on `target`, verified: as stored (to pass on: a compressed copy stays
+/// compressed) and decoded.
+pub(crate) async fn read_verified(target: &Live, hash: ChunkHash, length: u64) -> Result<(Payload, Bytes), CopyError> {
+    let payload = target.transport.get(hash, 0, 0).await.map_err(|e| CopyError::Unreadable(e.to_string()))?;
+    let checked = payload.clone();
+    match tokio::task::spawn_blocking(move || checked.verified(hash, length)).await {
+        Ok(Ok(data)) => Ok((payload, data)),
+        Ok(Err(found)) => Err(CopyError::Corrupt(found)),
+        Err(join) => Err(CopyError::Unreadable(join.to_string())),
+    }
+}
+
+/// Runs one pass. `targets` are every registered target with its data address when alive;
+/// `silent_ms` says how long each has been silent.
+pub async fn rereplicate(
+    store: &dyn MetaStore,
+    targets: Vec<(TargetRecord, Option<SocketAddr>)>,
+    now_ms: u64,
+    default_replicas: u32,
+    config: &RepairConfig,
+    tier: Option<&Tier>,
+) -> MetaResult<RepairReport> {
+    let started = Instant::now();
+    let chunks = store.committed_chunks(default_replicas).await?;
+    let lost: HashSet<String> = targets
+        .iter()
+        .filter(|(t, _)| now_ms.saturating_sub(t.last_heartbeat_ms) > config.lost_after.as_millis() as u64)
+        .map(|(t, _)| t.target_id.clone())
         .collect();
+    let known: HashSet<&str> = targets.iter().map(|(t, _)| t.target_id.as_str()).collect();
+    let live = live_targets(&targets);
     let live_ids: Vec<&str> = live.iter().map(|l| l.id.as_str()).collect();
     let mut report = RepairReport { chunks: chunks.len() as u64, ..RepairReport::default() };
     // Which listed copies on live targets are really there (a scrub may have removed a corrupt
@@ -117,7 +151,7 @@ pub async fn rereplicate(
             }
         }
     }
-    let mut throttle = CopyThrottle { per_second: config.copies_per_second, first: None, made: 0 };
+    let mut throttle = Pace::new(u64::from(config.copies_per_second));
     let mut unreachable: HashSet<usize> = HashSet::new();
     for (hash, chunk) in &chunks {
         // Copies that count: listed on a target neither lost nor forgotten, and there.
@@ -131,7 +165,15 @@ pub async fn rereplicate(
             continue;
         }
         report.under_replicated += 1;
-        match restore_copies(*hash, chunk, &listed, &live, &live_ids, &mut unreachable, &mut throttle).await {
+        let mut pass = Pass {
+            live: &live,
+            live_ids: &live_ids,
+            unreachable: &mut unreachable,
+            throttle: &mut throttle,
+            tier,
+            from_tier: &mut report.from_tier,
+        };
+        match restore_copies(*hash, chunk, &listed, &mut pass).await {
             Outcome::Complete => {}
             Outcome::Short => report.still_under_replicated += 1,
             Outcome::Unreadable => {
@@ -140,7 +182,7 @@ pub async fn rereplicate(
             }
         }
     }
-    report.copies_made = throttle.made;
+    report.copies_made = throttle.spent;
     for index in unreachable {
         report.errors.push(format!("{}: unreachable, skipped for the rest of the pass", live[index].id));
     }
@@ -159,32 +201,48 @@ enum Outcome {
     Unreadable,
 }
 
-/// Spaces new copies out to `per_second`, from the first copy on (scans before it earn no burst).
-struct CopyThrottle {
-    per_second: u32,
-    first: Option<Instant>,
-    made: u64,
+/// Spaces work out to `per_second` units (copies, bytes), from the first unit on (scans before
+/// it earn no burst): [`Pace::admit`] waits until the units `spent` so far are due.
+pub(crate) struct Pace {
+    pub per_second: u64,
+    pub first: Option<Instant>,
+    pub spent: u64,
 }
 
-impl CopyThrottle {
-    async fn admit(&mut self) {
+impl Pace {
+    pub fn new(per_second: u64) -> Pace {
+        Pace { per_second, first: None, spent: 0 }
+    }
+
+    pub async fn admit(&mut self) {
         let first = *self.first.get_or_insert_with(Instant::now);
-        let due = Duration::from_secs_f64(self.made as f64 / f64::from(self.per_second.max(1)));
+        let due = Duration::from_secs_f64(self.spent as f64 / self.per_second.max(1) as f64);
         if let Some(wait) = due.checked_sub(first.elapsed()) {
             tokio::time::sleep(wait).await;
         }
     }
 }
 
+/// What a pass carries from chunk to chunk.
+struct Pass<'a> {
+    live: &'a [Live],
+    live_ids: &'a [&'a str],
+    /// Live targets that failed to answer: skipped for the rest of the pass.
+    unreachable: &'a mut HashSet<usize>,
+    throttle: &'a mut Pace,
+    tier: Option<&'a Tier>,
+    /// Chunks read back from the tier.
+    from_tier: &'a mut u64,
+}
+
 async fn restore_copies(
     hash: ChunkHash,
     chunk: &CommittedChunk,
     listed: &BTreeSet<&str>,
-    live: &[Live],
-    live_ids: &[&str],
-    unreachable: &mut HashSet<usize>,
-    throttle: &mut CopyThrottle,
+    pass: &mut Pass<'_>,
 ) -> Outcome {
+    let Pass { live, live_ids, unreachable, throttle, tier, from_tier } = pass;
+    let (live, tier) = (*live, *tier);
     let wanted = chunk.wanted as usize;
     let order: Vec<usize> =
         rank_targets(&hash, live_ids).into_iter().filter(|index| !unreachable.contains(index)).collect();
@@ -219,18 +277,29 @@ async fn restore_copies(
     let mut data = None;
     let mut bad_holders = Vec::new();
     for &index in &holders {
-        match live[index].transport.get(hash, 0, 0).await {
-            Ok(payload) => {
-                // Checked decoded; passed on as stored (a compressed copy stays compressed).
-                let (checked, length) = (payload.clone(), chunk.length);
-                let verified = tokio::task::spawn_blocking(move || checked.verified(hash, length).is_ok()).await;
-                if verified.unwrap_or(false) {
-                    data = Some(payload);
-                    break;
-                }
-                bad_holders.push(index);
+        match read_verified(&live[index], hash, chunk.length).await {
+            Ok((payload, _)) => {
+                data = Some(payload);
+                break;
             }
-            Err(error) => tracing::warn!(chunk = %hash, target = %live[index].id, %error, "a copy could not be read"),
+            Err(CopyError::Corrupt(_)) => bad_holders.push(index),
+            Err(CopyError::Unreadable(error)) => {
+                tracing::warn!(chunk = %hash, target = %live[index].id, %error, "a copy could not be read")
+            }
+        }
+    }
+    // No target has one: the tier's copy, if there is one.
+    if data.is_none()
+        && let Some(tier) = tier
+    {
+        match tier.get_chunk(hash, chunk.length).await {
+            Ok(Some(bytes)) => {
+                tracing::info!(chunk = %hash, "no target has a copy; restoring it from the object-store tier");
+                data = Some(Payload::raw(bytes));
+                **from_tier += 1;
+            }
+            Ok(None) => {}
+            Err(error) => tracing::warn!(chunk = %hash, %error, "the object-store tier could not provide it"),
         }
     }
     let Some(data) = data else { return Outcome::Unreadable };
@@ -260,7 +329,7 @@ async fn restore_copies(
             match put {
                 Ok(already_present) => {
                     if !already_present {
-                        throttle.made += 1;
+                        throttle.spent += 1;
                     }
                     holders.push(index);
                 }

@@ -85,6 +85,12 @@ CREATE TABLE IF NOT EXISTS replication (
     updated_at_ms BIGINT NOT NULL
 );
 
+-- Committed checkpoints whose every chunk and manifest is in the object-store tier (tier.rs).
+CREATE TABLE IF NOT EXISTS tiered (
+    checkpoint_id BIGINT PRIMARY KEY REFERENCES checkpoints (id),
+    tiered_at_ms  BIGINT NOT NULL
+);
+
 -- Tags pin committed checkpoints: retention never deletes a tagged one.
 CREATE TABLE IF NOT EXISTS tags (
     checkpoint_id BIGINT NOT NULL REFERENCES checkpoints (id),

@@ -20,6 +20,7 @@ use super::repair::{self, LastRepair, RepairConfig, RepairReport};
 use super::store::{
     CheckpointRecord, CheckpointState, MetaError, MetaStore, RetentionPolicy, TargetRecord, fault, now_ms,
 };
+use super::tier::{self, Tier, TierConfig, TierReport};
 
 /// Largest gRPC message either way. A rank's manifest is ~100 bytes per 4 MiB chunk, so 64 MiB
 /// describes ~2.5 PB in one part: generous, but still a bound.
@@ -51,6 +52,12 @@ pub struct ControlConfig {
     /// committed checkpoint survives the loss of any one target. Capped, per save, by the number
     /// of live targets.
     pub default_replicas: u32,
+    /// The object-store tier committed checkpoints are copied to (see `tier.rs`); None: no tier.
+    pub tier: Option<Arc<Tier>>,
+    pub tier_config: TierConfig,
+    /// Period of the background tier pass (with a tier); None runs it only on request
+    /// (`starckpt tier`). Default 1 min.
+    pub tier_interval: Option<Duration>,
 }
 
 impl Default for ControlConfig {
@@ -64,6 +71,9 @@ impl Default for ControlConfig {
             default_replicas: 2,
             repair: RepairConfig::default(),
             repair_interval: Some(Duration::from_secs(60)),
+            tier: None,
+            tier_config: TierConfig::default(),
+            tier_interval: Some(Duration::from_secs(60)),
         }
     }
 }
@@ -74,6 +84,7 @@ struct Collector {
     config: ControlConfig,
     running: tokio::sync::Mutex<()>,
     repairing: tokio::sync::Mutex<()>,
+    tiering: tokio::sync::Mutex<()>,
     last_repair: LastRepair,
 }
 
@@ -105,11 +116,30 @@ impl Collector {
         let _one_at_a_time = self.repairing.lock().await;
         let now = now_ms();
         let targets = self.targets(now).await?;
-        let report =
-            repair::rereplicate(self.store.as_ref(), targets, now, self.config.default_replicas, &self.config.repair)
-                .await?;
+        let tier = self.config.tier.as_deref();
+        let report = repair::rereplicate(
+            self.store.as_ref(),
+            targets,
+            now,
+            self.config.default_replicas,
+            &self.config.repair,
+            tier,
+        )
+        .await?;
         self.last_repair.record(now_ms(), &report);
         Ok(report)
+    }
+
+    /// One tier pass (one at a time here; one at a time in the cluster, `tier.rs`).
+    async fn tier(&self) -> Result<TierReport, MetaError> {
+        let Some(tier) = self.config.tier.as_deref() else {
+            return Err(MetaError::FailedPrecondition(
+                "this control plane has no object-store tier (starckpt server --tier URL)".into(),
+            ));
+        };
+        let _one_at_a_time = self.tiering.lock().await;
+        let targets = self.targets(now_ms()).await?;
+        tier::pass(self.store.as_ref(), tier, targets, &self.config.tier_config).await
     }
 }
 
@@ -130,6 +160,7 @@ impl ControlService {
             config: config.clone(),
             running: Default::default(),
             repairing: Default::default(),
+            tiering: Default::default(),
             last_repair: LastRepair::default(),
         });
         ControlService { store, config, collector }
@@ -204,6 +235,7 @@ pub fn checkpoint_info(record: &CheckpointRecord) -> pb::CheckpointInfo {
         committed_at_ms: record.committed_at_ms.unwrap_or(0),
         epoch: record.epoch,
         tags: record.tags.clone(),
+        tiered_at_ms: record.tiered_at_ms.unwrap_or(0),
     }
 }
 
@@ -466,6 +498,22 @@ impl Control for ControlService {
     ) -> Result<Response<pb::RereplicateResponse>, Status> {
         Ok(Response::new(self.rereplicate_now().await?))
     }
+
+    async fn tier(&self, _: Request<pb::TierRequest>) -> Result<Response<pb::TierResponse>, Status> {
+        let report = self.collector.tier().await.map_err(meta_status)?;
+        Ok(Response::new(pb::TierResponse {
+            ran: report.ran,
+            checkpoints_tiered: report.checkpoints_tiered,
+            checkpoints_behind: report.checkpoints_behind,
+            chunks_uploaded: report.chunks_uploaded,
+            bytes_uploaded: report.bytes_uploaded,
+            chunks_present: report.chunks_present,
+            chunks_deleted: report.chunks_deleted,
+            manifests_deleted: report.manifests_deleted,
+            errors: report.errors,
+            duration_ms: report.duration.as_millis() as u64,
+        }))
+    }
 }
 
 impl ControlService {
@@ -477,6 +525,7 @@ impl ControlService {
             copies_made: report.copies_made,
             still_under_replicated: report.still_under_replicated,
             unreadable: report.unreadable,
+            from_tier: report.from_tier,
             errors: report.errors,
             duration_ms: report.duration.as_millis() as u64,
         })
@@ -517,6 +566,7 @@ pub async fn run(
     )));
     let gc_interval = config.gc_interval;
     let repair_interval = config.repair_interval;
+    let tier_interval = config.tier.as_ref().and(config.tier_interval);
     let service = ControlService::new(store, config);
     let collector = Arc::clone(&service.collector);
     let periodic_repair = every(repair_interval, "re-replication", {
@@ -524,6 +574,13 @@ pub async fn run(
         move || {
             let collector = Arc::clone(&collector);
             async move { collector.rereplicate().await.map(drop) }
+        }
+    });
+    let periodic_tier = every(tier_interval, "object-store tier", {
+        let collector = Arc::clone(&collector);
+        move || {
+            let collector = Arc::clone(&collector);
+            async move { collector.tier().await.map(drop) }
         }
     });
     let periodic_gc = every(gc_interval, "garbage collection", move || {
@@ -539,7 +596,7 @@ pub async fn run(
         .add_service(service)
         .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
         .await?;
-    drop((reaper, periodic_gc, periodic_repair));
+    drop((reaper, periodic_gc, periodic_repair, periodic_tier));
     Ok(())
 }
 

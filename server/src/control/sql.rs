@@ -36,8 +36,8 @@ use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest,
 use starckpt_proto::{ChunkHash, JobName};
 
 use super::store::{
-    CheckpointRecord, CheckpointState, CommittedChunk, JobRecord, LeaseGrant, MetaError, MetaResult, MetaStore,
-    RetentionPolicy, TargetRecord, fault,
+    CheckpointRecord, CheckpointState, CommittedChunk, JobRecord, Leadership, LeaseGrant, MetaError, MetaResult,
+    MetaStore, RetentionPolicy, Role, TargetRecord, fault,
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
@@ -46,9 +46,17 @@ const SCHEMA: &str = include_str!("schema.sql");
 const SCHEMA_VERSION: i64 = 3;
 const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
      written_bytes, file_count, created_at_ms, committed_at_ms, \
-     (SELECT string_agg(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags";
+     (SELECT string_agg(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags, \
+     (SELECT tiered_at_ms FROM tiered WHERE tiered.checkpoint_id = checkpoints.id) AS tiered_at_ms";
 /// The PostgreSQL advisory lock every write transaction holds ("starckpt" in ASCII).
 const WRITER_LOCK: i64 = 0x7374_6172_636b_7074;
+/// The PostgreSQL advisory lock (session-level) of each [`Role`]: "starckpt" + 1, ...
+fn role_lock(role: Role) -> i64 {
+    WRITER_LOCK
+        + match role {
+            Role::Tiering => 1,
+        }
+}
 /// How long a write waits for the writer lock before it fails instead of hanging the RPC: 10 s,
 /// SQLite's busy timeout and PostgreSQL's lock_timeout, set on every connection.
 const LOCK_WAIT: Duration = Duration::from_secs(10);
@@ -212,6 +220,7 @@ fn get_u64(row: &AnyRow, column: &str) -> MetaResult<u64> {
 
 fn checkpoint_from_row(row: &AnyRow) -> MetaResult<CheckpointRecord> {
     let committed_at: Option<i64> = row.try_get("committed_at_ms")?;
+    let tiered_at: Option<i64> = row.try_get("tiered_at_ms")?;
     let tags: Option<String> = row.try_get("tags")?;
     // Tags never contain ',' (validate_tag).
     let mut tags: Vec<String> = tags.iter().flat_map(|t| t.split(',')).map(str::to_owned).collect();
@@ -230,6 +239,7 @@ fn checkpoint_from_row(row: &AnyRow) -> MetaResult<CheckpointRecord> {
         created_at_ms: get_u64(row, "created_at_ms")?,
         committed_at_ms: committed_at.map(|v| v.max(0) as u64),
         tags,
+        tiered_at_ms: tiered_at.map(|v| v.max(0) as u64),
     })
 }
 
@@ -860,6 +870,45 @@ impl MetaStore for SqlStore {
         }
         Ok(chunks)
     }
+
+    async fn untiered_checkpoints(&self) -> MetaResult<Vec<CheckpointRecord>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE state = 'committed'
+             AND NOT EXISTS (SELECT 1 FROM tiered WHERE tiered.checkpoint_id = checkpoints.id)
+             ORDER BY committed_at_ms, id"
+        ))
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(checkpoint_from_row).collect()
+    }
+
+    async fn mark_tiered(&self, id: u64, now_ms: u64) -> MetaResult<()> {
+        let mut tx = self.write().await?;
+        sqlx::query("INSERT INTO tiered (checkpoint_id, tiered_at_ms) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+            .bind(to_i64(id, "checkpoint id")?)
+            .bind(to_i64(now_ms, "time")?)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn try_lead(&self, role: Role) -> MetaResult<Option<Leadership>> {
+        match self.dialect {
+            // One control plane per SQLite file: it leads.
+            Dialect::Sqlite => Ok(Some(Leadership(Box::new(role)))),
+            Dialect::Postgres => {
+                // A session lock on a connection of its own, out of the pool: it is released when
+                // the guard drops the connection, or when PostgreSQL sees this process gone.
+                let mut connection = self.reader.acquire().await?.detach();
+                let taken: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+                    .bind(role_lock(role))
+                    .fetch_one(&mut connection)
+                    .await?;
+                Ok(taken.then(|| Leadership(Box::new(std::sync::Mutex::new(connection)))))
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -907,7 +956,23 @@ mod tests {
         late_commit_is_refused,
         committed_chunks,
         live_chunks,
+        tiering,
     );
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_leader_at_a_time_on_postgres() {
+        let Some((url, first)) = postgres("one_leader_at_a_time_on_postgres").await else { return };
+        let second = SqlStore::open(&url).await.unwrap();
+        let leader = first.try_lead(Role::Tiering).await.unwrap().expect("nobody leads yet");
+        assert!(second.try_lead(Role::Tiering).await.unwrap().is_none(), "two leaders");
+        drop(leader);
+        // The dropped session ends asynchronously on the server.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while second.try_lead(Role::Tiering).await.unwrap().is_none() {
+            assert!(std::time::Instant::now() < deadline, "leadership never passed on");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_last_parts() {

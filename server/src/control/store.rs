@@ -130,6 +130,8 @@ pub struct CheckpointRecord {
     pub committed_at_ms: Option<u64>,
     /// Sorted.
     pub tags: Vec<String>,
+    /// When every chunk and manifest of it was in the object-store tier (`tier.rs`).
+    pub tiered_at_ms: Option<u64>,
 }
 
 /// Which committed checkpoints of a job survive; see `RetentionPolicy` in control.proto. The
@@ -213,7 +215,24 @@ pub trait MetaStore: Send + Sync + 'static {
     /// the copies it should have: the highest replication factor among the jobs naming it
     /// (`default_replicas` for a job that set none). Re-replication's work list.
     async fn committed_chunks(&self, default_replicas: u32) -> MetaResult<HashMap<ChunkHash, CommittedChunk>>;
+    /// Committed checkpoints not yet in the object-store tier, oldest commit first.
+    async fn untiered_checkpoints(&self) -> MetaResult<Vec<CheckpointRecord>>;
+    /// Records that every chunk and manifest of checkpoint `id` is in the tier.
+    async fn mark_tiered(&self, id: u64, now_ms: u64) -> MetaResult<()>;
+    /// Takes the cluster-wide role `role` for as long as the returned guard lives, or None while
+    /// another process of a database shared by several control planes holds it (one at a time:
+    /// tiering's safety rests on it, `tier.rs`). A holder that dies loses it.
+    async fn try_lead(&self, role: Role) -> MetaResult<Option<Leadership>>;
 }
+
+/// Work one control plane of the cluster does at a time ([`MetaStore::try_lead`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Tiering,
+}
+
+/// Holds a [`Role`] while alive (what holds it is the backend's: a database session).
+pub struct Leadership(pub Box<dyn Send + Sync>);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeaseGrant {
@@ -540,6 +559,27 @@ pub(crate) mod conformance {
         store.delete_checkpoint(&job("g"), 4, 10).await.unwrap();
         let live = store.live_chunks().await.unwrap();
         assert_eq!(live, [ChunkHash([1; 32]), ChunkHash([3; 32])].into_iter().collect());
+    }
+
+    pub async fn tiering(store: &dyn MetaStore) {
+        let epoch = lease(store, "tj", "run").await.unwrap().epoch;
+        let mut ids = Vec::new();
+        for step in [1, 2] {
+            let record = store.begin_checkpoint(&begin("tj", step, 1, epoch), 1).await.unwrap();
+            store.commit_part(&part(record.id, 0, "f", 1), 2 + step, 0).await.unwrap();
+            ids.push(record.id);
+        }
+        let pending = store.begin_checkpoint(&begin("tj", 3, 2, epoch), 9).await.unwrap();
+        let untiered: Vec<u64> = store.untiered_checkpoints().await.unwrap().iter().map(|c| c.id).collect();
+        assert_eq!(untiered, ids, "committed ones, oldest first; not the pending one ({})", pending.id);
+        store.mark_tiered(ids[0], 50).await.unwrap();
+        store.mark_tiered(ids[0], 60).await.unwrap();
+        let untiered: Vec<u64> = store.untiered_checkpoints().await.unwrap().iter().map(|c| c.id).collect();
+        assert_eq!(untiered, [ids[1]]);
+        let listed = store.list_checkpoints(&job("tj"), false).await.unwrap();
+        assert_eq!(listed.iter().map(|c| c.tiered_at_ms).collect::<Vec<_>>(), [Some(50), None, None]);
+        let leader = store.try_lead(Role::Tiering).await.unwrap();
+        assert!(leader.is_some());
     }
 
     pub async fn committed_chunks(store: &dyn MetaStore) {
