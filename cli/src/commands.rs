@@ -391,7 +391,7 @@ pub async fn tier(server: &str, out: &Output) -> anyhow::Result<()> {
     let report = connect(server, None).await?.tier().await?;
     if out.json {
         out.json(json!({
-            "ran": report.ran, "checkpoints_tiered": report.checkpoints_tiered,
+            "ran": report.ran, "swept": report.swept, "checkpoints_tiered": report.checkpoints_tiered,
             "checkpoints_behind": report.checkpoints_behind, "chunks_uploaded": report.chunks_uploaded,
             "bytes_uploaded": report.bytes_uploaded, "chunks_present": report.chunks_present,
             "chunks_deleted": report.chunks_deleted, "manifests_deleted": report.manifests_deleted,

@@ -399,7 +399,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 repair_interval: (repair_interval_secs > 0).then(|| Duration::from_secs(repair_interval_secs)),
                 tier,
                 tier_interval: (tier_interval_secs > 0).then(|| Duration::from_secs(tier_interval_secs)),
-                tier_bytes_per_sec: tier_mib_per_sec.max(1) << 20,
+                tier_bytes_per_sec: tier_mib_per_sec
+                    .max(1)
+                    .checked_mul(1 << 20)
+                    .ok_or_else(|| anyhow::anyhow!("--tier-mib-per-sec {tier_mib_per_sec} is out of range"))?,
             };
             commands::server(&listen, &db, args).await
         }

@@ -67,6 +67,7 @@ fn lose_every_target_copy_and_restore_from_the_tier(mut cluster: Cluster, store:
     // Deleted checkpoints leave the tier; chunks go with the last checkpoint naming them.
     cluster.ok(&["rm", "llm", "1"]);
     let swept = cluster.json(&["tier"]);
+    assert_eq!(swept["swept"], true, "a pass on request always sweeps");
     assert_eq!((swept["manifests_deleted"].as_u64(), swept["chunks_deleted"].as_u64()), (Some(1), Some(0)));
     cluster.ok(&["rm", "llm", "2"]);
     let swept = cluster.json(&["tier"]);

@@ -460,7 +460,6 @@ impl Client {
     }
 }
 
-/// The error and its sources on one line (tonic's connect errors hide the cause in the chain).
 /// A channel to the first of `config.server`'s control planes that accepts a connection.
 async fn connect_control(config: &ClientConfig) -> Result<tonic::transport::Channel> {
     let urls = starckpt_proto::control_urls(&config.server);
@@ -484,6 +483,7 @@ async fn connect_control(config: &ClientConfig) -> Result<tonic::transport::Chan
     Err(Error::Unreachable { address: config.server.clone(), message: failures.join("; ") })
 }
 
+/// The error and its sources on one line (tonic's connect errors hide the cause in the chain).
 fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();

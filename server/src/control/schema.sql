@@ -91,6 +91,14 @@ CREATE TABLE IF NOT EXISTS tiered (
     tiered_at_ms  BIGINT NOT NULL
 );
 
+-- The tier's sweeps, begun and finished (one row): a checkpoint is marked tiered only if no sweep
+-- was running when its upload looked at the tier, nor began since (tier.rs).
+CREATE TABLE IF NOT EXISTS tier_sweeps (
+    id       INTEGER PRIMARY KEY CHECK (id = 1),
+    started  BIGINT NOT NULL,
+    finished BIGINT NOT NULL
+);
+
 -- Tags pin committed checkpoints: retention never deletes a tagged one.
 CREATE TABLE IF NOT EXISTS tags (
     checkpoint_id BIGINT NOT NULL REFERENCES checkpoints (id),

@@ -131,7 +131,7 @@ impl Collector {
     }
 
     /// One tier pass (one at a time here; one at a time in the cluster, `tier.rs`).
-    async fn tier(&self) -> Result<TierReport, MetaError> {
+    async fn tier(&self, when: tier::Sweep) -> Result<TierReport, MetaError> {
         let Some(tier) = self.config.tier.as_deref() else {
             return Err(MetaError::FailedPrecondition(
                 "this control plane has no object-store tier (starckpt server --tier URL)".into(),
@@ -139,7 +139,7 @@ impl Collector {
         };
         let _one_at_a_time = self.tiering.lock().await;
         let targets = self.targets(now_ms()).await?;
-        tier::pass(self.store.as_ref(), tier, targets, &self.config.tier_config).await
+        tier::pass(self.store.as_ref(), tier, targets, &self.config.tier_config, when).await
     }
 }
 
@@ -500,9 +500,15 @@ impl Control for ControlService {
     }
 
     async fn tier(&self, _: Request<pb::TierRequest>) -> Result<Response<pb::TierResponse>, Status> {
-        let report = self.collector.tier().await.map_err(meta_status)?;
+        // A pass of its own: one the caller gives up waiting for still finishes.
+        let collector = Arc::clone(&self.collector);
+        let report = tokio::spawn(async move { collector.tier(tier::Sweep::Always).await })
+            .await
+            .map_err(|e| Status::internal(format!("tier pass: {e}")))?
+            .map_err(meta_status)?;
         Ok(Response::new(pb::TierResponse {
             ran: report.ran,
+            swept: report.swept,
             checkpoints_tiered: report.checkpoints_tiered,
             checkpoints_behind: report.checkpoints_behind,
             chunks_uploaded: report.chunks_uploaded,
@@ -580,7 +586,7 @@ pub async fn run(
         let collector = Arc::clone(&collector);
         move || {
             let collector = Arc::clone(&collector);
-            async move { collector.tier().await.map(drop) }
+            async move { collector.tier(tier::Sweep::IfDeleted).await.map(drop) }
         }
     });
     let periodic_gc = every(gc_interval, "garbage collection", move || {

@@ -37,7 +37,7 @@ use starckpt_proto::{ChunkHash, JobName};
 
 use super::store::{
     CheckpointRecord, CheckpointState, CommittedChunk, JobRecord, Leadership, LeaseGrant, MetaError, MetaResult,
-    MetaStore, RetentionPolicy, Role, TargetRecord, fault,
+    MetaStore, RetentionPolicy, Role, TargetRecord, TierSweeps, fault,
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
@@ -61,7 +61,12 @@ fn role_lock(role: Role) -> i64 {
 /// SQLite's busy timeout and PostgreSQL's lock_timeout, set on every connection.
 const LOCK_WAIT: Duration = Duration::from_secs(10);
 const SQLITE_SESSION: &str = "PRAGMA busy_timeout = 10000; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;";
-const POSTGRES_SESSION: &str = "SET lock_timeout = '10s'";
+/// PostgreSQL sessions also end a transaction left idle by a control plane that stopped
+/// answering (it would hold the writer lock), and probe idle connections, so a host that vanished
+/// without closing its sockets (power loss, a partition) is noticed in about a minute rather than
+/// the kernel's two hours: its locks go with its sessions.
+const POSTGRES_SESSION: &str = "SET lock_timeout = '10s'; SET idle_in_transaction_session_timeout = '60s'; \
+     SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10; SET tcp_keepalives_count = 3";
 /// Connections of the reader pool. With the one writer connection, a control plane holds at most
 /// this many plus one connections to its database.
 const READERS: u32 = 4;
@@ -74,12 +79,17 @@ pub enum Dialect {
 }
 
 impl Dialect {
-    /// `postgres://` and `postgresql://` URLs name PostgreSQL; anything else is SQLite.
-    pub fn of(url: &str) -> Dialect {
+    /// `postgres://` and `postgresql://` URLs name PostgreSQL; `sqlite:` URLs and paths SQLite;
+    /// any other URL (a typo such as `postgress://`) is refused rather than taken for a path.
+    pub fn of(url: &str) -> MetaResult<Dialect> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            Dialect::Postgres
+            Ok(Dialect::Postgres)
+        } else if url.starts_with("sqlite:") || !url.contains("://") {
+            Ok(Dialect::Sqlite)
         } else {
-            Dialect::Sqlite
+            Err(MetaError::InvalidArgument(
+                "not a database URL this build knows: use postgres://..., sqlite://PATH or a file path".into(),
+            ))
         }
     }
 
@@ -105,7 +115,7 @@ impl SqlStore {
     /// missing). In-memory SQLite databases are refused: the control plane must be durable.
     pub async fn open(url: &str) -> MetaResult<SqlStore> {
         sqlx::any::install_default_drivers();
-        let dialect = Dialect::of(url);
+        let dialect = Dialect::of(url)?;
         let options = match dialect {
             Dialect::Postgres => {
                 let options = AnyConnectOptions::from_str(url)?;
@@ -125,6 +135,20 @@ impl SqlStore {
                 } else {
                     SqliteConnectOptions::new().filename(url)
                 };
+                // Absolute and without `..`: the pools reopen the file through a `sqlite://` URL,
+                // which would read a relative path's first component as a host and fold `..`.
+                let path = std::path::absolute(options.get_filename()).map_err(|e| {
+                    MetaError::InvalidArgument(format!("database path {}: {e}", options.get_filename().display()))
+                })?;
+                // sqlx decodes '%' escapes in the URL's path but does not encode '%'.
+                let plain = path.to_str().is_some_and(|p| !p.contains('%'));
+                if path.components().any(|c| c == std::path::Component::ParentDir) || !plain {
+                    return Err(MetaError::InvalidArgument(format!(
+                        "database path {}: give it without '..' or '%', in UTF-8",
+                        path.display()
+                    )));
+                }
+                let options = options.filename(path);
                 let options = options.create_if_missing(true);
                 // Create the file and switch it to WAL (a property of the file) before the pools
                 // open it through the Any driver, whose URL form carries neither setting.
@@ -324,6 +348,12 @@ async fn apply_retention(
         tracing::info!(%job, ?deleted, ?policy, "retention deleted checkpoints");
     }
     Ok(deleted)
+}
+
+async fn tier_sweeps(tx: &mut Transaction<'_, Any>) -> MetaResult<TierSweeps> {
+    let row = sqlx::query("SELECT started, finished FROM tier_sweeps WHERE id = 1").fetch_optional(&mut **tx).await?;
+    let Some(row) = row else { return Ok(TierSweeps::default()) };
+    Ok(TierSweeps { started: get_u64(&row, "started")?, finished: get_u64(&row, "finished")? })
 }
 
 async fn checkpoint_by_id(tx: &mut Transaction<'_, Any>, id: i64) -> MetaResult<Option<CheckpointRecord>> {
@@ -882,11 +912,65 @@ impl MetaStore for SqlStore {
         rows.iter().map(checkpoint_from_row).collect()
     }
 
-    async fn mark_tiered(&self, id: u64, now_ms: u64) -> MetaResult<()> {
+    async fn mark_tiered(&self, id: u64, now_ms: u64, fence: u64) -> MetaResult<bool> {
         let mut tx = self.write().await?;
+        if tier_sweeps(&mut tx).await?.fence() != Some(fence) {
+            return Ok(false);
+        }
         sqlx::query("INSERT INTO tiered (checkpoint_id, tiered_at_ms) VALUES ($1, $2) ON CONFLICT DO NOTHING")
             .bind(to_i64(id, "checkpoint id")?)
             .bind(to_i64(now_ms, "time")?)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn tiered_gone(&self) -> MetaResult<Vec<u64>> {
+        let ids: Vec<i64> = sqlx::query_scalar(
+            "SELECT t.checkpoint_id FROM tiered t JOIN checkpoints c ON c.id = t.checkpoint_id
+             WHERE c.state <> 'committed' ORDER BY t.checkpoint_id",
+        )
+        .fetch_all(&self.reader)
+        .await?;
+        Ok(ids.into_iter().map(|id| id.max(0) as u64).collect())
+    }
+
+    async fn forget_tiered(&self, ids: &[u64]) -> MetaResult<()> {
+        let mut tx = self.write().await?;
+        for &id in ids {
+            sqlx::query(
+                "DELETE FROM tiered WHERE checkpoint_id = $1 AND checkpoint_id NOT IN
+                         (SELECT id FROM checkpoints WHERE state = 'committed')",
+            )
+            .bind(to_i64(id, "checkpoint id")?)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn tier_sweeps(&self) -> MetaResult<TierSweeps> {
+        tier_sweeps(&mut self.read().await?).await
+    }
+
+    async fn begin_tier_sweep(&self) -> MetaResult<u64> {
+        let mut tx = self.write().await?;
+        let started: i64 = sqlx::query_scalar(
+            "INSERT INTO tier_sweeps (id, started, finished) VALUES (1, 1, 0)
+             ON CONFLICT (id) DO UPDATE SET started = tier_sweeps.started + 1 RETURNING started",
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        u64::try_from(started).map_err(|_| MetaError::Corrupt(format!("tier sweep {started}")))
+    }
+
+    async fn finish_tier_sweep(&self, sweep: u64) -> MetaResult<()> {
+        let mut tx = self.write().await?;
+        sqlx::query("UPDATE tier_sweeps SET finished = $1 WHERE id = 1 AND finished < $1")
+            .bind(to_i64(sweep, "sweep")?)
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;

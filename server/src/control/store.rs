@@ -217,12 +217,40 @@ pub trait MetaStore: Send + Sync + 'static {
     async fn committed_chunks(&self, default_replicas: u32) -> MetaResult<HashMap<ChunkHash, CommittedChunk>>;
     /// Committed checkpoints not yet in the object-store tier, oldest commit first.
     async fn untiered_checkpoints(&self) -> MetaResult<Vec<CheckpointRecord>>;
-    /// Records that every chunk and manifest of checkpoint `id` is in the tier.
-    async fn mark_tiered(&self, id: u64, now_ms: u64) -> MetaResult<()>;
+    /// Records that every chunk and manifest of checkpoint `id` is in the tier, if the tier's
+    /// sweeps still stand where they did when the upload began ([`TierSweeps::fence`]); false
+    /// (nothing recorded) if a sweep began since.
+    async fn mark_tiered(&self, id: u64, now_ms: u64, fence: u64) -> MetaResult<bool>;
+    /// Checkpoints marked tiered that are no longer committed (deleted since): what makes a
+    /// sweep of the tier worth its listing.
+    async fn tiered_gone(&self) -> MetaResult<Vec<u64>>;
+    /// Forgets that checkpoints `ids` (no longer committed) were tiered: a sweep removed them.
+    async fn forget_tiered(&self, ids: &[u64]) -> MetaResult<()>;
+    /// Where the tier's sweeps stand.
+    async fn tier_sweeps(&self) -> MetaResult<TierSweeps>;
+    /// Records that a sweep begins; its number.
+    async fn begin_tier_sweep(&self) -> MetaResult<u64>;
+    /// Records that sweep `sweep` finished (every deletion done).
+    async fn finish_tier_sweep(&self, sweep: u64) -> MetaResult<()>;
     /// Takes the cluster-wide role `role` for as long as the returned guard lives, or None while
     /// another process of a database shared by several control planes holds it (one at a time:
     /// tiering's safety rests on it, `tier.rs`). A holder that dies loses it.
     async fn try_lead(&self, role: Role) -> MetaResult<Option<Leadership>>;
+}
+
+/// The tier's sweeps: how many began, and the last that finished (`tier.rs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierSweeps {
+    pub started: u64,
+    pub finished: u64,
+}
+
+impl TierSweeps {
+    /// The fence an upload passes to [`MetaStore::mark_tiered`]; None while a sweep is running
+    /// (or died midway: the next sweep to finish clears it), when nothing may be marked.
+    pub fn fence(&self) -> Option<u64> {
+        (self.started == self.finished).then_some(self.started)
+    }
 }
 
 /// Work one control plane of the cluster does at a time ([`MetaStore::try_lead`]).
@@ -572,12 +600,31 @@ pub(crate) mod conformance {
         let pending = store.begin_checkpoint(&begin("tj", 3, 2, epoch), 9).await.unwrap();
         let untiered: Vec<u64> = store.untiered_checkpoints().await.unwrap().iter().map(|c| c.id).collect();
         assert_eq!(untiered, ids, "committed ones, oldest first; not the pending one ({})", pending.id);
-        store.mark_tiered(ids[0], 50).await.unwrap();
-        store.mark_tiered(ids[0], 60).await.unwrap();
+        let fence = store.tier_sweeps().await.unwrap().fence().expect("no sweep ran yet");
+        assert!(store.mark_tiered(ids[0], 50, fence).await.unwrap());
+        assert!(store.mark_tiered(ids[0], 60, fence).await.unwrap());
         let untiered: Vec<u64> = store.untiered_checkpoints().await.unwrap().iter().map(|c| c.id).collect();
         assert_eq!(untiered, [ids[1]]);
         let listed = store.list_checkpoints(&job("tj"), false).await.unwrap();
         assert_eq!(listed.iter().map(|c| c.tiered_at_ms).collect::<Vec<_>>(), [Some(50), None, None]);
+        // A sweep that begins after an upload looked at the tier fences that upload off; while
+        // one runs (or after one died midway) nothing is marked.
+        let sweep = store.begin_tier_sweep().await.unwrap();
+        assert_eq!(store.tier_sweeps().await.unwrap().fence(), None);
+        assert!(!store.mark_tiered(ids[1], 70, fence).await.unwrap());
+        assert_eq!(store.begin_tier_sweep().await.unwrap(), sweep + 1, "a second, the first died");
+        store.finish_tier_sweep(sweep + 1).await.unwrap();
+        store.finish_tier_sweep(sweep).await.unwrap();
+        let fence = store.tier_sweeps().await.unwrap().fence().expect("the last sweep finished");
+        assert_eq!(fence, sweep + 1);
+        assert!(store.mark_tiered(ids[1], 80, fence).await.unwrap());
+        assert!(store.untiered_checkpoints().await.unwrap().is_empty());
+        // Deleted tiered checkpoints are what a sweep is for; once swept they are forgotten.
+        assert!(store.tiered_gone().await.unwrap().is_empty());
+        store.delete_checkpoint(&job("tj"), 1, 90).await.unwrap();
+        assert_eq!(store.tiered_gone().await.unwrap(), [ids[0]]);
+        store.forget_tiered(&[ids[0]]).await.unwrap();
+        assert!(store.tiered_gone().await.unwrap().is_empty());
         let leader = store.try_lead(Role::Tiering).await.unwrap();
         assert!(leader.is_some());
     }

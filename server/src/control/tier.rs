@@ -19,17 +19,28 @@
 //!    (`CheckpointRecord::tiered_at_ms`, `starckpt ls`). A checkpoint a chunk of which no target can
 //!    provide stays untiered (the pass says so) and is retried by the next pass.
 //! 2. **Sweep.** Objects no committed checkpoint needs are deleted: chunks none names, manifests of
-//!    checkpoints no longer committed (retention, `starckpt rm`).
+//!    checkpoints no longer committed (retention, `starckpt rm`). A sweep lists the whole tier,
+//!    so background passes sweep only after a tiered checkpoint was deleted
+//!    ([`MetaStore::tiered_gone`]); `starckpt tier` always does.
 //!
 //! ## Why a tiered checkpoint never misses a chunk
 //!
-//! A pass holds the cluster-wide `Tiering` role ([`MetaStore::try_lead`]: a PostgreSQL session
-//! lock where control planes share a database), so upload and sweep never run concurrently,
-//! here or on another control plane. The sweep deletes only chunks named by no committed
-//! checkpoint when it reads the database, after this pass's uploads; every checkpoint tiered by
-//! then is committed or no longer needs its chunks. A checkpoint that commits during the sweep
-//! and names a chunk being deleted is not tiered yet: the next pass finds the chunk missing (HEAD)
-//! and uploads it again before marking it.
+//! The sweep deletes only chunks named by no committed checkpoint when it reads the database;
+//! every checkpoint tiered by then is committed (its chunks are kept) or no longer needs them. The
+//! danger is an upload that finds a chunk present (HEAD) which a sweep then deletes: a checkpoint
+//! that committed after the sweep read the database, deduplicating against that chunk. Two
+//! guards:
+//!
+//! - A pass holds the cluster-wide `Tiering` role ([`MetaStore::try_lead`]: a PostgreSQL session
+//!   lock where control planes share a database), and runs upload, then sweep: they do not
+//!   overlap while the role holds.
+//! - A fence in the database, for when it does not (a lock lost with its session while its holder
+//!   runs on, a pass cut short with deletions in flight): a sweep records that it begins before it
+//!   reads the database and that it finished after its last deletion ([`MetaStore::begin_tier_sweep`]),
+//!   and an upload marks its checkpoint only if no sweep was running when it began nor began since
+//!   ([`MetaStore::mark_tiered`]'s fence, checked in the marking transaction). A fenced-off
+//!   checkpoint is marked by a later pass, whose HEADs see what the sweep deleted and upload it
+//!   again. A sweep that died midway blocks marking until the next sweep finishes.
 //!
 //! Re-replication (`repair.rs`) reads a chunk no live target has from here, so a checkpoint
 //! survives the loss of every copy on the NVMe targets once it is tiered.
@@ -85,10 +96,19 @@ impl Default for TierConfig {
     }
 }
 
+/// When a pass sweeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sweep {
+    Always,
+    /// Only after a tiered checkpoint was deleted.
+    IfDeleted,
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TierReport {
     /// False: another control plane held the role; this one ran no pass.
     pub ran: bool,
+    pub swept: bool,
     pub checkpoints_tiered: u64,
     /// Committed checkpoints still not tiered after the pass.
     pub checkpoints_behind: u64,
@@ -135,10 +155,10 @@ impl Tier {
         let tier = Tier { store, url: url.to_owned() };
         // Wrong credentials, a missing bucket or an unreachable endpoint fail the start, not the
         // first pass minutes later.
-        tier.store
-            .list_with_delimiter(Some(&Path::from(CHUNKS)))
-            .await
-            .map_err(|e| anyhow::anyhow!("object-store tier {url}: {e}"))?;
+        // One page of a listing, not the whole of it.
+        if let Some(Err(error)) = tier.store.list(Some(&Path::from(CHUNKS))).next().await {
+            anyhow::bail!("object-store tier {url}: {error}");
+        }
         Ok(tier)
     }
 
@@ -187,12 +207,15 @@ pub async fn pass(
     tier: &Tier,
     targets: Vec<(TargetRecord, Option<SocketAddr>)>,
     config: &TierConfig,
+    when: Sweep,
 ) -> MetaResult<TierReport> {
     let started = Instant::now();
     let Some(_leadership) = store.try_lead(Role::Tiering).await? else {
         return Ok(TierReport::default());
     };
     let mut report = TierReport { ran: true, ..TierReport::default() };
+    // Read before any HEAD of this pass's uploads (module docs).
+    let fence = store.tier_sweeps().await?.fence();
     let live = live_targets(&targets);
     let mut upload = Upload {
         tier,
@@ -200,28 +223,46 @@ pub async fn pass(
         pace: tokio::sync::Mutex::new(Pace::new(config.bytes_per_second)),
         present: HashSet::new(),
     };
-    for checkpoint in store.untiered_checkpoints().await? {
-        let job = JobName::try_from(checkpoint.job.as_str()).map_err(|e| MetaError::Corrupt(e.to_string()))?;
-        let parts = match store.get_manifest(&job, Some(checkpoint.step)).await {
-            Ok((current, parts)) if current.id == checkpoint.id => parts,
-            // Deleted since: nothing to tier.
-            Ok(_) | Err(MetaError::NotFound(_)) => continue,
-            Err(error) => return Err(error),
-        };
-        match upload.checkpoint(&checkpoint, &parts, &mut report).await {
-            Ok(()) => {
-                store.mark_tiered(checkpoint.id, now_ms()).await?;
-                report.checkpoints_tiered += 1;
-                tracing::info!(job = %checkpoint.job, step = checkpoint.step, tier = %tier.url, "checkpoint tiered");
-            }
-            Err(error) => {
-                report.checkpoints_behind += 1;
-                report.errors.push(format!("{} step {}: {error}", checkpoint.job, checkpoint.step));
+    let untiered = store.untiered_checkpoints().await?;
+    match fence {
+        Some(fence) => {
+            for checkpoint in untiered {
+                let what = format!("{} step {}", checkpoint.job, checkpoint.step);
+                match upload.checkpoint(store, &checkpoint, &mut report).await {
+                    Ok(false) => {}
+                    Ok(true) if store.mark_tiered(checkpoint.id, now_ms(), fence).await? => {
+                        report.checkpoints_tiered += 1;
+                        tracing::info!(checkpoint = %what, tier = %tier.url, "checkpoint tiered");
+                    }
+                    Ok(true) => {
+                        report.checkpoints_behind += 1;
+                        report.errors.push(format!("{what}: a sweep began meanwhile; the next pass marks it"));
+                    }
+                    Err(error) => {
+                        report.checkpoints_behind += 1;
+                        report.errors.push(format!("{what}: {error}"));
+                    }
+                }
             }
         }
+        None => {
+            report.checkpoints_behind = untiered.len() as u64;
+            report.errors.push(
+                "a sweep is unfinished (running elsewhere, or it died midway): nothing is marked \
+                 tiered until one finishes"
+                    .into(),
+            );
+        }
     }
-    if let Err(error) = sweep(store, tier, &mut report).await {
-        report.errors.push(format!("sweep: {error}"));
+    let gone = store.tiered_gone().await?;
+    if when == Sweep::Always || !gone.is_empty() {
+        match sweep(store, tier, &mut report).await {
+            Ok(()) => {
+                report.swept = true;
+                store.forget_tiered(&gone).await?;
+            }
+            Err(error) => report.errors.push(format!("sweep: {error}")),
+        }
     }
     report.duration = started.elapsed();
     if report.checkpoints_tiered + report.chunks_deleted + report.manifests_deleted > 0 || !report.errors.is_empty() {
@@ -241,13 +282,20 @@ struct Upload<'a> {
 }
 
 impl Upload<'_> {
-    /// Puts every chunk and manifest of `checkpoint` in the tier.
+    /// Puts every chunk and manifest of `checkpoint` in the tier; false if it is no longer
+    /// committed (nothing to tier).
     async fn checkpoint(
         &mut self,
+        store: &dyn MetaStore,
         checkpoint: &CheckpointRecord,
-        parts: &[(u32, starckpt_proto::model::Manifest)],
         report: &mut TierReport,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
+        let job = JobName::try_from(checkpoint.job.as_str()).map_err(|e| e.to_string())?;
+        let parts = match store.get_manifest(&job, Some(checkpoint.step)).await {
+            Ok((current, parts)) if current.id == checkpoint.id => parts,
+            Ok(_) | Err(MetaError::NotFound(_)) => return Ok(false),
+            Err(error) => return Err(error.to_string()),
+        };
         let mut seen = HashSet::new();
         let chunks: Vec<ChunkRef> = parts
             .iter()
@@ -273,7 +321,7 @@ impl Upload<'_> {
         }
         drop(outcomes);
         self.present.extend(seen);
-        for (rank, manifest) in parts {
+        for (rank, manifest) in &parts {
             let bytes = pb::Manifest::from(manifest).encode_to_vec();
             self.tier
                 .store
@@ -281,7 +329,7 @@ impl Upload<'_> {
                 .await
                 .map_err(|e| format!("manifest of rank {rank}: {e}"))?;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Puts `chunk` in the tier unless it is there: its length if it was uploaded.
@@ -326,6 +374,8 @@ impl Upload<'_> {
 /// The sweep half of a pass: deletes chunks no committed checkpoint names and manifests of
 /// checkpoints no longer committed.
 async fn sweep(store: &dyn MetaStore, tier: &Tier, report: &mut TierReport) -> Result<(), String> {
+    // Recorded before the database is read; finished only after the last deletion (module docs).
+    let sweep = store.begin_tier_sweep().await.map_err(|e| e.to_string())?;
     let needed: HashSet<ChunkHash> = store.committed_chunks(1).await.map_err(|e| e.to_string())?.into_keys().collect();
     let mut committed: HashSet<(String, String)> = HashSet::new();
     for job in store.list_jobs().await.map_err(|e| e.to_string())? {
@@ -355,7 +405,7 @@ async fn sweep(store: &dyn MetaStore, tier: &Tier, report: &mut TierReport) -> R
         futures::future::ready(Ok(unneeded.then_some(meta.location)))
     });
     report.manifests_deleted = delete_all(tier, garbage_manifests.boxed()).await?;
-    Ok(())
+    store.finish_tier_sweep(sweep).await.map_err(|e| e.to_string())
 }
 
 /// Deletes every path `paths` yields (batched by the store); how many.
