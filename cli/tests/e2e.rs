@@ -1025,3 +1025,47 @@ fn same_host_targets_use_shared_memory_unless_they_serve_none() {
     cluster.ok(&["restore", "--job", "mixed", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), data);
 }
+
+#[test]
+fn a_relative_database_path_is_the_file_it_names() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let child = std::process::Command::new(common::BIN)
+        .args(["server", "--listen", "127.0.0.1:0", "--db", "nested/../meta.db"])
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    // '..' is refused rather than folded into another file.
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("without '..'"), "{output:?}");
+
+    // What a server on ./meta.db keeps is there for the next one on ./meta.db.
+    let start = || {
+        let mut child = std::process::Command::new(common::BIN)
+            .args(["server", "--listen", "127.0.0.1:0", "--db", "meta.db"])
+            .current_dir(dir.path())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let address = line.trim().rsplit(' ').next().unwrap().to_owned();
+        (child, address)
+    };
+    let (mut first, address) = start();
+    let set = common::cli_with_server(&address, &["retention", "kept", "--keep-last", "3"]);
+    assert!(set.status.success(), "{set:?}");
+    let _ = first.kill();
+    let _ = first.wait();
+    let (mut second, address) = start();
+    let shown = common::cli_with_server(&address, &["retention", "kept", "--json"]);
+    let _ = second.kill();
+    let _ = second.wait();
+    let policy: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(policy["keep_last"], 3, "{shown:?}");
+    assert!(dir.path().join("meta.db").exists());
+}
