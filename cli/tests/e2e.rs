@@ -213,6 +213,34 @@ fn sigkill_everything_mid_save_keeps_the_previous_checkpoint() {
 }
 
 #[test]
+fn a_save_waits_for_its_control_plane_to_be_restarted() {
+    // The control plane dies after committing the part, before answering; a supervisor starts it
+    // again. The client sends the part again once it answers, and hears it committed.
+    let mut cluster = Cluster::start_with_env(2, &[], &[("FAILPOINTS", "control.commit.reply=return(crash)")]);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("weights.bin"), random_bytes(9 << 20, 1)).unwrap();
+    let saver = std::process::Command::new(common::BIN)
+        .args(["save", "--job", "llm", "--step", "1", source.to_str().unwrap(), "--json"])
+        .env("STARCKPT_SERVER", &cluster.server.address)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    cluster.wait_server_exit();
+    std::thread::sleep(Duration::from_millis(500));
+    cluster.restart_server();
+    let output = saver.wait_with_output().unwrap();
+    assert!(output.status.success(), "save failed: {}", String::from_utf8_lossy(&output.stderr));
+    let saved: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(saved["committed"], true, "{saved}");
+    assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 1);
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "llm", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&restored));
+}
+
+#[test]
 fn a_flipped_byte_fails_restore_naming_chunk_and_target() {
     let cluster = Cluster::start(3);
     let source = cluster.dir.path().join("source");

@@ -84,6 +84,34 @@ fn a_cluster_keeps_its_checkpoints_in_postgres() {
 }
 
 #[test]
+fn a_save_goes_on_through_the_other_control_plane_when_its_own_dies() {
+    let Some(db) = database("a_save_goes_on_through_the_other_control_plane_when_its_own_dies") else { return };
+    // The first control plane dies after recording the begin, before answering it.
+    let begin = [("FAILPOINTS", "control.begin.reply=return(crash)")];
+    let mut cluster = Cluster::start_ha_env(&db, 2, 2, &begin);
+    let servers = cluster.servers();
+    let (one, two) = (cluster.dir.path().join("one"), cluster.dir.path().join("two"));
+    make_tree(&one, 1);
+    make_tree(&two, 2);
+    // The client sends the begin again to the other control plane, which joins the checkpoint
+    // the first one began; the part commits there.
+    save(&servers, &one, "1");
+    cluster.wait_server_exit();
+    assert_eq!(committed_in_database(&db), [1]);
+
+    // Back, it dies after a part's transaction commits, before answering: the client sends the
+    // part again to the other control plane, which finds it committed already.
+    cluster.restart_server_env(&[("FAILPOINTS", "control.commit.reply=return(crash)")]);
+    save(&servers, &two, "2");
+    cluster.wait_server_exit();
+    assert_eq!(committed_in_database(&db), [1, 2]);
+    let standby = cluster.peers[0].address.clone();
+    let restored = cluster.dir.path().join("restored");
+    restore_latest(&standby, &restored);
+    assert_eq!(tree(&two), tree(&restored));
+}
+
+#[test]
 fn control_planes_sharing_postgres_take_over_from_each_other() {
     let Some(db) = database("control_planes_sharing_postgres_take_over_from_each_other") else { return };
     let mut cluster = Cluster::start_ha(&db, 2, 2);

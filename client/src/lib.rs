@@ -23,6 +23,7 @@
 //! # Ok(()) }
 //! ```
 
+mod control;
 mod error;
 pub mod faults;
 mod manager;
@@ -39,10 +40,9 @@ use std::time::Duration;
 
 use starckpt_proto::JobName;
 use starckpt_proto::buf::BufPool;
-use starckpt_proto::control::control_client::ControlClient;
 use starckpt_proto::control::{self as pb};
-use tonic::transport::Channel;
 
+use control::{Control, ControlPlanes, Resend};
 pub use error::{Error, Result};
 pub use manager::{CheckpointManager, CheckpointPolicy, FinalReport, IfBusy, preemption_signal};
 pub use restore::{CheckpointManifest, RestoreOptions, RestoreOutcome, RestoreProgress};
@@ -81,6 +81,11 @@ pub struct ClientConfig {
     pub restore_concurrency: usize,
     /// Deadline of each control-plane call. Default 30 s.
     pub rpc_timeout: Duration,
+    /// How long a call keeps failing over between the control planes of `server` (or waiting for
+    /// the only one to come back) before its error is returned, from its first failure; see
+    /// `control.rs`. Default 60 s: a supervisor restarts a control plane, or PostgreSQL fails
+    /// over, well within it.
+    pub failover_timeout: Duration,
     /// The training run this client writes for, shared by all its ranks; decides the writer
     /// lease epoch (see `AcquireLeaseRequest` in control.proto). Default: `STARCKPT_RUN_ID`, else
     /// torchrun's `TORCHELASTIC_RUN_ID` and `TORCHELASTIC_RESTART_COUNT` (a restart is a new
@@ -115,6 +120,7 @@ impl ClientConfig {
             upload_concurrency: 16,
             restore_concurrency: 16,
             rpc_timeout: Duration::from_secs(30),
+            failover_timeout: Duration::from_secs(60),
             tcp: TcpConfig::default(),
             run_id: run_id_from_env(),
             stream_replicas: 2,
@@ -208,7 +214,7 @@ struct Inner {
     leases: tokio::sync::Mutex<HashMap<String, u64>>,
     /// One save uploads at a time per client; held from staging until commit.
     upload_slot: Arc<tokio::sync::Semaphore>,
-    control: ControlClient<Channel>,
+    control: ControlPlanes,
     staging: BufPool,
     targets: Targets,
     /// Read repairs queued or running in the background (see `read_chunk`), and those running.
@@ -241,9 +247,7 @@ impl Client {
                 starckpt_proto::frame::MAX_PAYLOAD_BYTES
             )));
         }
-        let channel = connect_control(&config).await?;
-        let control =
-            ControlClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
+        let control = ControlPlanes::connect(&config).await?;
         let buffers = (config.staging_bytes / config.chunk_size_bytes).max(1);
         // In a memfd when shared memory is on, so targets on this host read staged chunks where
         // they lie; on the heap if the memfd cannot be made (a sandbox without memfd_create).
@@ -298,12 +302,10 @@ impl Client {
         if let Some(epoch) = leases.get(job.as_str()) {
             return Ok(*epoch);
         }
+        let request = pb::AcquireLeaseRequest { job: job.to_string(), run_id: self.inner.run_id.clone() };
         let grant = self
-            .control()
-            .acquire_lease(pb::AcquireLeaseRequest { job: job.to_string(), run_id: self.inner.run_id.clone() })
-            .await
-            .map_err(self.status("acquire lease"))?
-            .into_inner();
+            .rpc("acquire lease", Resend::Idempotent, request, |mut c, r| async move { c.acquire_lease(r).await })
+            .await?;
         if grant.aborted_checkpoints > 0 {
             tracing::info!(%job, epoch = grant.epoch, aborted = grant.aborted_checkpoints,
                 "took over the job; the previous run's unfinished checkpoints were aborted");
@@ -312,8 +314,21 @@ impl Client {
         Ok(grant.epoch)
     }
 
-    fn control(&self) -> ControlClient<Channel> {
-        self.inner.control.clone()
+    /// Calls the control plane, failing over to the others of the cluster (`control.rs`):
+    /// `self.rpc(op, resend, request, |mut control, request| async move { control.op(request).await })`.
+    pub(crate) async fn rpc<Req, Resp, F, Fut>(
+        &self,
+        op: &'static str,
+        resend: Resend,
+        request: Req,
+        call: F,
+    ) -> Result<Resp>
+    where
+        Req: Clone,
+        F: Fn(Control, Req) -> Fut,
+        Fut: Future<Output = std::result::Result<tonic::Response<Resp>, tonic::Status>>,
+    {
+        self.inner.control.call(op, resend, request, call).await.map_err(self.status(op))
     }
 
     fn status(&self, op: &'static str) -> impl FnOnce(tonic::Status) -> Error + '_ {
@@ -327,57 +342,61 @@ impl Client {
     /// The highest committed checkpoint of `job`, if any.
     pub async fn latest(&self, job: &str) -> Result<Option<CheckpointInfo>> {
         let job = JobName::try_from(job)?;
+        let request = pb::LatestRequest { job: job.to_string() };
         let response =
-            self.control().latest(pb::LatestRequest { job: job.to_string() }).await.map_err(self.status("latest"))?;
-        Ok(response.into_inner().checkpoint)
+            self.rpc("latest", Resend::Idempotent, request, |mut c, r| async move { c.latest(r).await }).await?;
+        Ok(response.checkpoint)
     }
 
     pub async fn list_jobs(&self) -> Result<Vec<JobInfo>> {
-        let response = self.control().list_jobs(pb::ListJobsRequest {}).await.map_err(self.status("list jobs"))?;
-        Ok(response.into_inner().jobs)
+        let request = pb::ListJobsRequest {};
+        let response =
+            self.rpc("list jobs", Resend::Idempotent, request, |mut c, r| async move { c.list_jobs(r).await }).await?;
+        Ok(response.jobs)
     }
 
     /// Checkpoints of `job` by step; with `include_inactive`, aborted and deleted ones too.
     pub async fn list_checkpoints(&self, job: &str, include_inactive: bool) -> Result<Vec<CheckpointInfo>> {
         let job = JobName::try_from(job)?;
+        let request = pb::ListCheckpointsRequest { job: job.to_string(), include_inactive };
         let response = self
-            .control()
-            .list_checkpoints(pb::ListCheckpointsRequest { job: job.to_string(), include_inactive })
-            .await
-            .map_err(self.status("list checkpoints"))?;
-        Ok(response.into_inner().checkpoints)
+            .rpc("list checkpoints", Resend::Idempotent, request, |mut c, r| async move { c.list_checkpoints(r).await })
+            .await?;
+        Ok(response.checkpoints)
     }
 
     pub async fn delete(&self, job: &str, step: u64) -> Result<()> {
         let job = JobName::try_from(job)?;
-        self.control()
-            .delete_checkpoint(pb::DeleteCheckpointRequest { job: job.to_string(), step })
-            .await
-            .map_err(self.status("delete checkpoint"))?;
+        // Not idempotent: a second delete of the same step says NotFound.
+        let request = pb::DeleteCheckpointRequest { job: job.to_string(), step };
+        self.rpc(
+            "delete checkpoint",
+            Resend::IfUnsent,
+            request,
+            |mut c, r| async move { c.delete_checkpoint(r).await },
+        )
+        .await?;
         Ok(())
     }
 
     /// Runs a re-replication pass at the control plane now and returns its report.
     pub async fn rereplicate(&self) -> Result<pb::RereplicateResponse> {
-        let response =
-            self.control().rereplicate(pb::RereplicateRequest {}).await.map_err(self.status("re-replicate"))?;
-        Ok(response.into_inner())
+        let request = pb::RereplicateRequest {};
+        self.rpc("re-replicate", Resend::Idempotent, request, |mut c, r| async move { c.rereplicate(r).await }).await
     }
 
     /// Runs an object-store tier pass at the control plane now and returns its report.
     pub async fn tier(&self) -> Result<pb::TierResponse> {
-        let response = self.control().tier(pb::TierRequest {}).await.map_err(self.status("tier"))?;
-        Ok(response.into_inner())
+        self.rpc("tier", Resend::Idempotent, pb::TierRequest {}, |mut c, r| async move { c.tier(r).await }).await
     }
 
     /// Sets `job`'s replication factor: copies of every chunk its saves make from now on, on
     /// distinct targets (and failure domains, while there are enough).
     pub async fn set_replication(&self, job: &str, replicas: u32) -> Result<()> {
         let job = JobName::try_from(job)?;
-        self.control()
-            .set_replication(pb::SetReplicationRequest { job: job.to_string(), replicas })
-            .await
-            .map_err(self.status("set replication"))?;
+        let request = pb::SetReplicationRequest { job: job.to_string(), replicas };
+        self.rpc("set replication", Resend::Idempotent, request, |mut c, r| async move { c.set_replication(r).await })
+            .await?;
         Ok(())
     }
 
@@ -385,22 +404,20 @@ impl Client {
     /// deleted now. Both rules 0 keeps everything.
     pub async fn set_retention(&self, job: &str, policy: RetentionPolicy) -> Result<Vec<u64>> {
         let job = JobName::try_from(job)?;
+        let request = pb::SetRetentionRequest { job: job.to_string(), policy: Some(policy) };
         let response = self
-            .control()
-            .set_retention(pb::SetRetentionRequest { job: job.to_string(), policy: Some(policy) })
-            .await
-            .map_err(self.status("set retention"))?;
-        Ok(response.into_inner().deleted_steps)
+            .rpc("set retention", Resend::Idempotent, request, |mut c, r| async move { c.set_retention(r).await })
+            .await?;
+        Ok(response.deleted_steps)
     }
 
     pub async fn retention(&self, job: &str) -> Result<RetentionPolicy> {
         let job = JobName::try_from(job)?;
+        let request = pb::GetRetentionRequest { job: job.to_string() };
         let response = self
-            .control()
-            .get_retention(pb::GetRetentionRequest { job: job.to_string() })
-            .await
-            .map_err(self.status("get retention"))?;
-        Ok(response.into_inner().policy.unwrap_or_default())
+            .rpc("get retention", Resend::Idempotent, request, |mut c, r| async move { c.get_retention(r).await })
+            .await?;
+        Ok(response.policy.unwrap_or_default())
     }
 
     /// Tags (or with `remove`, untags) the committed checkpoint (job, step). Retention never
@@ -408,21 +425,17 @@ impl Client {
     pub async fn tag(&self, job: &str, step: u64, tag: &str, remove: bool) -> Result<()> {
         let job = JobName::try_from(job)?;
         starckpt_proto::model::validate_tag(tag)?;
-        self.control()
-            .tag_checkpoint(pb::TagCheckpointRequest { job: job.to_string(), step, tag: tag.to_owned(), remove })
-            .await
-            .map_err(self.status("tag checkpoint"))?;
+        let request = pb::TagCheckpointRequest { job: job.to_string(), step, tag: tag.to_owned(), remove };
+        self.rpc("tag checkpoint", Resend::Idempotent, request, |mut c, r| async move { c.tag_checkpoint(r).await })
+            .await?;
         Ok(())
     }
 
     /// Runs a garbage-collection pass on the control plane now and returns its report.
     pub async fn collect_garbage(&self) -> Result<GcReport> {
-        let response = self
-            .control()
-            .collect_garbage(pb::CollectGarbageRequest {})
+        let request = pb::CollectGarbageRequest {};
+        self.rpc("collect garbage", Resend::Idempotent, request, |mut c, r| async move { c.collect_garbage(r).await })
             .await
-            .map_err(self.status("collect garbage"))?;
-        Ok(response.into_inner())
     }
 
     pub async fn targets(&self) -> Result<Vec<TargetInfo>> {
@@ -431,9 +444,8 @@ impl Client {
 
     /// The targets and the last re-replication pass's count of chunks still short of copies.
     pub async fn cluster_status(&self) -> Result<pb::ListTargetsResponse> {
-        let response =
-            self.control().list_targets(pb::ListTargetsRequest {}).await.map_err(self.status("list targets"))?;
-        Ok(response.into_inner())
+        let request = pb::ListTargetsRequest {};
+        self.rpc("list targets", Resend::Idempotent, request, |mut c, r| async move { c.list_targets(r).await }).await
     }
 
     /// Asks a target for its own view of its store (over the data plane).
@@ -458,45 +470,6 @@ impl Client {
         transport.settle().await;
         Ok(transport.kind())
     }
-}
-
-/// A channel to the first of `config.server`'s control planes that accepts a connection.
-async fn connect_control(config: &ClientConfig) -> Result<tonic::transport::Channel> {
-    let urls = starckpt_proto::control_urls(&config.server);
-    if urls.is_empty() {
-        return Err(Error::InvalidInput(format!("no control-plane address in {:?}", config.server)));
-    }
-    let mut failures = Vec::new();
-    for url in urls {
-        let endpoint = tonic::transport::Endpoint::from_shared(url.clone())
-            .map_err(|e| Error::InvalidInput(format!("bad control-plane address {url:?}: {e}")))?
-            .connect_timeout(Duration::from_secs(5))
-            .timeout(config.rpc_timeout);
-        match endpoint.connect().await {
-            Ok(channel) => return Ok(channel),
-            Err(error) => {
-                tracing::warn!(%url, error = %error_chain(&error), "control plane unreachable; trying the next");
-                failures.push(format!("{url}: {}", error_chain(&error)));
-            }
-        }
-    }
-    Err(Error::Unreachable { address: config.server.clone(), message: failures.join("; ") })
-}
-
-/// The error and its sources on one line (tonic's connect errors hide the cause in the chain).
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        // hyper and tonic often repeat their cause inside their own message.
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 impl Client {

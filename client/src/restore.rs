@@ -156,12 +156,11 @@ impl Client {
     /// The committed manifest of (job, step), or of the latest committed step.
     pub async fn manifest(&self, job: &str, step: Option<u64>) -> Result<CheckpointManifest> {
         let job = JobName::try_from(job)?;
+        let request = pb::GetManifestRequest { job: job.to_string(), step };
         let response = self
-            .control()
-            .get_manifest(pb::GetManifestRequest { job: job.to_string(), step })
-            .await
-            .map_err(self.status("get manifest"))?;
-        CheckpointManifest::from_response(response.into_inner())
+            .rpc("get manifest", crate::Resend::Idempotent, request, |mut c, r| async move { c.get_manifest(r).await })
+            .await?;
+        CheckpointManifest::from_response(response)
     }
 
     /// Reads one chunk from its replicas in order, verifying its hash; the first verified copy

@@ -329,6 +329,25 @@ pub(crate) struct Placement {
 }
 
 impl Client {
+    /// Begins (or, for another rank of this run, joins) checkpoint `step` of `job` under this
+    /// run's lease, whose epoch it returns too. Sent again after a lost reply, it joins the
+    /// checkpoint the first one began.
+    pub(crate) async fn begin(
+        &self,
+        job: &JobName,
+        step: u64,
+        world_size: u32,
+    ) -> Result<(u64, pb::BeginCheckpointResponse)> {
+        let epoch = self.lease(job.as_str()).await?;
+        let request = pb::BeginCheckpointRequest { job: job.to_string(), step, world_size, epoch };
+        let begun = self
+            .rpc("begin checkpoint", crate::Resend::Idempotent, request, |mut c, r| async move {
+                c.begin_checkpoint(r).await
+            })
+            .await?;
+        Ok((epoch, begun))
+    }
+
     /// Sends one rank's manifest; says whether that completed the checkpoint.
     pub(crate) async fn commit_manifest(
         &self,
@@ -339,17 +358,12 @@ impl Client {
     ) -> Result<CommitState> {
         let injected = |e: std::io::Error| tonic::Status::unavailable(e.to_string());
         crate::faults::point("client.commit").map_err(injected).map_err(self.status("commit part"))?;
+        // Sent again after a lost reply, it commits nothing twice: an identical part is a no-op.
+        let request =
+            pb::CommitPartRequest { checkpoint_id, rank, manifest: Some(pb::Manifest::from(manifest)), written_bytes };
         let response = self
-            .control()
-            .commit_part(pb::CommitPartRequest {
-                checkpoint_id,
-                rank,
-                manifest: Some(pb::Manifest::from(manifest)),
-                written_bytes,
-            })
-            .await
-            .map_err(self.status("commit part"))?
-            .into_inner();
+            .rpc("commit part", crate::Resend::Idempotent, request, |mut c, r| async move { c.commit_part(r).await })
+            .await?;
         crate::faults::point("client.commit.reply").map_err(injected).map_err(self.status("commit part"))?;
         Ok(if response.state == pb::CheckpointState::Committed as i32 {
             CommitState::Committed
@@ -450,18 +464,7 @@ impl Client {
         if part.rank >= part.world_size {
             return Err(Error::InvalidInput(format!("rank {} is outside world size {}", part.rank, part.world_size)));
         }
-        let epoch = self.lease(job.as_str()).await?;
-        let begin = self
-            .control()
-            .begin_checkpoint(pb::BeginCheckpointRequest {
-                job: job.to_string(),
-                step: part.step,
-                world_size: part.world_size,
-                epoch,
-            })
-            .await
-            .map_err(self.status("begin checkpoint"))?
-            .into_inner();
+        let (epoch, begin) = self.begin(&job, part.step, part.world_size).await?;
         let placement = self.placement(&begin.placement, begin.replicas)?;
 
         let progress = Arc::new(SaveProgress::default());

@@ -99,13 +99,7 @@ impl Client {
         metadata: BTreeMap<String, String>,
     ) -> Result<SaveOutcome> {
         let job = JobName::try_from(job)?;
-        let epoch = self.lease(job.as_str()).await?;
-        let begin = self
-            .control()
-            .begin_checkpoint(pb::BeginCheckpointRequest { job: job.to_string(), step, world_size: 1, epoch })
-            .await
-            .map_err(self.status("begin checkpoint"))?
-            .into_inner();
+        let (epoch, begin) = self.begin(&job, step, 1).await?;
         if let Err(error) = self.recheck_chunks(&files).await {
             // Abort the checkpoint now rather than leave it pending until the timeout; only if it
             // is still this one and still pending (never someone's committed step).

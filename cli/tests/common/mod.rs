@@ -86,7 +86,12 @@ impl Cluster {
     /// A cluster of `control_planes` control planes sharing the PostgreSQL database `db`, and
     /// targets that know every one of them.
     pub fn start_ha(db: &str, control_planes: usize, targets: usize) -> Cluster {
-        Cluster::start_on(tempfile::tempdir().unwrap(), db.to_owned(), control_planes, targets, &[], &[])
+        Cluster::start_ha_env(db, control_planes, targets, &[])
+    }
+
+    /// `start_ha`, the first control plane (`server`) started with extra environment variables.
+    pub fn start_ha_env(db: &str, control_planes: usize, targets: usize, first_env: &[(&str, &str)]) -> Cluster {
+        Cluster::start_on(tempfile::tempdir().unwrap(), db.to_owned(), control_planes, targets, &[], first_env)
     }
 
     fn start_on(
@@ -97,9 +102,9 @@ impl Cluster {
         server_flags: &[&str],
         server_env: &[(&str, &str)],
     ) -> Cluster {
-        let start = || start_server_env(dir.path(), &db, server_flags, server_env);
-        let server = start();
-        let peers = (1..control_planes).map(|_| start()).collect();
+        let start = |env| start_server_env(dir.path(), &db, server_flags, env);
+        let server = start(server_env);
+        let peers = (1..control_planes).map(|_| start(&[])).collect();
         let server_flags = server_flags.iter().map(|f| f.to_string()).collect();
         let mut cluster = Cluster { dir, server, targets: Vec::new(), server_flags, db, peers };
         for index in 0..targets {
@@ -171,6 +176,15 @@ impl Cluster {
         let count = self.targets.len();
         self.targets = (0..count).map(|i| self.start_target(i)).collect();
         self.wait_alive(count);
+    }
+
+    /// Waits (up to a minute) for the control plane to exit: struck by a fault point.
+    pub fn wait_server_exit(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.server.child.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "the control plane is still running");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Runs the CLI against this cluster.

@@ -1,0 +1,219 @@
+//! The control planes a client talks to, and failing over between them in the middle of a session.
+//!
+//! [`ClientConfig::server`] may name several control planes sharing one PostgreSQL database, or
+//! one that a supervisor restarts. The client connects to the first that answers. Later, a call
+//! whose control plane is gone (it refused the connection, the connection broke, or it did not
+//! answer within [`ClientConfig::rpc_timeout`]) is sent again to the next control plane in the
+//! list, round robin, until one answers or [`ClientConfig::failover_timeout`] has passed since the
+//! first failure. Between rounds over the whole list it waits, 100 ms doubling to 2 s, so a
+//! control plane restarting in place is given time to come back.
+//!
+//! Sending a call twice is safe only if the control plane treats the second as the first. The
+//! calls of a save are (`MetaStore` in `server/src/control/store.rs`): a run taking its lease again
+//! gets the same epoch, a begin under the same epoch joins the pending checkpoint, an identical
+//! part committed again is a no-op, even after the checkpoint committed. So a save survives a
+//! control plane dying after its transaction committed but before it answered (the crash matrix's
+//! `control.commit.reply`). Reads, tags, policies and passes (GC, re-replication, tiering) are
+//! idempotent too. Deleting a checkpoint is not (a second delete says NotFound), so it is sent
+//! again only when the first attempt never reached a control plane ([`Resend::IfUnsent`]).
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use starckpt_proto::control::control_client::ControlClient;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+use crate::{ClientConfig, Error, Result};
+
+/// Largest control-plane message either way (a checkpoint's manifests).
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// Wait between rounds over every control plane: doubling from the first to the last.
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// A client of one control plane.
+pub(crate) type Control = ControlClient<Channel>;
+
+/// Whether a failed call may be sent again (module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Resend {
+    /// The control plane treats a repeat as the first: resend after any failure of the control
+    /// plane or the connection to it.
+    Idempotent,
+    /// Resend only if the call never reached a control plane.
+    IfUnsent,
+}
+
+/// The cluster's control planes: the one in use, and the others to fail over to.
+pub(crate) struct ControlPlanes {
+    endpoints: Vec<(String, Endpoint)>,
+    /// Index into `endpoints` of the control plane in use, and a client of it.
+    current: Mutex<(usize, Control)>,
+    failover_timeout: Duration,
+}
+
+impl ControlPlanes {
+    /// Connects to the first of `config.server`'s control planes that accepts a connection.
+    pub(crate) async fn connect(config: &ClientConfig) -> Result<ControlPlanes> {
+        let urls = starckpt_proto::control_urls(&config.server);
+        if urls.is_empty() {
+            return Err(Error::InvalidInput(format!("no control-plane address in {:?}", config.server)));
+        }
+        let mut endpoints = Vec::with_capacity(urls.len());
+        for url in urls {
+            let endpoint = Endpoint::from_shared(url.clone())
+                .map_err(|e| Error::InvalidInput(format!("bad control-plane address {url:?}: {e}")))?
+                .connect_timeout(Duration::from_secs(5))
+                .timeout(config.rpc_timeout);
+            endpoints.push((url, endpoint));
+        }
+        let mut failures = Vec::new();
+        for (index, (url, endpoint)) in endpoints.iter().enumerate() {
+            match endpoint.connect().await {
+                Ok(channel) => {
+                    let current = Mutex::new((index, client(channel)));
+                    return Ok(ControlPlanes { endpoints, current, failover_timeout: config.failover_timeout });
+                }
+                Err(error) => {
+                    tracing::warn!(%url, error = %error_chain(&error), "control plane unreachable; trying the next");
+                    failures.push(format!("{url}: {}", error_chain(&error)));
+                }
+            }
+        }
+        Err(Error::Unreachable { address: config.server.clone(), message: failures.join("; ") })
+    }
+
+    /// Makes one call, `call(client, request)`, failing over to the next control plane while
+    /// the failure allows it (`resend`, module docs) and the failover timeout has not passed.
+    pub(crate) async fn call<Req, Resp, F, Fut>(
+        &self,
+        op: &'static str,
+        resend: Resend,
+        request: Req,
+        call: F,
+    ) -> std::result::Result<Resp, Status>
+    where
+        Req: Clone,
+        F: Fn(Control, Req) -> Fut,
+        Fut: Future<Output = std::result::Result<tonic::Response<Resp>, Status>>,
+    {
+        let mut deadline = None;
+        let mut backoff = FIRST_BACKOFF;
+        let mut failed = 0;
+        loop {
+            let (index, client) = self.in_use();
+            let status = match call(client, request.clone()).await {
+                Ok(response) => {
+                    if failed > 0 {
+                        tracing::info!(op, url = %self.endpoints[index].0, "control plane answered after failing over");
+                    }
+                    return Ok(response.into_inner());
+                }
+                Err(status) => status,
+            };
+            if !resendable(&status, resend) {
+                return Err(status);
+            }
+            let now = Instant::now();
+            let deadline = *deadline.get_or_insert(now + self.failover_timeout);
+            if now >= deadline {
+                return Err(status);
+            }
+            failed += 1;
+            let next = self.fail_over(index);
+            tracing::warn!(op, failed = %self.endpoints[index].0, next = %self.endpoints[next].0,
+                error = %status.message(), "control plane did not answer; sending the call again");
+            if failed % self.endpoints.len() == 0 {
+                tokio::time::sleep(backoff.min(deadline - now)).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+        }
+    }
+
+    fn in_use(&self) -> (usize, Control) {
+        let current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        (current.0, current.1.clone())
+    }
+
+    /// Moves from control plane `failed` to the next one (unless another call already moved on)
+    /// and returns the one now in use. Its connection is made by the first call sent on it.
+    fn fail_over(&self, failed: usize) -> usize {
+        let mut current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if current.0 == failed {
+            let next = (failed + 1) % self.endpoints.len();
+            *current = (next, client(self.endpoints[next].1.connect_lazy()));
+        }
+        current.0
+    }
+}
+
+fn client(channel: Channel) -> Control {
+    ControlClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// Whether a call that failed with `status` may be sent again under `resend`.
+fn resendable(status: &Status, resend: Resend) -> bool {
+    if never_sent(status) {
+        return true;
+    }
+    match resend {
+        Resend::IfUnsent => false,
+        // What the control plane answers itself carries its own code (NotFound, Aborted, ...);
+        // these come from the connection: refused or broken (Unavailable, or Unknown for a
+        // stream cut short), or no answer within the RPC timeout (Cancelled, DeadlineExceeded).
+        Resend::Idempotent => {
+            matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded)
+        }
+    }
+}
+
+/// True when the call failed connecting, so no control plane saw it (tonic keeps the connect
+/// error as the status's source).
+fn never_sent(status: &Status) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(error) = source {
+        if error.is::<tonic::ConnectError>() {
+            return true;
+        }
+        source = error.source();
+    }
+    false
+}
+
+/// The error and its sources on one line (tonic's connect errors hide the cause in the chain).
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        // hyper and tonic often repeat their cause inside their own message.
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_of_the_control_plane_are_never_resent() {
+        for code in
+            [Code::NotFound, Code::AlreadyExists, Code::FailedPrecondition, Code::Aborted, Code::InvalidArgument]
+        {
+            let status = Status::new(code, "answer");
+            assert!(!resendable(&status, Resend::Idempotent), "{code:?}");
+            assert!(!resendable(&status, Resend::IfUnsent), "{code:?}");
+        }
+        let broken = Status::unavailable("connection reset");
+        assert!(resendable(&broken, Resend::Idempotent));
+        assert!(!resendable(&broken, Resend::IfUnsent), "it may have reached the control plane");
+    }
+}
