@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde_json::json;
 use starckpt_client::{
-    CheckpointInfo, CheckpointState, Client, ClientConfig, CommitState, RestoreOptions, RetentionPolicy, SavePart,
-    TargetState,
+    CheckpointInfo, CheckpointManifest, CheckpointState, Client, ClientConfig, CommitState, RestoreOptions,
+    RetentionPolicy, SavePart, TargetState,
 };
 use starckpt_server::control::ControlConfig;
 use starckpt_server::control::gc::GcConfig;
@@ -332,17 +332,45 @@ pub async fn restore(
     step: Option<u64>,
     to: &Path,
     force: bool,
+    from_tier: Option<&str>,
     out: &Output,
 ) -> anyhow::Result<()> {
-    let client = connect(server, None).await?;
-    let manifest = client.manifest(job, step).await?;
+    match from_tier {
+        None => {
+            let client = connect(server, None).await?;
+            let manifest = client.manifest(job, step).await?;
+            let concurrency = client.config().restore_concurrency;
+            restore_from(&client, &manifest, to, force, concurrency, out).await
+        }
+        Some(url) => {
+            let name = starckpt_proto::JobName::try_from(job)?;
+            let tier = starckpt_server::control::tier::Tier::open(url).await?;
+            let manifest = CheckpointManifest::from_response(tier.manifest(&name, step).await?)?;
+            // As many chunks in flight as a restore from the cluster.
+            let concurrency = ClientConfig::new(server).restore_concurrency;
+            restore_from(&tier, &manifest, to, force, concurrency, out).await
+        }
+    }
+}
+
+/// Restores `manifest` from `source` to `to`, with a progress bar; prints what it did.
+async fn restore_from(
+    source: &impl starckpt_client::ChunkSource,
+    manifest: &CheckpointManifest,
+    to: &Path,
+    force: bool,
+    concurrency: usize,
+    out: &Output,
+) -> anyhow::Result<()> {
+    let job = &manifest.info.job;
     let total = manifest.total_bytes();
     let bar = output::progress_bar(total, "restoring");
     let progress = Arc::new(starckpt_client::RestoreProgress::default());
     let verified = Arc::clone(&progress);
     let follow = output::follow(&bar, move || verified.verified_bytes.load(std::sync::atomic::Ordering::Relaxed));
     let started = Instant::now();
-    let result = client.restore_with_progress(&manifest, to, RestoreOptions { force }, progress).await;
+    let result =
+        starckpt_client::restore_from(source, manifest, to, RestoreOptions { force }, &progress, concurrency).await;
     drop(follow);
     bar.finish_and_clear();
     let outcome = result.with_context(|| format!("restore {job} step {} to {}", manifest.info.step, to.display()))?;

@@ -260,6 +260,11 @@ enum Command {
         /// Replace a non-empty destination.
         #[arg(long)]
         force: bool,
+        /// Read the checkpoint from this object-store tier (`s3://BUCKET/PREFIX`, `file:///DIR`:
+        /// the server's `--tier`) alone, with no control plane or target: for when the cluster
+        /// is gone. Only checkpoints a tier pass completed are there.
+        #[arg(long, value_name = "URL")]
+        from_tier: Option<String>,
     },
     /// Delete a checkpoint (its chunks are freed by the next garbage collection).
     Rm { job: String, step: u64 },
@@ -454,8 +459,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Ls { job, all } => commands::ls(&cli.server, job, all, &out).await,
         Command::Show { job, step } => commands::show(&cli.server, &job, step, &out).await,
         Command::Cat { job, step, path } => commands::cat(&cli.server, &job, step, &path).await,
-        Command::Restore { job, latest: _, step, to, force } => {
-            commands::restore(&cli.server, &job.job, step, &to, force, &out).await
+        Command::Restore { job, latest: _, step, to, force, from_tier } => {
+            commands::restore(&cli.server, &job.job, step, &to, force, from_tier.as_deref(), &out).await
         }
         Command::Rm { job, step } => commands::rm(&cli.server, &job, step).await,
         Command::Retention { job, keep_last, keep_every } => {

@@ -35,7 +35,7 @@ fn lose_every_target_copy_and_restore_from_the_tier(mut cluster: Cluster, store:
     let chunks = report["chunks_uploaded"].as_u64().unwrap();
     assert!(chunks >= 4, "{report}");
     assert_eq!(count(&store, "chunks"), chunks);
-    assert_eq!(count(&store, "checkpoints"), 1, "one rank's manifest");
+    assert_eq!(count(&store, "checkpoints"), 2, "one rank's manifest and the checkpoint's record");
     let listed = cluster.json(&["ls", "llm"]);
     assert!(listed[0]["tiered_at_ms"].as_u64().unwrap() > 0, "{listed}");
 
@@ -46,7 +46,7 @@ fn lose_every_target_copy_and_restore_from_the_tier(mut cluster: Cluster, store:
     let second = cluster.json(&["tier"]);
     assert_eq!((second["checkpoints_tiered"].as_u64(), second["chunks_uploaded"].as_u64()), (Some(1), Some(0)));
     assert_eq!(second["chunks_present"].as_u64(), Some(chunks), "{second}");
-    assert_eq!(count(&store, "checkpoints"), 2);
+    assert_eq!(count(&store, "checkpoints"), 4);
 
     // Every copy on every target is lost.
     for index in 0..cluster.targets.len() {
@@ -85,18 +85,29 @@ fn a_directory_tier_restores_what_every_target_lost() {
     lose_every_target_copy_and_restore_from_the_tier(cluster, store);
 }
 
-#[test]
-fn an_s3_tier_restores_what_every_target_lost() {
-    let Some((endpoint, bucket)) = starckpt_server::testing::fresh_s3_bucket("an_s3_tier").unwrap() else { return };
-    let env = [
+/// What the control plane and the CLI need to reach the tests' S3 server.
+fn s3_env(endpoint: &str) -> [(&'static str, &str); 5] {
+    [
         ("AWS_ACCESS_KEY_ID", "test"),
         ("AWS_SECRET_ACCESS_KEY", "test"),
         ("AWS_REGION", "us-east-1"),
-        ("AWS_ENDPOINT", endpoint.as_str()),
+        ("AWS_ENDPOINT", endpoint),
         ("AWS_ALLOW_HTTP", "true"),
-    ];
-    let url = format!("s3://{bucket}/cluster-a");
-    let cluster = Cluster::start_with_env(2, &["--tier", &url, "--tier-interval-secs", "0"], &env);
+    ]
+}
+
+/// A cluster tiering to a new bucket of the tests' S3 server, under prefix `cluster`: (cluster,
+/// tier URL, endpoint, bucket); None where the tests have no S3 server.
+fn s3_cluster(test: &str) -> Option<(Cluster, String, String, String)> {
+    let (endpoint, bucket) = starckpt_server::testing::fresh_s3_bucket(test).unwrap()?;
+    let url = format!("s3://{bucket}/cluster");
+    let cluster = Cluster::start_with_env(2, &["--tier", &url, "--tier-interval-secs", "0"], &s3_env(&endpoint));
+    Some((cluster, url, endpoint, bucket))
+}
+
+#[test]
+fn an_s3_tier_restores_what_every_target_lost() {
+    let Some((cluster, _, endpoint, bucket)) = s3_cluster("an_s3_tier") else { return };
     let s3 = object_store::aws::AmazonS3Builder::new()
         .with_endpoint(&endpoint)
         .with_allow_http(true)
@@ -106,8 +117,118 @@ fn an_s3_tier_restores_what_every_target_lost() {
         .with_bucket_name(&bucket)
         .build()
         .unwrap();
-    let store: Arc<dyn ObjectStore> = Arc::new(object_store::prefix::PrefixStore::new(s3, "cluster-a"));
+    let store: Arc<dyn ObjectStore> = Arc::new(object_store::prefix::PrefixStore::new(s3, "cluster"));
     lose_every_target_copy_and_restore_from_the_tier(cluster, store);
+}
+
+/// Runs the CLI with extra environment variables (a tier's credentials).
+fn cli_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let mut command = std::process::Command::new(common::BIN);
+    command.args(args);
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    command.output().unwrap()
+}
+
+/// Two checkpoints tiered, a third not; then the cluster is gone, database and targets: the tier
+/// alone restores what it holds, each chunk verified, and only complete checkpoints count.
+fn restore_from_the_tier_alone(cluster: Cluster, url: &str, env: &[(&str, &str)]) -> tempfile::TempDir {
+    let kept = tempfile::tempdir().unwrap();
+    let trees: Vec<_> = (1..=3u64)
+        .map(|step| {
+            let source = kept.path().join(format!("source-{step}"));
+            std::fs::create_dir_all(source.join("model")).unwrap();
+            std::fs::write(source.join("model/weights.bin"), random_bytes((6 << 20) + 11, step)).unwrap();
+            std::fs::write(source.join("step.txt"), step.to_string()).unwrap();
+            cluster.json(&["save", "--job", "llm", "--step", &step.to_string(), source.to_str().unwrap()]);
+            if step == 2 {
+                assert_eq!(cluster.json(&["tier"])["checkpoints_tiered"], 2);
+            }
+            source
+        })
+        .collect();
+    drop(cluster);
+
+    // No control plane answers at --server: none is asked.
+    let restore = |args: &[&str], to: &str| {
+        let to = kept.path().join(to);
+        let mut all = vec!["--server", "127.0.0.1:1", "restore", "--job", "llm", "--from-tier", url];
+        all.extend_from_slice(args);
+        all.extend(["--to", to.to_str().unwrap()]);
+        (cli_env(&all, env), to)
+    };
+    let (output, latest) = restore(&["--latest"], "latest");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(String::from_utf8_lossy(&output.stdout).contains("step 2"), "the untiered step 3 is not in the tier");
+    assert_eq!(tree(&trees[1]), tree(&latest));
+    let (output, first) = restore(&["--step", "1"], "first");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(tree(&trees[0]), tree(&first));
+    let (output, third) = restore(&["--step", "3"], "third");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("no complete checkpoint of llm at step 3"), "{stderr}");
+    assert!(!third.exists());
+    kept
+}
+
+#[test]
+fn a_directory_tier_alone_restores_when_the_cluster_is_gone() {
+    let tier = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", tier.path().display());
+    let cluster = Cluster::start_with(2, &["--tier", &url, "--tier-interval-secs", "0"]);
+    let kept = restore_from_the_tier_alone(cluster, &url, &[]);
+    let restore_latest = |job: &str, to: &str| {
+        let to = kept.path().join(to);
+        let args = ["restore", "--job", job, "--latest", "--from-tier", &url, "--to", to.to_str().unwrap()];
+        (cli_env(&args, &[]), to)
+    };
+
+    // A pass cut short before a checkpoint's record: that checkpoint does not count. With step
+    // 2's record gone, the latest complete checkpoint in the tier is step 1.
+    let records: Vec<_> = walk(tier.path()).into_iter().filter(|p| p.ends_with("checkpoint.info")).collect();
+    assert_eq!(records.len(), 2, "{records:?}");
+    let step_two = records.iter().find(|p| p.to_str().unwrap().contains(&format!("/{:020}-", 2))).unwrap();
+    std::fs::remove_file(step_two).unwrap();
+    let (output, to) = restore_latest("llm", "without-two");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(String::from_utf8_lossy(&output.stdout).contains("step 1"));
+    assert_eq!(tree(&kept.path().join("source-1")), tree(&to));
+
+    // Chunks that rotted in the tier fail the restore, named, and leave nothing behind.
+    let chunks = walk(&tier.path().join("chunks"));
+    for chunk in &chunks {
+        let mut bytes = std::fs::read(chunk).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 1;
+        std::fs::write(chunk, bytes).unwrap();
+    }
+    let (output, to) = restore_latest("llm", "rotted");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let named = chunks.iter().any(|c| stderr.contains(c.file_name().unwrap().to_str().unwrap()));
+    assert!(!output.status.success() && named && stderr.contains("tier"), "{stderr}");
+    assert!(!to.exists());
+
+    // No such job in the tier: a clear error.
+    let (output, _) = restore_latest("other", "other");
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(!output.status.success() && stderr.contains("no complete checkpoint of other"), "{stderr}");
+}
+
+/// Every file under `dir`.
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() { files.extend(walk(&path)) } else { files.push(path) }
+    }
+    files
+}
+
+#[test]
+fn an_s3_tier_alone_restores_when_the_cluster_is_gone() {
+    let Some((cluster, url, endpoint, _)) = s3_cluster("tier_alone") else { return };
+    restore_from_the_tier_alone(cluster, &url, &s3_env(&endpoint));
 }
 
 #[test]

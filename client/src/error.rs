@@ -30,6 +30,9 @@ pub enum Error {
     /// value, or a compressed copy does not decode).
     #[error("chunk {hash} from target {target_id} ({address}) failed its BLAKE3 check ({found})")]
     Checksum { hash: ChunkHash, found: String, target_id: String, address: String },
+    /// A chunk source other than the cluster (`ChunkSource`) could not give the chunk.
+    #[error("chunk {hash} from {from}: {message}")]
+    Source { hash: ChunkHash, from: String, message: String },
     #[error("no replica of chunk {hash} could be read: {last}")]
     ChunkUnavailable { hash: ChunkHash, last: Box<Error> },
     #[error("no storage target accepted chunk {hash}: {last}")]

@@ -45,7 +45,7 @@ use starckpt_proto::control::{self as pb};
 use control::{Control, ControlPlanes, Resend};
 pub use error::{Error, Result};
 pub use manager::{CheckpointManager, CheckpointPolicy, FinalReport, IfBusy, preemption_signal};
-pub use restore::{CheckpointManifest, RestoreOptions, RestoreOutcome, RestoreProgress};
+pub use restore::{CheckpointManifest, ChunkSource, RestoreOptions, RestoreOutcome, RestoreProgress, restore_from};
 pub use save::{
     CommitState, FillFn, Lent, SaveHandle, SaveItem, SaveOutcome, SavePart, SaveProgress, items_from_paths,
 };

@@ -89,7 +89,9 @@ impl CheckpointManifest {
     }
 
     /// Merges the ranks' parts; the same path in two parts is an error (ranks write disjoint files).
-    fn from_response(response: pb::GetManifestResponse) -> Result<CheckpointManifest> {
+    /// A checkpoint's manifest as the control plane (or the object-store tier) describes it:
+    /// every rank's part, checked to hold disjoint files.
+    pub fn from_response(response: pb::GetManifestResponse) -> Result<CheckpointManifest> {
         let info =
             response.checkpoint.ok_or_else(|| Error::InvalidInput("manifest response without checkpoint".into()))?;
         let mut files = Vec::new();
@@ -451,7 +453,7 @@ impl Client {
 
     /// Restores every file and directory of the checkpoint under `to`, which must not exist or be
     /// empty (unless `options.force`). Chunks are fetched in parallel and verified before they
-    /// are written; the tree appears at `to` only once complete.
+    /// are written; the tree appears at `to` only once complete ([`restore_from`]).
     pub async fn restore(
         &self,
         manifest: &CheckpointManifest,
@@ -468,107 +470,146 @@ impl Client {
         options: RestoreOptions,
         progress: Arc<RestoreProgress>,
     ) -> Result<RestoreOutcome> {
-        let existing = match std::fs::read_dir(to) {
-            Ok(mut entries) => Some(entries.next().is_some()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(Error::io("list", to)(e)),
-        };
-        if existing == Some(true) && !options.force {
-            return Err(Error::InvalidInput(format!(
-                "{} is not empty; restore into an empty directory or pass --force to replace it",
-                to.display()
-            )));
-        }
-        let name = to
-            .file_name()
-            .and_then(|n| n.to_str())
-            .ok_or_else(|| Error::InvalidInput(format!("{} has no directory name", to.display())))?;
-        let parent = match to.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        std::fs::create_dir_all(&parent).map_err(Error::io("create", &parent))?;
-        let staging = parent.join(format!(".{name}.starckpt-partial-{}", uuid::Uuid::new_v4().simple()));
-        // Removed on every way out (errors, a dropped future) unless it became the destination.
-        let guard = RemoveOnDrop(staging.clone());
-        self.restore_into(manifest, &staging, &progress).await?;
-        if existing.is_some() {
-            // Swap atomically: `to` is always either the old tree or the complete new one. The old
-            // tree ends up at the staging name, which the guard removes.
-            exchange(&staging, to).map_err(Error::io("swap into place", to))?;
-        } else {
-            std::fs::rename(&staging, to).map_err(Error::io("rename into place", to))?;
-            std::mem::forget(guard);
-        }
-        std::fs::File::open(&parent).and_then(|d| d.sync_all()).map_err(Error::io("fsync", &parent))?;
-        Ok(RestoreOutcome { files: manifest.files.len(), bytes: manifest.total_bytes() })
+        restore_from(self, manifest, to, options, &progress, self.inner.config.restore_concurrency).await
     }
+}
 
-    async fn restore_into(&self, manifest: &CheckpointManifest, root: &Path, progress: &RestoreProgress) -> Result<()> {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::create_dir(root).map_err(Error::io("create", root))?;
-        let mut dirs = std::collections::BTreeSet::from([root.to_path_buf()]);
-        for dir in &manifest.directories {
-            let path = dir.under(root);
-            std::fs::create_dir_all(&path).map_err(Error::io("create", &path))?;
-            dirs.extend(path.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
+/// Where a restore reads a checkpoint's chunks: the cluster's targets ([`Client`]), or the
+/// object-store tier when the cluster is gone (`starckpt restore --from-tier`).
+pub trait ChunkSource: Sync {
+    /// The chunk's bytes, verified against its hash; an error names the chunk and the source.
+    fn read_chunk(&self, manifest: &CheckpointManifest, chunk: &ChunkRef)
+    -> impl Future<Output = Result<Bytes>> + Send;
+}
+
+impl ChunkSource for Client {
+    fn read_chunk(
+        &self,
+        manifest: &CheckpointManifest,
+        chunk: &ChunkRef,
+    ) -> impl Future<Output = Result<Bytes>> + Send {
+        Client::read_chunk(self, manifest, chunk)
+    }
+}
+
+/// Restores every file and directory of the checkpoint under `to` from `source`, `concurrency`
+/// chunks at a time; see [`Client::restore`]. `to` must not exist or be empty unless
+/// `options.force`; the tree is built beside it, made durable, and renamed (or swapped) into
+/// place, so `to` never holds a partial restore.
+pub async fn restore_from(
+    source: &impl ChunkSource,
+    manifest: &CheckpointManifest,
+    to: &Path,
+    options: RestoreOptions,
+    progress: &RestoreProgress,
+    concurrency: usize,
+) -> Result<RestoreOutcome> {
+    let existing = match std::fs::read_dir(to) {
+        Ok(mut entries) => Some(entries.next().is_some()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(Error::io("list", to)(e)),
+    };
+    if existing == Some(true) && !options.force {
+        return Err(Error::InvalidInput(format!(
+            "{} is not empty; restore into an empty directory or pass --force to replace it",
+            to.display()
+        )));
+    }
+    let name = to
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| Error::InvalidInput(format!("{} has no directory name", to.display())))?;
+    let parent = match to.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(Error::io("create", &parent))?;
+    let staging = parent.join(format!(".{name}.starckpt-partial-{}", uuid::Uuid::new_v4().simple()));
+    // Removed on every way out (errors, a dropped future) unless it became the destination.
+    let guard = RemoveOnDrop(staging.clone());
+    restore_into(source, manifest, &staging, progress, concurrency).await?;
+    if existing.is_some() {
+        // Swap atomically: `to` is always either the old tree or the complete new one. The old
+        // tree ends up at the staging name, which the guard removes.
+        exchange(&staging, to).map_err(Error::io("swap into place", to))?;
+    } else {
+        std::fs::rename(&staging, to).map_err(Error::io("rename into place", to))?;
+        std::mem::forget(guard);
+    }
+    std::fs::File::open(&parent).and_then(|d| d.sync_all()).map_err(Error::io("fsync", &parent))?;
+    Ok(RestoreOutcome { files: manifest.files.len(), bytes: manifest.total_bytes() })
+}
+
+async fn restore_into(
+    source: &impl ChunkSource,
+    manifest: &CheckpointManifest,
+    root: &Path,
+    progress: &RestoreProgress,
+    concurrency: usize,
+) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir(root).map_err(Error::io("create", root))?;
+    let mut dirs = std::collections::BTreeSet::from([root.to_path_buf()]);
+    for dir in &manifest.directories {
+        let path = dir.under(root);
+        std::fs::create_dir_all(&path).map_err(Error::io("create", &path))?;
+        dirs.extend(path.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
+    }
+    // Files are created up front and opened again per chunk write, so a checkpoint with more
+    // files than the descriptor limit still restores.
+    let mut paths = Vec::with_capacity(manifest.files.len());
+    for file in &manifest.files {
+        let path = file.path.under(root);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(Error::io("create", parent))?;
+            dirs.extend(parent.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
         }
-        // Files are created up front and opened again per chunk write, so a checkpoint with more
-        // files than the descriptor limit still restores.
-        let mut paths = Vec::with_capacity(manifest.files.len());
-        for file in &manifest.files {
-            let path = file.path.under(root);
-            if let Some(parent) = path.parent() {
-                std::fs::create_dir_all(parent).map_err(Error::io("create", parent))?;
-                dirs.extend(parent.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
-            }
-            let handle = std::fs::File::create(&path).map_err(Error::io("create", &path))?;
-            handle.set_len(file.size_bytes).map_err(Error::io("size", &path))?;
-            if file.mode != 0 {
-                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(file.mode))
-                    .map_err(Error::io("chmod", &path))?;
-            }
-            paths.push(Arc::new(path));
+        let handle = std::fs::File::create(&path).map_err(Error::io("create", &path))?;
+        handle.set_len(file.size_bytes).map_err(Error::io("size", &path))?;
+        if file.mode != 0 {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(file.mode))
+                .map_err(Error::io("chmod", &path))?;
         }
-        let work = manifest.files.iter().zip(&paths).flat_map(|(file, path)| {
-            let mut offset = 0u64;
-            file.chunks.iter().map(move |chunk| {
-                let start = offset;
-                offset += chunk.length_bytes;
-                (chunk, start, Arc::clone(path))
-            })
-        });
-        let mut writes = futures::stream::iter(work.map(|(chunk, start, path)| async move {
-            let data = self.read_chunk(manifest, chunk).await?;
-            let len = data.len() as u64;
-            tokio::task::spawn_blocking(move || {
-                use std::os::unix::fs::FileExt;
-                let file = std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(path.as_ref())
-                    .map_err(Error::io("open", path.as_ref()))?;
-                file.write_all_at(&data, start).map_err(Error::io("write", path.as_ref()))
-            })
-            .await
-            .map_err(|e| Error::Cancelled(e.to_string()))??;
-            progress.verified_bytes.fetch_add(len, Ordering::Relaxed);
-            Ok::<(), Error>(())
-        }))
-        .buffer_unordered(self.inner.config.restore_concurrency.max(1));
-        while let Some(result) = writes.next().await {
-            result?;
-        }
-        drop(writes);
-        // Durable before it is renamed into place: a crash must not leave a restore that looks
-        // complete but has holes.
+        paths.push(Arc::new(path));
+    }
+    let work = manifest.files.iter().zip(&paths).flat_map(|(file, path)| {
+        let mut offset = 0u64;
+        file.chunks.iter().map(move |chunk| {
+            let start = offset;
+            offset += chunk.length_bytes;
+            (chunk, start, Arc::clone(path))
+        })
+    });
+    let mut writes = futures::stream::iter(work.map(|(chunk, start, path)| async move {
+        let data = source.read_chunk(manifest, chunk).await?;
+        let len = data.len() as u64;
         tokio::task::spawn_blocking(move || {
-            for path in paths.iter().map(|p| p.as_path()).chain(dirs.iter().map(PathBuf::as_path)) {
-                std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(Error::io("fsync", path))?;
-            }
-            Ok::<(), Error>(())
+            use std::os::unix::fs::FileExt;
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(path.as_ref())
+                .map_err(Error::io("open", path.as_ref()))?;
+            file.write_all_at(&data, start).map_err(Error::io("write", path.as_ref()))
         })
         .await
         .map_err(|e| Error::Cancelled(e.to_string()))??;
-        Ok(())
+        progress.verified_bytes.fetch_add(len, Ordering::Relaxed);
+        Ok::<(), Error>(())
+    }))
+    .buffer_unordered(concurrency.max(1));
+    while let Some(result) = writes.next().await {
+        result?;
     }
+    drop(writes);
+    // Durable before it is renamed into place: a crash must not leave a restore that looks
+    // complete but has holes.
+    tokio::task::spawn_blocking(move || {
+        for path in paths.iter().map(|p| p.as_path()).chain(dirs.iter().map(PathBuf::as_path)) {
+            std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(Error::io("fsync", path))?;
+        }
+        Ok::<(), Error>(())
+    })
+    .await
+    .map_err(|e| Error::Cancelled(e.to_string()))??;
+    Ok(())
 }

@@ -121,7 +121,9 @@ fn error_class(err: &sdk::Error) -> &'static str {
         E::Target { .. } => "TargetError",
         E::Checksum { .. } => "ChecksumError",
         E::ChunkUnavailable { .. } if err.is_checksum() => "ChecksumError",
-        E::ChunkUnavailable { .. } | E::NoTarget { .. } | E::Underreplicated { .. } => "UnavailableError",
+        E::ChunkUnavailable { .. } | E::NoTarget { .. } | E::Underreplicated { .. } | E::Source { .. } => {
+            "UnavailableError"
+        }
         E::Invalid(_) | E::InvalidInput(_) => "InvalidInputError",
         E::Io { .. } => "StarckptIOError",
         E::Cancelled(_) => "CancelledError",

@@ -9,17 +9,26 @@
 //!   checkpoints/<job>/<step, 20 digits>-<checkpoint id>/rank-<6 digits>.manifest
 //!                                                        a rank's manifest (prost
 //!                                                        starckpt.control.v1.Manifest), as committed
+//!   checkpoints/<job>/<step, 20 digits>-<checkpoint id>/checkpoint.info
+//!                                                        the checkpoint's record (prost
+//!                                                        CheckpointInfo: world size, sizes, times),
+//!                                                        written after every chunk and manifest
 //! ```
+//!
+//! The tier is enough to restore from when the cluster is gone, metadata and targets
+//! (`starckpt restore --from-tier`, [`Tier::manifest`]): a checkpoint whose `checkpoint.info` is
+//! there has every chunk and manifest there, and each chunk read back is verified. Until the next
+//! sweep, the tier may still hold checkpoints the cluster has deleted since.
 //!
 //! A pass (the RPC `Tier`, and every `--tier-interval-secs`):
 //!
 //! 1. **Upload.** Each committed checkpoint not yet tiered, oldest commit first: every chunk it
 //!    names that the tier lacks (HEAD) is read from a live target holding a verified copy and PUT,
-//!    a few at once, at most `--tier-mib-per-sec`; then its manifests; then it is marked tiered
+//!    a few at once, at most `--tier-mib-per-sec`; then its manifests and record; then it is marked tiered
 //!    (`CheckpointRecord::tiered_at_ms`, `starckpt ls`). A checkpoint a chunk of which no target can
 //!    provide stays untiered (the pass says so) and is retried by the next pass.
-//! 2. **Sweep.** Objects no committed checkpoint needs are deleted: chunks none names, manifests of
-//!    checkpoints no longer committed (retention, `starckpt rm`). A sweep lists the whole tier,
+//! 2. **Sweep.** Objects no committed checkpoint needs are deleted: chunks none names, manifests
+//!    and records of checkpoints no longer committed (retention, `starckpt rm`). A sweep lists the whole tier,
 //!    so background passes sweep only after a tiered checkpoint was deleted
 //!    ([`MetaStore::tiered_gone`]); `starckpt tier` always does.
 //!
@@ -68,6 +77,8 @@ use super::store::{CheckpointRecord, MetaError, MetaResult, MetaStore, Role, Tar
 
 const CHUNKS: &str = "chunks";
 const CHECKPOINTS: &str = "checkpoints";
+/// A tiered checkpoint's record, the last object of it written.
+const INFO: &str = "checkpoint.info";
 /// Chunks a pass reads and uploads at once.
 const UPLOADS: usize = 4;
 
@@ -170,9 +181,81 @@ impl Tier {
         Path::from_iter([CHUNKS, &hash.to_hex()])
     }
 
-    fn manifest_path(checkpoint: &CheckpointRecord, rank: u32) -> Path {
-        let dir = format!("{:020}-{}", checkpoint.step, checkpoint.id);
-        Path::from_iter([CHECKPOINTS, checkpoint.job.as_str(), &dir, &format!("rank-{rank:06}.manifest")])
+    fn checkpoint_path(job: &str, step: u64, id: u64, file: &str) -> Path {
+        Path::from_iter([CHECKPOINTS, job, &format!("{step:020}-{id}"), file])
+    }
+
+    fn manifest_path(job: &str, step: u64, id: u64, rank: u32) -> Path {
+        Tier::checkpoint_path(job, step, id, &format!("rank-{rank:06}.manifest"))
+    }
+
+    /// The manifest of `job`'s checkpoint at `step` (None: the highest step) read from the tier
+    /// alone, as the control plane would answer it (with no targets: the chunks are read from
+    /// the tier). Only checkpoints whose record is in the tier count (module docs).
+    pub async fn manifest(&self, job: &JobName, step: Option<u64>) -> anyhow::Result<pb::GetManifestResponse> {
+        let listed: Vec<_> = self
+            .store
+            .list(Some(&Path::from_iter([CHECKPOINTS, job.as_str()])))
+            .try_collect()
+            .await
+            .map_err(|e| anyhow::anyhow!("object-store tier {}: listing {job}: {e}", self.url))?;
+        // (step, id) of each complete checkpoint; a step saved again after a delete the sweep
+        // has not caught up with yet: the later attempt (higher id).
+        let found = listed
+            .iter()
+            .filter_map(|meta| {
+                let parts: Vec<String> = meta.location.parts().map(|p| p.as_ref().to_owned()).collect();
+                let [_, _, dir, file] = parts.as_slice() else { return None };
+                let (step, id) = dir.split_once('-')?;
+                (file == INFO).then_some((step.parse::<u64>().ok()?, id.parse::<u64>().ok()?))
+            })
+            .filter(|(found, _)| step.is_none_or(|wanted| wanted == *found))
+            .max();
+        let Some((found_step, id)) = found else {
+            let which = step.map_or(String::new(), |s| format!(" at step {s}"));
+            anyhow::bail!("the object-store tier {} holds no complete checkpoint of {job}{which}", self.url);
+        };
+        let info: pb::CheckpointInfo =
+            self.get_message(&Tier::checkpoint_path(job.as_str(), found_step, id, INFO), 1 << 20).await?;
+        if info.job != job.as_str() || info.step != found_step || info.checkpoint_id != id {
+            anyhow::bail!(
+                "object-store tier {}: the record of {job} step {found_step} (id {id}) names {} step {} (id {})",
+                self.url,
+                info.job,
+                info.step,
+                info.checkpoint_id
+            );
+        }
+        if info.world_size == 0 || info.world_size > starckpt_proto::model::MAX_WORLD_SIZE {
+            anyhow::bail!("object-store tier {}: {job} step {found_step} has world size {}", self.url, info.world_size);
+        }
+        let mut parts = Vec::with_capacity(info.world_size as usize);
+        let mut budget = starckpt_proto::model::MAX_CHECKPOINT_MANIFEST_BYTES;
+        for rank in 0..info.world_size {
+            let path = Tier::manifest_path(job.as_str(), found_step, id, rank);
+            let (manifest, size) = self.get_message_sized::<pb::Manifest>(&path, budget).await?;
+            budget -= size;
+            parts.push(pb::RankManifest { rank, manifest: Some(manifest) });
+        }
+        Ok(pb::GetManifestResponse { checkpoint: Some(info), parts, targets: vec![] })
+    }
+
+    /// Reads and decodes the prost message at `path`, of at most `limit` bytes.
+    async fn get_message<M: Message + Default>(&self, path: &Path, limit: u64) -> anyhow::Result<M> {
+        Ok(self.get_message_sized(path, limit).await?.0)
+    }
+
+    /// [`Tier::get_message`], and the object's size.
+    async fn get_message_sized<M: Message + Default>(&self, path: &Path, limit: u64) -> anyhow::Result<(M, u64)> {
+        let what = |e: &dyn std::fmt::Display| anyhow::anyhow!("object-store tier {}: {path}: {e}", self.url);
+        let result = self.store.get(path).await.map_err(|e| what(&e))?;
+        if result.meta.size > limit {
+            return Err(what(&format!("{} bytes, over the {limit} byte limit", result.meta.size)));
+        }
+        let size = result.meta.size;
+        let bytes = result.bytes().await.map_err(|e| what(&e))?;
+        let message = M::decode(bytes).map_err(|e| what(&e))?;
+        Ok((message, size))
     }
 
     async fn has_chunk(&self, hash: ChunkHash) -> TierResult<bool> {
@@ -197,6 +280,27 @@ impl Tier {
             return Err(format!("the tier's copy of {hash} is {} bytes hashing to {actual}", bytes.len()));
         }
         Ok(Some(bytes))
+    }
+}
+
+/// Restoring with no cluster (`starckpt restore --from-tier`): chunks read from the tier, each
+/// verified against its hash and length.
+impl starckpt_client::ChunkSource for Tier {
+    async fn read_chunk(
+        &self,
+        _manifest: &starckpt_client::CheckpointManifest,
+        chunk: &ChunkRef,
+    ) -> starckpt_client::Result<Bytes> {
+        let failed = |message: String| starckpt_client::Error::Source {
+            hash: chunk.hash,
+            from: format!("the object-store tier {}", self.url),
+            message,
+        };
+        match self.get_chunk(chunk.hash, chunk.length_bytes).await {
+            Ok(Some(bytes)) => Ok(bytes),
+            Ok(None) => Err(failed("not there".into())),
+            Err(message) => Err(failed(message)),
+        }
     }
 }
 
@@ -321,14 +425,22 @@ impl Upload<'_> {
         }
         drop(outcomes);
         self.present.extend(seen);
+        let (job, step, id) = (checkpoint.job.as_str(), checkpoint.step, checkpoint.id);
         for (rank, manifest) in &parts {
             let bytes = pb::Manifest::from(manifest).encode_to_vec();
             self.tier
                 .store
-                .put(&Tier::manifest_path(checkpoint, *rank), PutPayload::from(bytes))
+                .put(&Tier::manifest_path(job, step, id, *rank), PutPayload::from(bytes))
                 .await
                 .map_err(|e| format!("manifest of rank {rank}: {e}"))?;
         }
+        // Last: its presence says the rest is there (module docs).
+        let info = super::service::checkpoint_info(checkpoint).encode_to_vec();
+        self.tier
+            .store
+            .put(&Tier::checkpoint_path(job, step, id, INFO), PutPayload::from(info))
+            .await
+            .map_err(|e| format!("checkpoint record: {e}"))?;
         Ok(true)
     }
 
@@ -396,15 +508,28 @@ async fn sweep(store: &dyn MetaStore, tier: &Tier, report: &mut TierReport) -> R
         futures::future::ready(Ok(unneeded.then_some(meta.location)))
     });
     report.chunks_deleted = delete_all(tier, garbage_chunks.boxed()).await?;
-    let garbage_manifests = tier.store.list(Some(&Path::from(CHECKPOINTS))).try_filter_map(|meta| {
-        let parts: Vec<String> = meta.location.parts().map(|p| p.as_ref().to_owned()).collect();
-        let unneeded = match parts.as_slice() {
-            [_, job, dir, file] if file.ends_with(".manifest") => !committed.contains(&(job.clone(), dir.clone())),
-            _ => false,
-        };
-        futures::future::ready(Ok(unneeded.then_some(meta.location)))
-    });
-    report.manifests_deleted = delete_all(tier, garbage_manifests.boxed()).await?;
+    // Records first: a checkpoint whose record is gone is no longer restorable from the tier
+    // alone, before any of its manifests goes.
+    let garbage: Vec<(bool, Path)> = tier
+        .store
+        .list(Some(&Path::from(CHECKPOINTS)))
+        .try_filter_map(|meta| {
+            let parts: Vec<String> = meta.location.parts().map(|p| p.as_ref().to_owned()).collect();
+            let unneeded = match parts.as_slice() {
+                [_, job, dir, file] if file.ends_with(".manifest") || file == INFO => {
+                    (!committed.contains(&(job.clone(), dir.clone()))).then_some(file != INFO)
+                }
+                _ => None,
+            };
+            futures::future::ready(Ok(unneeded.map(|manifest| (manifest, meta.location))))
+        })
+        .try_collect()
+        .await
+        .map_err(|e| e.to_string())?;
+    let (manifests, records): (Vec<_>, Vec<_>) = garbage.into_iter().partition(|(manifest, _)| *manifest);
+    delete_all(tier, futures::stream::iter(records.into_iter().map(|(_, path)| Ok(path))).boxed()).await?;
+    report.manifests_deleted =
+        delete_all(tier, futures::stream::iter(manifests.into_iter().map(|(_, path)| Ok(path))).boxed()).await?;
     store.finish_tier_sweep(sweep).await.map_err(|e| e.to_string())
 }
 
