@@ -83,10 +83,12 @@ fn a_cluster_keeps_its_checkpoints_in_postgres() {
     assert_eq!(tree(&one), tree(&older));
 }
 
-/// Starts `starckpt server` on `db` and expects it to exit with an error within 30 s; its stderr.
-fn server_refuses(db: &str) -> String {
+/// Starts `starckpt server` on `db` (with `extra` flags) and expects it to exit with an error
+/// within 30 s; its stderr.
+fn server_refuses(db: &str, extra: &[&str]) -> String {
     let mut child = std::process::Command::new(BIN)
         .args(["server", "--listen", "127.0.0.1:0", "--db", db])
+        .args(extra)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -140,13 +142,28 @@ fn the_control_plane_talks_verified_tls_to_postgres() {
     let server_cert = Path::new(&ca).with_file_name("server.crt");
     wrong_ca.query_pairs_mut().clear().append_pair("sslmode", "verify-full");
     wrong_ca.query_pairs_mut().append_pair("sslrootcert", server_cert.to_str().unwrap());
-    let error = server_refuses(wrong_ca.as_str());
+    let error = server_refuses(wrong_ca.as_str(), &[]);
     assert!(error.contains("UnknownIssuer"), "{error}");
     // Without TLS, this server refuses the connection, and the error says so.
     let mut plain = url.clone();
     plain.query_pairs_mut().clear().append_pair("sslmode", "disable");
-    let error = server_refuses(plain.as_str());
+    let error = server_refuses(plain.as_str(), &[]);
     assert!(error.contains("no encryption"), "{error}");
+}
+
+#[test]
+fn control_planes_sharing_postgres_must_agree_on_their_settings() {
+    let Some(db) = database("control_planes_sharing_postgres_must_agree_on_their_settings") else { return };
+    let cluster = Cluster::start_ha(&db, 1, 1);
+    // GC's safety rests on every control plane refusing commits past the same pending timeout.
+    let error = server_refuses(&db, &["--pending-timeout-secs", "300"]);
+    assert!(error.contains("must agree") && error.contains("pending timeout of 1800 s"), "{error}");
+    let error = server_refuses(&db, &["--gc-grace-secs", "7200"]);
+    assert!(error.contains("GC grace of 3600 s"), "{error}");
+    // The same settings: it serves beside the first.
+    let second = common::start_server_on(cluster.dir.path(), &db, &[]);
+    let status = cli_with_server(&second.address, &["status", "--json"]);
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
 }
 
 #[test]

@@ -99,6 +99,15 @@ CREATE TABLE IF NOT EXISTS tier_sweeps (
     finished BIGINT NOT NULL
 );
 
+-- The control planes serving this database (several share a PostgreSQL one), by host and port,
+-- with the settings they must agree on (service.rs `join`) and when each was last seen.
+CREATE TABLE IF NOT EXISTS control_planes (
+    id                 TEXT PRIMARY KEY,
+    pending_timeout_ms BIGINT NOT NULL,
+    gc_grace_ms        BIGINT NOT NULL,
+    seen_at_ms         BIGINT NOT NULL
+);
+
 -- Tags pin committed checkpoints: retention never deletes a tagged one.
 CREATE TABLE IF NOT EXISTS tags (
     checkpoint_id BIGINT NOT NULL REFERENCES checkpoints (id),

@@ -18,7 +18,8 @@ use tonic::{Request, Response, Status};
 use super::gc::{self, GcConfig, GcReport};
 use super::repair::{self, LastRepair, RepairConfig, RepairReport};
 use super::store::{
-    CheckpointRecord, CheckpointState, MetaError, MetaStore, RetentionPolicy, TargetRecord, fault, now_ms,
+    CheckpointRecord, CheckpointState, ControlPlaneMember, MetaError, MetaStore, RetentionPolicy, TargetRecord, fault,
+    now_ms,
 };
 use super::tier::{self, Tier, TierConfig, TierReport};
 
@@ -566,6 +567,25 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     config.gc.validate(config.pending_timeout).map_err(anyhow::Error::msg)?;
+    let member = ControlPlaneMember {
+        id: format!("{}:{}", host_name(), listener.local_addr()?.port()),
+        pending_timeout_ms: config.pending_timeout.as_millis() as u64,
+        gc_grace_ms: config.gc.grace.as_millis() as u64,
+    };
+    // Where control planes may share the database (PostgreSQL), they must agree on settings and
+    // on the time. SQLite is one host's: a control plane restarted with other settings (or on
+    // another port) is the only one.
+    let shared = check_clock(&*store).await?;
+    if shared {
+        join(&*store, &member).await.map_err(anyhow::Error::msg)?;
+    }
+    let membership = every(shared.then_some(MEMBER_REFRESH), "membership", {
+        let (store, member) = (Arc::clone(&store), member.clone());
+        move || {
+            let (store, member) = (Arc::clone(&store), member.clone());
+            async move { join(&*store, &member).await.map_err(MetaError::FailedPrecondition) }
+        }
+    });
     let reaper = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(reap_stale_pending(
         Arc::clone(&store),
         config.pending_timeout,
@@ -573,7 +593,7 @@ pub async fn run(
     let gc_interval = config.gc_interval;
     let repair_interval = config.repair_interval;
     let tier_interval = config.tier.as_ref().and(config.tier_interval);
-    let service = ControlService::new(store, config);
+    let service = ControlService::new(Arc::clone(&store), config);
     let collector = Arc::clone(&service.collector);
     let periodic_repair = every(repair_interval, "re-replication", {
         let collector = Arc::clone(&collector);
@@ -602,8 +622,63 @@ pub async fn run(
         .add_service(service)
         .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
         .await?;
-    drop((reaper, periodic_gc, periodic_repair, periodic_tier));
+    drop((membership, reaper, periodic_gc, periodic_repair, periodic_tier));
+    if shared && let Err(error) = store.leave_control_planes(&member.id).await {
+        tracing::warn!(%error, "could not remove this control plane from the database's list");
+    }
     Ok(())
+}
+
+/// A control plane not seen for this long is gone: its settings no longer bind one starting.
+const MEMBER_LIVE: Duration = Duration::from_secs(60);
+/// How often a control plane records that it is alive.
+const MEMBER_REFRESH: Duration = Duration::from_secs(10);
+/// Most a control plane's clock may differ from its PostgreSQL server's. Control planes compare
+/// times each other wrote (a commit's age against the pending timeout, which GC's grace exceeds by
+/// at least 60 s, `gc.rs`): two within this of the database are within twice this of each other.
+pub const MAX_CLOCK_SKEW: Duration = Duration::from_secs(10);
+
+/// Records `member` among the database's control planes, refusing (the message says why) when a
+/// live one runs with other settings.
+async fn join(store: &dyn MetaStore, member: &ControlPlaneMember) -> Result<(), String> {
+    let now = now_ms();
+    let live_since = now.saturating_sub(MEMBER_LIVE.as_millis() as u64);
+    store.join_control_planes(member, now, live_since).await.map_err(|e| e.to_string())
+}
+
+/// Refuses to serve a database shared across hosts (PostgreSQL) from a host whose clock is more
+/// than [`MAX_CLOCK_SKEW`] off the database server's. Whether the database is such a one.
+async fn check_clock(store: &dyn MetaStore) -> anyhow::Result<bool> {
+    let before = now_ms();
+    let Some(database) = store.database_clock_ms().await? else { return Ok(false) };
+    let after = now_ms();
+    clock_skew(before / 2 + after / 2, database).map_err(anyhow::Error::msg)?;
+    Ok(true)
+}
+
+/// Err when `local_ms` and `database_ms` (read at the same moment) differ by more than
+/// [`MAX_CLOCK_SKEW`].
+fn clock_skew(local_ms: u64, database_ms: u64) -> Result<(), String> {
+    let skew = local_ms.abs_diff(database_ms);
+    if skew > MAX_CLOCK_SKEW.as_millis() as u64 {
+        let side = if local_ms > database_ms { "ahead of" } else { "behind" };
+        return Err(format!(
+            "this host's clock is {:.1} s {side} the database server's; control planes sharing a database \
+             compare times each other wrote, so each must be within {} s of it (run chrony or ntpd)",
+            skew as f64 / 1000.0,
+            MAX_CLOCK_SKEW.as_secs()
+        ));
+    }
+    Ok(())
+}
+
+/// This host's name (the kernel's), for naming this control plane in the database.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_owned())
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".into())
 }
 
 /// Runs `pass` every `interval` (never when None) until the returned handle is dropped; a failed
@@ -645,5 +720,19 @@ async fn reap_stale_pending(store: Arc<dyn MetaStore>, timeout: Duration) {
             }
             Err(error) => tracing::error!(%error, "pending-checkpoint reaper failed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn clocks_apart_by_more_than_the_bound_are_refused() {
+        let bound = super::MAX_CLOCK_SKEW.as_millis() as u64;
+        assert!(super::clock_skew(1_000_000, 1_000_000 + bound).is_ok());
+        assert!(super::clock_skew(1_000_000 + bound, 1_000_000).is_ok());
+        let behind = super::clock_skew(1_000_000, 1_000_001 + bound).unwrap_err();
+        assert!(behind.contains("behind"), "{behind}");
+        let ahead = super::clock_skew(1_000_001 + bound, 1_000_000).unwrap_err();
+        assert!(ahead.contains("ahead of"), "{ahead}");
     }
 }

@@ -36,8 +36,8 @@ use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest,
 use starckpt_proto::{ChunkHash, JobName};
 
 use super::store::{
-    CheckpointRecord, CheckpointState, CommittedChunk, JobRecord, Leadership, LeaseGrant, MetaError, MetaResult,
-    MetaStore, RetentionPolicy, Role, TargetRecord, TierSweeps, fault,
+    CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, JobRecord, Leadership, LeaseGrant,
+    MetaError, MetaResult, MetaStore, RetentionPolicy, Role, TargetRecord, TierSweeps, fault,
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
@@ -967,6 +967,69 @@ impl MetaStore for SqlStore {
         u64::try_from(started).map_err(|_| MetaError::Corrupt(format!("tier sweep {started}")))
     }
 
+    async fn join_control_planes(
+        &self,
+        member: &ControlPlaneMember,
+        now_ms: u64,
+        live_since_ms: u64,
+    ) -> MetaResult<()> {
+        let mut tx = self.write().await?;
+        let other = sqlx::query(
+            "SELECT id, pending_timeout_ms, gc_grace_ms, seen_at_ms FROM control_planes
+             WHERE id <> $1 AND seen_at_ms >= $2 AND (pending_timeout_ms <> $3 OR gc_grace_ms <> $4)
+             ORDER BY seen_at_ms DESC LIMIT 1",
+        )
+        .bind(&member.id)
+        .bind(to_i64(live_since_ms, "time")?)
+        .bind(to_i64(member.pending_timeout_ms, "pending timeout")?)
+        .bind(to_i64(member.gc_grace_ms, "GC grace")?)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(row) = other {
+            let id: String = row.try_get("id")?;
+            return Err(MetaError::FailedPrecondition(format!(
+                "control plane {id} (seen {} s ago) serves this database with a pending timeout of {} s and a GC \
+                 grace of {} s; this one was started with {} s and {} s. Control planes sharing a database \
+                 must agree on both: start them all with the same --pending-timeout-secs and --gc-grace-secs",
+                now_ms.saturating_sub(get_u64(&row, "seen_at_ms")?) / 1000,
+                get_u64(&row, "pending_timeout_ms")? / 1000,
+                get_u64(&row, "gc_grace_ms")? / 1000,
+                member.pending_timeout_ms / 1000,
+                member.gc_grace_ms / 1000,
+            )));
+        }
+        sqlx::query(
+            "INSERT INTO control_planes (id, pending_timeout_ms, gc_grace_ms, seen_at_ms) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (id) DO UPDATE SET pending_timeout_ms = excluded.pending_timeout_ms,
+                 gc_grace_ms = excluded.gc_grace_ms, seen_at_ms = excluded.seen_at_ms",
+        )
+        .bind(&member.id)
+        .bind(to_i64(member.pending_timeout_ms, "pending timeout")?)
+        .bind(to_i64(member.gc_grace_ms, "GC grace")?)
+        .bind(to_i64(now_ms, "time")?)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn leave_control_planes(&self, id: &str) -> MetaResult<()> {
+        let mut tx = self.write().await?;
+        sqlx::query("DELETE FROM control_planes WHERE id = $1").bind(id).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn database_clock_ms(&self) -> MetaResult<Option<u64>> {
+        if self.dialect != Dialect::Postgres {
+            return Ok(None);
+        }
+        let clock: i64 = sqlx::query_scalar("SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)")
+            .fetch_one(&self.reader)
+            .await?;
+        Ok(Some(clock.max(0) as u64))
+    }
+
     async fn finish_tier_sweep(&self, sweep: u64) -> MetaResult<()> {
         let mut tx = self.write().await?;
         sqlx::query("UPDATE tier_sweeps SET finished = $1 WHERE id = 1 AND finished < $1")
@@ -1041,6 +1104,7 @@ mod tests {
         committed_chunks,
         live_chunks,
         tiering,
+        control_plane_settings,
     );
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -236,6 +236,25 @@ pub trait MetaStore: Send + Sync + 'static {
     /// another process of a database shared by several control planes holds it (one at a time:
     /// tiering's safety rests on it, `tier.rs`). A holder that dies loses it.
     async fn try_lead(&self, role: Role) -> MetaResult<Option<Leadership>>;
+    /// Records control plane `member.id` and when it was seen, unless another control plane seen
+    /// at or after `live_since_ms` runs with other settings: FailedPrecondition naming it (GC's
+    /// safety and the reaper assume every control plane of a database shares them, `gc.rs`).
+    async fn join_control_planes(&self, member: &ControlPlaneMember, now_ms: u64, live_since_ms: u64)
+    -> MetaResult<()>;
+    /// Forgets control plane `id` (it is shutting down).
+    async fn leave_control_planes(&self, id: &str) -> MetaResult<()>;
+    /// The database server's clock, where control planes on other hosts share the database
+    /// (PostgreSQL); None for SQLite, which one host serves.
+    async fn database_clock_ms(&self) -> MetaResult<Option<u64>>;
+}
+
+/// A control plane as the database knows it ([`MetaStore::join_control_planes`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ControlPlaneMember {
+    /// Host name and port: the same after a restart.
+    pub id: String,
+    pub pending_timeout_ms: u64,
+    pub gc_grace_ms: u64,
 }
 
 /// The tier's sweeps: how many began, and the last that finished (`tier.rs`).
@@ -627,6 +646,30 @@ pub(crate) mod conformance {
         assert!(store.tiered_gone().await.unwrap().is_empty());
         let leader = store.try_lead(Role::Tiering).await.unwrap();
         assert!(leader.is_some());
+    }
+
+    pub async fn control_plane_settings(store: &dyn MetaStore) {
+        let member = |id: &str, pending_timeout_ms, gc_grace_ms| ControlPlaneMember {
+            id: id.into(),
+            pending_timeout_ms,
+            gc_grace_ms,
+        };
+        store.join_control_planes(&member("a:7070", 600_000, 3_600_000), 1_000, 0).await.unwrap();
+        // Another with the same settings joins; one with others is refused, told why.
+        store.join_control_planes(&member("b:7070", 600_000, 3_600_000), 2_000, 0).await.unwrap();
+        match store.join_control_planes(&member("c:7070", 300_000, 3_600_000), 3_000, 0).await {
+            Err(MetaError::FailedPrecondition(message)) => {
+                assert!(message.contains("pending timeout of 600 s") && message.contains("300 s"), "{message}")
+            }
+            other => panic!("joined with other settings: {other:?}"),
+        }
+        // A control plane restarted with new settings replaces its own entry...
+        store.join_control_planes(&member("a:7070", 600_000, 7_200_000), 4_000, 0).await.unwrap_err();
+        store.leave_control_planes("b:7070").await.unwrap();
+        store.join_control_planes(&member("a:7070", 600_000, 7_200_000), 4_000, 0).await.unwrap();
+        // ... and control planes not seen since `live_since` bind nobody.
+        store.join_control_planes(&member("c:7070", 300_000, 600_000), 100_000, 50_000).await.unwrap();
+        store.join_control_planes(&member("c:7070", 300_000, 600_000), 100_000, 0).await.unwrap_err();
     }
 
     pub async fn committed_chunks(store: &dyn MetaStore) {
