@@ -220,7 +220,23 @@ fn checkpoint_json(c: &CheckpointInfo) -> serde_json::Value {
     })
 }
 
-pub async fn ls(server: &str, job: Option<String>, all: bool, out: &Output) -> anyhow::Result<()> {
+pub async fn ls(
+    server: &str,
+    job: Option<String>,
+    all: bool,
+    from_tier: Option<&str>,
+    out: &Output,
+) -> anyhow::Result<()> {
+    if let Some(url) = from_tier {
+        let job = starckpt_proto::JobName::try_from(job.as_deref().unwrap_or_default())?;
+        let tier = starckpt_server::control::tier::Tier::open(url).await?;
+        let checkpoints = tier.checkpoints(&job).await?;
+        if checkpoints.is_empty() && !out.json {
+            eprintln!("the object-store tier {url} holds no complete checkpoint of {job}");
+        }
+        print_checkpoints(&checkpoints, out);
+        return Ok(());
+    }
     let client = connect(server, None).await?;
     match job {
         None => {
@@ -253,32 +269,37 @@ pub async fn ls(server: &str, job: Option<String>, all: bool, out: &Output) -> a
             if checkpoints.is_empty() && !out.json {
                 eprintln!("job {job} has no {}checkpoints", if all { "" } else { "pending or committed " });
             }
-            if out.json {
-                out.json(json!(checkpoints.iter().map(checkpoint_json).collect::<Vec<_>>()));
-                return Ok(());
-            }
-            println!(
-                "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16} {:>6}  TAGS",
-                "STEP", "STATE", "RANKS", "EPOCH", "SIZE", "WRITTEN", "FILES", "CREATED", "TIERED"
-            );
-            for c in checkpoints {
-                println!(
-                    "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16} {:>6}  {}",
-                    c.step,
-                    state_name(c.state),
-                    format!("{}/{}", c.parts_committed, c.world_size),
-                    c.epoch,
-                    output::bytes(c.total_bytes),
-                    output::bytes(c.written_bytes),
-                    c.file_count,
-                    output::age(c.created_at_ms),
-                    if c.tiered_at_ms > 0 { "yes" } else { "-" },
-                    c.tags.join(",")
-                );
-            }
+            print_checkpoints(&checkpoints, out);
         }
     }
     Ok(())
+}
+
+/// A job's checkpoints, as a table or JSON.
+fn print_checkpoints(checkpoints: &[CheckpointInfo], out: &Output) {
+    if out.json {
+        out.json(json!(checkpoints.iter().map(checkpoint_json).collect::<Vec<_>>()));
+        return;
+    }
+    println!(
+        "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16} {:>6}  TAGS",
+        "STEP", "STATE", "RANKS", "EPOCH", "SIZE", "WRITTEN", "FILES", "CREATED", "TIERED"
+    );
+    for c in checkpoints {
+        println!(
+            "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16} {:>6}  {}",
+            c.step,
+            state_name(c.state),
+            format!("{}/{}", c.parts_committed, c.world_size),
+            c.epoch,
+            output::bytes(c.total_bytes),
+            output::bytes(c.written_bytes),
+            c.file_count,
+            output::age(c.created_at_ms),
+            if c.tiered_at_ms > 0 { "yes" } else { "-" },
+            c.tags.join(",")
+        );
+    }
 }
 
 pub async fn cat(server: &str, job: &str, step: u64, path: &str) -> anyhow::Result<()> {

@@ -242,6 +242,10 @@ enum Command {
         /// Include aborted and deleted checkpoints.
         #[arg(long)]
         all: bool,
+        /// List JOB's complete checkpoints in this object-store tier instead, with no control
+        /// plane (see `restore --from-tier`).
+        #[arg(long, value_name = "URL", requires = "job", conflicts_with = "all")]
+        from_tier: Option<String>,
     },
     /// Show a checkpoint's files.
     Show { job: String, step: u64 },
@@ -456,7 +460,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 commands::SaveArgs { job: job.job, step, rank, world_size, run_id, chunk_size, compression, paths };
             commands::save(&cli.server, args, &out).await
         }
-        Command::Ls { job, all } => commands::ls(&cli.server, job, all, &out).await,
+        Command::Ls { job, all, from_tier } => commands::ls(&cli.server, job, all, from_tier.as_deref(), &out).await,
         Command::Show { job, step } => commands::show(&cli.server, &job, step, &out).await,
         Command::Cat { job, step, path } => commands::cat(&cli.server, &job, step, &path).await,
         Command::Restore { job, latest: _, step, to, force, from_tier } => {

@@ -151,6 +151,12 @@ fn restore_from_the_tier_alone(cluster: Cluster, url: &str, env: &[(&str, &str)]
     drop(cluster);
 
     // No control plane answers at --server: none is asked.
+    let listed = cli_env(&["--server", "127.0.0.1:1", "ls", "llm", "--from-tier", url, "--json"], env);
+    assert!(listed.status.success(), "{}", String::from_utf8_lossy(&listed.stderr));
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let steps: Vec<_> = listed.as_array().unwrap().iter().map(|c| (c["step"].as_u64(), c["state"].clone())).collect();
+    assert_eq!(steps, [(Some(1), "committed".into()), (Some(2), "committed".into())], "{listed}");
+    assert!(listed[1]["tiered_at_ms"].as_u64().unwrap() > 0, "{listed}");
     let restore = |args: &[&str], to: &str| {
         let to = kept.path().join(to);
         let mut all = vec!["--server", "127.0.0.1:1", "restore", "--job", "llm", "--from-tier", url];

@@ -193,39 +193,15 @@ impl Tier {
     /// alone, as the control plane would answer it (with no targets: the chunks are read from
     /// the tier). Only checkpoints whose record is in the tier count (module docs).
     pub async fn manifest(&self, job: &JobName, step: Option<u64>) -> anyhow::Result<pb::GetManifestResponse> {
-        let listed: Vec<_> = self
-            .store
-            .list(Some(&Path::from_iter([CHECKPOINTS, job.as_str()])))
-            .try_collect()
-            .await
-            .map_err(|e| anyhow::anyhow!("object-store tier {}: listing {job}: {e}", self.url))?;
-        // (step, id) of each complete checkpoint; a step saved again after a delete the sweep
-        // has not caught up with yet: the later attempt (higher id).
-        let found = listed
-            .iter()
-            .filter_map(|meta| {
-                let parts: Vec<String> = meta.location.parts().map(|p| p.as_ref().to_owned()).collect();
-                let [_, _, dir, file] = parts.as_slice() else { return None };
-                let (step, id) = dir.split_once('-')?;
-                (file == INFO).then_some((step.parse::<u64>().ok()?, id.parse::<u64>().ok()?))
-            })
-            .filter(|(found, _)| step.is_none_or(|wanted| wanted == *found))
-            .max();
+        // A step saved again after a delete the sweep has not caught up with yet: the later
+        // attempt (higher id).
+        let found =
+            self.complete(job).await?.into_iter().filter(|(found, _)| step.is_none_or(|wanted| wanted == *found)).max();
         let Some((found_step, id)) = found else {
             let which = step.map_or(String::new(), |s| format!(" at step {s}"));
             anyhow::bail!("the object-store tier {} holds no complete checkpoint of {job}{which}", self.url);
         };
-        let info: pb::CheckpointInfo =
-            self.get_message(&Tier::checkpoint_path(job.as_str(), found_step, id, INFO), 1 << 20).await?;
-        if info.job != job.as_str() || info.step != found_step || info.checkpoint_id != id {
-            anyhow::bail!(
-                "object-store tier {}: the record of {job} step {found_step} (id {id}) names {} step {} (id {})",
-                self.url,
-                info.job,
-                info.step,
-                info.checkpoint_id
-            );
-        }
+        let info = self.record(job, found_step, id).await?;
         if info.world_size == 0 || info.world_size > starckpt_proto::model::MAX_WORLD_SIZE {
             anyhow::bail!("object-store tier {}: {job} step {found_step} has world size {}", self.url, info.world_size);
         }
@@ -238,6 +214,51 @@ impl Tier {
             parts.push(pb::RankManifest { rank, manifest: Some(manifest) });
         }
         Ok(pb::GetManifestResponse { checkpoint: Some(info), parts, targets: vec![] })
+    }
+
+    /// The records of `job`'s complete checkpoints in the tier, by step (module docs).
+    pub async fn checkpoints(&self, job: &JobName) -> anyhow::Result<Vec<pb::CheckpointInfo>> {
+        let mut records = Vec::new();
+        for (step, id) in self.complete(job).await? {
+            records.push(self.record(job, step, id).await?);
+        }
+        records.sort_by_key(|r| (r.step, r.checkpoint_id));
+        Ok(records)
+    }
+
+    /// (step, id) of each of `job`'s checkpoints whose record is in the tier.
+    async fn complete(&self, job: &JobName) -> anyhow::Result<Vec<(u64, u64)>> {
+        let listed: Vec<_> = self
+            .store
+            .list(Some(&Path::from_iter([CHECKPOINTS, job.as_str()])))
+            .try_collect()
+            .await
+            .map_err(|e| anyhow::anyhow!("object-store tier {}: listing {job}: {e}", self.url))?;
+        Ok(listed
+            .iter()
+            .filter_map(|meta| {
+                let parts: Vec<String> = meta.location.parts().map(|p| p.as_ref().to_owned()).collect();
+                let [_, _, dir, file] = parts.as_slice() else { return None };
+                let (step, id) = dir.split_once('-')?;
+                (file == INFO).then_some((step.parse::<u64>().ok()?, id.parse::<u64>().ok()?))
+            })
+            .collect())
+    }
+
+    /// The record of `job`'s checkpoint (step, id), checked to be that checkpoint's.
+    async fn record(&self, job: &JobName, step: u64, id: u64) -> anyhow::Result<pb::CheckpointInfo> {
+        let info: pb::CheckpointInfo =
+            self.get_message(&Tier::checkpoint_path(job.as_str(), step, id, INFO), 1 << 20).await?;
+        if info.job != job.as_str() || info.step != step || info.checkpoint_id != id {
+            anyhow::bail!(
+                "object-store tier {}: the record of {job} step {step} (id {id}) names {} step {} (id {})",
+                self.url,
+                info.job,
+                info.step,
+                info.checkpoint_id
+            );
+        }
+        Ok(info)
     }
 
     /// Reads and decodes the prost message at `path`, of at most `limit` bytes.
@@ -435,7 +456,8 @@ impl Upload<'_> {
                 .map_err(|e| format!("manifest of rank {rank}: {e}"))?;
         }
         // Last: its presence says the rest is there (module docs).
-        let info = super::service::checkpoint_info(checkpoint).encode_to_vec();
+        let info = pb::CheckpointInfo { tiered_at_ms: now_ms(), ..super::service::checkpoint_info(checkpoint) };
+        let info = info.encode_to_vec();
         self.tier
             .store
             .put(&Tier::checkpoint_path(job, step, id, INFO), PutPayload::from(info))
