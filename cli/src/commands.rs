@@ -229,8 +229,11 @@ pub async fn ls(
 ) -> anyhow::Result<()> {
     if let Some(url) = from_tier {
         let job = starckpt_proto::JobName::try_from(job.as_deref().unwrap_or_default())?;
-        let tier = starckpt_server::control::tier::Tier::open(url).await?;
-        let checkpoints = tier.checkpoints(&job).await?;
+        let tier = starckpt_server::control::tier::Tier::open_existing(url).await?;
+        let (checkpoints, skipped) = tier.checkpoints(&job).await?;
+        for reason in &skipped {
+            eprintln!("skipped: {reason}");
+        }
         if checkpoints.is_empty() && !out.json {
             eprintln!("the object-store tier {url} holds no complete checkpoint of {job}");
         }
@@ -365,7 +368,7 @@ pub async fn restore(
         }
         Some(url) => {
             let name = starckpt_proto::JobName::try_from(job)?;
-            let tier = starckpt_server::control::tier::Tier::open(url).await?;
+            let tier = starckpt_server::control::tier::Tier::open_existing(url).await?;
             let manifest = CheckpointManifest::from_response(tier.manifest(&name, step).await?)?;
             // As many chunks in flight as a restore from the cluster.
             let concurrency = ClientConfig::new(server).restore_concurrency;

@@ -120,7 +120,8 @@ fn the_control_plane_talks_verified_tls_to_postgres() {
     let source = cluster.dir.path().join("one");
     make_tree(&source, 1);
     save(&cluster.servers(), &source, "1");
-    // The control plane's connections, seen from the server: every one is TLS.
+    // The control plane's connections, seen from the server: every one is TLS (scripts/postgres's
+    // server also refuses TCP without it; another server in STARCKPT_TEST_POSTGRES may not).
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let (connections, encrypted): (i64, i64) = runtime.block_on(async {
         use sqlx::Connection;

@@ -215,6 +215,14 @@ fn a_directory_tier_alone_restores_when_the_cluster_is_gone() {
     assert!(!output.status.success() && named && stderr.contains("tier"), "{stderr}");
     assert!(!to.exists());
 
+    // A tier directory that does not exist (a typo) is an error, and is not made.
+    let missing = kept.path().join("no-such-tier");
+    let url_missing = format!("file://{}", missing.display());
+    let output = cli_env(&["ls", "llm", "--from-tier", &url_missing], &[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("is not a directory"), "{stderr}");
+    assert!(!missing.exists());
+
     // No such job in the tier: a clear error.
     let (output, _) = restore_latest("other", "other");
     let stderr = String::from_utf8(output.stderr).unwrap();

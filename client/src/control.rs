@@ -13,9 +13,11 @@
 //! gets the same epoch, a begin under the same epoch joins the pending checkpoint, an identical
 //! part committed again is a no-op, even after the checkpoint committed. So a save survives a
 //! control plane dying after its transaction committed but before it answered (the crash matrix's
-//! `control.commit.reply`). Reads, tags, policies and passes (GC, re-replication, tiering) are
-//! idempotent too. Deleting a checkpoint is not (a second delete says NotFound), so it is sent
-//! again only when the first attempt never reached a control plane ([`Resend::IfUnsent`]).
+//! `control.commit.reply`). Reads, tags and the replication factor are idempotent too. Deleting
+//! a checkpoint is not (a second delete says NotFound), nor is setting retention (a second call
+//! reports no deletions), and a pass (GC, re-replication, tiering) may outlast the RPC timeout
+//! and run on; these are sent again only when the first attempt never reached a control plane
+//! ([`Resend::IfUnsent`]). Once failing over, no attempt runs past the failover deadline.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -98,12 +100,26 @@ impl ControlPlanes {
         F: Fn(Control, Req) -> Fut,
         Fut: Future<Output = std::result::Result<tonic::Response<Resp>, Status>>,
     {
-        let mut deadline = None;
+        let mut deadline: Option<Instant> = None;
         let mut backoff = FIRST_BACKOFF;
         let mut failed = 0;
         loop {
             let (index, client) = self.in_use();
-            let status = match call(client, request.clone()).await {
+            let attempt = call(client, request.clone());
+            // Once failing over, no attempt outlives the failover deadline.
+            let outcome = match deadline {
+                None => attempt.await,
+                Some(at) => match tokio::time::timeout_at(at.into(), attempt).await {
+                    Ok(outcome) => outcome,
+                    Err(_) => {
+                        return Err(Status::unavailable(format!(
+                            "no control plane answered within {:?} of the first failure",
+                            self.failover_timeout
+                        )));
+                    }
+                },
+            };
+            let status = match outcome {
                 Ok(response) => {
                     if failed > 0 {
                         tracing::info!(op, url = %self.endpoints[index].0, "control plane answered after failing over");

@@ -83,8 +83,7 @@ pub struct ClientConfig {
     pub rpc_timeout: Duration,
     /// How long a call keeps failing over between the control planes of `server` (or waiting for
     /// the only one to come back) before its error is returned, from its first failure; see
-    /// `control.rs`. Default 60 s: a supervisor restarts a control plane, or PostgreSQL fails
-    /// over, well within it.
+    /// `control.rs`. Default 60 s: a supervisor restarts a control plane well within it.
     pub failover_timeout: Duration,
     /// The training run this client writes for, shared by all its ranks; decides the writer
     /// lease epoch (see `AcquireLeaseRequest` in control.proto). Default: `STARCKPT_RUN_ID`, else
@@ -381,13 +380,15 @@ impl Client {
 
     /// Runs a re-replication pass at the control plane now and returns its report.
     pub async fn rereplicate(&self) -> Result<pb::RereplicateResponse> {
+        // Passes (re-replication, tiering, GC) can outlast the RPC timeout and go on after the
+        // caller gives up: one is sent again only if it never reached a control plane.
         let request = pb::RereplicateRequest {};
-        self.rpc("re-replicate", Resend::Idempotent, request, |mut c, r| async move { c.rereplicate(r).await }).await
+        self.rpc("re-replicate", Resend::IfUnsent, request, |mut c, r| async move { c.rereplicate(r).await }).await
     }
 
     /// Runs an object-store tier pass at the control plane now and returns its report.
     pub async fn tier(&self) -> Result<pb::TierResponse> {
-        self.rpc("tier", Resend::Idempotent, pb::TierRequest {}, |mut c, r| async move { c.tier(r).await }).await
+        self.rpc("tier", Resend::IfUnsent, pb::TierRequest {}, |mut c, r| async move { c.tier(r).await }).await
     }
 
     /// Sets `job`'s replication factor: copies of every chunk its saves make from now on, on
@@ -405,8 +406,9 @@ impl Client {
     pub async fn set_retention(&self, job: &str, policy: RetentionPolicy) -> Result<Vec<u64>> {
         let job = JobName::try_from(job)?;
         let request = pb::SetRetentionRequest { job: job.to_string(), policy: Some(policy) };
+        // Sent again, it would report no deleted steps (the first deleted them).
         let response = self
-            .rpc("set retention", Resend::Idempotent, request, |mut c, r| async move { c.set_retention(r).await })
+            .rpc("set retention", Resend::IfUnsent, request, |mut c, r| async move { c.set_retention(r).await })
             .await?;
         Ok(response.deleted_steps)
     }
@@ -434,7 +436,7 @@ impl Client {
     /// Runs a garbage-collection pass on the control plane now and returns its report.
     pub async fn collect_garbage(&self) -> Result<GcReport> {
         let request = pb::CollectGarbageRequest {};
-        self.rpc("collect garbage", Resend::Idempotent, request, |mut c, r| async move { c.collect_garbage(r).await })
+        self.rpc("collect garbage", Resend::IfUnsent, request, |mut c, r| async move { c.collect_garbage(r).await })
             .await
     }
 

@@ -568,7 +568,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     config.gc.validate(config.pending_timeout).map_err(anyhow::Error::msg)?;
     let member = ControlPlaneMember {
-        id: format!("{}:{}", host_name(), listener.local_addr()?.port()),
+        id: format!("{}:{}/{}", host_name(), listener.local_addr()?.port(), uuid::Uuid::new_v4().simple()),
         pending_timeout_ms: config.pending_timeout.as_millis() as u64,
         gc_grace_ms: config.gc.grace.as_millis() as u64,
     };
@@ -576,14 +576,21 @@ pub async fn run(
     // on the time. SQLite is one host's: a control plane restarted with other settings (or on
     // another port) is the only one.
     let shared = check_clock(&*store).await?;
-    if shared {
-        join(&*store, &member).await.map_err(anyhow::Error::msg)?;
+    if shared && let Some(conflict) = join(&*store, &member, true).await? {
+        anyhow::bail!(conflict);
     }
+    // Alive: recorded every few seconds, whatever it finds. A conflict found now (one joined
+    // while this one looked gone, the database out of reach for a minute) is logged loudly.
     let membership = every(shared.then_some(MEMBER_REFRESH), "membership", {
         let (store, member) = (Arc::clone(&store), member.clone());
         move || {
             let (store, member) = (Arc::clone(&store), member.clone());
-            async move { join(&*store, &member).await.map_err(MetaError::FailedPrecondition) }
+            async move {
+                if let Some(conflict) = join(&*store, &member, false).await? {
+                    tracing::error!(%conflict, "control planes sharing this database disagree; GC may be unsafe");
+                }
+                Ok(())
+            }
         }
     });
     let reaper = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(reap_stale_pending(
@@ -617,16 +624,16 @@ pub async fn run(
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     tracing::info!(address = %listener.local_addr()?, "control plane serving");
-    tonic::transport::Server::builder()
+    let served = tonic::transport::Server::builder()
         .concurrency_limit_per_connection(256)
         .add_service(service)
         .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
-        .await?;
+        .await;
     drop((membership, reaper, periodic_gc, periodic_repair, periodic_tier));
     if shared && let Err(error) = store.leave_control_planes(&member.id).await {
         tracing::warn!(%error, "could not remove this control plane from the database's list");
     }
-    Ok(())
+    Ok(served?)
 }
 
 /// A control plane not seen for this long is gone: its settings no longer bind one starting.
@@ -638,12 +645,12 @@ const MEMBER_REFRESH: Duration = Duration::from_secs(10);
 /// at least 60 s, `gc.rs`): two within this of the database are within twice this of each other.
 pub const MAX_CLOCK_SKEW: Duration = Duration::from_secs(10);
 
-/// Records `member` among the database's control planes, refusing (the message says why) when a
-/// live one runs with other settings.
-async fn join(store: &dyn MetaStore, member: &ControlPlaneMember) -> Result<(), String> {
+/// Records `member` among the database's control planes (unless `refuse` and a conflict); the
+/// conflict, when a live one runs with other settings.
+async fn join(store: &dyn MetaStore, member: &ControlPlaneMember, refuse: bool) -> Result<Option<String>, MetaError> {
     let now = now_ms();
     let live_since = now.saturating_sub(MEMBER_LIVE.as_millis() as u64);
-    store.join_control_planes(member, now, live_since).await.map_err(|e| e.to_string())
+    store.join_control_planes(member, now, live_since, refuse).await
 }
 
 /// Refuses to serve a database shared across hosts (PostgreSQL) from a host whose clock is more

@@ -972,8 +972,14 @@ impl MetaStore for SqlStore {
         member: &ControlPlaneMember,
         now_ms: u64,
         live_since_ms: u64,
-    ) -> MetaResult<()> {
+        refuse: bool,
+    ) -> MetaResult<Option<String>> {
+        const FORGET_AFTER_MS: u64 = 24 * 3600 * 1000;
         let mut tx = self.write().await?;
+        sqlx::query("DELETE FROM control_planes WHERE seen_at_ms < $1")
+            .bind(to_i64(now_ms.saturating_sub(FORGET_AFTER_MS), "time")?)
+            .execute(&mut *tx)
+            .await?;
         let other = sqlx::query(
             "SELECT id, pending_timeout_ms, gc_grace_ms, seen_at_ms FROM control_planes
              WHERE id <> $1 AND seen_at_ms >= $2 AND (pending_timeout_ms <> $3 OR gc_grace_ms <> $4)
@@ -985,18 +991,24 @@ impl MetaStore for SqlStore {
         .bind(to_i64(member.gc_grace_ms, "GC grace")?)
         .fetch_optional(&mut *tx)
         .await?;
-        if let Some(row) = other {
-            let id: String = row.try_get("id")?;
-            return Err(MetaError::FailedPrecondition(format!(
-                "control plane {id} (seen {} s ago) serves this database with a pending timeout of {} s and a GC \
+        let conflict = match other {
+            None => None,
+            Some(row) => {
+                let id: String = row.try_get("id")?;
+                Some(format!(
+                    "control plane {id} (seen {} s ago) serves this database with a pending timeout of {} s and a GC \
                  grace of {} s; this one was started with {} s and {} s. Control planes sharing a database \
                  must agree on both: start them all with the same --pending-timeout-secs and --gc-grace-secs",
-                now_ms.saturating_sub(get_u64(&row, "seen_at_ms")?) / 1000,
-                get_u64(&row, "pending_timeout_ms")? / 1000,
-                get_u64(&row, "gc_grace_ms")? / 1000,
-                member.pending_timeout_ms / 1000,
-                member.gc_grace_ms / 1000,
-            )));
+                    now_ms.saturating_sub(get_u64(&row, "seen_at_ms")?) / 1000,
+                    get_u64(&row, "pending_timeout_ms")? / 1000,
+                    get_u64(&row, "gc_grace_ms")? / 1000,
+                    member.pending_timeout_ms / 1000,
+                    member.gc_grace_ms / 1000,
+                ))
+            }
+        };
+        if refuse && conflict.is_some() {
+            return Ok(conflict);
         }
         sqlx::query(
             "INSERT INTO control_planes (id, pending_timeout_ms, gc_grace_ms, seen_at_ms) VALUES ($1, $2, $3, $4)
@@ -1010,7 +1022,7 @@ impl MetaStore for SqlStore {
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(())
+        Ok(conflict)
     }
 
     async fn leave_control_planes(&self, id: &str) -> MetaResult<()> {

@@ -236,11 +236,17 @@ pub trait MetaStore: Send + Sync + 'static {
     /// another process of a database shared by several control planes holds it (one at a time:
     /// tiering's safety rests on it, `tier.rs`). A holder that dies loses it.
     async fn try_lead(&self, role: Role) -> MetaResult<Option<Leadership>>;
-    /// Records control plane `member.id` and when it was seen, unless another control plane seen
-    /// at or after `live_since_ms` runs with other settings: FailedPrecondition naming it (GC's
-    /// safety and the reaper assume every control plane of a database shares them, `gc.rs`).
-    async fn join_control_planes(&self, member: &ControlPlaneMember, now_ms: u64, live_since_ms: u64)
-    -> MetaResult<()>;
+    /// Records control plane `member.id` and when it was seen, and says (Some, the reason) whether
+    /// another control plane seen at or after `live_since_ms` runs with other settings (GC's
+    /// safety and the reaper assume every control plane of a database shares them, `gc.rs`). With
+    /// `refuse`, such a conflict leaves `member` unrecorded. Forgets control planes unseen for a day.
+    async fn join_control_planes(
+        &self,
+        member: &ControlPlaneMember,
+        now_ms: u64,
+        live_since_ms: u64,
+        refuse: bool,
+    ) -> MetaResult<Option<String>>;
     /// Forgets control plane `id` (it is shutting down).
     async fn leave_control_planes(&self, id: &str) -> MetaResult<()>;
     /// The database server's clock, where control planes on other hosts share the database
@@ -251,7 +257,7 @@ pub trait MetaStore: Send + Sync + 'static {
 /// A control plane as the database knows it ([`MetaStore::join_control_planes`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ControlPlaneMember {
-    /// Host name and port: the same after a restart.
+    /// Host name, port and a per-process id.
     pub id: String,
     pub pending_timeout_ms: u64,
     pub gc_grace_ms: u64,
@@ -654,22 +660,25 @@ pub(crate) mod conformance {
             pending_timeout_ms,
             gc_grace_ms,
         };
-        store.join_control_planes(&member("a:7070", 600_000, 3_600_000), 1_000, 0).await.unwrap();
+        let join = |m: ControlPlaneMember, now, live_since, refuse| async move {
+            store.join_control_planes(&m, now, live_since, refuse).await.unwrap()
+        };
+        assert_eq!(join(member("a", 600_000, 3_600_000), 1_000, 0, true).await, None);
         // Another with the same settings joins; one with others is refused, told why.
-        store.join_control_planes(&member("b:7070", 600_000, 3_600_000), 2_000, 0).await.unwrap();
-        match store.join_control_planes(&member("c:7070", 300_000, 3_600_000), 3_000, 0).await {
-            Err(MetaError::FailedPrecondition(message)) => {
-                assert!(message.contains("pending timeout of 600 s") && message.contains("300 s"), "{message}")
-            }
-            other => panic!("joined with other settings: {other:?}"),
-        }
-        // A control plane restarted with new settings replaces its own entry...
-        store.join_control_planes(&member("a:7070", 600_000, 7_200_000), 4_000, 0).await.unwrap_err();
-        store.leave_control_planes("b:7070").await.unwrap();
-        store.join_control_planes(&member("a:7070", 600_000, 7_200_000), 4_000, 0).await.unwrap();
-        // ... and control planes not seen since `live_since` bind nobody.
-        store.join_control_planes(&member("c:7070", 300_000, 600_000), 100_000, 50_000).await.unwrap();
-        store.join_control_planes(&member("c:7070", 300_000, 600_000), 100_000, 0).await.unwrap_err();
+        assert_eq!(join(member("b", 600_000, 3_600_000), 2_000, 0, true).await, None);
+        let refused = join(member("c", 300_000, 3_600_000), 3_000, 0, true).await.expect("refused");
+        assert!(refused.contains("pending timeout of 600 s") && refused.contains("300 s"), "{refused}");
+        // Refused, it was not recorded: a fourth with the first two's settings joins.
+        assert_eq!(join(member("d", 600_000, 3_600_000), 3_000, 0, true).await, None);
+        store.leave_control_planes("d").await.unwrap();
+        // A running control plane that finds a conflict (one joined while it looked gone) still
+        // records that it is alive, and hears of the conflict.
+        assert!(join(member("a", 600_000, 7_200_000), 4_000, 0, false).await.is_some());
+        store.leave_control_planes("b").await.unwrap();
+        assert_eq!(join(member("e", 600_000, 7_200_000), 5_000, 0, true).await, None);
+        // Control planes not seen since `live_since` bind nobody.
+        assert_eq!(join(member("f", 300_000, 600_000), 100_000, 50_000, true).await, None);
+        assert!(join(member("f", 300_000, 600_000), 100_000, 0, true).await.is_some());
     }
 
     pub async fn committed_chunks(store: &dyn MetaStore) {

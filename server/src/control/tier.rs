@@ -141,6 +141,15 @@ impl Tier {
     /// `AWS_REGION`; `AWS_ENDPOINT` and `AWS_ALLOW_HTTP=true` for an S3-compatible server), or
     /// `file:///DIR` (created if missing).
     pub async fn open(url: &str) -> anyhow::Result<Tier> {
+        Tier::open_with(url, true).await
+    }
+
+    /// [`Tier::open`] for reading what a tier holds: a `file://` directory must exist.
+    pub async fn open_existing(url: &str) -> anyhow::Result<Tier> {
+        Tier::open_with(url, false).await
+    }
+
+    async fn open_with(url: &str, create: bool) -> anyhow::Result<Tier> {
         let parsed = url::Url::parse(url).map_err(|e| anyhow::anyhow!("object-store tier {url:?}: {e}"))?;
         let store: Arc<dyn ObjectStore> = match parsed.scheme() {
             "s3" => {
@@ -155,8 +164,12 @@ impl Tier {
             "file" => {
                 let dir =
                     parsed.to_file_path().map_err(|()| anyhow::anyhow!("object-store tier {url}: not a local path"))?;
-                std::fs::create_dir_all(&dir)
-                    .map_err(|e| anyhow::anyhow!("object-store tier {}: {e}", dir.display()))?;
+                if create {
+                    std::fs::create_dir_all(&dir)
+                        .map_err(|e| anyhow::anyhow!("object-store tier {}: {e}", dir.display()))?;
+                } else if !dir.is_dir() {
+                    anyhow::bail!("object-store tier {url}: {} is not a directory", dir.display());
+                }
                 Arc::new(LocalFileSystem::new_with_prefix(&dir)?)
             }
             other => anyhow::bail!(
@@ -216,14 +229,18 @@ impl Tier {
         Ok(pb::GetManifestResponse { checkpoint: Some(info), parts, targets: vec![] })
     }
 
-    /// The records of `job`'s complete checkpoints in the tier, by step (module docs).
-    pub async fn checkpoints(&self, job: &JobName) -> anyhow::Result<Vec<pb::CheckpointInfo>> {
-        let mut records = Vec::new();
+    /// The records of `job`'s complete checkpoints in the tier, by step (module docs), and why
+    /// each record that could not be read was skipped.
+    pub async fn checkpoints(&self, job: &JobName) -> anyhow::Result<(Vec<pb::CheckpointInfo>, Vec<String>)> {
+        let (mut records, mut skipped) = (Vec::new(), Vec::new());
         for (step, id) in self.complete(job).await? {
-            records.push(self.record(job, step, id).await?);
+            match self.record(job, step, id).await {
+                Ok(record) => records.push(record),
+                Err(error) => skipped.push(error.to_string()),
+            }
         }
         records.sort_by_key(|r| (r.step, r.checkpoint_id));
-        Ok(records)
+        Ok((records, skipped))
     }
 
     /// (step, id) of each of `job`'s checkpoints whose record is in the tier.
@@ -291,6 +308,10 @@ impl Tier {
     /// A copy that fails verification is an error (and stays: the sweep is not the place to judge).
     pub async fn get_chunk(&self, hash: ChunkHash, length: u64) -> Result<Option<Bytes>, String> {
         let bytes = match self.store.get(&Tier::chunk_path(hash)).await {
+            // Not read into memory when its size already says it is not the chunk.
+            Ok(result) if result.meta.size != length => {
+                return Err(format!("the tier's copy of {hash} is {} bytes, not {length}", result.meta.size));
+            }
             Ok(result) => result.bytes().await.map_err(|e| e.to_string())?,
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
             Err(error) => return Err(error.to_string()),
@@ -520,18 +541,8 @@ async fn sweep(store: &dyn MetaStore, tier: &Tier, report: &mut TierReport) -> R
             }
         }
     }
-    // Objects whose names are not ours are left alone.
-    let garbage_chunks = tier.store.list(Some(&Path::from(CHUNKS))).try_filter_map(|meta| {
-        let unneeded = meta
-            .location
-            .filename()
-            .and_then(|name| ChunkHash::from_hex(name).ok())
-            .is_some_and(|h| !needed.contains(&h));
-        futures::future::ready(Ok(unneeded.then_some(meta.location)))
-    });
-    report.chunks_deleted = delete_all(tier, garbage_chunks.boxed()).await?;
-    // Records first: a checkpoint whose record is gone is no longer restorable from the tier
-    // alone, before any of its manifests goes.
+    // Records, then manifests, then chunks: a checkpoint whose record is still there keeps every
+    // manifest and chunk (`restore --from-tier` trusts that), however far a sweep gets.
     let garbage: Vec<(bool, Path)> = tier
         .store
         .list(Some(&Path::from(CHECKPOINTS)))
@@ -552,6 +563,16 @@ async fn sweep(store: &dyn MetaStore, tier: &Tier, report: &mut TierReport) -> R
     delete_all(tier, futures::stream::iter(records.into_iter().map(|(_, path)| Ok(path))).boxed()).await?;
     report.manifests_deleted =
         delete_all(tier, futures::stream::iter(manifests.into_iter().map(|(_, path)| Ok(path))).boxed()).await?;
+    // Objects whose names are not ours are left alone.
+    let garbage_chunks = tier.store.list(Some(&Path::from(CHUNKS))).try_filter_map(|meta| {
+        let unneeded = meta
+            .location
+            .filename()
+            .and_then(|name| ChunkHash::from_hex(name).ok())
+            .is_some_and(|h| !needed.contains(&h));
+        futures::future::ready(Ok(unneeded.then_some(meta.location)))
+    });
+    report.chunks_deleted = delete_all(tier, garbage_chunks.boxed()).await?;
     store.finish_tier_sweep(sweep).await.map_err(|e| e.to_string())
 }
 
