@@ -473,6 +473,32 @@ pub async fn tier(server: &str, out: &Output) -> anyhow::Result<()> {
     Ok(())
 }
 
+pub async fn import_tier(server: &str, job: Option<&str>, out: &Output) -> anyhow::Result<()> {
+    let report = connect(server, None).await?.import_tier(job).await?;
+    if out.json {
+        out.json(json!({
+            "imported": report.imported.iter().map(checkpoint_json).collect::<Vec<_>>(),
+            "present": report.present, "errors": report.errors,
+        }));
+    } else {
+        for c in &report.imported {
+            println!("imported {} step {} ({} ranks, {})", c.job, c.step, c.world_size, output::bytes(c.total_bytes));
+        }
+        println!(
+            "tier import: {} checkpoints imported, {} already here; run `starckpt repair` to copy their chunks onto the targets",
+            report.imported.len(),
+            report.present
+        );
+        for error in &report.errors {
+            println!("  {error}");
+        }
+    }
+    if !report.errors.is_empty() {
+        bail!("{} checkpoints of the tier could not be imported", report.errors.len());
+    }
+    Ok(())
+}
+
 pub async fn repair(server: &str, out: &Output) -> anyhow::Result<()> {
     let report = connect(server, None).await?.rereplicate().await?;
     if out.json {

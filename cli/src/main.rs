@@ -288,7 +288,15 @@ enum Command {
     Repair,
     /// Run an object-store tier pass now: committed checkpoints not yet in the tier are copied
     /// to it, objects no committed checkpoint needs are deleted. Prints the report.
-    Tier,
+    Tier {
+        /// Instead, add the tier's committed checkpoints that the control plane's database lacks
+        /// (after losing it): of JOB, or of every job. `starckpt repair` then copies their chunks
+        /// back onto the targets.
+        #[arg(long)]
+        import: bool,
+        #[arg(long, requires = "import")]
+        job: Option<String>,
+    },
     /// Set JOB's replication factor: copies of every chunk its saves make from now on, on
     /// distinct targets and failure domains (default 2; capped by the live targets).
     Replication { job: String, replicas: u32 },
@@ -474,7 +482,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Tag { job, step, tag, remove } => commands::tag(&cli.server, &job, step, &tag, remove).await,
         Command::Gc => commands::gc(&cli.server, &out).await,
         Command::Repair => commands::repair(&cli.server, &out).await,
-        Command::Tier => commands::tier(&cli.server, &out).await,
+        Command::Tier { import: false, .. } => commands::tier(&cli.server, &out).await,
+        Command::Tier { import: true, job } => commands::import_tier(&cli.server, job.as_deref(), &out).await,
         Command::Mount { mountpoint, threads, read_ahead_chunks } => {
             commands::mount(&cli.server, &mountpoint, threads, read_ahead_chunks).await
         }

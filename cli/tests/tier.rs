@@ -229,6 +229,56 @@ fn a_directory_tier_alone_restores_when_the_cluster_is_gone() {
     assert!(!output.status.success() && stderr.contains("no complete checkpoint of other"), "{stderr}");
 }
 
+#[test]
+fn a_new_cluster_adopts_the_checkpoints_of_a_tier() {
+    let tier = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", tier.path().display());
+    let flags = ["--tier", url.as_str(), "--tier-interval-secs", "0"];
+    let kept = tempfile::tempdir().unwrap();
+    let old = Cluster::start_with(2, &flags);
+    // A checkpoint saved and deleted first, so the old database's ids are not the new one's.
+    std::fs::write(kept.path().join("scratch"), b"scratch").unwrap();
+    old.json(&["save", "--job", "scratch", "--step", "1", kept.path().join("scratch").to_str().unwrap()]);
+    old.ok(&["rm", "scratch", "1"]);
+    let trees: Vec<_> = (1..=2u64)
+        .map(|step| {
+            let source = kept.path().join(format!("source-{step}"));
+            std::fs::create_dir_all(&source).unwrap();
+            std::fs::write(source.join("weights.bin"), random_bytes((5 << 20) + 3, step)).unwrap();
+            old.json(&["save", "--job", "llm", "--step", &step.to_string(), source.to_str().unwrap()]);
+            source
+        })
+        .collect();
+    assert_eq!(old.json(&["tier"])["checkpoints_tiered"], 2);
+    drop(old);
+
+    // A new cluster on the same tier: a new database, empty targets.
+    let new = Cluster::start_with(2, &flags);
+    assert!(new.json(&["ls"]).as_array().unwrap().is_empty());
+    let report = new.json(&["tier", "--import"]);
+    let steps: Vec<_> = report["imported"].as_array().unwrap().iter().map(|c| c["step"].as_u64()).collect();
+    assert_eq!((steps, report["present"].as_u64()), (vec![Some(1), Some(2)], Some(0)), "{report}");
+    let again = new.json(&["tier", "--import", "--job", "llm"]);
+    assert_eq!((again["imported"].as_array().unwrap().len(), again["present"].as_u64()), (0, Some(2)), "{again}");
+    assert_eq!(new.json(&["ls"])[0]["latest_step"], 2);
+
+    // Re-replication brings the chunks from the tier onto the targets; restores read them there.
+    let repair = new.json(&["repair"]);
+    assert!(repair["from_tier"].as_u64().unwrap() > 0 && repair["unreadable"] == 0, "{repair}");
+    for (step, source) in trees.iter().enumerate() {
+        let to = kept.path().join(format!("restored-{step}"));
+        new.ok(&["restore", "--job", "llm", "--step", &(step + 1).to_string(), "--to", to.to_str().unwrap()]);
+        assert_eq!(tree(source), tree(&to));
+    }
+    // The next pass records them under their new ids (their chunks are there already), and
+    // sweeps the old ids' manifests and records.
+    let pass = new.json(&["tier"]);
+    assert_eq!((pass["checkpoints_tiered"].as_u64(), pass["chunks_uploaded"].as_u64()), (Some(2), Some(0)), "{pass}");
+    assert_eq!(pass["manifests_deleted"], 2, "{pass}");
+    let records = walk(tier.path()).into_iter().filter(|p| p.ends_with("checkpoint.info")).count();
+    assert_eq!(records, 2);
+}
+
 /// Every file under `dir`.
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut files = Vec::new();

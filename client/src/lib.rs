@@ -391,6 +391,17 @@ impl Client {
         self.rpc("tier", Resend::IfUnsent, pb::TierRequest {}, |mut c, r| async move { c.tier(r).await }).await
     }
 
+    /// Adds the committed checkpoints the control plane's object-store tier holds and its
+    /// database lacks (of `job`, or of every job), e.g. after the database was lost; returns the
+    /// report. Re-replication then brings their chunks back onto the targets.
+    pub async fn import_tier(&self, job: Option<&str>) -> Result<pb::ImportTierResponse> {
+        let job = job.map(JobName::try_from).transpose()?.map(|j| j.to_string()).unwrap_or_default();
+        let request = pb::ImportTierRequest { job };
+        // Like a pass, it may outlast the RPC timeout; sent again, it would report no imports.
+        self.rpc("import from the tier", Resend::IfUnsent, request, |mut c, r| async move { c.import_tier(r).await })
+            .await
+    }
+
     /// Sets `job`'s replication factor: copies of every chunk its saves make from now on, on
     /// distinct targets (and failure domains, while there are enough).
     pub async fn set_replication(&self, job: &str, replicas: u32) -> Result<()> {

@@ -133,14 +133,20 @@ impl Collector {
 
     /// One tier pass (one at a time here; one at a time in the cluster, `tier.rs`).
     async fn tier(&self, when: tier::Sweep) -> Result<TierReport, MetaError> {
-        let Some(tier) = self.config.tier.as_deref() else {
-            return Err(MetaError::FailedPrecondition(
-                "this control plane has no object-store tier (starckpt server --tier URL)".into(),
-            ));
-        };
+        let tier = self.the_tier()?;
         let _one_at_a_time = self.tiering.lock().await;
         let targets = self.targets(now_ms()).await?;
         tier::pass(self.store.as_ref(), tier, targets, &self.config.tier_config, when).await
+    }
+}
+
+impl Collector {
+    fn the_tier(&self) -> Result<&Tier, MetaError> {
+        self.config.tier.as_deref().ok_or_else(|| {
+            MetaError::FailedPrecondition(
+                "this control plane has no object-store tier (starckpt server --tier URL)".into(),
+            )
+        })
     }
 }
 
@@ -498,6 +504,24 @@ impl Control for ControlService {
         _: Request<pb::RereplicateRequest>,
     ) -> Result<Response<pb::RereplicateResponse>, Status> {
         Ok(Response::new(self.rereplicate_now().await?))
+    }
+
+    async fn import_tier(
+        &self,
+        request: Request<pb::ImportTierRequest>,
+    ) -> Result<Response<pb::ImportTierResponse>, Status> {
+        let job = request.into_inner().job;
+        let job = match job.is_empty() {
+            true => None,
+            false => Some(JobName::try_from(job.as_str()).map_err(|e| Status::invalid_argument(e.to_string()))?),
+        };
+        let tier = self.collector.the_tier().map_err(meta_status)?;
+        let report = tier::import(self.store.as_ref(), tier, job).await.map_err(meta_status)?;
+        Ok(Response::new(pb::ImportTierResponse {
+            imported: report.imported.iter().map(checkpoint_info).collect(),
+            present: report.present,
+            errors: report.errors,
+        }))
     }
 
     async fn tier(&self, _: Request<pb::TierRequest>) -> Result<Response<pb::TierResponse>, Status> {

@@ -36,8 +36,8 @@ use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest,
 use starckpt_proto::{ChunkHash, JobName};
 
 use super::store::{
-    CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, JobRecord, Leadership, LeaseGrant,
-    MetaError, MetaResult, MetaStore, RetentionPolicy, Role, TargetRecord, TierSweeps, fault,
+    CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, ImportedCheckpoint, JobRecord, Leadership,
+    LeaseGrant, MetaError, MetaResult, MetaStore, RetentionPolicy, Role, TargetRecord, TierSweeps, fault,
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
@@ -356,6 +356,35 @@ async fn tier_sweeps(tx: &mut Transaction<'_, Any>) -> MetaResult<TierSweeps> {
     Ok(TierSweeps { started: get_u64(&row, "started")?, finished: get_u64(&row, "finished")? })
 }
 
+/// Inserts rank `rank`'s part (`blob`: `manifest`, encoded) of checkpoint `id`; its bytes and
+/// file count, for the checkpoint's totals.
+async fn insert_part(
+    tx: &mut Transaction<'_, Any>,
+    id: i64,
+    rank: u32,
+    blob: Vec<u8>,
+    manifest: &Manifest,
+    written_bytes: u64,
+    now_ms: u64,
+) -> MetaResult<(i64, i64)> {
+    let total_bytes = to_i64(manifest.total_bytes(), "bytes")?;
+    let file_count = manifest.files.len() as i64;
+    sqlx::query(
+        "INSERT INTO parts (checkpoint_id, rank, manifest, total_bytes, written_bytes, file_count, committed_at_ms)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(id)
+    .bind(rank as i64)
+    .bind(blob)
+    .bind(total_bytes)
+    .bind(to_i64(written_bytes, "written bytes")?)
+    .bind(file_count)
+    .bind(to_i64(now_ms, "time")?)
+    .execute(&mut **tx)
+    .await?;
+    Ok((total_bytes, file_count))
+}
+
 async fn checkpoint_by_id(tx: &mut Transaction<'_, Any>, id: i64) -> MetaResult<Option<CheckpointRecord>> {
     let row = sqlx::query(&format!("SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE id = $1"))
         .bind(id)
@@ -603,23 +632,10 @@ impl MetaStore for SqlStore {
                 starckpt_proto::model::MAX_CHECKPOINT_MANIFEST_BYTES
             )));
         }
-        let total_bytes = to_i64(part.manifest.total_bytes(), "bytes")?;
-        let file_count = part.manifest.files.len() as i64;
+        let (total_bytes, file_count) =
+            insert_part(&mut tx, id, part.rank, blob, &part.manifest, part.written_bytes, now_ms).await?;
         let written_bytes = to_i64(part.written_bytes, "written bytes")?;
         let now = to_i64(now_ms, "time")?;
-        sqlx::query(
-            "INSERT INTO parts (checkpoint_id, rank, manifest, total_bytes, written_bytes, file_count, committed_at_ms)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
-        )
-        .bind(id)
-        .bind(part.rank as i64)
-        .bind(blob)
-        .bind(total_bytes)
-        .bind(written_bytes)
-        .bind(file_count)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
         // The commit transition happens in the same transaction as the last part's insertion.
         sqlx::query(
             "UPDATE checkpoints SET parts_committed = parts_committed + 1, total_bytes = total_bytes + $1,
@@ -1025,6 +1041,65 @@ impl MetaStore for SqlStore {
         Ok(conflict)
     }
 
+    async fn import_checkpoint(
+        &self,
+        checkpoint: &ImportedCheckpoint,
+        now_ms: u64,
+    ) -> MetaResult<Option<CheckpointRecord>> {
+        let world_size = u32::try_from(checkpoint.parts.len())
+            .ok()
+            .filter(|n| (1..=starckpt_proto::model::MAX_WORLD_SIZE).contains(n))
+            .ok_or_else(|| MetaError::InvalidArgument(format!("{} ranks", checkpoint.parts.len())))?;
+        let blobs: Vec<Vec<u8>> = checkpoint.parts.iter().map(|m| pb::Manifest::from(m).encode_to_vec()).collect();
+        let manifest_total: u64 = blobs.iter().map(|b| b.len() as u64).sum();
+        if manifest_total > starckpt_proto::model::MAX_CHECKPOINT_MANIFEST_BYTES {
+            return Err(MetaError::InvalidArgument(format!("manifest of {manifest_total} bytes")));
+        }
+        let step = to_i64(checkpoint.step, "step")?;
+        let mut tx = self.write().await?;
+        let live: Option<i64> = sqlx::query_scalar(
+            "SELECT id FROM checkpoints WHERE job = $1 AND step = $2 AND state IN ('pending', 'committed')",
+        )
+        .bind(checkpoint.job.as_str())
+        .bind(step)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if live.is_some() {
+            return Ok(None);
+        }
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO checkpoints (job, step, state, world_size, epoch, written_bytes, created_at_ms, committed_at_ms)
+             VALUES ($1, $2, 'committed', $3, $4, $5, $6, $7) RETURNING id",
+        )
+        .bind(checkpoint.job.as_str())
+        .bind(step)
+        .bind(world_size as i64)
+        .bind(to_i64(checkpoint.epoch, "epoch")?)
+        .bind(to_i64(checkpoint.written_bytes, "written bytes")?)
+        .bind(to_i64(checkpoint.created_at_ms, "time")?)
+        .bind(to_i64(checkpoint.committed_at_ms, "time")?)
+        .fetch_one(&mut *tx)
+        .await?;
+        let (mut total_bytes, mut file_count) = (0, 0);
+        for ((rank, manifest), blob) in checkpoint.parts.iter().enumerate().zip(blobs) {
+            let (bytes, files) = insert_part(&mut tx, id, rank as u32, blob, manifest, 0, now_ms).await?;
+            total_bytes += bytes;
+            file_count += files;
+        }
+        sqlx::query(
+            "UPDATE checkpoints SET parts_committed = world_size, total_bytes = $1, file_count = $2 WHERE id = $3",
+        )
+        .bind(total_bytes)
+        .bind(file_count)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        let record =
+            checkpoint_by_id(&mut tx, id).await?.ok_or_else(|| MetaError::Corrupt("import vanished".into()))?;
+        tx.commit().await?;
+        Ok(Some(record))
+    }
+
     async fn leave_control_planes(&self, id: &str) -> MetaResult<()> {
         let mut tx = self.write().await?;
         sqlx::query("DELETE FROM control_planes WHERE id = $1").bind(id).execute(&mut *tx).await?;
@@ -1117,6 +1192,7 @@ mod tests {
         live_chunks,
         tiering,
         control_plane_settings,
+        importing,
     );
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

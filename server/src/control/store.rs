@@ -247,11 +247,32 @@ pub trait MetaStore: Send + Sync + 'static {
         live_since_ms: u64,
         refuse: bool,
     ) -> MetaResult<Option<String>>;
+    /// Adds a committed checkpoint read back from the object-store tier (`tier.rs`), as it was,
+    /// under a new id and not marked tiered (the next pass records it under that id); None when
+    /// the job already has a pending or committed checkpoint at that step.
+    async fn import_checkpoint(
+        &self,
+        checkpoint: &ImportedCheckpoint,
+        now_ms: u64,
+    ) -> MetaResult<Option<CheckpointRecord>>;
     /// Forgets control plane `id` (it is shutting down).
     async fn leave_control_planes(&self, id: &str) -> MetaResult<()>;
     /// The database server's clock, where control planes on other hosts share the database
     /// (PostgreSQL); None for SQLite, which one host serves.
     async fn database_clock_ms(&self) -> MetaResult<Option<u64>>;
+}
+
+/// A committed checkpoint from the object-store tier ([`MetaStore::import_checkpoint`]).
+#[derive(Clone, Debug)]
+pub struct ImportedCheckpoint {
+    pub job: JobName,
+    pub step: u64,
+    pub epoch: u64,
+    pub created_at_ms: u64,
+    pub committed_at_ms: u64,
+    pub written_bytes: u64,
+    /// Every rank's manifest, ranks 0..world size in order.
+    pub parts: Vec<Manifest>,
 }
 
 /// A control plane as the database knows it ([`MetaStore::join_control_planes`]).
@@ -679,6 +700,43 @@ pub(crate) mod conformance {
         // Control planes not seen since `live_since` bind nobody.
         assert_eq!(join(member("f", 300_000, 600_000), 100_000, 50_000, true).await, None);
         assert!(join(member("f", 300_000, 600_000), 100_000, 0, true).await.is_some());
+    }
+
+    pub async fn importing(store: &dyn MetaStore) {
+        let imported = ImportedCheckpoint {
+            job: job("imp"),
+            step: 7,
+            epoch: 3,
+            created_at_ms: 10,
+            committed_at_ms: 20,
+            written_bytes: 150,
+            parts: (0..2).map(|rank| part(0, rank, &format!("r{rank}.bin"), 100).manifest).collect(),
+        };
+        let record = store.import_checkpoint(&imported, 30).await.unwrap().expect("imported");
+        assert_eq!(
+            (record.state, record.step, record.world_size, record.parts_committed),
+            (CheckpointState::Committed, 7, 2, 2)
+        );
+        assert_eq!((record.total_bytes, record.file_count, record.written_bytes), (200, 2, 150));
+        assert_eq!((record.created_at_ms, record.committed_at_ms, record.tiered_at_ms), (10, Some(20), None));
+        // It is the job's latest, its manifests as they were; the next tier pass records it.
+        assert_eq!(store.latest(&job("imp")).await.unwrap().map(|r| r.id), Some(record.id));
+        let (_, parts) = store.get_manifest(&job("imp"), Some(7)).await.unwrap();
+        assert_eq!(
+            parts.iter().map(|(rank, m)| (*rank, m.clone())).collect::<Vec<_>>(),
+            imported.parts.iter().cloned().enumerate().map(|(r, m)| (r as u32, m)).collect::<Vec<_>>()
+        );
+        assert!(store.untiered_checkpoints().await.unwrap().iter().any(|c| c.id == record.id));
+        // Importing again, or over a step the job has: nothing.
+        assert!(store.import_checkpoint(&imported, 40).await.unwrap().is_none());
+        // A new run of the job takes the lease and saves on from there.
+        let epoch = lease(store, "imp", "new-run").await.unwrap().epoch;
+        let begun = store.begin_checkpoint(&begin("imp", 8, 1, epoch), 50).await.unwrap();
+        store.commit_part(&part(begun.id, 0, "x", 10), 60, 0).await.unwrap();
+        assert_eq!(store.latest(&job("imp")).await.unwrap().map(|r| r.step), Some(8));
+        // No ranks: refused.
+        let empty = ImportedCheckpoint { parts: vec![], step: 9, ..imported };
+        assert!(matches!(store.import_checkpoint(&empty, 70).await, Err(MetaError::InvalidArgument(_))));
     }
 
     pub async fn committed_chunks(store: &dyn MetaStore) {

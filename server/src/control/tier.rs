@@ -16,7 +16,9 @@
 //! ```
 //!
 //! The tier is enough to restore from when the cluster is gone, metadata and targets
-//! (`starckpt restore --from-tier`, [`Tier::manifest`]): a checkpoint whose `checkpoint.info` is
+//! (`starckpt restore --from-tier`, [`Tier::manifest`]), and for a new cluster to adopt
+//! (`starckpt tier --import`, [`import`]: its checkpoints added to the database under new ids,
+//! recorded again under those by the next pass, whose sweep removes the old ids' objects): a checkpoint whose `checkpoint.info` is
 //! there has every chunk and manifest there, and each chunk read back is verified. Until the next
 //! sweep, the tier may still hold checkpoints the cluster has deleted since.
 //!
@@ -69,11 +71,13 @@ use object_store::{ObjectStore, PutPayload};
 use prost::Message;
 use starckpt_client::placement::rank_targets;
 use starckpt_proto::control as pb;
-use starckpt_proto::model::ChunkRef;
+use starckpt_proto::model::{ChunkRef, Manifest};
 use starckpt_proto::{ChunkHash, JobName};
 
 use super::repair::{CopyError, Live, Pace, live_targets, read_verified};
-use super::store::{CheckpointRecord, MetaError, MetaResult, MetaStore, Role, TargetRecord, now_ms};
+use super::store::{
+    CheckpointRecord, ImportedCheckpoint, MetaError, MetaResult, MetaStore, Role, TargetRecord, now_ms,
+};
 
 const CHUNKS: &str = "chunks";
 const CHECKPOINTS: &str = "checkpoints";
@@ -229,6 +233,21 @@ impl Tier {
         Ok(pb::GetManifestResponse { checkpoint: Some(info), parts, targets: vec![] })
     }
 
+    /// The jobs with checkpoints in the tier (names that are not valid job names are skipped).
+    pub async fn jobs(&self) -> anyhow::Result<Vec<JobName>> {
+        let listed = self
+            .store
+            .list_with_delimiter(Some(&Path::from(CHECKPOINTS)))
+            .await
+            .map_err(|e| anyhow::anyhow!("object-store tier {}: listing jobs: {e}", self.url))?;
+        Ok(listed
+            .common_prefixes
+            .iter()
+            .filter_map(|p| p.filename())
+            .filter_map(|n| JobName::try_from(n).ok())
+            .collect())
+    }
+
     /// The records of `job`'s complete checkpoints in the tier, by step (module docs), and why
     /// each record that could not be read was skipped.
     pub async fn checkpoints(&self, job: &JobName) -> anyhow::Result<(Vec<pb::CheckpointInfo>, Vec<String>)> {
@@ -323,6 +342,81 @@ impl Tier {
         }
         Ok(Some(bytes))
     }
+}
+
+/// What [`import`] did.
+#[derive(Debug, Default)]
+pub struct ImportReport {
+    pub imported: Vec<CheckpointRecord>,
+    /// Checkpoints whose job already has one at that step.
+    pub present: u64,
+    pub errors: Vec<String>,
+}
+
+/// Adds to `store` the complete checkpoints in `tier` (of `job`, or of every job) that it lacks,
+/// oldest step first ([`MetaStore::import_checkpoint`]).
+pub async fn import(store: &dyn MetaStore, tier: &Tier, job: Option<JobName>) -> MetaResult<ImportReport> {
+    let mut report = ImportReport::default();
+    let jobs = match job {
+        Some(job) => vec![job],
+        None => match tier.jobs().await {
+            Ok(jobs) => jobs,
+            Err(error) => {
+                report.errors.push(error.to_string());
+                return Ok(report);
+            }
+        },
+    };
+    for job in jobs {
+        let steps: std::collections::BTreeSet<u64> = match tier.checkpoints(&job).await {
+            Ok((records, skipped)) => {
+                report.errors.extend(skipped);
+                records.iter().map(|r| r.step).collect()
+            }
+            Err(error) => {
+                report.errors.push(error.to_string());
+                continue;
+            }
+        };
+        for step in steps {
+            let parts = match tier.manifest(&job, Some(step)).await {
+                Ok(response) => response,
+                Err(error) => {
+                    report.errors.push(error.to_string());
+                    continue;
+                }
+            };
+            let info = parts.checkpoint.unwrap_or_default();
+            let manifests: Result<Vec<Manifest>, _> =
+                parts.parts.into_iter().map(|p| Manifest::try_from(p.manifest.unwrap_or_default())).collect();
+            let manifests = match manifests {
+                Ok(manifests) => manifests,
+                Err(error) => {
+                    report.errors.push(format!("{job} step {step}: {error}"));
+                    continue;
+                }
+            };
+            let checkpoint = ImportedCheckpoint {
+                job: job.clone(),
+                step,
+                epoch: info.epoch,
+                created_at_ms: info.created_at_ms,
+                committed_at_ms: info.committed_at_ms,
+                written_bytes: info.written_bytes,
+                parts: manifests,
+            };
+            match store.import_checkpoint(&checkpoint, now_ms()).await {
+                Ok(Some(record)) => {
+                    tracing::info!(%job, step, id = record.id, "checkpoint imported from the object-store tier");
+                    report.imported.push(record);
+                }
+                Ok(None) => report.present += 1,
+                Err(MetaError::InvalidArgument(reason)) => report.errors.push(format!("{job} step {step}: {reason}")),
+                Err(error) => return Err(error),
+            }
+        }
+    }
+    Ok(report)
 }
 
 /// Restoring with no cluster (`starckpt restore --from-tier`): chunks read from the tier, each
