@@ -32,6 +32,45 @@ pub fn memcpy(state: &[Bytes]) -> Duration {
     times[1]
 }
 
+/// O_DIRECT reads of whole files, `in_flight` at once (a thread each, a page-aligned buffer
+/// each), claimed in the order given. Given a checkpoint's chunk files in restore order, it is
+/// the store's on-disk layout read raw: beside starckpt's restore of the same chunks it separates
+/// what the layout costs (many chunk-sized files, not one contiguous file) from what starckpt adds
+/// (the transport, verification, copies).
+pub fn direct_read_files(files: &[std::path::PathBuf], in_flight: usize) -> anyhow::Result<Duration> {
+    use starckpt_proto::buf::{AlignedBuf, round_up};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let mut largest = 0;
+    for file in files {
+        largest = largest.max(std::fs::metadata(file).with_context(|| format!("stat {}", file.display()))?.len());
+    }
+    let next = AtomicUsize::new(0);
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        let readers: Vec<_> = (0..in_flight.max(1))
+            .map(|_| {
+                scope.spawn(|| -> anyhow::Result<()> {
+                    let mut buf = AlignedBuf::new(round_up(largest as usize));
+                    while let Some(path) = files.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        let file = std::fs::OpenOptions::new()
+                            .read(true)
+                            .custom_flags(libc::O_DIRECT)
+                            .open(path)
+                            .with_context(|| format!("open {} with O_DIRECT", path.display()))?;
+                        // Chunk files are whole blocks; O_DIRECT reads whole blocks in any case.
+                        let len = round_up(file.metadata()?.len() as usize);
+                        file.read_exact_at(&mut buf.full_mut()[..len], 0)
+                            .with_context(|| format!("read {}", path.display()))?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        readers.into_iter().try_for_each(|reader| reader.join().map_err(|_| anyhow::anyhow!("a reader panicked"))?)
+    })?;
+    Ok(started.elapsed())
+}
+
 /// Removes a baseline's file however its measurement ends (it may be gigabytes).
 struct RemoveOnDrop<'a>(&'a Path);
 

@@ -285,6 +285,27 @@ struct Run {
     /// Bytes uploaded, and what they came to as sent (after compression).
     uploaded_bytes: u64,
     stored_bytes: u64,
+    /// The checkpoint's chunks, in restore order.
+    chunks: Vec<starckpt_proto::ChunkHash>,
+}
+
+/// Where the built-in cluster (`dir`, `targets` targets) keeps each of `chunks` (one copy each:
+/// the first target holding it), in order (`server/src/target/store.rs`'s layout).
+fn chunk_files(
+    dir: &std::path::Path,
+    targets: usize,
+    chunks: &[starckpt_proto::ChunkHash],
+) -> anyhow::Result<Vec<PathBuf>> {
+    chunks
+        .iter()
+        .map(|hash| {
+            let hex = hash.to_hex();
+            (0..targets)
+                .map(|index| dir.join(format!("target-{index}")).join("chunks").join(&hex[..2]).join(&hex))
+                .find(|path| path.exists())
+                .with_context(|| format!("chunk {hex} is in no target directory under {}", dir.display()))
+        })
+        .collect()
 }
 
 /// Saves `state` as `step` from every rank at once, then restores it from every rank.
@@ -339,6 +360,7 @@ async fn run_once(
     let buffers: Vec<Vec<Vec<u8>>> =
         state.iter().map(|shard| shard.iter().map(|(_, data)| vec![1u8; data.len()]).collect()).collect();
     let manifest = Arc::new(clients[0].manifest(job, Some(step)).await?);
+    let chunks = manifest.files.iter().flat_map(|f| f.chunks.iter().map(|c| c.hash)).collect();
     meter.settle();
     perf.start(PerfPhase::Restore);
     let (buffers, restore) = timed(meter, async {
@@ -370,7 +392,7 @@ async fn run_once(
         progress.iter().map(|p| count(p).load(Ordering::Relaxed)).sum::<u64>()
     };
     let (uploaded_bytes, stored_bytes) = (sum(|p| &p.uploaded_bytes), sum(|p| &p.stored_bytes));
-    Ok(Run { blocking, committed, restore, staging_waits, uploaded_bytes, stored_bytes })
+    Ok(Run { blocking, committed, restore, staging_waits, uploaded_bytes, stored_bytes, chunks })
 }
 
 pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
@@ -491,6 +513,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let mut memcpy = Vec::new();
     let mut direct_write = Vec::new();
     let mut direct_read = Vec::new();
+    let mut layout_read = Vec::new();
     let mut buffered = Vec::new();
     // A warm-up save, untimed: connections opened and the job's lease taken before run 1.
     let (job_name, ranks) = (&job, args.ranks);
@@ -519,6 +542,14 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             all.push(Timed::wall(this));
         }
         let run = run_once(&clients, &job, u64::from(n) + 1, &state, &perf, &meter).await?;
+        // The built-in cluster's chunk files of this checkpoint, read raw as many at once as the
+        // restore fetched them.
+        if cluster.is_some() {
+            let files = chunk_files(&data_dir.join("cluster"), args.targets, &run.chunks)?;
+            let in_flight = ClientConfig::new("").restore_concurrency * args.ranks as usize;
+            meter.settle();
+            layout_read.push(Timed::wall(baseline::direct_read_files(&files, in_flight)?));
+        }
         say(format!(
             "run {}: blocking {:.2?} ({} staging waits), committed {:.2?} (sent {:.3} of the bytes), restore \
              {:.2?} | memcpy {:.2?}, O_DIRECT write {:.2?}, buffered write+fsync {:.2?}, O_DIRECT read {:.2?}",
@@ -542,18 +573,22 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let compression_ratio = uploaded as f64 / stored.max(1) as f64;
     let (memcpy, direct_write, direct_read, buffered) =
         (median(memcpy), median(direct_write), median(direct_read), median(buffered));
+    let layout_read = (!layout_read.is_empty()).then(|| median(layout_read));
     if let Some(cluster) = cluster {
         cluster.shutdown().await?;
     }
 
     let gb = total as f64 / 1e9;
     let gbps = |t: Timed| gb / t.wall.as_secs_f64().max(1e-9);
-    let rows = [
+    let mut rows = vec![
         ("blocking", blocking, "memcpy into touched memory", memcpy),
         ("committed", committed, "O_DIRECT write + fsync", direct_write),
         ("committed", committed, "buffered write + fsync (torch.save)", buffered),
         ("restore", restore, "O_DIRECT read", direct_read),
     ];
+    if let Some(layout_read) = layout_read {
+        rows.push(("restore", restore, "O_DIRECT read of its chunk files", layout_read));
+    }
     if json {
         let phase = |t: Timed| {
             json!({
@@ -574,12 +609,14 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                 "baselines": {
                     "memcpy": baseline(memcpy), "odirect_write_fsync": baseline(direct_write),
                     "buffered_write_fsync": baseline(buffered), "odirect_read": baseline(direct_read),
+                    "odirect_read_chunk_files": layout_read.map(baseline),
                 },
                 "ratios": {
                     "blocking_vs_memcpy": ratio(blocking.wall, memcpy.wall),
                     "committed_vs_odirect_write": ratio(committed.wall, direct_write.wall),
                     "committed_vs_buffered_write_fsync": ratio(committed.wall, buffered.wall),
                     "restore_vs_odirect_read": ratio(restore.wall, direct_read.wall),
+                    "restore_vs_odirect_read_chunk_files": layout_read.map(|l| ratio(restore.wall, l.wall)),
                 },
             }))?
         );

@@ -975,7 +975,9 @@ fn bench_reports_every_phase_beside_its_baseline() {
             false => assert!(disk.is_null(), "{phase}: {report}"),
         }
     }
-    for baseline in ["memcpy", "odirect_write_fsync", "buffered_write_fsync", "odirect_read"] {
+    for baseline in
+        ["memcpy", "odirect_write_fsync", "buffered_write_fsync", "odirect_read", "odirect_read_chunk_files"]
+    {
         assert!(report["baselines"][baseline]["seconds"].as_f64().unwrap() > 0.0, "{baseline}: {report}");
     }
     for ratio in [
@@ -983,6 +985,7 @@ fn bench_reports_every_phase_beside_its_baseline() {
         "committed_vs_odirect_write",
         "committed_vs_buffered_write_fsync",
         "restore_vs_odirect_read",
+        "restore_vs_odirect_read_chunk_files",
     ] {
         let value = report["ratios"][ratio].as_f64().unwrap();
         assert!(value.is_finite() && value > 0.0, "{ratio}: {report}");
