@@ -75,6 +75,10 @@ pub struct BenchArgs {
     /// Reach the targets over TCP even where they share this host (default: shared memory there).
     #[arg(long)]
     no_shm: bool,
+    /// TCP payloads (PUTs, and the built-in cluster's GET results) sent zero-copy: auto, always
+    /// or off (`starckpt target --zero-copy-send`). Over loopback the kernel copies them anyway.
+    #[arg(long, default_value = "auto")]
+    zero_copy_send: starckpt_proto::zerocopy::ZeroCopySend,
     /// Write every chunk into a new file, as on a target's first checkpoints. Default: the
     /// built-in cluster's targets first fill their free pools (untimed), so chunks overwrite
     /// allocated files as a job's checkpoints do in steady state, once retention deletes old ones
@@ -431,9 +435,11 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let cluster = match &args.cluster {
         Some(_) => None,
         None => {
-            let (chunk_size, queue_depth) = (args.chunk_size as usize, args.queue_depth);
+            let (chunk_size, queue_depth, zero_copy_send) =
+                (args.chunk_size as usize, args.queue_depth, args.zero_copy_send);
             let configure = |config: &mut starckpt_server::target::TargetConfig| {
                 config.chunk_size_bytes = chunk_size;
+                config.limits.zero_copy_send = zero_copy_send;
                 config.preallocate_bytes = preallocate;
                 config.queue_depth = queue_depth;
             };
@@ -471,6 +477,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         config.run_id = Some(run_id.clone());
         config.compression = args.compression.config()?;
         config.shm.enabled = !args.no_shm;
+        config.tcp.zero_copy_send = args.zero_copy_send;
         clients.push(Client::connect(config).await?);
     }
     crate::demo::wait_for_targets(&clients[0], if cluster.is_some() { args.targets } else { 1 }).await?;

@@ -189,6 +189,10 @@ enum Command {
         /// Serve TCP only: same-host clients do not get shared memory.
         #[arg(long)]
         no_shm: bool,
+        /// Send GET results over TCP zero-copy (io_uring SEND_ZC): auto (on each connection until
+        /// the kernel reports it copied anyway, as over loopback), always, or off.
+        #[arg(long, default_value = "auto")]
+        zero_copy_send: starckpt_proto::zerocopy::ZeroCopySend,
         #[command(flatten)]
         rdma: RdmaArgs,
         /// Keep up to SIZE of deleted chunks' files for new chunks to overwrite in place (faster
@@ -436,6 +440,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             scrub_pause_secs,
             shm_socket,
             no_shm,
+            zero_copy_send,
             rdma,
             free_pool,
             preallocate,
@@ -448,6 +453,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 config.shm_socket = shm_socket;
             }
             config.advertise = advertise;
+            config.limits.zero_copy_send = zero_copy_send;
             config.engine = io_engine;
             config.queue_depth = queue_depth;
             config.assumed_uptime = Duration::from_secs(assume_uptime_secs);

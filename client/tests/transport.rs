@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use prost::Message;
 use starckpt_client::transport::{
     AutoTransport, ChunkPage, ChunkTransport, Fetched, Payload, RdmaClient, RdmaTransport, ShmConfig, ShmTransport,
-    TcpConfig, TcpTransport, TransportError,
+    TcpConfig, TcpTransport, TransportError, ZeroCopyCounts, ZeroCopySend,
 };
 use starckpt_proto::ChunkHash;
 use starckpt_proto::codec::{self, Codec, CompressConfig};
@@ -18,6 +19,7 @@ use starckpt_proto::frame::Opcode;
 use starckpt_server::target::dataplane::{self, DataPlaneLimits, ShmListener, Transports};
 use starckpt_server::target::engine::{EngineKind, open_engine};
 use starckpt_server::target::store::ChunkStore;
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -998,4 +1000,129 @@ async fn abandoned_rdma_gets_free_the_shared_receive_slots_for_other_targets() {
     let got = tokio::time::timeout(Duration::from_secs(10), to_healthy.get(hash, 0, 0)).await;
     assert_eq!(got.expect("waited for a receive slot").unwrap().bytes, data);
     hung_device.resume();
+}
+
+/// Waits until `done` holds of the transport's zero-copy counts (the write loops take the kernel's
+/// notifications between frames, after the responses may already have arrived).
+async fn zero_copy_settled(transport: &TcpTransport, done: impl Fn(&ZeroCopyCounts) -> bool) -> ZeroCopyCounts {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let counts = transport.zero_copy_counts();
+        if done(&counts) || tokio::time::Instant::now() > deadline {
+            return counts;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_copy_sends_carry_puts_and_gets_intact() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = DataPlaneLimits { zero_copy_send: ZeroCopySend::Always, ..DataPlaneLimits::default() };
+    let target = start_target_on(dir.path(), "127.0.0.1:0", Transports::default(), limits).await;
+    let config = TcpConfig { zero_copy_send: ZeroCopySend::Always, ..TcpConfig::default() };
+    let transport = TcpTransport::new(target.address, config);
+    // Large payloads of odd lengths, several in flight at once, go zero-copy; a small one plainly.
+    let chunks: Vec<(ChunkHash, Bytes)> = (0..8).map(|i| chunk((1 << 20) - 4097 * i, i as u8)).collect();
+    let puts = chunks.iter().map(|(hash, data)| transport.put(*hash, Payload::raw(data.clone())));
+    for stored in futures::future::join_all(puts).await {
+        assert!(!stored.unwrap());
+    }
+    let (small, small_data) = chunk(4096, 99);
+    assert!(!transport.put(small, Payload::raw(small_data.clone())).await.unwrap());
+    let large_bytes: u64 = chunks.iter().map(|(_, data)| data.len() as u64).sum();
+    let counts = zero_copy_settled(&transport, |c| c.notified == c.sends).await;
+    assert_eq!(counts.bytes, large_bytes, "{counts:?}");
+    assert!(counts.sends >= chunks.len() as u64, "{counts:?}");
+    // Every payload was held until its notification; over loopback each says the kernel copied.
+    assert_eq!(counts.notified, counts.sends, "{counts:?}");
+    assert_eq!(counts.copied, counts.notified, "{counts:?}");
+    assert_eq!(target.store.stats().chunk_count, chunks.len() as u64 + 1);
+
+    // The target sends GET results zero-copy too: whole payloads and ones landed in place.
+    for (hash, data) in &chunks {
+        assert_eq!(&transport.get(*hash, 0, 0).await.unwrap().bytes, data);
+    }
+    let (hash, data) = &chunks[3];
+    let mut landed = vec![0u8; data.len()];
+    let fetched = transport.get_into(*hash, &mut landed).await.unwrap();
+    assert!(matches!(fetched, Fetched::Placed(placed) if placed == *hash), "{fetched:?}");
+    assert_eq!(&landed[..], &data[..]);
+    assert_eq!(transport.get(small, 0, 0).await.unwrap().bytes, small_data);
+    let stat = transport.stat().await.unwrap();
+    assert!(stat.zero_copy_sends > chunks.len() as u64, "{stat:?}");
+    // The client's zero-copy counts did not move: GET requests carry no payload.
+    assert_eq!(transport.zero_copy_counts().bytes, large_bytes);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_zero_copy_stops_on_a_connection_once_the_kernel_reports_a_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = start_target_on(dir.path(), "127.0.0.1:0", Transports::default(), DataPlaneLimits::default()).await;
+    // Auto is the default on both sides.
+    let transport = tcp(target.address, 1);
+    let chunks: Vec<(ChunkHash, Bytes)> = (0..16).map(|i| chunk(512 << 10, i)).collect();
+    for (hash, data) in &chunks {
+        assert!(!transport.put(*hash, Payload::raw(data.clone())).await.unwrap());
+    }
+    // Over loopback the first notification reports a copy: the connection writes plainly after.
+    let counts = zero_copy_settled(&transport, |c| c.notified == c.sends).await;
+    assert!(counts.sends >= 1 && counts.sends < chunks.len() as u64, "{counts:?}");
+    assert!(counts.copied >= 1, "{counts:?}");
+    for (hash, data) in &chunks {
+        assert_eq!(&transport.get(*hash, 0, 0).await.unwrap().bytes, data);
+    }
+    let stat = transport.stat().await.unwrap();
+    assert!(stat.zero_copy_sends >= 1 && stat.zero_copy_sends < chunks.len() as u64, "{stat:?}");
+    assert!(stat.zero_copy_copied >= 1, "{stat:?}");
+
+    // Off: plain writes only.
+    let off =
+        TcpTransport::new(target.address, TcpConfig { zero_copy_send: ZeroCopySend::Off, ..TcpConfig::default() });
+    let (hash, data) = chunk(1 << 20, 77);
+    assert!(!off.put(hash, Payload::raw(data.clone())).await.unwrap());
+    assert_eq!(off.zero_copy_counts(), ZeroCopyCounts::default());
+}
+
+/// A client that sends GETs and stops reading: the target's sends of the results, zero-copy or
+/// plain, time out, the connection is closed, and the buffers it held serve others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_cut_off_whatever_the_send_mode() {
+    for mode in [ZeroCopySend::Always, ZeroCopySend::Off] {
+        let dir = tempfile::tempdir().unwrap();
+        let limits = DataPlaneLimits {
+            frame_timeout: Duration::from_millis(300),
+            zero_copy_send: mode,
+            ..DataPlaneLimits::default()
+        };
+        let target = start_target_on(dir.path(), "127.0.0.1:0", Transports::default(), limits).await;
+        let (hash, data) = chunk(1 << 20, 5);
+        let transport = tcp(target.address, 1);
+        assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
+
+        // 48 MiB of results: more than the socket buffers of both ends hold.
+        let mut stream = tokio::net::TcpStream::connect(target.address).await.unwrap();
+        let get = starckpt_proto::data::GetRequest { hash: hash.to_bytes(), ..Default::default() }.encode_to_vec();
+        const GETS: u64 = 48;
+        for id in 1..=GETS {
+            starckpt_proto::frame::write_frame(&mut stream, Opcode::Get, id, &get, &[]).await.unwrap();
+        }
+        // Ten times the target's timeout without reading; then what the target had sent ends early.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let mut received = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut received)).await;
+        let total = match read.expect("the target closed the connection") {
+            Ok(_) => received.len(),
+            // Closed with requests unread: a reset.
+            Err(error) => {
+                assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset, "{mode}: {error}");
+                received.len()
+            }
+        };
+        assert!(total < (GETS as usize) * data.len(), "{mode}: {total} bytes, all of them");
+        // Its buffers were given back: GETs go on.
+        let fresh = tcp(target.address, 1);
+        let got = tokio::time::timeout(Duration::from_secs(20), fresh.get(hash, 0, 0)).await;
+        assert_eq!(got.expect("buffers were released").unwrap().bytes, data, "{mode}");
+    }
 }

@@ -226,6 +226,22 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     payload: &[bytes::Bytes],
 ) -> std::io::Result<()> {
     let payload_len: usize = payload.iter().map(|p| p.len()).sum();
+    write_frame_head(writer, opcode, request_id, prost_header, payload_len).await?;
+    for piece in payload {
+        writer.write_all(piece).await?;
+    }
+    Ok(())
+}
+
+/// Writes a frame's fixed header and prost header, announcing `payload_len` bytes of payload,
+/// which the caller writes next (`crate::zerocopy` sends them by other means than `writer`).
+pub async fn write_frame_head<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    opcode: Opcode,
+    request_id: u64,
+    prost_header: &[u8],
+    payload_len: usize,
+) -> std::io::Result<()> {
     let header_len = u32::try_from(prost_header.len())
         .ok()
         .filter(|len| *len <= MAX_HEADER_BYTES)
@@ -237,9 +253,6 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     let fixed = FrameHeader { opcode, request_id, header_len, payload_len }.encode();
     writer.write_all(&fixed).await?;
     writer.write_all(prost_header).await?;
-    for piece in payload {
-        writer.write_all(piece).await?;
-    }
     Ok(())
 }
 

@@ -8,6 +8,8 @@
 //! - [`rdma`]: the RDMA fields of frames (queue-pair endpoints, client buffers), checked.
 //! - [`shm`]: same-host shared memory for the data plane (sealed memfd regions, the attach
 //!   handshake over a Unix socket).
+//! - [`zerocopy`]: the frame writer both ends use, sending large payloads over TCP zero-copy
+//!   (io_uring SEND_ZC) where that pays.
 //! - [`model`]: domain types validated on receipt (`TryFrom`), so malformed input never reaches
 //!   server or client logic.
 //!
@@ -25,6 +27,7 @@ pub mod frame;
 pub mod model;
 pub mod rdma;
 pub mod shm;
+pub mod zerocopy;
 
 /// Control-plane gRPC messages and service.
 pub mod control {

@@ -27,6 +27,7 @@ use starckpt_proto::codec::Codec;
 use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{self, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, Opcode, ReadFrameError};
 use starckpt_proto::rdma::RemoteBuffer;
+pub use starckpt_proto::zerocopy::{FrameWriter, ZeroCopyCounts, ZeroCopySend, ZeroCopyStats};
 use thiserror::Error;
 
 mod rdma;
@@ -34,7 +35,7 @@ mod shm;
 mod slots;
 pub use rdma::{RdmaClient, RdmaConfig, RdmaTransport};
 pub use shm::{AutoTransport, ShmConfig, ShmTransport};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
@@ -76,6 +77,10 @@ pub struct TargetStat {
     pub reused_files: u64,
     /// GETs the target read from its device straight into a same-host client's slot.
     pub placed_reads: u64,
+    /// GET payloads the target sent zero-copy over TCP, and notifications of those that reported
+    /// the kernel copied them after all.
+    pub zero_copy_sends: u64,
+    pub zero_copy_copied: u64,
     /// The target's scrubber since it started: passes finished, chunks verified, corrupt copies
     /// found and removed.
     pub scrub_passes: u64,
@@ -186,6 +191,9 @@ pub struct TcpConfig {
     /// Time for one request's response. Default 120 s: a 64 MiB chunk behind a queue of others on
     /// a slow disk, never an indefinite hang.
     pub request_timeout: Duration,
+    /// PUT payloads sent zero-copy (io_uring SEND_ZC). Default auto: until the kernel reports it
+    /// copied them anyway, as it does over loopback (`starckpt_proto::zerocopy`).
+    pub zero_copy_send: ZeroCopySend,
 }
 
 impl Default for TcpConfig {
@@ -195,6 +203,7 @@ impl Default for TcpConfig {
             max_requests_per_connection: 32,
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(120),
+            zero_copy_send: ZeroCopySend::Auto,
         }
     }
 }
@@ -294,20 +303,30 @@ struct Connection {
 }
 
 impl Connection {
-    async fn open(address: SocketAddr, config: &TcpConfig) -> Result<Connection, TransportError> {
+    async fn open(
+        address: SocketAddr,
+        config: &TcpConfig,
+        zero_copy: Option<&Arc<ZeroCopyStats>>,
+    ) -> Result<Connection, TransportError> {
         let stream = tokio::time::timeout(config.connect_timeout, TcpStream::connect(address))
             .await
             .map_err(|_| TransportError::Connect(format!("timed out after {:?}", config.connect_timeout)))?
             .map_err(|e| TransportError::Connect(e.to_string()))?;
         let _ = stream.set_nodelay(true);
         let (reader, writer) = stream.into_split();
-        Ok(Connection::start(reader, writer, config))
+        match zero_copy {
+            Some(stats) => {
+                let frames = FrameWriter::tcp(writer, config.zero_copy_send, Arc::clone(stats));
+                Ok(Connection::start(reader, frames, config))
+            }
+            None => Ok(Connection::start(reader, FrameWriter::new(writer), config)),
+        }
     }
 
     /// A connection over any byte stream: a writer task sends frames, a reader task matches
     /// responses to requests. `config`: its requests in flight, and how long a request may hold
     /// the stream lent to it ([`LentReader`]).
-    pub(crate) fn start<R, W>(reader: R, writer: W, config: &TcpConfig) -> Connection
+    pub(crate) fn start<R, W>(reader: R, writer: FrameWriter<W>, config: &TcpConfig) -> Connection
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
@@ -390,12 +409,24 @@ impl Drop for ForgetOnDrop<'_> {
     }
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(writer: W, mut outgoing: mpsc::Receiver<OutFrame>, pending: Pending) {
-    let mut writer = BufWriter::with_capacity(64 * 1024, writer);
-    while let Some(message) = outgoing.recv().await {
+/// Sends queued frames in order. Payloads sent zero-copy stay held (their staging buffers out of
+/// the pool) until the kernel's notification, taken here between frames.
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut writer: FrameWriter<W>,
+    mut outgoing: mpsc::Receiver<OutFrame>,
+    pending: Pending,
+) {
+    loop {
+        let message = match writer.next(&mut outgoing).await {
+            Ok(Some(message)) => message,
+            Ok(None) => return,
+            Err(error) => {
+                fail_all(&pending, TransportError::Connection(format!("zero-copy notifications: {error}")));
+                return;
+            }
+        };
         let payload: Vec<Bytes> = message.payload.into_iter().collect();
-        let mut result =
-            frame::write_frame(&mut writer, message.opcode, message.request_id, &message.header, &payload).await;
+        let mut result = writer.write_frame(message.opcode, message.request_id, &message.header, &payload).await;
         if result.is_ok() && outgoing.is_empty() {
             result = writer.flush().await;
         }
@@ -526,12 +557,14 @@ pub struct TcpTransport {
     config: TcpConfig,
     connections: Vec<tokio::sync::Mutex<Option<Arc<Connection>>>>,
     next: AtomicUsize,
+    zero_copy: Arc<ZeroCopyStats>,
 }
 
 impl TcpTransport {
     pub fn new(address: SocketAddr, config: TcpConfig) -> TcpTransport {
         let connections = (0..config.connections_per_target.max(1)).map(|_| tokio::sync::Mutex::new(None)).collect();
-        TcpTransport { address, target_id: None, config, connections, next: AtomicUsize::new(0) }
+        let zero_copy = Arc::new(ZeroCopyStats::default());
+        TcpTransport { address, target_id: None, config, connections, next: AtomicUsize::new(0), zero_copy }
     }
 
     /// A transport to target `target_id` at `address`: requests are refused by any other target
@@ -544,13 +577,18 @@ impl TcpTransport {
         self.address
     }
 
+    /// PUT payloads this transport sent zero-copy ([`TcpConfig::zero_copy_send`]).
+    pub fn zero_copy_counts(&self) -> ZeroCopyCounts {
+        self.zero_copy.counts()
+    }
+
     async fn connection(&self) -> Result<Arc<Connection>, TransportError> {
         let index = self.next.fetch_add(1, Ordering::Relaxed) % self.connections.len();
         let mut slot = self.connections[index].lock().await;
         if let Some(connection) = slot.as_ref().filter(|c| c.is_alive()) {
             return Ok(Arc::clone(connection));
         }
-        let connection = Arc::new(Connection::open(self.address, &self.config).await?);
+        let connection = Arc::new(Connection::open(self.address, &self.config, Some(&self.zero_copy)).await?);
         *slot = Some(Arc::clone(&connection));
         Ok(connection)
     }
@@ -855,6 +893,8 @@ async fn stat_frames<F: FrameTransport + ?Sized>(frames: &F) -> Result<TargetSta
         free_pool_bytes: response.free_pool_bytes,
         reused_files: response.reused_files,
         placed_reads: response.placed_reads,
+        zero_copy_sends: response.zero_copy_sends,
+        zero_copy_copied: response.zero_copy_copied,
         scrub_passes: response.scrub_passes,
         scrub_verified_chunks: response.scrub_verified_chunks,
         scrub_corrupt_removed: response.scrub_corrupt_removed,
@@ -907,7 +947,7 @@ impl<T: FrameTransport> ChunkTransport for T {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
     use super::*;
-    use tokio::io::DuplexStream;
+    use tokio::io::{AsyncWriteExt, DuplexStream};
 
     /// A connection over an in-memory stream, and the far end, which plays the target by hand.
     fn connection() -> (Connection, DuplexStream) {
@@ -918,7 +958,7 @@ mod tests {
             request_timeout: Duration::from_secs(2),
             ..TcpConfig::default()
         };
-        (Connection::start(reader, writer, &config), far)
+        (Connection::start(reader, FrameWriter::new(writer), &config), far)
     }
 
     /// Reads one request off `far`; returns its id.

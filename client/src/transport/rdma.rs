@@ -290,7 +290,8 @@ impl Dialled for RdmaTransport {
     }
 
     async fn open(&self) -> Result<RdmaConnection, TransportError> {
-        let frames = Connection::open(self.address, &self.config).await?;
+        // Payloads travel by RDMA, never on this stream: nothing to send zero-copy.
+        let frames = Connection::open(self.address, &self.config, None).await?;
         let verbs = self.client.memory.verbs();
         let setup = |e: starckpt_rdma::VerbsError| TransportError::Connect(format!("RDMA setup: {e}"));
         // The target reads PUT payloads and writes GET results.

@@ -174,7 +174,7 @@ impl ShmTransport {
         }
         let (reader, writer) = stream.into_split();
         Ok(ShmConnection {
-            frames: Connection::start(reader, writer, &self.config),
+            frames: Connection::start(reader, FrameWriter::new(writer), &self.config),
             region: Regions { slots: region, staging: staging.cloned() },
             slots: SlotPool::new(self.attach.slots, self.attach.slot_bytes as usize),
         })

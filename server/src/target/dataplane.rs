@@ -35,8 +35,9 @@ use starckpt_proto::frame::{
 };
 use starckpt_proto::rdma::{RemoteBuffer, endpoint_from_wire, endpoint_to_wire};
 use starckpt_proto::shm::{self, Attach, Region, StagingFile};
+use starckpt_proto::zerocopy::{FrameWriter, ZeroCopySend, ZeroCopyStats};
 use starckpt_rdma::{Access, MemoryMap, Op, QpDriver, Verbs, WorkRequest};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -66,6 +67,9 @@ pub struct DataPlaneLimits {
     /// RDMA transfers (READs of PUT payloads, WRITEs of GET results) in flight on the device at
     /// once, across connections; more wait. Default 32 (128 MiB at 4 MiB chunks).
     pub rdma_transfers: usize,
+    /// GET payloads sent zero-copy over TCP (io_uring SEND_ZC). Default auto: on each connection
+    /// until the kernel reports it copied them anyway, as over loopback (`starckpt_proto::zerocopy`).
+    pub zero_copy_send: ZeroCopySend,
 }
 
 impl Default for DataPlaneLimits {
@@ -77,6 +81,7 @@ impl Default for DataPlaneLimits {
             frame_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(600),
             rdma_transfers: 32,
+            zero_copy_send: ZeroCopySend::Auto,
         }
     }
 }
@@ -138,6 +143,7 @@ struct Served {
     rdma: Option<RdmaServing>,
     /// [`ShmListener::placed_reads`], decided.
     placed_reads: bool,
+    zero_copy: Arc<ZeroCopyStats>,
 }
 
 /// Serves the data plane on `listener` until `shutdown` resolves; then closes every connection
@@ -198,7 +204,8 @@ pub async fn serve_with(
             );
         }
     }
-    let served = Arc::new(Served { store, limits, inflight_bytes, shm: advertised, rdma, placed_reads });
+    let zero_copy = Arc::new(ZeroCopyStats::default());
+    let served = Arc::new(Served { store, limits, inflight_bytes, shm: advertised, rdma, placed_reads, zero_copy });
     let stopping = CancellationToken::new();
     // If this future is dropped (aborted) rather than shut down, its connections still close.
     let _stop_on_drop = stopping.clone().drop_guard();
@@ -237,7 +244,8 @@ pub async fn serve_with(
                 Accepted::Tcp(stream, peer) => {
                     let _ = stream.set_nodelay(true);
                     let (reader, writer) = stream.into_split();
-                    if let Err(reason) = serve_connection(reader, writer, None, served, stop).await {
+                    let frames = FrameWriter::tcp(writer, served.limits.zero_copy_send, Arc::clone(&served.zero_copy));
+                    if let Err(reason) = serve_connection(reader, frames, None, served, stop).await {
                         info!(%peer, %reason, "closed data-plane connection");
                     }
                 }
@@ -247,7 +255,8 @@ pub async fn serve_with(
                     match attached {
                         Ok(Ok(region)) => {
                             let (reader, writer) = stream.into_split();
-                            if let Err(reason) = serve_connection(reader, writer, Some(region), served, stop).await {
+                            let frames = FrameWriter::new(writer);
+                            if let Err(reason) = serve_connection(reader, frames, Some(region), served, stop).await {
                                 info!(%reason, "closed shared-memory data-plane connection");
                             }
                         }
@@ -362,7 +371,7 @@ async fn attach(stream: &tokio::net::UnixStream, placed_reads: bool) -> std::io:
 
 async fn serve_connection<R, W>(
     mut reader: R,
-    writer: W,
+    writer: FrameWriter<W>,
     slots: Option<Arc<Slots>>,
     served: Arc<Served>,
     stop: CancellationToken,
@@ -834,25 +843,35 @@ fn connect_rdma(served: &Served, prost_header: Bytes, already: bool) -> (data::R
     }
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(writer: W, mut outgoing: mpsc::Receiver<Outgoing>, timeout: Duration) {
-    let mut writer = BufWriter::with_capacity(64 * 1024, writer);
-    while let Some(message) = outgoing.recv().await {
-        let payload: Vec<Bytes> = message.payload.iter().cloned().collect();
-        // A client that stops reading must not pin buffers and in-flight bytes forever.
-        let written = tokio::time::timeout(
-            timeout,
-            frame::write_frame(&mut writer, message.opcode, message.request_id, &message.header, &payload),
-        )
-        .await;
-        drop(message.charge);
-        match written {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => {
-                debug!(%error, "data-plane write failed");
+/// Sends responses in order. A GET payload sent zero-copy stays held (its pool buffer out of the
+/// pool) until the kernel's notification, taken here between frames.
+async fn write_loop<W: AsyncWrite + Unpin>(
+    writer: FrameWriter<W>,
+    mut outgoing: mpsc::Receiver<Outgoing>,
+    timeout: Duration,
+) {
+    // A client that stops reading must not pin buffers and in-flight bytes forever.
+    let mut writer = writer.with_timeout(timeout);
+    loop {
+        let message = match writer.next(&mut outgoing).await {
+            Ok(Some(message)) => message,
+            Ok(None) => break,
+            Err(error) => {
+                warn!(%error, "zero-copy notifications failed; closing the connection");
                 return;
             }
-            Err(_) => {
+        };
+        let payload: Vec<Bytes> = message.payload.iter().cloned().collect();
+        let written = writer.write_frame(message.opcode, message.request_id, &message.header, &payload).await;
+        drop(message.charge);
+        match written {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::TimedOut => {
                 info!("client did not read a response within {timeout:?}; closing the connection");
+                return;
+            }
+            Err(error) => {
+                debug!(%error, "data-plane write failed");
                 return;
             }
         }
@@ -1074,6 +1093,8 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
                 free_pool_bytes: stats.free_pool_bytes,
                 reused_files: stats.reused_files,
                 placed_reads: stats.placed_reads,
+                zero_copy_sends: served.zero_copy.counts().sends,
+                zero_copy_copied: served.zero_copy.counts().copied,
                 scrub_passes: scrub.passes.load(std::sync::atomic::Ordering::Relaxed),
                 scrub_verified_chunks: scrub.verified_chunks.load(std::sync::atomic::Ordering::Relaxed),
                 scrub_corrupt_removed: scrub.corrupt_removed.load(std::sync::atomic::Ordering::Relaxed),
