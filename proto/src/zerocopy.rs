@@ -29,7 +29,7 @@
 //! (before 6.2) answers EINVAL: the connection then writes plainly, as where io_uring is refused
 //! (seccomp).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
@@ -103,6 +103,7 @@ pub struct ZeroCopyStats {
     bytes: AtomicU64,
     copied: AtomicU64,
     notified: AtomicU64,
+    held: AtomicU64,
 }
 
 /// [`ZeroCopyStats`] at one moment.
@@ -115,6 +116,8 @@ pub struct ZeroCopyCounts {
     /// reported the kernel copied the bytes after all.
     pub notified: u64,
     pub copied: u64,
+    /// Payloads held now, waiting for their notifications.
+    pub held: u64,
 }
 
 impl ZeroCopyStats {
@@ -124,6 +127,7 @@ impl ZeroCopyStats {
             bytes: self.bytes.load(Ordering::Relaxed),
             notified: self.notified.load(Ordering::Relaxed),
             copied: self.copied.load(Ordering::Relaxed),
+            held: self.held.load(Ordering::Relaxed),
         }
     }
 }
@@ -271,6 +275,9 @@ struct ZeroCopy {
     held: HashMap<u64, Bytes>,
     /// Results and flags of operations whose completion arrived, by id (one at a time in flight).
     completed: HashMap<u64, (i32, u32)>,
+    /// Sends whose notification was taken before their completion was (so before their payload
+    /// went into `held`): over loopback the kernel copies during the send and notifies at once.
+    notified_early: HashSet<u64>,
     stats: Arc<ZeroCopyStats>,
 }
 
@@ -300,6 +307,7 @@ impl ZeroCopy {
             next_id: 1,
             held: HashMap::new(),
             completed: HashMap::new(),
+            notified_early: HashSet::new(),
             stats,
         })
     }
@@ -338,10 +346,13 @@ impl ZeroCopy {
             self.ring.get_ref().submit()?;
             let (result, flags) = self.completion(id).await?;
             let bytes = in_flight.0.take();
+            // Its notification may have come in the same batch as this completion, or before it.
             if cqueue::more(flags)
+                && !self.notified_early.remove(&id)
                 && let Some(bytes) = bytes
             {
                 self.held.insert(id, bytes);
+                self.stats.held.fetch_add(1, Ordering::Relaxed);
             }
             // A linked timeout always completes: -ETIME if it cancelled the send.
             if let Some(timeout) = self.timeout
@@ -433,14 +444,22 @@ impl ZeroCopy {
     /// [`ZeroCopySend::Auto`], one that reports a copy turns zero-copy off here); other results
     /// wait for [`ZeroCopy::submit`].
     fn reap(&mut self) {
-        let arrived: Vec<(u64, i32, u32)> =
+        let mut arrived: Vec<(u64, i32, u32)> =
             self.ring.get_mut().completion().map(|c| (c.user_data(), c.result(), c.flags())).collect();
+        if self.ring.get_mut().submission().cq_overflow() {
+            tracing::warn!("zero-copy ring's completion queue overflowed; flushing");
+            let _ = self.ring.get_ref().submit();
+            arrived.extend(self.ring.get_mut().completion().map(|c| (c.user_data(), c.result(), c.flags())));
+        }
         for (id, result, flags) in arrived {
             if !cqueue::notif(flags) {
                 self.completed.insert(id, (result, flags));
                 continue;
             }
-            self.held.remove(&id);
+            match self.held.remove(&id) {
+                Some(_) => _ = self.stats.held.fetch_sub(1, Ordering::Relaxed),
+                None => _ = self.notified_early.insert(id),
+            }
             self.stats.notified.fetch_add(1, Ordering::Relaxed);
             if result as u32 & NOTIF_USAGE_ZC_COPIED != 0 {
                 self.stats.copied.fetch_add(1, Ordering::Relaxed);
@@ -450,5 +469,11 @@ impl ZeroCopy {
                 }
             }
         }
+    }
+}
+
+impl Drop for ZeroCopy {
+    fn drop(&mut self) {
+        self.stats.held.fetch_sub(self.held.len() as u64, Ordering::Relaxed);
     }
 }
