@@ -731,6 +731,45 @@ fn restore_of_more_files_than_the_descriptor_limit() {
 }
 
 #[test]
+fn zero_copy_sends_over_the_locked_memory_limit_fall_back_to_plain_writes() {
+    // As in a container: no CAP_IPC_LOCK and a small RLIMIT_MEMLOCK. The pages of a zero-copy
+    // send (payloads of 64 KiB and more) count against it, so the kernel refuses every one;
+    // PUTs and GET results must still arrive, written plainly.
+    let limit = 64 << 10;
+    let mut cluster = Cluster::start(0);
+    for index in 0..2 {
+        let target = cluster.start_target_configured(index, &["--no-shm", "--zero-copy-send", "always"], &[], |c| {
+            common::limit_locked_memory(c, limit)
+        });
+        cluster.targets.push(target);
+    }
+    cluster.wait_alive(2);
+    let source = cluster.dir.path().join("source");
+    for (i, len) in [6 << 20, 1 << 20, 300_000].into_iter().enumerate() {
+        std::fs::create_dir_all(&source).unwrap();
+        std::fs::write(source.join(format!("part{i}.bin")), random_bytes(len, i as u64)).unwrap();
+    }
+    let run = |args: &[&str]| {
+        let mut command = std::process::Command::new(common::BIN);
+        command.args(args).env("STARCKPT_SERVER", &cluster.server.address).env("RUST_LOG", "info");
+        common::limit_locked_memory(&mut command, limit);
+        let output = command.output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(output.status.success(), "{args:?}: {stderr}");
+        stderr
+    };
+    let refused = "zero-copy send refused";
+    let saved = run(&["save", "--job", "memlock", "--step", "1", source.to_str().unwrap()]);
+    assert!(saved.contains(refused), "the client's PUTs were not refused zero-copy: {saved}");
+    let restored = cluster.dir.path().join("restored");
+    run(&["restore", "--job", "memlock", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&restored));
+    let logs: String =
+        (0..2).map(|i| std::fs::read_to_string(cluster.dir.path().join(format!("target-{i}.log"))).unwrap()).collect();
+    assert!(logs.contains(refused), "no target had a GET result refused zero-copy: {logs}");
+}
+
+#[test]
 fn full_targets_refuse_puts_and_writers_go_elsewhere_until_none_has_room() {
     // Three targets, two copies of each chunk (the default replication factor).
     let mut cluster = Cluster::start(3);

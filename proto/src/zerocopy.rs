@@ -27,7 +27,8 @@
 //! MSG_WAITALL, so the kernel queues the whole payload (waiting for socket buffer space as a
 //! blocking send would) before the next frame's bytes. A kernel without SEND_ZC or usage reports
 //! (before 6.2) answers EINVAL: the connection then writes plainly, as where io_uring is refused
-//! (seccomp).
+//! (seccomp), or where the pinned pages would pass the locked-memory limit (ENOMEM: a process
+//! without CAP_IPC_LOCK, as in a container).
 
 use std::collections::{HashMap, HashSet};
 use std::io;
@@ -104,6 +105,7 @@ pub struct ZeroCopyStats {
     copied: AtomicU64,
     notified: AtomicU64,
     held: AtomicU64,
+    refused: AtomicU64,
 }
 
 /// [`ZeroCopyStats`] at one moment.
@@ -118,6 +120,8 @@ pub struct ZeroCopyCounts {
     pub copied: u64,
     /// Payloads held now, waiting for their notifications.
     pub held: u64,
+    /// Sends refused over the locked-memory limit (each turned zero-copy off on its connection).
+    pub refused: u64,
 }
 
 impl ZeroCopyStats {
@@ -128,6 +132,7 @@ impl ZeroCopyStats {
             notified: self.notified.load(Ordering::Relaxed),
             copied: self.copied.load(Ordering::Relaxed),
             held: self.held.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -374,6 +379,21 @@ impl ZeroCopy {
                     let error = io::Error::from_raw_os_error(-e);
                     tracing::info!(%error, "this kernel does not send zero-copy (io_uring SEND_ZC); writing plainly");
                     self.enabled = false;
+                    return Ok(sent);
+                }
+                // The pages a zero-copy send pins count against RLIMIT_MEMLOCK for a process
+                // without CAP_IPC_LOCK (a container's default: 8 MiB or less, shared by every
+                // process of its user), and a send over the limit is refused before it sends a
+                // byte. Nothing was lost: this connection writes plainly from here on.
+                e if -e == libc::ENOMEM || -e == libc::ENOBUFS => {
+                    let error = io::Error::from_raw_os_error(-e);
+                    tracing::info!(
+                        %error,
+                        "zero-copy send refused: pinned pages over the locked-memory limit \
+                         (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK); writing plainly"
+                    );
+                    self.enabled = false;
+                    self.stats.refused.fetch_add(1, Ordering::Relaxed);
                     return Ok(sent);
                 }
                 e => return Err(io::Error::from_raw_os_error(-e)),

@@ -17,12 +17,18 @@ pub struct Proc {
 impl Proc {
     /// Starts `starckpt ARGS` and waits for its "... listening on ADDR" line.
     fn start(args: &[&str], log: &Path, env: &[(&str, &str)]) -> Proc {
+        Proc::start_configured(args, log, env, |_| {})
+    }
+
+    /// `start`, the command further set up by `configure` before it is spawned.
+    fn start_configured(args: &[&str], log: &Path, env: &[(&str, &str)], configure: impl FnOnce(&mut Command)) -> Proc {
         let log_file = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
         let mut command = Command::new(BIN);
         command.args(args).stdout(Stdio::piped()).stderr(Stdio::from(log_file)).env("RUST_LOG", "info");
         for (key, value) in env {
             command.env(key, value);
         }
+        configure(&mut command);
         let mut child = command.spawn().unwrap();
         let stdout = child.stdout.take().unwrap();
         let mut line = String::new();
@@ -135,6 +141,18 @@ impl Cluster {
 
     /// Starts target `index` with extra flags and environment variables.
     pub fn start_target_env(&self, index: usize, extra: &[&str], env: &[(&str, &str)]) -> Proc {
+        self.start_target_configured(index, extra, env, |_| {})
+    }
+
+    /// Starts target `index` with extra flags and environment variables, its command further set
+    /// up by `configure` (e.g. [`limit_locked_memory`]).
+    pub fn start_target_configured(
+        &self,
+        index: usize,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        configure: impl FnOnce(&mut Command),
+    ) -> Proc {
         let dir = self.target_dir(index);
         // Targets that trust chunk ages as if they had run for a day, so GC tests can age chunks.
         let servers = self.servers();
@@ -147,7 +165,7 @@ impl Cluster {
             args.extend(["--queue-depth", "8"]);
         }
         args.extend_from_slice(extra);
-        Proc::start(&args, &self.dir.path().join(format!("target-{index}.log")), env)
+        Proc::start_configured(&args, &self.dir.path().join(format!("target-{index}.log")), env, configure)
     }
 
     /// SIGKILLs the control plane and starts it again on the same address and database (the
@@ -302,6 +320,26 @@ pub fn cli_with_server(server: &str, args: &[&str]) -> Output {
 }
 
 /// Deterministic pseudo-random bytes.
+/// Runs `command`'s process as in a container: without CAP_IPC_LOCK (dropped from the bounding
+/// set, so root loses it at exec) and with RLIMIT_MEMLOCK at `bytes`, so every page it pins (an
+/// io_uring buffer registration, a zero-copy send) counts against that limit.
+pub fn limit_locked_memory(command: &mut Command, bytes: u64) {
+    use std::os::unix::process::CommandExt;
+    const CAP_IPC_LOCK: libc::c_ulong = 14;
+    // SAFETY: prctl and setrlimit are async-signal-safe; the closure runs in the child before exec.
+    unsafe {
+        command.pre_exec(move || {
+            // Unprivileged, the drop fails (EPERM), and there is no CAP_IPC_LOCK to lose.
+            libc::prctl(libc::PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0);
+            let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+            if libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
     use rand::{RngCore, SeedableRng};
     let mut out = vec![0u8; len];
