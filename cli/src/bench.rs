@@ -75,6 +75,10 @@ pub struct BenchArgs {
     /// Reach the targets over TCP even where they share this host (default: shared memory there).
     #[arg(long)]
     no_shm: bool,
+    /// The built-in cluster's targets copy each staged chunk out of this process's staging memory
+    /// before writing it (`starckpt target --shm-copy-writes`), instead of writing it from there.
+    #[arg(long, conflicts_with = "no_shm")]
+    shm_copy_writes: bool,
     /// TCP payloads (PUTs, and the built-in cluster's GET results) sent zero-copy: auto, always
     /// or off (`starckpt target --zero-copy-send`). Over loopback the kernel copies them anyway.
     #[arg(long, default_value = "auto")]
@@ -437,8 +441,10 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         None => {
             let (chunk_size, queue_depth, zero_copy_send) =
                 (args.chunk_size as usize, args.queue_depth, args.zero_copy_send);
+            let placed_writes = !args.shm_copy_writes;
             let configure = |config: &mut starckpt_server::target::TargetConfig| {
                 config.chunk_size_bytes = chunk_size;
+                config.shm_placed_writes = placed_writes;
                 config.limits.zero_copy_send = zero_copy_send;
                 config.preallocate_bytes = preallocate;
                 config.queue_depth = queue_depth;

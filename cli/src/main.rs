@@ -189,6 +189,12 @@ enum Command {
         /// Serve TCP only: same-host clients do not get shared memory.
         #[arg(long)]
         no_shm: bool,
+        /// Copy every staged chunk out of a same-host client's staging memory before writing
+        /// it, even for clients running as this target's user or root (by default their chunks
+        /// are written to the device straight from that memory: they could rewrite the chunk
+        /// files anyway).
+        #[arg(long, conflicts_with = "no_shm")]
+        shm_copy_writes: bool,
         /// Send GET results over TCP zero-copy (io_uring SEND_ZC): auto (on each connection until
         /// the kernel reports it copied anyway, as over loopback), always, or off.
         #[arg(long, default_value = "auto")]
@@ -440,6 +446,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             scrub_pause_secs,
             shm_socket,
             no_shm,
+            shm_copy_writes,
             zero_copy_send,
             rdma,
             free_pool,
@@ -452,6 +459,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             } else if shm_socket.is_some() {
                 config.shm_socket = shm_socket;
             }
+            config.shm_placed_writes = !shm_copy_writes;
             config.advertise = advertise;
             config.limits.zero_copy_send = zero_copy_send;
             config.engine = io_engine;

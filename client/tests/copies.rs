@@ -15,14 +15,23 @@ use starckpt_proto::buf::copies;
 
 /// Payload copies per chunk transfer on the way to the targets and back, for one transport.
 async fn copies_per_transfer(fabric: Option<&str>, shm: bool, expected_kind: &str) -> (f64, f64) {
-    copies_saving(fabric, shm, expected_kind, true).await
+    copies_saving(fabric, shm, expected_kind, true, true).await
 }
 
 /// [`copies_per_transfer`] of a save whose bytes are `staged` (copied into staging buffers, as
-/// `SavePart::buffer` does) or not (`SavePart::shared`: uploaded from the caller's memory).
-async fn copies_saving(fabric: Option<&str>, shm: bool, expected_kind: &str, staged: bool) -> (f64, f64) {
+/// `SavePart::buffer` does) or not (`SavePart::shared`: uploaded from the caller's memory), to
+/// targets that write a trusted client's staged chunks from where they lie or not
+/// (`placed_writes`, `TargetConfig::shm_placed_writes`).
+async fn copies_saving(
+    fabric: Option<&str>,
+    shm: bool,
+    expected_kind: &str,
+    staged: bool,
+    placed_writes: bool,
+) -> (f64, f64) {
     let chunk = 1 << 20;
-    let (_dir, _cluster, client) = common::cluster_on(fabric, 2, |config| {
+    let targets = |target: &mut starckpt_server::target::TargetConfig| target.shm_placed_writes = placed_writes;
+    let (_dir, _cluster, client) = common::cluster_configured(fabric, 2, targets, |config| {
         config.shm.enabled = shm;
         config.chunk_size_bytes = chunk;
     })
@@ -43,6 +52,12 @@ async fn copies_saving(fabric: Option<&str>, shm: bool, expected_kind: &str, sta
     // Every chunk went to each of its replicas (two: the job's default).
     assert_eq!((outcome.chunks, outcome.deduplicated_chunks), (8, 0), "{outcome:?}");
     let puts = 8.0 * 2.0;
+    // Whether the targets wrote staged chunks straight from the client's staging memory.
+    let mut placed = 0;
+    for target in client.targets().await.unwrap() {
+        placed += client.target_stat(&target).await.unwrap().placed_writes;
+    }
+    assert_eq!(placed, if shm && staged && placed_writes { 16 } else { 0 }, "placed writes");
     let manifest = client.manifest("copies", Some(1)).await.unwrap();
     assert_eq!(&client.read_file(&manifest, "w.bin").await.unwrap()[..], &data[..]);
     let (restored, _) = copies::snapshot();
@@ -57,14 +72,18 @@ async fn payload_copies_per_transport() {
     // RDMA: the target reads straight from the client's registered staging buffer into the buffer
     // it writes to the device; a GET lands in a receive slot and is copied out once, into place.
     assert_eq!(copies_per_transfer(Some("soft"), false, "rdma").await, (0.0, 1.0));
-    // Shared memory: the target copies a staged chunk out of the client's staging memory, which
-    // the client shared at attach (it must own what it verifies); a GET is read from the device
-    // straight into a slot (O_DIRECT into the shared memory) and copied out of it, into place, by
-    // the client. Where shared memory gets no huge pages, the target reads a GET into its own
-    // buffer and copies it into the slot (`ShmListener::placed_reads`): one copy more.
+    // Shared memory: the client shares its staging memory at attach, and the target (whose own
+    // user this test's client runs as) writes a staged chunk to its device straight from there
+    // (`ShmListener::placed_writes`); a GET is read from the device straight into a slot
+    // (O_DIRECT into the shared memory) and copied out of it, into place, by the client. Where
+    // shared memory gets no huge pages, the target reads a GET into its own buffer and copies it
+    // into the slot (`ShmListener::placed_reads`): one copy more.
     let restore = if starckpt_proto::shm::shared_huge_pages() { 1.0 } else { 2.0 };
-    assert_eq!(copies_per_transfer(None, true, "shm").await, (1.0, restore));
+    assert_eq!(copies_per_transfer(None, true, "shm").await, (0.0, restore));
+    // A target told not to trust any client's staging memory (and one serving another user's
+    // client) copies a staged chunk out of it first: it must own what it verifies.
+    assert_eq!(copies_saving(None, true, "shm", true, false).await, (1.0, restore));
     // Bytes that were not staged (the caller's own memory) go through a slot: the client copies
     // them in, the target out.
-    assert_eq!(copies_saving(None, true, "shm", false).await, (2.0, restore));
+    assert_eq!(copies_saving(None, true, "shm", false, true).await, (2.0, restore));
 }

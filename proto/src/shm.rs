@@ -25,6 +25,12 @@
 //! allocating), and the client seals it against writes by anyone but its own mapping
 //! (`F_SEAL_FUTURE_WRITE`), so a target cannot change staged bytes before the client hashes them.
 //!
+//! Except for a client the target trusts with its chunks anyway: one running as the target's
+//! user (or as root) could rewrite the chunk files themselves. For it the target maps the staging
+//! region read-only ([`StagingFile::map`]) and writes a staged chunk to its device straight from
+//! there, hashing it in place ([`Region::hash_in_place`]): no copy. The copy protected nothing:
+//! what the client could do to its staging memory mid-write it could do to the files.
+//!
 //! ## Why a target can trust the mapping
 //!
 //! The client creates the memfd with sealing allowed and seals it against shrinking and growing
@@ -244,6 +250,27 @@ impl Region {
         Ok(())
     }
 
+    /// The BLAKE3 of `len` bytes at `offset`, the first `len - tail.len()` read where they lie
+    /// and the rest copied into `tail` (and hashed from there). Read in place, bytes another
+    /// process changes meanwhile are hashed as found, and may differ from what is read from the
+    /// region later: only for memory whose writer is trusted (module docs), which the client's
+    /// SDK never writes while a chunk of it is in flight.
+    pub fn hash_in_place(&self, offset: usize, len: usize, tail: &mut [u8]) -> io::Result<crate::ChunkHash> {
+        self.check(offset, len)?;
+        let Some(body) = len.checked_sub(tail.len()) else {
+            return Err(io::Error::other(format!("a {}-byte tail of a {len}-byte range", tail.len())));
+        };
+        let mut hasher = blake3::Hasher::new();
+        // SAFETY: in bounds (checked) and mapped while `self` lives. The bytes are plain data: a
+        // concurrent writer (trusted not to be one) could only make the hash differ.
+        hasher.update(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), body) });
+        if !tail.is_empty() {
+            self.read_at(offset + body, tail)?;
+            hasher.update(tail);
+        }
+        Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
+    }
+
     /// [`Region::read_at`], hashing the copy as it is made: each piece is hashed (BLAKE3) right
     /// after it is copied, while it is still in the CPU's cache, so the hash does not read the
     /// bytes from memory a second time. The hash is of `dst` as copied (never of the region,
@@ -349,6 +376,17 @@ impl StagingFile {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Maps the whole region read-only, for a trusted client (module docs), with huge-page advice
+    /// (the client's pages may be huge: mapped as such, a device write of a chunk is a few
+    /// segments, not one per 4 KiB page). Pages are faulted in as the target reads them.
+    pub fn map(&self) -> io::Result<Region> {
+        let len = usize::try_from(self.len).map_err(io::Error::other)?;
+        let region = Region::map(self.file.as_fd().try_clone_to_owned()?, len, false)?;
+        // SAFETY: advice on exactly this mapping.
+        unsafe { libc::madvise(region.ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
+        Ok(region)
     }
 
     /// Reads `dst.len()` bytes at `offset` into `dst`, hashing each piece (BLAKE3) right after it

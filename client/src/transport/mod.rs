@@ -77,6 +77,8 @@ pub struct TargetStat {
     pub reused_files: u64,
     /// GETs the target read from its device straight into a same-host client's slot.
     pub placed_reads: u64,
+    /// PUTs the target wrote to its device straight from a same-host client's staging memory.
+    pub placed_writes: u64,
     /// GET payloads the target sent zero-copy over TCP, and notifications of those that reported
     /// the kernel copied them after all.
     pub zero_copy_sends: u64,
@@ -893,6 +895,7 @@ async fn stat_frames<F: FrameTransport + ?Sized>(frames: &F) -> Result<TargetSta
         free_pool_bytes: response.free_pool_bytes,
         reused_files: response.reused_files,
         placed_reads: response.placed_reads,
+        placed_writes: response.placed_writes,
         zero_copy_sends: response.zero_copy_sends,
         zero_copy_copied: response.zero_copy_copied,
         scrub_passes: response.scrub_passes,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use starckpt_client::{Client, ClientConfig, TargetState};
 use starckpt_server::dev::DevCluster;
-use starckpt_server::target::{EngineKind, TargetRdma};
+use starckpt_server::target::{EngineKind, TargetConfig, TargetRdma};
 
 /// What carries this run's data (`STARCKPT_TEST_FABRIC`): `soft`: RDMA over the in-process
 /// software fabric (scripts/test runs this suite that way too); `ibverbs`: RDMA over the host's
@@ -28,6 +28,16 @@ pub async fn cluster_on(
     targets: usize,
     config: impl FnOnce(&mut ClientConfig),
 ) -> (tempfile::TempDir, DevCluster, Client) {
+    cluster_configured(fabric, targets, |_| {}, config).await
+}
+
+/// [`cluster_on`] with each target's configuration changed by `target_config` too.
+pub async fn cluster_configured(
+    fabric: Option<&str>,
+    targets: usize,
+    target_config: impl Fn(&mut TargetConfig),
+    config: impl FnOnce(&mut ClientConfig),
+) -> (tempfile::TempDir, DevCluster, Client) {
     let dir = tempfile::tempdir().unwrap();
     let rdma = fabric.is_some();
     let soft = fabric == Some("soft");
@@ -37,6 +47,7 @@ pub async fn cluster_on(
         } else if rdma {
             target.rdma = TargetRdma::Open(starckpt_rdma::DeviceSettings::from_env().unwrap());
         }
+        target_config(target);
     })
     .await
     .unwrap();

@@ -28,6 +28,7 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
 use starckpt_proto::ChunkHash;
+use starckpt_proto::buf::ALIGN;
 use starckpt_proto::codec::Codec;
 use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{
@@ -107,11 +108,16 @@ pub struct ShmListener {
     /// that far slower than the copy costs (restore 1.5-1.7x the O_DIRECT read, against 1.2-1.3x
     /// with the copy and 1.16-1.18x placed into huge pages; README "starckpt bench").
     pub placed_reads: Option<bool>,
+    /// Whether a PUT of a staged chunk from a client running as this target's user (or as root)
+    /// is written to the device straight from the client's staging memory (no copy; the client
+    /// could rewrite the chunk files anyway, `starckpt_proto::shm`'s docs) rather than copied
+    /// out of it first. Default true. Other clients' chunks are always copied.
+    pub placed_writes: bool,
 }
 
 impl ShmListener {
     pub fn new(listener: UnixListener, path: std::path::PathBuf) -> ShmListener {
-        ShmListener { listener, path, placed_reads: None }
+        ShmListener { listener, path, placed_reads: None, placed_writes: true }
     }
 }
 
@@ -143,6 +149,8 @@ struct Served {
     rdma: Option<RdmaServing>,
     /// [`ShmListener::placed_reads`], decided.
     placed_reads: bool,
+    /// [`ShmListener::placed_writes`].
+    placed_writes: bool,
     zero_copy: Arc<ZeroCopyStats>,
 }
 
@@ -205,7 +213,17 @@ pub async fn serve_with(
         }
     }
     let zero_copy = Arc::new(ZeroCopyStats::default());
-    let served = Arc::new(Served { store, limits, inflight_bytes, shm: advertised, rdma, placed_reads, zero_copy });
+    let placed_writes = shm.as_ref().is_some_and(|s| s.placed_writes);
+    let served = Arc::new(Served {
+        store,
+        limits,
+        inflight_bytes,
+        shm: advertised,
+        rdma,
+        placed_reads,
+        placed_writes,
+        zero_copy,
+    });
     let stopping = CancellationToken::new();
     // If this future is dropped (aborted) rather than shut down, its connections still close.
     let _stop_on_drop = stopping.clone().drop_guard();
@@ -250,7 +268,7 @@ pub async fn serve_with(
                     }
                 }
                 Accepted::Unix(stream) => {
-                    let attaching = attach(&stream, served.placed_reads);
+                    let attaching = attach(&stream, served.placed_reads, served.placed_writes);
                     let attached = tokio::time::timeout(served.limits.frame_timeout, attaching).await;
                     match attached {
                         Ok(Ok(region)) => {
@@ -282,8 +300,11 @@ enum Accepted {
 struct Slots {
     region: Region,
     attach: Attach,
-    /// The client's staging region, read with `pread` (never mapped: `shm::StagingFile`).
+    /// The client's staging region, read with `pread` (`shm::StagingFile`).
     staging: Option<StagingFile>,
+    /// The staging region mapped read-only, when the client is trusted with placed writes
+    /// ([`ShmListener::placed_writes`]).
+    staging_mapped: Option<Arc<Region>>,
     /// Whole-chunk GETs are read from the device straight into their slot ([`get_placed`]).
     placed_reads: bool,
 }
@@ -298,6 +319,28 @@ impl Slots {
             return Err(format!("{len} bytes do not fit a slot of {}", self.attach.slot_bytes));
         }
         Ok((slot - 1) as usize * self.attach.slot_bytes as usize)
+    }
+
+    /// Whether a staged chunk of `len` bytes at `offset` is written from where it lies: the
+    /// client is trusted with it, the payload is stored as sent (the store decodes only its own
+    /// memory), and it holds whole blocks from an aligned offset (O_DIRECT).
+    fn placeable(&self, offset: usize, len: usize, codec: i32) -> bool {
+        self.staging_mapped.is_some() && codec == Codec::None.to_wire() && offset.is_multiple_of(ALIGN) && len >= ALIGN
+    }
+
+    /// A chunk whose whole blocks are `len` bytes at `offset` of the mapped staging region
+    /// ([`ChunkStore::placed_write`]); None if the region is not mapped (or the range is unfit).
+    fn placed(&self, offset: usize, len: usize) -> Option<super::store::ChunkWrite> {
+        let mapped = self.staging_mapped.as_ref()?;
+        let body = len - len % ALIGN;
+        if offset.checked_add(len)? > mapped.len() {
+            return None;
+        }
+        let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(mapped) as _;
+        // SAFETY: within the mapping (checked), which `owner` keeps mapped; nothing here makes
+        // Rust references to it while the device reads it.
+        let body = unsafe { ExternalBuf::new(mapped.base().add(offset), body, owner) }.ok()?;
+        ChunkStore::placed_write(len, body).ok()
     }
 
     /// `range` of the staging region as (offset, length), if it lies within it and is no larger
@@ -322,13 +365,27 @@ impl Slots {
 }
 
 /// The shared-memory handshake: the client's region, mapped, or why not.
-async fn attach(stream: &tokio::net::UnixStream, placed_reads: bool) -> std::io::Result<Arc<Slots>> {
+async fn attach(
+    stream: &tokio::net::UnixStream,
+    placed_reads: bool,
+    placed_writes: bool,
+) -> std::io::Result<Arc<Slots>> {
     let attached = shm::recv_attach(stream).await?;
     let attach = attached.attach;
     let region = Region::attach(attached.slots, attach.region_bytes())?;
     let staging = match attached.staging {
         Some(fd) => Some(StagingFile::attach(fd, attach.staging_bytes)?),
         None => None,
+    };
+    let staging_mapped = match &staging {
+        Some(staging) if placed_writes && trusted_peer(stream) => match staging.map() {
+            Ok(mapped) => Some(Arc::new(mapped)),
+            Err(error) => {
+                info!(%error, "could not map a client's staging region; its chunks are copied out of it");
+                None
+            }
+        },
+        _ => None,
     };
     let mut written = 0;
     while written < shm::ATTACH_OK.len() {
@@ -345,7 +402,7 @@ async fn attach(stream: &tokio::net::UnixStream, placed_reads: bool) -> std::io:
         staging_bytes = attach.staging_bytes,
         "shared-memory client attached"
     );
-    let slots = Arc::new(Slots { region, attach, staging, placed_reads });
+    let slots = Arc::new(Slots { region, attach, staging, staging_mapped, placed_reads });
     if placed_reads {
         // Huge pages for the slots where this mapping faults them in first (the device's reads):
         // a read into them is a few contiguous segments rather than one per 4 KiB page. And
@@ -367,6 +424,19 @@ async fn attach(stream: &tokio::net::UnixStream, placed_reads: bool) -> std::io:
         }
     }
     Ok(slots)
+}
+
+/// Whether the process at the other end of `stream` runs as this one's effective user or as root:
+/// it could rewrite this target's chunk files itself, so its staged chunks need no protective
+/// copy ([`ShmListener::placed_writes`]).
+fn trusted_peer(stream: &tokio::net::UnixStream) -> bool {
+    // SAFETY: geteuid cannot fail and touches no memory.
+    stream.peer_cred().is_ok_and(|peer| trusted_uid(peer.uid(), unsafe { libc::geteuid() }))
+}
+
+/// A peer running as `peer` may write the files of a target running as `own`.
+fn trusted_uid(peer: u32, own: u32) -> bool {
+    peer == 0 || peer == own
 }
 
 async fn serve_connection<R, W>(
@@ -450,7 +520,7 @@ where
             let request = decode_for::<data::PutRequest>(&served.store, prost_header);
             // Where the payload is: after the frame, in a slot of the shared region, or in the
             // client's registered memory.
-            let source = match &request {
+            let mut source = match &request {
                 Ok(request) => PayloadSource::of(request, slots.as_deref(), rdma.as_ref()),
                 Err(_) => PayloadSource::Frame,
             };
@@ -458,7 +528,7 @@ where
                 break Err("protocol error: a PUT with its payload both in the frame and elsewhere".into());
             }
             let payload_len = match &source {
-                PayloadSource::Slot(_, len) | PayloadSource::Staging(_, len) => *len,
+                PayloadSource::Slot(_, len) | PayloadSource::Staging(_, len) | PayloadSource::Placed(_, len) => *len,
                 PayloadSource::Rdma(remote) => remote.len as usize,
                 PayloadSource::Frame | PayloadSource::Bad(_) => header.payload_len as usize,
             };
@@ -467,7 +537,19 @@ where
                     Ok(p) => p,
                     Err(_) => break Err("shutting down".into()),
                 };
-            let mut chunk = served.store.write_buffer(payload_len).await;
+            let placed = match (&source, slots.as_deref()) {
+                (PayloadSource::Placed(offset, len), Some(slots)) => slots.placed(*offset, *len),
+                _ => None,
+            };
+            let mut chunk = match placed {
+                Some(chunk) => chunk,
+                None => {
+                    if let PayloadSource::Placed(offset, len) = source {
+                        source = PayloadSource::Staging(offset, len);
+                    }
+                    served.store.write_buffer(payload_len).await
+                }
+            };
             if matches!(source, PayloadSource::Frame | PayloadSource::Bad(_)) {
                 let read = tokio::time::timeout(limits.frame_timeout, reader.read_exact(chunk.data_mut())).await;
                 match read {
@@ -620,6 +702,8 @@ enum PayloadSource {
     Slot(usize, usize),
     /// In the client's staging region: (offset, length).
     Staging(usize, usize),
+    /// In the client's staging region, written to the device from there ([`Slots::placed`]).
+    Placed(usize, usize),
     /// In the client's registered memory, for an RDMA READ.
     Rdma(RemoteBuffer),
     /// Named wrongly (the frame's payload, if any, is read and dropped).
@@ -631,6 +715,9 @@ impl PayloadSource {
         if let Some(range) = &request.staging {
             return match (request.shm_slot, &request.rdma, slots) {
                 (0, None, Some(slots)) => match slots.staged(range) {
+                    Ok((offset, len)) if slots.placeable(offset, len, request.codec) => {
+                        PayloadSource::Placed(offset, len)
+                    }
                     Ok((offset, len)) => PayloadSource::Staging(offset, len),
                     Err(reason) => PayloadSource::Bad(reason),
                 },
@@ -674,6 +761,13 @@ async fn fetch(
         (PayloadSource::Bad(reason), _, _) => Err(error_response(ErrorCode::BadRequest, reason)),
         (PayloadSource::Slot(offset, _), Some(slots), _) => {
             copy_hashed(chunk, move |data| slots.region.read_at_hashed(offset, data)).await
+        }
+        (PayloadSource::Placed(offset, len), Some(slots), _) => {
+            copy_hashed(chunk, move |tail| match &slots.staging_mapped {
+                Some(mapped) => mapped.hash_in_place(offset, len, tail),
+                None => Err(std::io::Error::other("no mapped staging region")),
+            })
+            .await
         }
         (PayloadSource::Staging(offset, _), Some(slots), _) => {
             copy_hashed(chunk, move |data| match &slots.staging {
@@ -980,7 +1074,7 @@ async fn put(store: &ChunkStore, request: data::PutRequest, mut chunk: super::st
         Ok(hash) => hash,
         Err(error) => return error_response(ErrorCode::BadRequest, error.to_string()),
     };
-    if chunk.data().is_empty() {
+    if chunk.is_empty() {
         return error_response(ErrorCode::BadRequest, "empty chunk".into());
     }
     match Codec::from_wire(request.codec) {
@@ -1093,6 +1187,7 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
                 free_pool_bytes: stats.free_pool_bytes,
                 reused_files: stats.reused_files,
                 placed_reads: stats.placed_reads,
+                placed_writes: stats.placed_writes,
                 zero_copy_sends: served.zero_copy.counts().sends,
                 zero_copy_copied: served.zero_copy.counts().copied,
                 scrub_passes: scrub.passes.load(std::sync::atomic::Ordering::Relaxed),
@@ -1110,5 +1205,19 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
             (response, None)
         }
         other => (error_response(ErrorCode::BadRequest, format!("unexpected opcode {other:?}")), None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn only_peers_that_could_write_the_chunk_files_are_trusted_with_placed_writes() {
+        assert!(trusted_uid(1000, 1000) && trusted_uid(0, 1000) && trusted_uid(0, 0));
+        assert!(!trusted_uid(1001, 1000) && !trusted_uid(1000, 0) && !trusted_uid(65534, 0));
+        // Read from the socket: a peer of this process is this process's user.
+        let (ours, _theirs) = tokio::net::UnixStream::pair().unwrap();
+        assert!(trusted_peer(&ours));
     }
 }

@@ -73,6 +73,20 @@ pub trait IoEngine: Send + Sync + 'static {
     /// the end of the file. Returns `head` and how many bytes went into `tail`. (A chunk whose
     /// header stays here while its bytes go straight into a client's shared memory.)
     async fn read_file_split(&self, path: PathBuf, head: BoxedBuf, tail: ExternalBuf) -> io::Result<(BoxedBuf, usize)>;
+    /// Writes `path` (created, which it must not exist, when `create`; otherwise overwritten in
+    /// place) from offset 0 in one vectored write: `head`'s first `split` bytes (a multiple of
+    /// 4096), then `body`, then the rest of `head`'s meaningful bytes rounded up to a multiple of
+    /// 4096 (its zero padding); then fdatasyncs. `head` comes back. (A chunk whose whole blocks go
+    /// to the device straight from a client's shared memory, while its header and last partial
+    /// block are in a small buffer here.)
+    async fn write_file_split(
+        &self,
+        path: PathBuf,
+        create: bool,
+        head: BoxedBuf,
+        split: usize,
+        body: ExternalBuf,
+    ) -> io::Result<BoxedBuf>;
     /// fsyncs a directory, making renames and unlinks in it durable.
     async fn sync_dir(&self, path: PathBuf) -> io::Result<()>;
     fn kind(&self) -> EngineKind;
@@ -118,7 +132,8 @@ fn uring_refused(error: &io::Error) -> bool {
 
 /// Memory outside the store's pools that a read fills (a client's shared-memory slot): `len`
 /// bytes at `ptr`, both multiples of 4096 as O_DIRECT requires, kept mapped by `owner` until the
-/// engine has dropped this (after the device is done with them).
+/// engine has dropped this (after the device is done with them). A read writes into it; a write
+/// only reads it (it may be mapped read-only then).
 pub struct ExternalBuf {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
@@ -130,7 +145,7 @@ unsafe impl Send for ExternalBuf {}
 
 impl ExternalBuf {
     /// # Safety
-    /// `len` bytes at `ptr` must stay mapped and writable while `owner` lives, and no Rust
+    /// `len` bytes at `ptr` must stay mapped (writable, if it is read into) while `owner` lives, and no Rust
     /// reference to them may exist (another process may use them too: only raw copies, as
     /// `starckpt_proto::shm::Region` makes).
     pub unsafe fn new(
@@ -156,26 +171,65 @@ impl ExternalBuf {
     }
 }
 
-/// The iovecs of a split read (`head`'s whole capacity, then `tail`) with the first `done` bytes
-/// skipped; returns how many of `iovecs` are in use.
-fn split_iovecs(head: &mut BoxedBuf, tail: &ExternalBuf, done: usize, iovecs: &mut [libc::iovec; 2]) -> usize {
+/// The iovecs of a split transfer, whose pieces lie in file order `head[..split]`, `ext`,
+/// `head[split..end]`, with the first `done` bytes skipped; returns how many of `iovecs` are in
+/// use. (A split read has `split == end ==` `head`'s capacity.)
+fn split_iovecs(
+    head: &mut BoxedBuf,
+    (split, end): (usize, usize),
+    ext: &ExternalBuf,
+    done: usize,
+    iovecs: &mut [libc::iovec; 3],
+) -> usize {
     let head = head.aligned_mut();
-    let head_len = head.capacity();
-    let mut count = 0;
-    if done < head_len {
-        // SAFETY: within the buffer's capacity.
-        let base = unsafe { head.as_mut_ptr().add(done) };
-        iovecs[0] = libc::iovec { iov_base: base.cast(), iov_len: head_len - done };
-        count = 1;
-    }
-    let into_tail = done.saturating_sub(head_len);
-    if into_tail < tail.len {
-        // SAFETY: within the external buffer (`into_tail < len`).
-        let base = unsafe { tail.ptr.as_ptr().add(into_tail) };
-        iovecs[count] = libc::iovec { iov_base: base.cast(), iov_len: tail.len - into_tail };
-        count += 1;
+    debug_assert!(split <= end && end <= head.capacity());
+    let base = head.as_mut_ptr();
+    // SAFETY: `split <= capacity`: within the buffer, or one past its end.
+    let after = unsafe { base.add(split) };
+    let pieces = [(base, split), (ext.ptr.as_ptr(), ext.len), (after, end - split)];
+    let (mut skip, mut count) = (done, 0);
+    for (ptr, len) in pieces {
+        if skip >= len {
+            skip -= len;
+            continue;
+        }
+        // SAFETY: `skip < len`: within the piece.
+        iovecs[count] = libc::iovec { iov_base: unsafe { ptr.add(skip) }.cast(), iov_len: len - skip };
+        (skip, count) = (0, count + 1);
     }
     count
+}
+
+/// Runs a split transfer ([`split_iovecs`]) on `file` with `preadv` or `pwritev` until it is
+/// done or (reading) the file ends; returns the bytes transferred.
+fn transfer_split(
+    file: &File,
+    write: bool,
+    head: &mut BoxedBuf,
+    bounds: (usize, usize),
+    ext: &ExternalBuf,
+) -> io::Result<usize> {
+    let total = bounds.1 + ext.len;
+    let mut done = 0;
+    let mut iovecs = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 3];
+    while done < total {
+        let count = split_iovecs(head, bounds, ext, done, &mut iovecs) as i32;
+        let (fd, iov, at) = (file.as_raw_fd(), iovecs.as_ptr(), done as libc::off_t);
+        // SAFETY: the iovecs cover `head` and `ext`, both alive and unaliased for the call.
+        let n = unsafe { if write { libc::pwritev(fd, iov, count, at) } else { libc::preadv(fd, iov, count, at) } };
+        match n {
+            0 if write => return Err(io::Error::new(io::ErrorKind::WriteZero, "device accepted no bytes")),
+            0 => break,
+            n if n < 0 => {
+                let error = io::Error::last_os_error();
+                if error.kind() != io::ErrorKind::Interrupted {
+                    return Err(error);
+                }
+            }
+            n => done += n as usize,
+        }
+    }
+    Ok(done)
 }
 
 /// Bytes an O_DIRECT write of `buf` transfers: its length rounded up to the alignment.
@@ -253,27 +307,28 @@ impl IoEngine for StdEngine {
     ) -> io::Result<(BoxedBuf, usize)> {
         self.run(move || {
             let file = open_direct_read(&path)?;
-            let (head_len, total) = (head.aligned().capacity(), head.aligned().capacity() + tail.len);
-            let mut done = 0;
-            let mut iovecs = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2];
-            while done < total {
-                let count = split_iovecs(&mut head, &tail, done, &mut iovecs);
-                // SAFETY: the iovecs cover `head`'s capacity and `tail`, both alive and
-                // unaliased for the call.
-                let n = unsafe { libc::preadv(file.as_raw_fd(), iovecs.as_ptr(), count as i32, done as libc::off_t) };
-                match n {
-                    0 => break,
-                    n if n < 0 => {
-                        let error = io::Error::last_os_error();
-                        if error.kind() != io::ErrorKind::Interrupted {
-                            return Err(error);
-                        }
-                    }
-                    n => done += n as usize,
-                }
-            }
+            let head_len = head.aligned().capacity();
+            let done = transfer_split(&file, false, &mut head, (head_len, head_len), &tail)?;
             head.aligned_mut().set_len(done.min(head_len));
             Ok((head, done.saturating_sub(head_len)))
+        })
+        .await
+    }
+
+    async fn write_file_split(
+        &self,
+        path: PathBuf,
+        create: bool,
+        mut head: BoxedBuf,
+        split: usize,
+        body: ExternalBuf,
+    ) -> io::Result<BoxedBuf> {
+        self.run(move || {
+            let file = if create { create_direct(&path)? } else { open_direct_write(&path)? };
+            let end = write_len(&head);
+            transfer_split(&file, true, &mut head, (split.min(end), end), &body)?;
+            file.sync_data()?;
+            Ok(head)
         })
         .await
     }
@@ -300,8 +355,11 @@ struct Request {
     kind: OpKind,
     path: PathBuf,
     buf: Option<BoxedBuf>,
-    /// A read's second destination, after `buf` ([`IoEngine::read_file_split`]).
+    /// A split transfer's memory outside `buf` ([`IoEngine::read_file_split`],
+    /// [`IoEngine::write_file_split`]).
     tail: Option<ExternalBuf>,
+    /// A split write's bytes of `buf` before `tail`.
+    split: usize,
     reply: oneshot::Sender<io::Result<Completed>>,
 }
 
@@ -358,7 +416,7 @@ impl UringEngine {
     }
 
     async fn submit(&self, kind: OpKind, path: PathBuf, buf: Option<BoxedBuf>) -> io::Result<Option<BoxedBuf>> {
-        self.submit_with(kind, path, buf, None).await.map(|done| done.buf)
+        self.submit_with(kind, path, buf, None, 0).await.map(|done| done.buf)
     }
 
     async fn submit_with(
@@ -367,10 +425,11 @@ impl UringEngine {
         path: PathBuf,
         buf: Option<BoxedBuf>,
         tail: Option<ExternalBuf>,
+        split: usize,
     ) -> io::Result<Completed> {
         let (reply, answer) = oneshot::channel();
         self.requests
-            .send(Request { kind, path, buf, tail, reply })
+            .send(Request { kind, path, buf, tail, split, reply })
             .await
             .map_err(|_| io::Error::other("io_uring thread has stopped"))?;
         answer.await.map_err(|_| io::Error::other("io_uring thread dropped a request"))?
@@ -397,9 +456,21 @@ impl IoEngine for UringEngine {
 
     async fn read_file_split(&self, path: PathBuf, head: BoxedBuf, tail: ExternalBuf) -> io::Result<(BoxedBuf, usize)> {
         let head_len = head.aligned().capacity();
-        let done = self.submit_with(OpKind::Read, path, Some(head), Some(tail)).await?;
+        let done = self.submit_with(OpKind::Read, path, Some(head), Some(tail), 0).await?;
         let head = done.buf.ok_or_else(|| io::Error::other("buffer lost"))?;
         Ok((head, done.bytes.saturating_sub(head_len)))
+    }
+
+    async fn write_file_split(
+        &self,
+        path: PathBuf,
+        create: bool,
+        head: BoxedBuf,
+        split: usize,
+        body: ExternalBuf,
+    ) -> io::Result<BoxedBuf> {
+        let done = self.submit_with(OpKind::Write { create }, path, Some(head), Some(body), split).await?;
+        done.buf.ok_or_else(|| io::Error::other("buffer lost"))
     }
 
     async fn sync_dir(&self, path: PathBuf) -> io::Result<()> {
@@ -541,10 +612,13 @@ struct InFlight {
     phase: Phase,
     handle: Handle,
     buf: Option<BoxedBuf>,
-    /// A split read's second destination; the read is then vectored over `iovecs`.
+    /// A split transfer's memory outside `buf`; the transfer is then vectored over `iovecs`.
     tail: Option<ExternalBuf>,
-    /// A vectored read's iovecs, boxed so that their address stays put while the kernel reads them.
-    iovecs: Box<[libc::iovec; 2]>,
+    /// A split write's bytes of `buf` before `tail`.
+    split: usize,
+    /// A vectored transfer's iovecs, boxed so that their address stays put while the kernel
+    /// reads them.
+    iovecs: Box<[libc::iovec; 3]>,
     /// The buffer's fixed index, when registered with the ring.
     fixed: Option<u16>,
     done: usize,
@@ -571,10 +645,18 @@ impl InFlight {
         let entry = with_target!(target, |fd| match (&self.phase, &mut self.buf) {
             (Phase::Transfer, Some(buf)) => {
                 if let Some(tail) = &self.tail {
-                    let count = split_iovecs(buf, tail, self.done, &mut self.iovecs);
+                    let bounds = match self.kind {
+                        OpKind::Write { .. } => (self.split, write_len(buf)),
+                        _ => (buf.aligned().capacity(), buf.aligned().capacity()),
+                    };
+                    let count = split_iovecs(buf, bounds, tail, self.done, &mut self.iovecs) as u32;
+                    let (iovecs, offset) = (self.iovecs.as_ptr(), self.done as u64);
                     // SAFETY (for the iovecs): they, the buffer and the tail live in this
                     // InFlight until completion.
-                    opcode::Readv::new(fd, self.iovecs.as_ptr(), count as u32).offset(self.done as u64).build()
+                    match self.kind {
+                        OpKind::Write { .. } => opcode::Writev::new(fd, iovecs, count).offset(offset).build(),
+                        _ => opcode::Readv::new(fd, iovecs, count).offset(offset).build(),
+                    }
                 } else {
                     let total = match self.kind {
                         OpKind::Write { .. } => write_len(buf),
@@ -619,7 +701,7 @@ impl InFlight {
             Phase::Transfer => {
                 let capacity = match (&self.kind, self.buf.as_ref()) {
                     (_, None) => 0,
-                    (OpKind::Write { .. }, Some(b)) => write_len(b),
+                    (OpKind::Write { .. }, Some(b)) => write_len(b) + self.tail.as_ref().map_or(0, ExternalBuf::len),
                     (_, Some(b)) => b.aligned().capacity() + self.tail.as_ref().map_or(0, ExternalBuf::len),
                 };
                 let n = result as usize;
@@ -676,11 +758,12 @@ fn start_request(
             phase: if registered_files { Phase::Open } else { InFlight::first_phase(&request.kind) },
             kind: request.kind,
             handle,
-            // A vectored read uses no fixed buffer.
+            // A vectored transfer uses no fixed buffer.
             fixed: request.buf.as_ref().filter(|_| request.tail.is_none()).and_then(|buf| registry.index(ring, buf)),
             buf: request.buf,
             tail: request.tail,
-            iovecs: Box::new([libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2]),
+            split: request.split,
+            iovecs: Box::new([libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 3]),
             done: 0,
             reply: request.reply,
         }),

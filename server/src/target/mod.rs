@@ -64,6 +64,10 @@ pub struct TargetConfig {
     /// `DIR/shm.sock`; None serves TCP only. A socket that cannot be bound (a path over the
     /// 107-byte limit, a read-only directory) is logged and skipped: clients then use TCP.
     pub shm_socket: Option<PathBuf>,
+    /// Staged chunks of same-host clients running as this target's user (or root) are written
+    /// to the device straight from their staging memory ([`dataplane::ShmListener::placed_writes`]).
+    /// Default true; false copies every chunk out first.
+    pub shm_placed_writes: bool,
     /// RDMA (`dataplane.rs`): default: open the first device (builds with the `rdma` feature);
     /// without one the target serves TCP and shared memory only.
     pub rdma: TargetRdma,
@@ -150,6 +154,7 @@ impl TargetConfig {
             failure_domain: String::new(),
             scrub: scrub::ScrubConfig::default(),
             shm_socket: Some(dir.join("shm.sock")),
+            shm_placed_writes: true,
             rdma: TargetRdma::Open(starckpt_rdma::DeviceSettings::default()),
             free_pool_bytes: None,
             preallocate_bytes: 0,
@@ -301,7 +306,10 @@ pub async fn run(
         }))
     });
     let mut serve_stop = stop_rx;
-    let shm = config.shm_socket.as_deref().and_then(bind_shm_socket);
+    let shm = config.shm_socket.as_deref().and_then(bind_shm_socket).map(|mut shm| {
+        shm.placed_writes = config.shm_placed_writes;
+        shm
+    });
     let transports = dataplane::Transports { shm, rdma: rdma_device };
     let serving = dataplane::serve_with(listener, transports, store, config.limits.clone(), async move {
         let _ = serve_stop.wait_for(|stopped| *stopped).await;

@@ -72,7 +72,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use starckpt_proto::ChunkHash;
-use starckpt_proto::buf::{AlignedBuf, BoxedBuf, BufPool, boxed_to_bytes, round_up};
+use starckpt_proto::buf::{ALIGN, AlignedBuf, BoxedBuf, BufPool, boxed_to_bytes, round_up};
 use starckpt_proto::codec::{self, Codec};
 use thiserror::Error;
 
@@ -128,6 +128,9 @@ pub struct StoreStats {
     pub reused_files: u64,
     /// Chunks read straight into a client's memory ([`ChunkStore::read_placed`]), since start.
     pub placed_reads: u64,
+    /// Chunks written to the device straight from a client's memory
+    /// ([`ChunkStore::placed_write`]), since start.
+    pub placed_writes: u64,
 }
 
 /// What [`ChunkStore::check_copy`] found.
@@ -161,6 +164,10 @@ pub struct ChunkWrite {
     length: u64,
     /// BLAKE3 of the payload, when whoever filled it hashed it on the way ([`ChunkWrite::fill_hashed`]).
     data_hash: Option<ChunkHash>,
+    /// The payload's whole blocks, when the device writes them from where they lie (memory a
+    /// trusted client shares, [`ChunkStore::placed_write`]); `buf` then holds the header and
+    /// only the payload's last partial block.
+    placed: Option<ExternalBuf>,
 }
 
 impl ChunkWrite {
@@ -169,24 +176,41 @@ impl ChunkWrite {
         (self.codec, self.length) = (codec, length);
     }
 
-    /// The region the payload must be written into.
+    /// The region the payload must be written into: all of it, or for a placed write only its
+    /// bytes after the placed blocks.
     pub fn data_mut(&mut self) -> &mut [u8] {
         self.data_hash = None; // about to change
-        let end = HEADER_BYTES + self.data_len;
+        let end = HEADER_BYTES + self.held_len();
         &mut self.buf.aligned_mut().full_mut()[HEADER_BYTES..end]
     }
 
     /// Fills the payload with `fill`, which returns the BLAKE3 of the bytes it wrote (a copy
     /// that hashes as it goes, `Region::read_at_hashed`): verifying the chunk then does not read
-    /// them again.
+    /// them again. For a placed write, `fill` fills only the bytes after the placed blocks and
+    /// returns the hash of the whole payload, placed blocks first.
     pub fn fill_hashed<E>(&mut self, fill: impl FnOnce(&mut [u8]) -> Result<ChunkHash, E>) -> Result<(), E> {
         let hash = fill(self.data_mut())?;
         self.data_hash = Some(hash);
         Ok(())
     }
 
+    /// The payload held in the store's buffer: all of it, except for a placed write.
     pub fn data(&self) -> &[u8] {
-        &self.buf.aligned().full()[HEADER_BYTES..HEADER_BYTES + self.data_len]
+        &self.buf.aligned().full()[HEADER_BYTES..HEADER_BYTES + self.held_len()]
+    }
+
+    /// The payload's length (placed blocks included).
+    pub fn len(&self) -> usize {
+        self.data_len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data_len == 0
+    }
+
+    /// Bytes of the payload in the store's buffer.
+    fn held_len(&self) -> usize {
+        self.data_len - self.placed.as_ref().map_or(0, ExternalBuf::len)
     }
 }
 
@@ -266,6 +290,8 @@ pub struct ChunkStore {
     used_bytes: AtomicU64,
     /// [`StoreStats::placed_reads`].
     placed_reads: AtomicU64,
+    /// [`StoreStats::placed_writes`].
+    placed_writes: AtomicU64,
     use_locks: Arc<UseLocks>,
     clock: Arc<UseClock>,
     /// Free bytes the store never writes into (see [`ChunkStore::set_reserve`]).
@@ -317,6 +343,7 @@ impl ChunkStore {
             chunk_count: AtomicU64::new(count),
             used_bytes: AtomicU64::new(used),
             placed_reads: AtomicU64::new(0),
+            placed_writes: AtomicU64::new(0),
             use_locks: Arc::new(UseLocks::new()),
             clock: Arc::new(UseClock::new()),
             reserve_bytes: AtomicU64::new(0),
@@ -411,11 +438,32 @@ impl ChunkStore {
         } else {
             Box::new(AlignedBuf::new(needed))
         };
-        let mut write = ChunkWrite { buf, data_len, codec: Codec::None, length: data_len as u64, data_hash: None };
+        let mut write =
+            ChunkWrite { buf, data_len, codec: Codec::None, length: data_len as u64, data_hash: None, placed: None };
         // Pooled buffers are reused: clear the padding after the data so old bytes never reach disk.
         let padded = round_up(needed);
         write.buf.aligned_mut().full_mut()[needed..padded].fill(0);
         write
+    }
+
+    /// A chunk of `data_len` bytes whose whole blocks, `body` (its first `body.len()` bytes, a
+    /// multiple of 4096, in memory a trusted client shares), the device writes from where they
+    /// lie: no pool buffer and no copy. The rest, under one block, is filled into a small buffer
+    /// of the store's that also holds the header ([`ChunkWrite::fill_hashed`]). Only for payloads
+    /// stored as sent (`Codec::None`): the store does not decode from memory it does not own.
+    pub fn placed_write(data_len: usize, body: ExternalBuf) -> io::Result<ChunkWrite> {
+        let rest = data_len.checked_sub(body.len()).filter(|&rest| rest < ALIGN);
+        let Some(rest) = rest else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} placed bytes for a {data_len}-byte chunk", body.len()),
+            ));
+        };
+        let mut buf: BoxedBuf = Box::new(AlignedBuf::new(HEADER_BYTES + round_up(rest)));
+        // The padding after the payload reaches the disk: zeros, never old heap bytes.
+        buf.aligned_mut().full_mut().fill(0);
+        let length = data_len as u64;
+        Ok(ChunkWrite { buf, data_len, codec: Codec::None, length, data_hash: None, placed: Some(body) })
     }
 
     async fn read_buffer(&self, bytes: usize) -> BoxedBuf {
@@ -491,7 +539,10 @@ impl ChunkStore {
             &StoredHeader { codec, stored_len: data_len as u64, length, stored_hash },
             &hash,
         );
-        chunk.buf.aligned_mut().set_len(HEADER_BYTES + data_len);
+        let held = chunk.held_len();
+        let placed = chunk.placed.take();
+        let was_placed = placed.is_some();
+        chunk.buf.aligned_mut().set_len(HEADER_BYTES + held);
         let file_bytes = round_up(HEADER_BYTES + data_len) as u64;
         let reused = self.free.take(file_bytes);
         // Refuse before the device is truly full: a full filesystem fails its own metadata
@@ -508,8 +559,18 @@ impl ChunkStore {
         };
         let written = match starckpt_client::faults::point("target.store.write") {
             Err(injected) => Err(injected),
-            Ok(()) if reused.is_some() => self.engine.overwrite_file(temp_path.clone(), chunk.buf).await.map(drop),
-            Ok(()) => self.engine.write_new_file(temp_path.clone(), chunk.buf).await.map(drop),
+            Ok(()) => match placed {
+                // The header first, then the placed blocks, then the last partial block.
+                Some(body) => {
+                    let create = reused.is_none();
+                    self.engine
+                        .write_file_split(temp_path.clone(), create, chunk.buf, HEADER_BYTES, body)
+                        .await
+                        .map(drop)
+                }
+                None if reused.is_some() => self.engine.overwrite_file(temp_path.clone(), chunk.buf).await.map(drop),
+                None => self.engine.write_new_file(temp_path.clone(), chunk.buf).await.map(drop),
+            },
         };
         if let Err(source) = written {
             // A reused file that failed its write may sit on bad blocks: it is not kept.
@@ -521,6 +582,9 @@ impl ChunkStore {
                 return Err(ChunkStoreError::NoSpace { hash });
             }
             return Err(ChunkStoreError::Io { op: "write", path: temp_path, source });
+        }
+        if was_placed {
+            self.placed_writes.fetch_add(1, Ordering::Relaxed);
         }
         // The rename and, when the chunk is already there, the refresh of its last use happen
         // under its use lock, so GC cannot unlink it between "exists" and "refreshed".
@@ -969,6 +1033,7 @@ impl ChunkStore {
             free_pool_bytes: self.free.bytes(),
             reused_files: self.free.reused(),
             placed_reads: self.placed_reads.load(Ordering::Relaxed),
+            placed_writes: self.placed_writes.load(Ordering::Relaxed),
         }
     }
 }
@@ -1135,8 +1200,23 @@ pub struct Placed {
 fn verify_payload(hash: ChunkHash, chunk: &ChunkWrite) -> Result<ChunkHash, ChunkStoreError> {
     let max = u64::from(starckpt_proto::frame::MAX_PAYLOAD_BYTES);
     let stored_len = chunk.data_len as u64;
-    let stored_hash = chunk.data_hash.unwrap_or_else(|| ChunkHash::of(chunk.data()));
-    debug_assert_eq!(stored_hash, ChunkHash::of(chunk.data()), "a fill_hashed hash that does not match its bytes");
+    let stored_hash = match (chunk.data_hash, &chunk.placed) {
+        (Some(hash), Some(_)) => hash,
+        (Some(hash), None) => {
+            debug_assert_eq!(hash, ChunkHash::of(chunk.data()), "a fill_hashed hash that does not match its bytes");
+            hash
+        }
+        (None, None) => ChunkHash::of(chunk.data()),
+        // Filled by `fill_hashed` or not at all (a failed fill drops the chunk).
+        (None, Some(_)) => {
+            let reason = "a placed payload that was never hashed".to_owned();
+            return Err(ChunkStoreError::Undecodable { hash, codec: chunk.codec, reason });
+        }
+    };
+    if chunk.placed.is_some() && (chunk.codec != Codec::None || chunk.length != stored_len) {
+        let reason = "an encoded payload is never placed: it is decoded from the store's own memory".to_owned();
+        return Err(ChunkStoreError::Undecodable { hash, codec: chunk.codec, reason });
+    }
     let actual = match chunk.codec {
         Codec::None if chunk.length == stored_len && stored_len <= max => stored_hash,
         codec => {

@@ -349,6 +349,91 @@ async fn placed_reads(kind: EngineKind) {
     assert!(unsafe { ExternalBuf::new(at, 4000, owner) }.is_err());
 }
 
+/// Puts `data` as a placed write: its whole blocks from memory outside the store, the rest filled
+/// into the store's buffer, the hash of all of it computed by the filler (as the data plane does
+/// from a client's staging memory).
+async fn put_placed(store: &ChunkStore, data: &[u8]) -> Result<PutOutcome, ChunkStoreError> {
+    let body_len = data.len() - data.len() % ALIGN;
+    let (memory, at) = outside(body_len.max(ALIGN));
+    // SAFETY: `memory` holds at least `body_len` bytes at `at`, not yet shared with the device.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at, body_len) };
+    let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(&memory) as _;
+    // SAFETY: as in `placed_dest`; the device only reads it.
+    let body = unsafe { ExternalBuf::new(at, body_len, owner) }.unwrap();
+    let mut write = ChunkStore::placed_write(data.len(), body).unwrap();
+    assert_eq!((write.len(), write.data().len()), (data.len(), data.len() - body_len));
+    write
+        .fill_hashed(|tail| {
+            tail.copy_from_slice(&data[body_len..]);
+            Ok::<_, ()>(ChunkHash::of(data))
+        })
+        .unwrap();
+    store.put(ChunkHash::of(data), write).await
+}
+
+/// Chunks whose whole blocks the device writes from outside memory (a trusted client's staging
+/// memory): stored byte for byte, header and zero-padded tail included, into new files and into
+/// reused ones; refused when the hash is wrong, never hashed, or the payload encoded.
+async fn placed_writes(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    for (i, len) in [4096usize, 4097, 8191, 300_000, 300 * 1024].into_iter().enumerate() {
+        let data = random(len, 60 + i as u64);
+        assert_eq!(put_placed(&store, &data).await.unwrap(), PutOutcome::Stored, "len {len}");
+        let hash = ChunkHash::of(&data);
+        assert_eq!(&store.get(hash, 0, 0).await.unwrap().bytes[..], &data[..], "len {len}");
+        assert_eq!(store.check_copy(hash).await.unwrap(), Copy::Good { length: len as u64 }, "len {len}");
+        let file = std::fs::read(store.chunk_path(&hash)).unwrap();
+        assert_eq!(file.len(), round_up(HEADER_BYTES + len), "len {len}");
+        assert!(file[HEADER_BYTES + len..].iter().all(|&b| b == 0), "zero padding, len {len}");
+        assert_eq!(put_placed(&store, &data).await.unwrap(), PutOutcome::AlreadyPresent);
+    }
+    assert_eq!(store.stats().placed_writes, 5);
+
+    // Into a reused file (`freepool.rs`): overwritten in place, all of it.
+    store.set_free_pool(FreePoolConfig { max_bytes: 1 << 20, reuse_after: Duration::ZERO }).await.unwrap();
+    let old = random(60_000, 70);
+    let (old_hash, _) = put(&store, &old).await;
+    let file = inode(&store.chunk_path(&old_hash));
+    store.delete(vec![old_hash], None).await.unwrap();
+    let new = random(57_345, 71);
+    assert_eq!(put_placed(&store, &new).await.unwrap(), PutOutcome::Stored);
+    let hash = ChunkHash::of(&new);
+    assert_eq!(inode(&store.chunk_path(&hash)), file, "reused");
+    assert_eq!(&store.get(hash, 0, 0).await.unwrap().bytes[..], &new[..]);
+    assert_eq!(store.check_copy(hash).await.unwrap(), Copy::Good { length: new.len() as u64 });
+
+    // A payload that does not hash to its name is refused, and nothing is stored.
+    let data = random(20_000, 72);
+    let body_len = 16_384;
+    let (memory, at) = outside(body_len);
+    let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(&memory) as _;
+    // SAFETY: as in `put_placed`.
+    let body = unsafe {
+        std::ptr::copy_nonoverlapping(data.as_ptr(), at, body_len);
+        ExternalBuf::new(at, body_len, owner)
+    }
+    .unwrap();
+    let mut wrong = ChunkStore::placed_write(data.len(), body).unwrap();
+    wrong.fill_hashed(|tail| Ok::<_, ()>(ChunkHash::of(tail))).unwrap();
+    let refused = store.put(ChunkHash::of(&data), wrong).await;
+    assert!(matches!(refused, Err(ChunkStoreError::HashMismatch { .. })), "{refused:?}");
+    assert!(store.chunk_path(&ChunkHash::of(&data)).metadata().is_err());
+    // Never hashed, or claimed to be encoded: refused before anything is written.
+    let body = placed_dest(&memory, at);
+    let unhashed = ChunkStore::placed_write(body_len, body).unwrap();
+    let refused = store.put(ChunkHash::of(&data[..body_len]), unhashed).await;
+    assert!(matches!(refused, Err(ChunkStoreError::Undecodable { .. })), "{refused:?}");
+    let mut encoded = ChunkStore::placed_write(body_len, placed_dest(&memory, at)).unwrap();
+    encoded.fill_hashed(|_| Ok::<_, ()>(ChunkHash::of(&data[..body_len]))).unwrap();
+    encoded.set_codec(Codec::Zstd, 2 * body_len as u64);
+    let refused = store.put(ChunkHash::of(&data[..body_len]), encoded).await;
+    assert!(matches!(refused, Err(ChunkStoreError::Undecodable { .. })), "{refused:?}");
+    // Placed blocks that are not whole blocks of the chunk: refused when the write is made.
+    assert!(ChunkStore::placed_write(body_len + ALIGN, placed_dest(&memory, at)).is_err(), "a block short");
+    assert!(ChunkStore::placed_write(body_len - 1, placed_dest(&memory, at)).is_err(), "more than the chunk");
+}
+
 fn inode(path: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path).unwrap().ino()
@@ -471,6 +556,10 @@ macro_rules! suite {
             #[tokio::test]
             async fn placed() {
                 placed_reads($kind).await
+            }
+            #[tokio::test]
+            async fn placed_write() {
+                placed_writes($kind).await
             }
             #[tokio::test]
             async fn compressed() {
