@@ -168,6 +168,32 @@ fn control_planes_sharing_postgres_must_agree_on_their_settings() {
 }
 
 #[test]
+fn a_control_plane_killed_and_restarted_where_it_listened_may_change_its_settings() {
+    let Some(db) = database("a_control_plane_killed_and_restarted_where_it_listened_may_change_its_settings") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = common::start_server_on(dir.path(), &db, &[]);
+    let listen = first.address.clone();
+    // Serving (so it has joined: its banner comes first).
+    let status = cli_with_server(&listen, &["status", "--json"]);
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    // Killed, it never leaves the database's list of control planes, and looks alive for a
+    // minute: one starting elsewhere with other settings is refused meanwhile.
+    first.kill();
+    let error = server_refuses(&db, &["--pending-timeout-secs", "300"]);
+    assert!(error.contains("must agree") && error.contains("pending timeout of 1800 s"), "{error}");
+    // Started again where it listened (where no other process can be listening), it is the same
+    // control plane: its earlier run is replaced, and it serves with its new settings at once.
+    let second = common::start_server_at(dir.path(), &db, &listen, &["--pending-timeout-secs", "300"], &[]);
+    let status = cli_with_server(&second.address, &["status", "--json"]);
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    // And now it binds others to those settings.
+    let error = server_refuses(&db, &[]);
+    assert!(error.contains("pending timeout of 300 s"), "{error}");
+}
+
+#[test]
 fn a_save_goes_on_through_the_other_control_plane_when_its_own_dies() {
     let Some(db) = database("a_save_goes_on_through_the_other_control_plane_when_its_own_dies") else { return };
     // The first control plane dies after recording the begin, before answering it.

@@ -310,7 +310,12 @@ pub fn start_server_on(dir: &Path, db: &str, extra: &[&str]) -> Proc {
 
 /// `start_server_on`, the process started with extra environment variables.
 pub fn start_server_env(dir: &Path, db: &str, extra: &[&str], env: &[(&str, &str)]) -> Proc {
-    let mut args = vec!["server", "--listen", "127.0.0.1:0", "--db", db];
+    start_server_at(dir, db, "127.0.0.1:0", extra, env)
+}
+
+/// `start_server_env`, listening on `listen`.
+pub fn start_server_at(dir: &Path, db: &str, listen: &str, extra: &[&str], env: &[(&str, &str)]) -> Proc {
+    let mut args = vec!["server", "--listen", listen, "--db", db];
     args.extend_from_slice(extra);
     Proc::start(&args, &dir.join("server.log"), env)
 }

@@ -591,8 +591,10 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     config.gc.validate(config.pending_timeout).map_err(anyhow::Error::msg)?;
+    let listening = listener_identity(listener.local_addr()?.port());
     let member = ControlPlaneMember {
-        id: format!("{}:{}/{}", host_name(), listener.local_addr()?.port(), uuid::Uuid::new_v4().simple()),
+        id: format!("{listening}/{}", uuid::Uuid::new_v4().simple()),
+        listener: listening,
         pending_timeout_ms: config.pending_timeout.as_millis() as u64,
         gc_grace_ms: config.gc.grace.as_millis() as u64,
     };
@@ -710,6 +712,16 @@ fn host_name() -> String {
         .ok()
         .filter(|name| !name.is_empty())
         .unwrap_or_else(|| "localhost".into())
+}
+
+/// Where this process listens on `port`, as only one process at a time can: the host's name (for
+/// people), its kernel's boot id and this process's network namespace (which together tell any
+/// two listeners apart, hosts and containers alike, whatever their names) and the port.
+fn listener_identity(port: u16) -> String {
+    let boot = starckpt_proto::shm::host_id();
+    let namespace = std::fs::read_link("/proc/self/ns/net").map(|ns| ns.to_string_lossy().into_owned());
+    let unique = blake3::hash(format!("{boot} {}", namespace.unwrap_or_default()).as_bytes()).to_hex();
+    format!("{}:{port}:{}", host_name(), &unique[..12])
 }
 
 /// Runs `pass` every `interval` (never when None) until the returned handle is dropped; a failed

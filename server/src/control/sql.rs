@@ -996,6 +996,12 @@ impl MetaStore for SqlStore {
             .bind(to_i64(now_ms.saturating_sub(FORGET_AFTER_MS), "time")?)
             .execute(&mut *tx)
             .await?;
+        // This control plane's earlier runs (same listener, other ids): gone, since it listens there.
+        sqlx::query("DELETE FROM control_planes WHERE id <> $1 AND substr(id, 1, length($2)) = $2")
+            .bind(&member.id)
+            .bind(format!("{}/", member.listener))
+            .execute(&mut *tx)
+            .await?;
         let other = sqlx::query(
             "SELECT id, pending_timeout_ms, gc_grace_ms, seen_at_ms FROM control_planes
              WHERE id <> $1 AND seen_at_ms >= $2 AND (pending_timeout_ms <> $3 OR gc_grace_ms <> $4)

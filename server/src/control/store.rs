@@ -278,8 +278,12 @@ pub struct ImportedCheckpoint {
 /// A control plane as the database knows it ([`MetaStore::join_control_planes`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ControlPlaneMember {
-    /// Host name, port and a per-process id.
+    /// `listener` `/` a per-process id.
     pub id: String,
+    /// Where it listens, as only one process at a time can: host name, kernel boot id, network
+    /// namespace and port. A member with the same listener and another id is this one's earlier
+    /// run, killed before it could leave; joining replaces it.
+    pub listener: String,
     pub pending_timeout_ms: u64,
     pub gc_grace_ms: u64,
 }
@@ -678,6 +682,7 @@ pub(crate) mod conformance {
     pub async fn control_plane_settings(store: &dyn MetaStore) {
         let member = |id: &str, pending_timeout_ms, gc_grace_ms| ControlPlaneMember {
             id: id.into(),
+            listener: id.split('/').next().unwrap_or_default().into(),
             pending_timeout_ms,
             gc_grace_ms,
         };
@@ -700,6 +705,25 @@ pub(crate) mod conformance {
         // Control planes not seen since `live_since` bind nobody.
         assert_eq!(join(member("f", 300_000, 600_000), 100_000, 50_000, true).await, None);
         assert!(join(member("f", 300_000, 600_000), 100_000, 0, true).await.is_some());
+
+        // A control plane killed before it could leave, restarted where it listened (so no
+        // other process listens there) with other settings: its earlier run binds nobody and is
+        // replaced. One listening elsewhere still binds, however similar its listener's name.
+        let store_fresh = join(member("g:7700/1", 600_000, 3_600_000), 200_000, 0, true).await;
+        assert!(store_fresh.is_some(), "e and f are still live here");
+        for gone in ["a", "e", "f"] {
+            store.leave_control_planes(gone).await.unwrap();
+        }
+        assert_eq!(join(member("g:7700/1", 600_000, 3_600_000), 200_000, 0, true).await, None);
+        assert_eq!(join(member("g:770/1", 600_000, 3_600_000), 200_000, 0, true).await, None);
+        let restarted = member("g:7700/2", 300_000, 600_000);
+        let conflict = join(restarted.clone(), 201_000, 0, true).await.expect("g:770 binds it");
+        assert!(conflict.contains("control plane g:770/1"), "{conflict}");
+        store.leave_control_planes("g:770/1").await.unwrap();
+        assert_eq!(join(restarted, 202_000, 0, true).await, None, "its earlier run is replaced");
+        // Replaced, not just passed over: once the restarted one leaves, nothing binds.
+        store.leave_control_planes("g:7700/2").await.unwrap();
+        assert_eq!(join(member("h:1/1", 300_000, 600_000), 203_000, 0, true).await, None, "g:7700/1 is gone");
     }
 
     pub async fn importing(store: &dyn MetaStore) {
