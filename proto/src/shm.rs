@@ -28,8 +28,10 @@
 //! Except for a client the target trusts with its chunks anyway: one running as the target's
 //! user (or as root) could rewrite the chunk files themselves. For it the target maps the staging
 //! region read-only ([`StagingFile::map`]) and writes a staged chunk to its device straight from
-//! there, hashing it in place ([`Region::hash_in_place`]): no copy. The copy protected nothing:
-//! what the client could do to its staging memory mid-write it could do to the files.
+//! there, then hashes it in place ([`Region::hash_in_place`]) before storing it under its name:
+//! no copy. Changes the client made before or while the device read the bytes show in that hash
+//! (its SDK refills a staging buffer whose PUT it gave up on); what the client could do beyond
+//! that to its staging memory mid-write it could do to the chunk files themselves.
 //!
 //! ## Why a target can trust the mapping
 //!
@@ -250,25 +252,17 @@ impl Region {
         Ok(())
     }
 
-    /// The BLAKE3 of `len` bytes at `offset`, the first `len - tail.len()` read where they lie
-    /// and the rest copied into `tail` (and hashed from there). Read in place, bytes another
-    /// process changes meanwhile are hashed as found, and may differ from what is read from the
-    /// region later: only for memory whose writer is trusted (module docs), which the client's
-    /// SDK never writes while a chunk of it is in flight.
-    pub fn hash_in_place(&self, offset: usize, len: usize, tail: &mut [u8]) -> io::Result<crate::ChunkHash> {
+    /// A BLAKE3 hasher that has read `len` bytes at `offset` where they lie (no copy). Bytes
+    /// another process changes meanwhile are hashed as found: only for memory whose writer is
+    /// trusted (module docs), hashed after whatever else read it (a device write), so that a
+    /// change before or during that read shows as another hash.
+    pub fn hash_in_place(&self, offset: usize, len: usize) -> io::Result<blake3::Hasher> {
         self.check(offset, len)?;
-        let Some(body) = len.checked_sub(tail.len()) else {
-            return Err(io::Error::other(format!("a {}-byte tail of a {len}-byte range", tail.len())));
-        };
         let mut hasher = blake3::Hasher::new();
         // SAFETY: in bounds (checked) and mapped while `self` lives. The bytes are plain data: a
         // concurrent writer (trusted not to be one) could only make the hash differ.
-        hasher.update(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), body) });
-        if !tail.is_empty() {
-            self.read_at(offset + body, tail)?;
-            hasher.update(tail);
-        }
-        Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
+        hasher.update(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), len) });
+        Ok(hasher)
     }
 
     /// [`Region::read_at`], hashing the copy as it is made: each piece is hashed (BLAKE3) right

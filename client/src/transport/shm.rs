@@ -5,8 +5,10 @@
 //! the target can trust the mapping). The region is split into slots. A PUT of a staged chunk
 //! names where it lies in the client's staging memory, which the client passed at attach too
 //! (its staging pool is carved out of a memfd, `BufPool::shared`); any other PUT copies its
-//! payload into a free slot and names the slot. Either way the target copies the bytes into its
-//! aligned write buffer, verifies and stores them: one user-space copy per staged chunk. A GET
+//! payload into a free slot and names the slot. The target copies the bytes into its aligned
+//! write buffer, verifies and stores them, except a staged chunk of a client running as the
+//! target's user (or root), which it writes to its device straight from the staging memory and
+//! verifies there after the write (`starckpt_proto::shm`): no user-space copy. A GET
 //! names a slot; the target writes the bytes there and answers with their length. So payload
 //! bytes never pass through socket buffers; the frames that carry the requests are the same as on
 //! TCP (HAS, LIST, ... travel on the same socket). A payload that is not staged and is larger
@@ -15,7 +17,8 @@
 //! Slots are lent as `slots.rs` describes: reused only once the target answered; an abandoned
 //! request closes its connection, and the next request attaches a fresh region. A staged PUT
 //! holds its staging buffer until answered; abandoned, the buffer may be refilled while the
-//! target still reads it, which its hash check refuses. A target that refuses staging memory (one
+//! target still reads it, which its hash check (of what it copied, or after its placed write)
+//! refuses. A target that refuses staging memory (one
 //! older than it) gets the slots alone from then on.
 //!
 //! [`AutoTransport`] is what the SDK uses: it asks a target over TCP (STAT, in the background, so
@@ -113,7 +116,8 @@ impl ShmTransport {
             // Staged: named where it lies. The request holds `payload`, so its staging buffer is
             // not reused before the target answers. An abandoned request (a timeout) lets it go
             // sooner, and the buffer may be refilled while the target still reads it: the target
-            // hashes what it read, so changed bytes are refused, never stored.
+            // hashes what it copied (or, writing from here, the bytes here after the write), so
+            // changed bytes are refused, never stored.
             let staged = connection.region.staging.as_ref();
             let staged = staged.and_then(|r| r.offset_of(payload.bytes.as_ptr(), payload.bytes.len()));
             if let Some(offset) = staged.filter(|_| !payload.bytes.is_empty()) {

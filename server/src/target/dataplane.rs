@@ -339,8 +339,9 @@ impl Slots {
         let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(mapped) as _;
         // SAFETY: within the mapping (checked), which `owner` keeps mapped; nothing here makes
         // Rust references to it while the device reads it.
-        let body = unsafe { ExternalBuf::new(mapped.base().add(offset), body, owner) }.ok()?;
-        ChunkStore::placed_write(len, body).ok()
+        let blocks = unsafe { ExternalBuf::new(mapped.base().add(offset), body, owner) }.ok()?;
+        let hashed = Arc::clone(mapped);
+        ChunkStore::placed_write(len, blocks, Box::new(move || hashed.hash_in_place(offset, body))).ok()
     }
 
     /// `range` of the staging region as (offset, length), if it lies within it and is no larger
@@ -748,7 +749,9 @@ impl PayloadSource {
 
 /// Brings a PUT's payload into `chunk` (from the slot or the client's memory; a payload in the
 /// frame is there already). Copied out of the client's memory before it is verified: what is
-/// checked is what is stored, whatever the client does to its memory meanwhile.
+/// checked is what is stored, whatever the client does to its memory meanwhile. A placed write's
+/// whole blocks stay in the client's memory (only its last partial block is copied): the store
+/// checks them there once the device has written them (`ChunkStore::placed_write`).
 async fn fetch(
     served: &Served,
     source: PayloadSource,
@@ -762,12 +765,16 @@ async fn fetch(
         (PayloadSource::Slot(offset, _), Some(slots), _) => {
             copy_hashed(chunk, move |data| slots.region.read_at_hashed(offset, data)).await
         }
+        // The whole blocks stay where they are (verified once the device has written them); the
+        // last partial block, if any, is copied.
         (PayloadSource::Placed(offset, len), Some(slots), _) => {
-            copy_hashed(chunk, move |tail| match &slots.staging_mapped {
-                Some(mapped) => mapped.hash_in_place(offset, len, tail),
-                None => Err(std::io::Error::other("no mapped staging region")),
-            })
-            .await
+            let tail = chunk.data_mut();
+            let copied = match (&slots.staging_mapped, tail.is_empty()) {
+                (_, true) => Ok(()),
+                (Some(mapped), false) => mapped.read_at(offset + len - tail.len(), tail),
+                (None, false) => Err(std::io::Error::other("no mapped staging region")),
+            };
+            copied.map(|()| chunk).map_err(|error| error_response(ErrorCode::BadRequest, error.to_string()))
         }
         (PayloadSource::Staging(offset, _), Some(slots), _) => {
             copy_hashed(chunk, move |data| match &slots.staging {

@@ -165,10 +165,13 @@ pub struct ChunkWrite {
     /// BLAKE3 of the payload, when whoever filled it hashed it on the way ([`ChunkWrite::fill_hashed`]).
     data_hash: Option<ChunkHash>,
     /// The payload's whole blocks, when the device writes them from where they lie (memory a
-    /// trusted client shares, [`ChunkStore::placed_write`]); `buf` then holds the header and
-    /// only the payload's last partial block.
-    placed: Option<ExternalBuf>,
+    /// trusted client shares, [`ChunkStore::placed_write`]), and how to hash them there once it
+    /// has; `buf` then holds the header and only the payload's last partial block.
+    placed: Option<(ExternalBuf, PlacedHasher)>,
 }
+
+/// Hashes a placed write's whole blocks where they lie: a BLAKE3 hasher that has read them.
+pub type PlacedHasher = Box<dyn FnOnce() -> io::Result<blake3::Hasher> + Send>;
 
 impl ChunkWrite {
     /// The payload is `codec`-encoded and decodes to `length` bytes (default: not encoded).
@@ -186,8 +189,7 @@ impl ChunkWrite {
 
     /// Fills the payload with `fill`, which returns the BLAKE3 of the bytes it wrote (a copy
     /// that hashes as it goes, `Region::read_at_hashed`): verifying the chunk then does not read
-    /// them again. For a placed write, `fill` fills only the bytes after the placed blocks and
-    /// returns the hash of the whole payload, placed blocks first.
+    /// them again. Not for a placed write (verified after the device wrote it).
     pub fn fill_hashed<E>(&mut self, fill: impl FnOnce(&mut [u8]) -> Result<ChunkHash, E>) -> Result<(), E> {
         let hash = fill(self.data_mut())?;
         self.data_hash = Some(hash);
@@ -210,7 +212,7 @@ impl ChunkWrite {
 
     /// Bytes of the payload in the store's buffer.
     fn held_len(&self) -> usize {
-        self.data_len - self.placed.as_ref().map_or(0, ExternalBuf::len)
+        self.data_len - self.placed.as_ref().map_or(0, |(body, _)| body.len())
     }
 }
 
@@ -449,9 +451,12 @@ impl ChunkStore {
     /// A chunk of `data_len` bytes whose whole blocks, `body` (its first `body.len()` bytes, a
     /// multiple of 4096, in memory a trusted client shares), the device writes from where they
     /// lie: no pool buffer and no copy. The rest, under one block, is filled into a small buffer
-    /// of the store's that also holds the header ([`ChunkWrite::fill_hashed`]). Only for payloads
-    /// stored as sent (`Codec::None`): the store does not decode from memory it does not own.
-    pub fn placed_write(data_len: usize, body: ExternalBuf) -> io::Result<ChunkWrite> {
+    /// of the store's that also holds the header ([`ChunkWrite::data_mut`]). The chunk is
+    /// verified after the device has written it, before it is renamed into place: `rehash`
+    /// hashes the blocks where they lie then, so bytes the client changed before or while the
+    /// device read them are refused, never stored under a hash they do not have. Only for
+    /// payloads stored as sent (`Codec::None`): the store decodes only memory it owns.
+    pub fn placed_write(data_len: usize, body: ExternalBuf, rehash: PlacedHasher) -> io::Result<ChunkWrite> {
         let rest = data_len.checked_sub(body.len()).filter(|&rest| rest < ALIGN);
         let Some(rest) = rest else {
             return Err(io::Error::new(
@@ -463,7 +468,7 @@ impl ChunkStore {
         // The padding after the payload reaches the disk: zeros, never old heap bytes.
         buf.aligned_mut().full_mut().fill(0);
         let length = data_len as u64;
-        Ok(ChunkWrite { buf, data_len, codec: Codec::None, length, data_hash: None, placed: Some(body) })
+        Ok(ChunkWrite { buf, data_len, codec: Codec::None, length, data_hash: None, placed: Some((body, rehash)) })
     }
 
     async fn read_buffer(&self, bytes: usize) -> BoxedBuf {
@@ -483,6 +488,15 @@ impl ChunkStore {
     /// Checks a payload against the chunk hash it was sent under ([`verify_payload`]), off the
     /// runtime and within the decode budget. Returns the chunk and the BLAKE3 of its stored bytes.
     async fn verify(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<(ChunkWrite, ChunkHash), ChunkStoreError> {
+        if chunk.placed.is_some() {
+            if chunk.codec != Codec::None || chunk.length != chunk.data_len as u64 {
+                let reason = "an encoded payload is never placed: it is decoded from the store's own memory".into();
+                return Err(ChunkStoreError::Undecodable { hash, codec: chunk.codec, reason });
+            }
+            // Verified once the device has written it (`store_copy`); stored as sent, so the
+            // stored bytes' hash is the chunk's.
+            return Ok((chunk, hash));
+        }
         if chunk.codec == Codec::None && chunk.data_hash.is_some() {
             // Hashed as it was copied: a comparison, no work for the blocking pool.
             let verified = verify_payload(hash, &chunk);
@@ -541,7 +555,6 @@ impl ChunkStore {
         );
         let held = chunk.held_len();
         let placed = chunk.placed.take();
-        let was_placed = placed.is_some();
         chunk.buf.aligned_mut().set_len(HEADER_BYTES + held);
         let file_bytes = round_up(HEADER_BYTES + data_len) as u64;
         let reused = self.free.take(file_bytes);
@@ -561,30 +574,37 @@ impl ChunkStore {
             Err(injected) => Err(injected),
             Ok(()) => match placed {
                 // The header first, then the placed blocks, then the last partial block.
-                Some(body) => {
+                Some((body, rehash)) => {
                     let create = reused.is_none();
-                    self.engine
-                        .write_file_split(temp_path.clone(), create, chunk.buf, HEADER_BYTES, body)
-                        .await
-                        .map(drop)
+                    let written =
+                        self.engine.write_file_split(temp_path.clone(), create, chunk.buf, HEADER_BYTES, body);
+                    written.await.map(|head| Some((head, rehash)))
                 }
-                None if reused.is_some() => self.engine.overwrite_file(temp_path.clone(), chunk.buf).await.map(drop),
-                None => self.engine.write_new_file(temp_path.clone(), chunk.buf).await.map(drop),
+                None if reused.is_some() => {
+                    self.engine.overwrite_file(temp_path.clone(), chunk.buf).await.map(|_| None)
+                }
+                None => self.engine.write_new_file(temp_path.clone(), chunk.buf).await.map(|_| None),
             },
         };
-        if let Err(source) = written {
+        let failed = match written {
+            Ok(None) => None,
+            Ok(Some((head, rehash))) => match verify_placed(hash, head, held, rehash).await {
+                Ok(()) => {
+                    self.placed_writes.fetch_add(1, Ordering::Relaxed);
+                    None
+                }
+                Err(error) => Some(error),
+            },
+            Err(source) if source.raw_os_error() == Some(libc::ENOSPC) => Some(ChunkStoreError::NoSpace { hash }),
+            Err(source) => Some(ChunkStoreError::Io { op: "write", path: temp_path.clone(), source }),
+        };
+        if let Some(error) = failed {
             // A reused file that failed its write may sit on bad blocks: it is not kept.
             match reused {
                 Some(free) => free.discard(),
                 None => drop(tokio::fs::remove_file(&temp_path).await),
             }
-            if source.raw_os_error() == Some(libc::ENOSPC) {
-                return Err(ChunkStoreError::NoSpace { hash });
-            }
-            return Err(ChunkStoreError::Io { op: "write", path: temp_path, source });
-        }
-        if was_placed {
-            self.placed_writes.fetch_add(1, Ordering::Relaxed);
+            return Err(error);
         }
         // The rename and, when the chunk is already there, the refresh of its last use happen
         // under its use lock, so GC cannot unlink it between "exists" and "refreshed".
@@ -1197,26 +1217,37 @@ pub struct Placed {
 
 /// Checks a payload against the chunk hash it was sent under, decoding it first when it is
 /// compressed. Returns the BLAKE3 of the payload as it will be stored.
+/// Checks a placed write once the device has written it: its blocks hashed where they lie (what
+/// the device read, unless the client changed them since, which fails the check too) and its
+/// last partial block from `head`, the store's buffer it was written from.
+async fn verify_placed(
+    hash: ChunkHash,
+    head: BoxedBuf,
+    held: usize,
+    rehash: PlacedHasher,
+) -> Result<(), ChunkStoreError> {
+    let hashed = tokio::task::spawn_blocking(move || {
+        let mut hasher = rehash()?;
+        hasher.update(&head.aligned().full()[HEADER_BYTES..HEADER_BYTES + held]);
+        Ok::<_, io::Error>(ChunkHash(*hasher.finalize().as_bytes()))
+    })
+    .await;
+    let failed = |source| ChunkStoreError::Io { op: "verify", path: PathBuf::new(), source };
+    match hashed {
+        Ok(Ok(actual)) if actual == hash => Ok(()),
+        Ok(Ok(actual)) => Err(ChunkStoreError::HashMismatch { expected: hash, actual }),
+        Ok(Err(source)) => Err(failed(source)),
+        Err(join) => Err(failed(io::Error::other(join))),
+    }
+}
+
 fn verify_payload(hash: ChunkHash, chunk: &ChunkWrite) -> Result<ChunkHash, ChunkStoreError> {
     let max = u64::from(starckpt_proto::frame::MAX_PAYLOAD_BYTES);
     let stored_len = chunk.data_len as u64;
-    let stored_hash = match (chunk.data_hash, &chunk.placed) {
-        (Some(hash), Some(_)) => hash,
-        (Some(hash), None) => {
-            debug_assert_eq!(hash, ChunkHash::of(chunk.data()), "a fill_hashed hash that does not match its bytes");
-            hash
-        }
-        (None, None) => ChunkHash::of(chunk.data()),
-        // Filled by `fill_hashed` or not at all (a failed fill drops the chunk).
-        (None, Some(_)) => {
-            let reason = "a placed payload that was never hashed".to_owned();
-            return Err(ChunkStoreError::Undecodable { hash, codec: chunk.codec, reason });
-        }
-    };
-    if chunk.placed.is_some() && (chunk.codec != Codec::None || chunk.length != stored_len) {
-        let reason = "an encoded payload is never placed: it is decoded from the store's own memory".to_owned();
-        return Err(ChunkStoreError::Undecodable { hash, codec: chunk.codec, reason });
-    }
+    // Placed writes are verified after the device wrote them (`ChunkStore::verify`).
+    debug_assert!(chunk.placed.is_none(), "a placed write verified as a held one");
+    let stored_hash = chunk.data_hash.unwrap_or_else(|| ChunkHash::of(chunk.data()));
+    debug_assert_eq!(stored_hash, ChunkHash::of(chunk.data()), "a fill_hashed hash that does not match its bytes");
     let actual = match chunk.codec {
         Codec::None if chunk.length == stored_len && stored_len <= max => stored_hash,
         codec => {

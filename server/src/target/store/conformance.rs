@@ -349,10 +349,10 @@ async fn placed_reads(kind: EngineKind) {
     assert!(unsafe { ExternalBuf::new(at, 4000, owner) }.is_err());
 }
 
-/// Puts `data` as a placed write: its whole blocks from memory outside the store, the rest filled
-/// into the store's buffer, the hash of all of it computed by the filler (as the data plane does
-/// from a client's staging memory).
-async fn put_placed(store: &ChunkStore, data: &[u8]) -> Result<PutOutcome, ChunkStoreError> {
+/// Memory outside the store holding `data`'s whole blocks (as a client's staging memory holds a
+/// staged chunk), and a placed write of `data` from it whose verification hashes that memory
+/// after `change_before_hash` has had its way with it (a client changing it meanwhile).
+fn placed_chunk(data: &[u8], change_before_hash: impl FnOnce(*mut u8) + Send + 'static) -> ChunkWrite {
     let body_len = data.len() - data.len() % ALIGN;
     let (memory, at) = outside(body_len.max(ALIGN));
     // SAFETY: `memory` holds at least `body_len` bytes at `at`, not yet shared with the device.
@@ -360,20 +360,30 @@ async fn put_placed(store: &ChunkStore, data: &[u8]) -> Result<PutOutcome, Chunk
     let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(&memory) as _;
     // SAFETY: as in `placed_dest`; the device only reads it.
     let body = unsafe { ExternalBuf::new(at, body_len, owner) }.unwrap();
-    let mut write = ChunkStore::placed_write(data.len(), body).unwrap();
+    let at = at as usize;
+    let rehash: PlacedHasher = Box::new(move || {
+        change_before_hash(at as *mut u8);
+        // SAFETY: `memory` (moved here) holds `body_len` bytes at `at`; the device is done.
+        let blocks = unsafe { std::slice::from_raw_parts(at as *const u8, body_len) };
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(blocks);
+        drop(memory);
+        Ok(hasher)
+    });
+    let mut write = ChunkStore::placed_write(data.len(), body, rehash).unwrap();
     assert_eq!((write.len(), write.data().len()), (data.len(), data.len() - body_len));
+    write.data_mut().copy_from_slice(&data[body_len..]);
     write
-        .fill_hashed(|tail| {
-            tail.copy_from_slice(&data[body_len..]);
-            Ok::<_, ()>(ChunkHash::of(data))
-        })
-        .unwrap();
-    store.put(ChunkHash::of(data), write).await
+}
+
+async fn put_placed(store: &ChunkStore, data: &[u8]) -> Result<PutOutcome, ChunkStoreError> {
+    store.put(ChunkHash::of(data), placed_chunk(data, |_| {})).await
 }
 
 /// Chunks whose whole blocks the device writes from outside memory (a trusted client's staging
 /// memory): stored byte for byte, header and zero-padded tail included, into new files and into
-/// reused ones; refused when the hash is wrong, never hashed, or the payload encoded.
+/// reused ones; refused, and nothing stored, when the memory changed before the check (what the
+/// device wrote is then not known to be the chunk), or the payload claims an encoding.
 async fn placed_writes(kind: EngineKind) {
     let dir = tempfile::tempdir().unwrap();
     let store = store(kind, dir.path()).await;
@@ -403,35 +413,28 @@ async fn placed_writes(kind: EngineKind) {
     assert_eq!(&store.get(hash, 0, 0).await.unwrap().bytes[..], &new[..]);
     assert_eq!(store.check_copy(hash).await.unwrap(), Copy::Good { length: new.len() as u64 });
 
-    // A payload that does not hash to its name is refused, and nothing is stored.
+    // Memory the client changed (before, while or after the device read it, before the check):
+    // refused, and nothing stored under the chunk's name; not counted as placed.
     let data = random(20_000, 72);
-    let body_len = 16_384;
-    let (memory, at) = outside(body_len);
-    let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(&memory) as _;
-    // SAFETY: as in `put_placed`.
-    let body = unsafe {
-        std::ptr::copy_nonoverlapping(data.as_ptr(), at, body_len);
-        ExternalBuf::new(at, body_len, owner)
-    }
-    .unwrap();
-    let mut wrong = ChunkStore::placed_write(data.len(), body).unwrap();
-    wrong.fill_hashed(|tail| Ok::<_, ()>(ChunkHash::of(tail))).unwrap();
-    let refused = store.put(ChunkHash::of(&data), wrong).await;
+    let changed = placed_chunk(&data, |at| {
+        // SAFETY: within the chunk's blocks, which the test's memory holds.
+        unsafe { *at.add(5000) ^= 1 }
+    });
+    let refused = store.put(ChunkHash::of(&data), changed).await;
     assert!(matches!(refused, Err(ChunkStoreError::HashMismatch { .. })), "{refused:?}");
     assert!(store.chunk_path(&ChunkHash::of(&data)).metadata().is_err());
-    // Never hashed, or claimed to be encoded: refused before anything is written.
-    let body = placed_dest(&memory, at);
-    let unhashed = ChunkStore::placed_write(body_len, body).unwrap();
-    let refused = store.put(ChunkHash::of(&data[..body_len]), unhashed).await;
+    assert_eq!(store.stats().placed_writes, 6);
+    // Claimed to be encoded: refused before anything is written.
+    let mut encoded = placed_chunk(&data[..16_384], |_| {});
+    encoded.set_codec(Codec::Zstd, 40_000);
+    let refused = store.put(ChunkHash::of(&data[..16_384]), encoded).await;
     assert!(matches!(refused, Err(ChunkStoreError::Undecodable { .. })), "{refused:?}");
-    let mut encoded = ChunkStore::placed_write(body_len, placed_dest(&memory, at)).unwrap();
-    encoded.fill_hashed(|_| Ok::<_, ()>(ChunkHash::of(&data[..body_len]))).unwrap();
-    encoded.set_codec(Codec::Zstd, 2 * body_len as u64);
-    let refused = store.put(ChunkHash::of(&data[..body_len]), encoded).await;
-    assert!(matches!(refused, Err(ChunkStoreError::Undecodable { .. })), "{refused:?}");
+    assert!(store.chunk_path(&ChunkHash::of(&data[..16_384])).metadata().is_err());
     // Placed blocks that are not whole blocks of the chunk: refused when the write is made.
-    assert!(ChunkStore::placed_write(body_len + ALIGN, placed_dest(&memory, at)).is_err(), "a block short");
-    assert!(ChunkStore::placed_write(body_len - 1, placed_dest(&memory, at)).is_err(), "more than the chunk");
+    let (memory, at) = outside(16_384);
+    let none = || -> PlacedHasher { Box::new(|| Ok(blake3::Hasher::new())) };
+    assert!(ChunkStore::placed_write(16_384 + ALIGN, placed_dest(&memory, at), none()).is_err(), "a block short");
+    assert!(ChunkStore::placed_write(16_383, placed_dest(&memory, at), none()).is_err(), "more than the chunk");
 }
 
 fn inode(path: &Path) -> u64 {
