@@ -591,7 +591,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     config.gc.validate(config.pending_timeout).map_err(anyhow::Error::msg)?;
-    let listening = listener_identity(listener.local_addr()?.port());
+    let listening = listener_identity(listener.local_addr()?);
     let member = ControlPlaneMember {
         id: format!("{listening}/{}", uuid::Uuid::new_v4().simple()),
         listener: listening,
@@ -714,14 +714,20 @@ fn host_name() -> String {
         .unwrap_or_else(|| "localhost".into())
 }
 
-/// Where this process listens on `port`, as only one process at a time can: the host's name (for
-/// people), its kernel's boot id and this process's network namespace (which together tell any
-/// two listeners apart, hosts and containers alike, whatever their names) and the port.
-fn listener_identity(port: u16) -> String {
+/// Where this process listens, `address`, as only one process at a time can: the host's name
+/// (for people), its kernel's boot id and this process's network namespace (which together tell
+/// any two listeners apart, hosts and containers alike, whatever their names) and the address.
+/// Where the boot id or namespace cannot be read, this process's own: nothing is taken for an
+/// earlier run of it.
+fn listener_identity(address: std::net::SocketAddr) -> String {
     let boot = starckpt_proto::shm::host_id();
     let namespace = std::fs::read_link("/proc/self/ns/net").map(|ns| ns.to_string_lossy().into_owned());
-    let unique = blake3::hash(format!("{boot} {}", namespace.unwrap_or_default()).as_bytes()).to_hex();
-    format!("{}:{port}:{}", host_name(), &unique[..12])
+    let place = match namespace {
+        Ok(namespace) if !boot.is_empty() => format!("{boot} {namespace}"),
+        _ => uuid::Uuid::new_v4().to_string(),
+    };
+    let unique = blake3::hash(place.as_bytes()).to_hex();
+    format!("{} {address} {}", host_name(), &unique[..12])
 }
 
 /// Runs `pass` every `interval` (never when None) until the returned handle is dropped; a failed
@@ -768,6 +774,18 @@ async fn reap_stale_pending(store: Arc<dyn MetaStore>, timeout: Duration) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_listener_is_known_by_its_whole_address_on_this_kernel_and_network() {
+        let at = |address: &str| super::listener_identity(address.parse().unwrap());
+        // The same place: the same identity (a restart there replaces its earlier run).
+        assert_eq!(at("127.0.0.1:7700"), at("127.0.0.1:7700"));
+        // Another port, another address on the same port (both can listen at once): another.
+        assert_ne!(at("127.0.0.1:7700"), at("127.0.0.1:7701"));
+        assert_ne!(at("127.0.0.1:7700"), at("127.0.0.2:7700"));
+        assert_ne!(at("127.0.0.1:7700"), at("[::1]:7700"));
+        assert!(at("10.1.2.3:7700").contains(" 10.1.2.3:7700 "), "{}", at("10.1.2.3:7700"));
+    }
+
     #[test]
     fn clocks_apart_by_more_than_the_bound_are_refused() {
         let bound = super::MAX_CLOCK_SKEW.as_millis() as u64;

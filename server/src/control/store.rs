@@ -281,7 +281,7 @@ pub struct ControlPlaneMember {
     /// `listener` `/` a per-process id.
     pub id: String,
     /// Where it listens, as only one process at a time can: host name, kernel boot id, network
-    /// namespace and port. A member with the same listener and another id is this one's earlier
+    /// namespace and address (IP and port). A member with the same listener and another id is this one's earlier
     /// run, killed before it could leave; joining replaces it.
     pub listener: String,
     pub pending_timeout_ms: u64,
