@@ -770,6 +770,34 @@ fn zero_copy_sends_over_the_locked_memory_limit_fall_back_to_plain_writes() {
 }
 
 #[test]
+fn a_target_whose_write_from_staging_memory_fails_copies_that_clients_chunks_instead() {
+    // Same-host targets write a staged chunk straight from the client's staging memory (the CLI
+    // runs as their user). One's first such write fails: the save still commits (that copy goes
+    // to another target), and that target copies the connection's chunks from then on.
+    let mut cluster = Cluster::start(0);
+    for index in 0..3 {
+        let fails = [("FAILPOINTS", "target.store.write_placed=1*return")];
+        let env: &[(&str, &str)] = if index == 0 { &fails } else { &[] };
+        let target = cluster.start_target_env(index, &[], env);
+        cluster.targets.push(target);
+    }
+    cluster.wait_alive(3);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("weights.bin"), random_bytes(200 << 20, 7)).unwrap();
+    cluster.ok(&["save", "--job", "placed", "--step", "1", source.to_str().unwrap()]);
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "placed", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&restored));
+    let log = std::fs::read_to_string(cluster.dir.path().join("target-0.log")).unwrap();
+    assert!(log.contains("chunks are copied from now on"), "target 0 kept writing from staging memory: {log}");
+    for index in 1..3 {
+        let log = std::fs::read_to_string(cluster.dir.path().join(format!("target-{index}.log"))).unwrap();
+        assert!(!log.contains("copied from now on"), "target {index}: {log}");
+    }
+}
+
+#[test]
 fn full_targets_refuse_puts_and_writers_go_elsewhere_until_none_has_room() {
     // Three targets, two copies of each chunk (the default replication factor).
     let mut cluster = Cluster::start(3);

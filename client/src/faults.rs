@@ -21,6 +21,9 @@ pub const POINTS: &[&str] = &[
     // Target, storing a copy: before the temp file is written; written and synced, before its
     // rename; renamed, before the directory sync; durable, before the put is acknowledged.
     "target.store.write",
+    // Target: before a placed write (a chunk written straight from a same-host client's staging
+    // memory), after `target.store.write`.
+    "target.store.write_placed",
     "target.store.rename",
     "target.store.sync_dir",
     "target.put.ack",

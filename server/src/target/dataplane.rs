@@ -305,6 +305,10 @@ struct Slots {
     /// The staging region mapped read-only, when the client is trusted with placed writes
     /// ([`ShmListener::placed_writes`]).
     staging_mapped: Option<Arc<Region>>,
+    /// A placed write on this connection failed to reach the device: its chunks are copied from
+    /// then on (the device or filesystem may refuse to write from the client's memory where it
+    /// writes from the target's).
+    placed_failed: std::sync::atomic::AtomicBool,
     /// Whole-chunk GETs are read from the device straight into their slot ([`get_placed`]).
     placed_reads: bool,
 }
@@ -325,7 +329,11 @@ impl Slots {
     /// client is trusted with it, the payload is stored as sent (the store decodes only its own
     /// memory), and it holds whole blocks from an aligned offset (O_DIRECT).
     fn placeable(&self, offset: usize, len: usize, codec: i32) -> bool {
-        self.staging_mapped.is_some() && codec == Codec::None.to_wire() && offset.is_multiple_of(ALIGN) && len >= ALIGN
+        self.staging_mapped.is_some()
+            && !self.placed_failed.load(std::sync::atomic::Ordering::Relaxed)
+            && codec == Codec::None.to_wire()
+            && offset.is_multiple_of(ALIGN)
+            && len >= ALIGN
     }
 
     /// A chunk whose whole blocks are `len` bytes at `offset` of the mapped staging region
@@ -403,7 +411,8 @@ async fn attach(
         staging_bytes = attach.staging_bytes,
         "shared-memory client attached"
     );
-    let slots = Arc::new(Slots { region, attach, staging, staging_mapped, placed_reads });
+    let placed_failed = std::sync::atomic::AtomicBool::new(false);
+    let slots = Arc::new(Slots { region, attach, staging, staging_mapped, placed_failed, placed_reads });
     if placed_reads {
         // Huge pages for the slots where this mapping faults them in first (the device's reads):
         // a read into them is a few contiguous segments rather than one per 4 KiB page. And
@@ -559,12 +568,27 @@ where
                     Err(_) => break Err(format!("payload not received within {:?}", limits.frame_timeout)),
                 }
             }
+            let is_placed = matches!(source, PayloadSource::Placed(..));
             let (slots, rdma) = (slots.clone(), rdma.clone());
             tokio::spawn(async move {
                 let response = match request {
                     Err(response) => response,
-                    Ok(request) => match fetch(&served, source, slots, rdma.as_deref(), chunk).await {
-                        Ok(chunk) => put(&served.store, request, chunk).await,
+                    Ok(request) => match fetch(&served, source, slots.clone(), rdma.as_deref(), chunk).await {
+                        Ok(chunk) => {
+                            let response = put(&served.store, request, chunk).await;
+                            if is_placed
+                                && response.code == ErrorCode::Internal as i32
+                                && let Some(slots) = &slots
+                                && !slots.placed_failed.swap(true, std::sync::atomic::Ordering::Relaxed)
+                            {
+                                warn!(
+                                    error = %response.message,
+                                    "a write straight from a client's staging memory failed; this connection's \
+                                     chunks are copied from now on"
+                                );
+                            }
+                            response
+                        }
                         Err(response) => response,
                     },
                 };

@@ -574,12 +574,15 @@ impl ChunkStore {
             Err(injected) => Err(injected),
             Ok(()) => match placed {
                 // The header first, then the placed blocks, then the last partial block.
-                Some((body, rehash)) => {
-                    let create = reused.is_none();
-                    let written =
-                        self.engine.write_file_split(temp_path.clone(), create, chunk.buf, HEADER_BYTES, body);
-                    written.await.map(|head| Some((head, rehash)))
-                }
+                Some((body, rehash)) => match starckpt_client::faults::point("target.store.write_placed") {
+                    Err(injected) => Err(injected),
+                    Ok(()) => {
+                        let create = reused.is_none();
+                        let written =
+                            self.engine.write_file_split(temp_path.clone(), create, chunk.buf, HEADER_BYTES, body);
+                        written.await.map(|head| Some((head, rehash)))
+                    }
+                },
                 None if reused.is_some() => {
                     self.engine.overwrite_file(temp_path.clone(), chunk.buf).await.map(|_| None)
                 }
