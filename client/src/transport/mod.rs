@@ -281,20 +281,48 @@ struct OutFrame {
     payload: Option<Bytes>,
 }
 
-/// A request waiting for its response; `land`: the length of a raw payload it reads itself.
+/// A request waiting for its response; `land`: the length of a raw payload it reads itself;
+/// `hold`: memory the target reads while it serves the request ([`Connection::call_holding`]).
 struct Waiting {
     reply: Reply,
     land: Option<usize>,
+    hold: Option<Bytes>,
 }
 
-/// Pending requests of one connection; `None` once the connection is dead.
-type Pending = Arc<Mutex<Option<HashMap<u64, Waiting>>>>;
+/// Requests of one connection waiting for their responses (`None` once the connection is dead),
+/// and memory lent to the target by requests failed unanswered, kept until the target closes the
+/// connection ([`Connection::call_holding`]).
+#[derive(Default)]
+struct PendingState {
+    map: Option<HashMap<u64, Waiting>>,
+    orphans: Vec<Bytes>,
+}
+
+type Pending = Arc<Mutex<PendingState>>;
+
+fn lock(pending: &Pending) -> std::sync::MutexGuard<'_, PendingState> {
+    pending.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 fn fail_all(pending: &Pending, error: TransportError) {
-    let drained = pending.lock().unwrap_or_else(|p| p.into_inner()).take();
-    for (_, waiting) in drained.into_iter().flatten() {
-        let _ = waiting.reply.send(Err(error.clone()));
+    let replies: Vec<Reply> = {
+        let mut state = lock(pending);
+        let drained = state.map.take().into_iter().flatten().map(|(_, waiting)| waiting);
+        let (replies, holds): (Vec<_>, Vec<_>) = drained.map(|waiting| (waiting.reply, waiting.hold)).unzip();
+        state.orphans.extend(holds.into_iter().flatten());
+        replies
+    };
+    for reply in replies {
+        let _ = reply.send(Err(error.clone()));
     }
+}
+
+/// The connection's reader stopped: the target closed it (it does so only once every request it
+/// was serving is over) or the stream failed. Fails what is pending and lets go of lent memory.
+fn end(pending: &Pending, error: TransportError) {
+    fail_all(pending, error);
+    let orphans = std::mem::take(&mut lock(pending).orphans);
+    drop(orphans);
 }
 
 struct Connection {
@@ -333,7 +361,7 @@ impl Connection {
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
-        let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
+        let pending: Pending = Arc::new(Mutex::new(PendingState { map: Some(HashMap::new()), orphans: Vec::new() }));
         let max_requests = config.max_requests_per_connection.max(1);
         let (frames, outgoing) = mpsc::channel(max_requests);
         tokio::spawn(write_loop(writer, outgoing, Arc::clone(&pending)));
@@ -342,7 +370,7 @@ impl Connection {
     }
 
     fn is_alive(&self) -> bool {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+        lock(&self.pending).map.is_some()
     }
 
     /// Fails every pending request and marks the connection dead (it is replaced on next use).
@@ -357,14 +385,33 @@ impl Connection {
         payload: Option<Bytes>,
         timeout: Duration,
     ) -> Result<(data::Response, Bytes), TransportError> {
-        match self.exchange(opcode, header, payload, None, timeout).await? {
+        match self.exchange(opcode, header, payload, None, timeout, None).await? {
+            Answer::Whole(response, payload) => Ok((response, payload)),
+            Answer::Lent(..) => Err(TransportError::Protocol("a payload lent to a request that reads none".into())),
+        }
+    }
+
+    /// [`Connection::call`] for a request whose target reads `memory` while serving it (a staged
+    /// chunk in shared memory, named by offset). The memory is held until the target answers, or
+    /// closes the connection (which it does only once every request it was serving is over),
+    /// even if the caller gives up first (a timeout, a cancelled save): it is not reused while the
+    /// target may still read it.
+    pub(crate) async fn call_holding(
+        &self,
+        opcode: Opcode,
+        header: Vec<u8>,
+        memory: Bytes,
+        timeout: Duration,
+    ) -> Result<(data::Response, Bytes), TransportError> {
+        match self.exchange(opcode, header, None, None, timeout, Some(memory)).await? {
             Answer::Whole(response, payload) => Ok((response, payload)),
             Answer::Lent(..) => Err(TransportError::Protocol("a payload lent to a request that reads none".into())),
         }
     }
 
     /// Sends a request and waits for its response. `land`: a raw (not encoded) response payload
-    /// of exactly this length is left on the stream for the caller ([`Answer::Lent`]).
+    /// of exactly this length is left on the stream for the caller ([`Answer::Lent`]). `hold`:
+    /// [`Connection::call_holding`].
     async fn exchange(
         &self,
         opcode: Opcode,
@@ -372,14 +419,15 @@ impl Connection {
         payload: Option<Bytes>,
         land: Option<usize>,
         timeout: Duration,
+        hold: Option<Bytes>,
     ) -> Result<Answer, TransportError> {
         let _slot = self.slots.acquire().await.map_err(|_| TransportError::Connection("closed".into()))?;
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
         {
-            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-            match pending.as_mut() {
-                Some(map) => map.insert(request_id, Waiting { reply, land }),
+            let mut pending = lock(&self.pending);
+            match pending.map.as_mut() {
+                Some(map) => map.insert(request_id, Waiting { reply, land, hold }),
                 None => return Err(TransportError::Connection("connection is closed".into())),
             };
         }
@@ -405,7 +453,11 @@ struct ForgetOnDrop<'a> {
 
 impl Drop for ForgetOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(map) = self.pending.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+        // Unless it holds memory the target may still read: then it stays until the target
+        // answers (and the answer is dropped) or the connection ends.
+        if let Some(map) = lock(self.pending).map.as_mut()
+            && map.get(&self.request_id).is_some_and(|waiting| waiting.hold.is_none())
+        {
             map.remove(&self.request_id);
         }
     }
@@ -489,7 +541,7 @@ async fn read_loop(mut reader: Reader, pending: Pending, lend_timeout: Duration)
                 Ok(0) => break,
                 Ok(_) => {}
                 Err(e) => {
-                    fail_all(&pending, TransportError::Connection(e.to_string()));
+                    end(&pending, TransportError::Connection(e.to_string()));
                     return;
                 }
             }
@@ -500,12 +552,12 @@ async fn read_loop(mut reader: Reader, pending: Pending, lend_timeout: Duration)
         let outcome = decoded
             .map(|response| Answer::Whole(response, payload.freeze()))
             .map_err(|e| TransportError::Protocol(format!("undecodable response header: {e}")));
-        // A response to a request that timed out is dropped.
+        // A response to a request that timed out is dropped (and memory it held let go).
         if let Some(waiting) = take_waiting(&pending, header.request_id, |_| true) {
             let _ = waiting.reply.send(outcome);
         }
     };
-    fail_all(&pending, error);
+    end(&pending, error);
 }
 
 /// One GET of a whole chunk on `connection` (its `header` asks for the bytes in the frame): a raw
@@ -518,7 +570,7 @@ async fn get_landing(
 ) -> Result<Fetched, TransportError> {
     // One deadline for the response and the payload read after it.
     let fetch = async {
-        match connection.exchange(Opcode::Get, header, None, Some(dest.len()), timeout).await? {
+        match connection.exchange(Opcode::Get, header, None, Some(dest.len()), timeout, None).await? {
             Answer::Whole(response, bytes) => {
                 let (response, bytes) = checked(response, bytes)?;
                 get_payload(&response, bytes).map(Fetched::Payload)
@@ -534,8 +586,8 @@ async fn get_landing(
 
 /// Removes request `id`'s entry if `wanted` accepts the length it lands itself.
 fn take_waiting(pending: &Pending, id: u64, wanted: impl FnOnce(Option<usize>) -> bool) -> Option<Waiting> {
-    let mut pending = pending.lock().unwrap_or_else(|p| p.into_inner());
-    let map = pending.as_mut()?;
+    let mut pending = lock(pending);
+    let map = pending.map.as_mut()?;
     match wanted(map.get(&id)?.land) {
         true => map.remove(&id),
         false => None,
@@ -977,7 +1029,75 @@ mod tests {
     }
 
     async fn get(connection: &Connection, land: Option<usize>) -> Result<Answer, TransportError> {
-        connection.exchange(Opcode::Get, vec![], None, land, Duration::from_secs(10)).await
+        connection.exchange(Opcode::Get, vec![], None, land, Duration::from_secs(10), None).await
+    }
+
+    /// Bytes whose release (their last reference dropped) shows in a flag.
+    struct Tracked(Arc<std::sync::atomic::AtomicBool>, Vec<u8>);
+
+    impl AsRef<[u8]> for Tracked {
+        fn as_ref(&self) -> &[u8] {
+            &self.1
+        }
+    }
+
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn tracked() -> (Bytes, Arc<std::sync::atomic::AtomicBool>) {
+        let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        (Bytes::from_owner(Tracked(Arc::clone(&released), vec![7; 4096])), released)
+    }
+
+    async fn released(flag: &std::sync::atomic::AtomicBool) -> bool {
+        for _ in 0..500 {
+            if flag.load(Ordering::SeqCst) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    }
+
+    /// Memory a request lends the target (a staged chunk it reads in place) stays held after the
+    /// request gives up (a timeout), until the target answers it; and, on a connection the client
+    /// closed, until the target closes it: never reused while the target may still read it.
+    #[tokio::test]
+    async fn memory_lent_to_the_target_is_held_until_it_answers_or_hangs_up() {
+        let (connection, mut far) = connection();
+        let short = Duration::from_millis(50);
+        let (memory, freed) = tracked();
+        let (asked, id) = tokio::join!(connection.call_holding(Opcode::Put, vec![], memory, short), request(&mut far));
+        assert!(matches!(asked, Err(TransportError::Timeout(_))), "{asked:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!freed.load(Ordering::SeqCst), "let go before the target answered");
+        respond(&mut far, id, b"").await;
+        assert!(released(&freed).await, "held after the target answered");
+
+        // Answered in time: let go with the answer.
+        let (memory, freed) = tracked();
+        let serve = async {
+            let id = request(&mut far).await;
+            respond(&mut far, id, b"").await;
+        };
+        let (asked, ()) =
+            tokio::join!(connection.call_holding(Opcode::Put, vec![], memory, Duration::from_secs(5)), serve);
+        asked.unwrap();
+        assert!(released(&freed).await);
+
+        // The client gives the connection up: held until the target hangs up.
+        let (memory, freed) = tracked();
+        let (asked, _) = tokio::join!(connection.call_holding(Opcode::Put, vec![], memory, short), request(&mut far));
+        assert!(asked.is_err());
+        connection.close("given up");
+        assert!(!connection.is_alive());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!freed.load(Ordering::SeqCst), "let go while the target may still read it");
+        drop(far);
+        assert!(released(&freed).await, "held after the target hung up");
     }
 
     /// A lent payload the caller drops unread is skipped: the next response is read intact.

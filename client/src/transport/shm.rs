@@ -16,9 +16,10 @@
 //!
 //! Slots are lent as `slots.rs` describes: reused only once the target answered; an abandoned
 //! request closes its connection, and the next request attaches a fresh region. A staged PUT
-//! holds its staging buffer until answered; abandoned, the buffer may be refilled while the
-//! target still reads it, which its hash check (of what it copied, or after its placed write)
-//! refuses. A target that refuses staging memory (one
+//! holds its staging buffer until answered, or abandoned, until the target closes the connection
+//! (`Connection::call_holding`): the buffer is not refilled while the target may still read it.
+//! (Were it refilled, the target's hash check, of what it copied or after its placed write,
+//! would refuse the changed bytes.) A target that refuses staging memory (one
 //! older than it) gets the slots alone from then on.
 //!
 //! [`AutoTransport`] is what the SDK uses: it asks a target over TCP (STAT, in the background, so
@@ -113,16 +114,19 @@ impl ShmTransport {
     async fn put_request(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
         let (response, _) = once_more(|| async {
             let connection = self.connection().await?;
-            // Staged: named where it lies. The request holds `payload`, so its staging buffer is
-            // not reused before the target answers. An abandoned request (a timeout) lets it go
-            // sooner, and the buffer may be refilled while the target still reads it: the target
-            // hashes what it copied (or, writing from here, the bytes here after the write), so
-            // changed bytes are refused, never stored.
+            // Staged: named where it lies. The request holds its staging buffer until the target
+            // answers or closes the connection, even when the caller gives up first (a timeout, a
+            // cancelled save), so the buffer is not refilled while the target may still read it
+            // (a target writes a staged chunk to its device straight from there, for a client of
+            // its own user).
             let staged = connection.region.staging.as_ref();
             let staged = staged.and_then(|r| r.offset_of(payload.bytes.as_ptr(), payload.bytes.len()));
             if let Some(offset) = staged.filter(|_| !payload.bytes.is_empty()) {
                 let header = put_header(self, hash, &payload, repair, Place::Staging(offset as u64));
-                return self.call_on(&connection, Opcode::Put, header, None).await;
+                let timeout = self.timeouts().request_timeout;
+                let memory = payload.bytes.clone();
+                let (response, bytes) = connection.frames.call_holding(Opcode::Put, header, memory, timeout).await?;
+                return checked(response, bytes);
             }
             if payload.bytes.len() > connection.slots.slot_bytes() {
                 let header = put_header(self, hash, &payload, repair, Place::Inline);
