@@ -317,17 +317,12 @@ fn fail_all(pending: &Pending, error: TransportError) {
     }
 }
 
-/// The connection's reader stopped: the target closed it (it does so only once every request it
-/// was serving is over) or the stream failed. Fails what is pending and lets go of lent memory.
-fn end(pending: &Pending, error: TransportError) {
-    fail_all(pending, error);
-    let orphans = std::mem::take(&mut lock(pending).orphans);
-    drop(orphans);
-}
-
 struct Connection {
     frames: mpsc::Sender<OutFrame>,
     pending: Pending,
+    /// Told when the connection is given up: its writer stops, ending the stream towards the
+    /// target, which then closes it once the requests it is serving are over.
+    closed: Arc<tokio::sync::Notify>,
     next_id: AtomicU64,
     slots: Arc<Semaphore>,
 }
@@ -364,18 +359,22 @@ impl Connection {
         let pending: Pending = Arc::new(Mutex::new(PendingState { map: Some(HashMap::new()), orphans: Vec::new() }));
         let max_requests = config.max_requests_per_connection.max(1);
         let (frames, outgoing) = mpsc::channel(max_requests);
-        tokio::spawn(write_loop(writer, outgoing, Arc::clone(&pending)));
-        tokio::spawn(read_loop(Box::new(reader), Arc::clone(&pending), config.request_timeout));
-        Connection { frames, pending, next_id: AtomicU64::new(1), slots: Arc::new(Semaphore::new(max_requests)) }
+        let closed = Arc::new(tokio::sync::Notify::new());
+        tokio::spawn(write_loop(writer, outgoing, Arc::clone(&pending), Arc::clone(&closed)));
+        tokio::spawn(read_loop(Box::new(reader), Arc::clone(&pending), config.request_timeout, Arc::clone(&closed)));
+        let slots = Arc::new(Semaphore::new(max_requests));
+        Connection { frames, pending, closed, next_id: AtomicU64::new(1), slots }
     }
 
     fn is_alive(&self) -> bool {
         lock(&self.pending).map.is_some()
     }
 
-    /// Fails every pending request and marks the connection dead (it is replaced on next use).
+    /// Fails every pending request, marks the connection dead (it is replaced on next use) and
+    /// stops its writer (the target sees the stream end).
     pub(crate) fn close(&self, why: &str) {
         fail_all(&self.pending, TransportError::Connection(why.to_owned()));
+        self.closed.notify_one();
     }
 
     async fn call(
@@ -433,8 +432,9 @@ impl Connection {
         }
         // Removes the pending entry however this call ends, including when its future is dropped
         // (a cancelled upload), so long-lived connections do not accumulate dead entries.
-        let _forget = ForgetOnDrop { pending: &self.pending, request_id };
+        let mut forget = ForgetOnDrop { pending: &self.pending, request_id, sent: false };
         let sent = self.frames.send(OutFrame { opcode, request_id, header, payload }).await;
+        forget.sent = sent.is_ok();
         if sent.is_err() {
             return Err(TransportError::Connection("writer stopped".into()));
         }
@@ -449,14 +449,16 @@ impl Connection {
 struct ForgetOnDrop<'a> {
     pending: &'a Pending,
     request_id: u64,
+    /// The request reached the writer's queue (so the target will see it, or the stream end).
+    sent: bool,
 }
 
 impl Drop for ForgetOnDrop<'_> {
     fn drop(&mut self) {
-        // Unless it holds memory the target may still read: then it stays until the target
-        // answers (and the answer is dropped) or the connection ends.
+        // Unless it was sent holding memory the target may still read: then it stays until the
+        // target answers (and the answer is dropped) or the connection ends.
         if let Some(map) = lock(self.pending).map.as_mut()
-            && map.get(&self.request_id).is_some_and(|waiting| waiting.hold.is_none())
+            && map.get(&self.request_id).is_some_and(|waiting| waiting.hold.is_none() || !self.sent)
         {
             map.remove(&self.request_id);
         }
@@ -469,9 +471,15 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     mut writer: FrameWriter<W>,
     mut outgoing: mpsc::Receiver<OutFrame>,
     pending: Pending,
+    closed: Arc<tokio::sync::Notify>,
 ) {
     loop {
-        let message = match writer.next(&mut outgoing).await {
+        let next = tokio::select! {
+            // Given up: dropping the writer ends the stream towards the target.
+            () = closed.notified() => return,
+            next = writer.next(&mut outgoing) => next,
+        };
+        let message = match next {
             Ok(Some(message)) => message,
             Ok(None) => return,
             Err(error) => {
@@ -494,16 +502,19 @@ async fn write_loop<W: AsyncWrite + Unpin>(
 /// Reads responses and hands each to its request. `lend_timeout`: how long a request may hold the
 /// stream lent to it; one that holds it longer (its future kept but no longer polled) would stall
 /// every other response on the connection, so the connection is given up instead.
-async fn read_loop(mut reader: Reader, pending: Pending, lend_timeout: Duration) {
-    let error = loop {
+async fn read_loop(mut reader: Reader, pending: Pending, lend_timeout: Duration, closed: Arc<tokio::sync::Notify>) {
+    let (error, rest) = 'frames: loop {
         let (header, prost_header) = match frame::read_frame_head(&mut reader).await {
             Ok(head) => head,
-            Err(ReadFrameError::Closed) => break TransportError::Connection("closed by the target".into()),
-            Err(ReadFrameError::Frame(e)) => break TransportError::Protocol(e.to_string()),
-            Err(ReadFrameError::Io(e)) => break TransportError::Connection(e.to_string()),
+            Err(ReadFrameError::Closed) => {
+                break (TransportError::Connection("closed by the target".into()), Rest::Ended);
+            }
+            Err(ReadFrameError::Frame(e)) => break (TransportError::Protocol(e.to_string()), Rest::Open(reader)),
+            Err(ReadFrameError::Io(e)) => break (TransportError::Connection(e.to_string()), Rest::Ended),
         };
         if !header.opcode.is_response() {
-            break TransportError::Protocol(format!("target sent request opcode {:?}", header.opcode));
+            let error = TransportError::Protocol(format!("target sent request opcode {:?}", header.opcode));
+            break (error, Rest::Open(reader));
         }
         let decoded = data::Response::decode(prost_header);
         // A raw payload of the length its request lands itself goes straight into the request's
@@ -514,23 +525,29 @@ async fn read_loop(mut reader: Reader, pending: Pending, lend_timeout: Duration)
         {
             let lands = |land| land == Some(header.payload_len as usize);
             if let Some(waiting) = take_waiting(&pending, header.request_id, lands) {
-                let (back, returned) = oneshot::channel();
+                let (back, mut returned) = oneshot::channel();
                 let lent = LentReader { lent: Some((reader, back)), left: header.payload_len as usize, broken: false };
                 // Not received (the request gave up): the answer is dropped and the stream comes back.
                 let _ = waiting.reply.send(Ok(Answer::Lent(response.clone(), lent)));
-                let Ok(returned) = tokio::time::timeout(lend_timeout, returned).await else {
-                    break TransportError::Connection(format!("a request held the stream over {lend_timeout:?}"));
+                let Ok(came_back) = tokio::time::timeout(lend_timeout, &mut returned).await else {
+                    let error = TransportError::Connection(format!("a request held the stream over {lend_timeout:?}"));
+                    break (error, Rest::Lent(returned));
                 };
-                match returned {
+                match came_back {
                     Ok(Returned { reader: back, left, broken: false }) => {
                         reader = back;
                         if let Err(error) = skip(&mut reader, left).await {
-                            break TransportError::Connection(error.to_string());
+                            break (TransportError::Connection(error.to_string()), Rest::Ended);
                         }
                         continue;
                     }
-                    Ok(_) => break TransportError::Connection("a request stopped reading its payload midway".into()),
-                    Err(_) => break TransportError::Connection("a lent stream was never given back".into()),
+                    Ok(Returned { reader: back, .. }) => {
+                        let error = TransportError::Connection("a request stopped reading its payload midway".into());
+                        break (error, Rest::Open(back));
+                    }
+                    Err(_) => {
+                        break (TransportError::Connection("a lent stream was never given back".into()), Rest::Ended);
+                    }
                 }
             }
         }
@@ -540,14 +557,11 @@ async fn read_loop(mut reader: Reader, pending: Pending, lend_timeout: Duration)
             match (&mut reader).take(want as u64).read_buf(&mut payload).await {
                 Ok(0) => break,
                 Ok(_) => {}
-                Err(e) => {
-                    end(&pending, TransportError::Connection(e.to_string()));
-                    return;
-                }
+                Err(e) => break 'frames (TransportError::Connection(e.to_string()), Rest::Ended),
             }
         }
         if payload.len() != header.payload_len as usize {
-            break TransportError::Connection("closed in the middle of a payload".into());
+            break (TransportError::Connection("closed in the middle of a payload".into()), Rest::Ended);
         }
         let outcome = decoded
             .map(|response| Answer::Whole(response, payload.freeze()))
@@ -557,7 +571,31 @@ async fn read_loop(mut reader: Reader, pending: Pending, lend_timeout: Duration)
             let _ = waiting.reply.send(outcome);
         }
     };
-    end(&pending, error);
+    fail_all(&pending, error);
+    // The writer stops too, ending the stream towards the target, which closes the connection
+    // once the requests it is serving are over: read to that end (when the stream can still be
+    // had) before letting go of memory lent to the target by requests that gave up.
+    closed.notify_one();
+    let reader = match rest {
+        Rest::Ended => None,
+        Rest::Open(reader) => Some(reader),
+        Rest::Lent(returned) => returned.await.ok().map(|returned| returned.reader),
+    };
+    if let Some(mut reader) = reader {
+        let _ = tokio::io::copy(&mut reader, &mut tokio::io::sink()).await;
+    }
+    let orphans = std::mem::take(&mut lock(&pending).orphans);
+    drop(orphans);
+}
+
+/// What is left of a connection's stream when its reader task stops.
+enum Rest {
+    /// The target closed it, or it failed: nothing more comes.
+    Ended,
+    /// Open, but not followed any more (a frame the task cannot make sense of).
+    Open(Reader),
+    /// Lent to a request that has not given it back yet.
+    Lent(oneshot::Receiver<Returned>),
 }
 
 /// One GET of a whole chunk on `connection` (its `header` asks for the bytes in the frame): a raw
@@ -1093,6 +1131,23 @@ mod tests {
         let (asked, _) = tokio::join!(connection.call_holding(Opcode::Put, vec![], memory, short), request(&mut far));
         assert!(asked.is_err());
         connection.close("given up");
+        assert!(!connection.is_alive());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!freed.load(Ordering::SeqCst), "let go while the target may still read it");
+        drop(far);
+        assert!(released(&freed).await, "held after the target hung up");
+
+        // The target sends what the reader cannot follow: the request fails at once, but its
+        // memory stays held while the stream is read to its end.
+        let (connection, mut far) = self::connection();
+        let (memory, freed) = tracked();
+        let serve = async {
+            let id = request(&mut far).await;
+            frame::write_frame(&mut far, Opcode::Put, id, &[], &[]).await.unwrap();
+        };
+        let (asked, ()) =
+            tokio::join!(connection.call_holding(Opcode::Put, vec![], memory, Duration::from_secs(5)), serve);
+        assert!(matches!(asked, Err(TransportError::Protocol(_))), "{asked:?}");
         assert!(!connection.is_alive());
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!freed.load(Ordering::SeqCst), "let go while the target may still read it");

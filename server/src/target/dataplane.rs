@@ -462,7 +462,8 @@ where
 {
     let limits = &served.limits;
     let (responses, outgoing) = mpsc::channel::<Outgoing>(limits.max_requests_per_connection);
-    let writer_task = tokio::spawn(write_loop(writer, outgoing, limits.frame_timeout));
+    let writer_failed = CancellationToken::new();
+    let writer_task = tokio::spawn(write_loop(writer, outgoing, limits.frame_timeout, writer_failed.clone()));
     let requests = Arc::new(Semaphore::new(limits.max_requests_per_connection));
     // Set up by OP_CONNECT; lives as long as the connection.
     let mut rdma: Option<Arc<QpDriver>> = None;
@@ -470,6 +471,7 @@ where
     let result = loop {
         let head = tokio::select! {
             _ = stop.cancelled() => break Ok(()),
+            _ = writer_failed.cancelled() => break Err("its responses could not be written".into()),
             head = tokio::time::timeout(limits.idle_timeout, frame::read_frame_head(&mut reader)) => head,
         };
         let Ok(head) = head else {
@@ -974,16 +976,17 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     writer: FrameWriter<W>,
     mut outgoing: mpsc::Receiver<Outgoing>,
     timeout: Duration,
+    failed: CancellationToken,
 ) {
     // A client that stops reading must not pin buffers and in-flight bytes forever.
     let mut writer = writer.with_timeout(timeout);
-    loop {
+    let finished = loop {
         let message = match writer.next(&mut outgoing).await {
             Ok(Some(message)) => message,
-            Ok(None) => break,
+            Ok(None) => break true,
             Err(error) => {
                 warn!(%error, "zero-copy notifications failed; closing the connection");
-                return;
+                break false;
             }
         };
         let payload: Vec<Bytes> = message.payload.iter().cloned().collect();
@@ -993,19 +996,28 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             Ok(()) => {}
             Err(error) if error.kind() == std::io::ErrorKind::TimedOut => {
                 info!("client did not read a response within {timeout:?}; closing the connection");
-                return;
+                break false;
             }
             Err(error) => {
                 debug!(%error, "data-plane write failed");
-                return;
+                break false;
             }
         }
         // Flush when nothing else is queued, so responses are batched under load but never delayed.
         if outgoing.is_empty() && writer.flush().await.is_err() {
-            return;
+            break false;
         }
+    };
+    if finished {
+        let _ = writer.flush().await;
+        return;
     }
-    let _ = writer.flush().await;
+    // The connection is done for, but the requests being served may still read the client's
+    // memory (a staged chunk, in place): the stream stays open until they end (a client lets go
+    // of memory it lent only once the connection is closed), their answers dropped, and no new
+    // request is read.
+    failed.cancel();
+    while outgoing.recv().await.is_some() {}
 }
 
 fn reply(header: FrameHeader, response: data::Response, payload: Option<Bytes>) -> Outgoing {
