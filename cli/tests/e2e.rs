@@ -104,6 +104,51 @@ fn save_and_restore_a_tree_across_three_targets() {
     assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 100);
 }
 
+/// Saved modes come back, and restoring them needs no privilege: files saved read-only or
+/// write-only restore for a user who could not write (or read) them again once they have their
+/// modes. As root the restore runs as nobody (uid 65534), otherwise as the user running the tests.
+#[test]
+fn saved_modes_come_back_for_an_unprivileged_user() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let cluster = Cluster::start(2);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    let files = [("weights.bin", 0o444, (5 << 20) + 3), ("secret.bin", 0o200, 1000), ("run.sh", 0o755, 10)];
+    let setuid = ("setuid.bin", 0o4755, 10);
+    for (index, (name, mode, len)) in files.into_iter().chain([setuid]).enumerate() {
+        std::fs::write(source.join(name), random_bytes(len, index as u64)).unwrap();
+        std::fs::set_permissions(source.join(name), std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    cluster.json(&["save", "--job", "modes", "--step", "1", source.to_str().unwrap()]);
+
+    // Where the other user may create the restore.
+    std::fs::set_permissions(cluster.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let parent = cluster.dir.path().join("out");
+    std::fs::create_dir(&parent).unwrap();
+    std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let restored = parent.join("restored");
+    let mut command = std::process::Command::new(common::BIN);
+    command
+        .args(["restore", "--job", "modes", "--latest", "--to", restored.to_str().unwrap()])
+        .env("STARCKPT_SERVER", &cluster.server.address);
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        command.uid(65534).gid(65534).env("HOME", "/");
+    }
+    let output = command.output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+
+    for (index, (name, mode, len)) in files.into_iter().enumerate() {
+        let path = restored.join(name);
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, mode, "{name}");
+        assert_eq!(std::fs::read(&path).unwrap(), random_bytes(len, index as u64), "{name}");
+    }
+    // Permission bits only: a checkpoint does not make setuid files.
+    let mode = std::fs::metadata(restored.join(setuid.0)).unwrap().permissions().mode();
+    assert_eq!(mode & 0o7777, 0o755);
+}
+
 #[test]
 fn two_ranks_in_two_processes_commit_together() {
     let cluster = Cluster::start(3);

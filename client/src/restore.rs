@@ -566,10 +566,6 @@ async fn restore_into(
         }
         let handle = std::fs::File::create(&path).map_err(Error::io("create", &path))?;
         handle.set_len(file.size_bytes).map_err(Error::io("size", &path))?;
-        if file.mode != 0 {
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(file.mode))
-                .map_err(Error::io("chmod", &path))?;
-        }
         paths.push(Arc::new(path));
     }
     let work = manifest.files.iter().zip(&paths).flat_map(|(file, path)| {
@@ -602,9 +598,20 @@ async fn restore_into(
     }
     drop(writes);
     // Durable before it is renamed into place: a crash must not leave a restore that looks
-    // complete but has holes.
+    // complete but has holes. Saved modes are applied last, through the descriptor that syncs
+    // the file: a file saved read-only (or write-only) could not be opened again to write (or
+    // to sync) its bytes once it has its mode, unless by root. Permission bits only: a manifest
+    // does not make setuid, setgid or sticky files.
+    let modes: Vec<u32> = manifest.files.iter().map(|file| file.mode & 0o777).collect();
     tokio::task::spawn_blocking(move || {
-        for path in paths.iter().map(|p| p.as_path()).chain(dirs.iter().map(PathBuf::as_path)) {
+        for (path, mode) in paths.iter().map(|p| p.as_path()).zip(modes) {
+            let file = std::fs::OpenOptions::new().write(true).open(path).map_err(Error::io("open", path))?;
+            if mode != 0 {
+                file.set_permissions(std::fs::Permissions::from_mode(mode)).map_err(Error::io("chmod", path))?;
+            }
+            file.sync_all().map_err(Error::io("fsync", path))?;
+        }
+        for path in &dirs {
             std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(Error::io("fsync", path))?;
         }
         Ok::<(), Error>(())

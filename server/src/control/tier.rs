@@ -25,7 +25,8 @@
 //! A pass (the RPC `Tier`, and every `--tier-interval-secs`):
 //!
 //! 1. **Upload.** Each committed checkpoint not yet tiered, oldest commit first: every chunk it
-//!    names that the tier lacks (HEAD) is read from a live target holding a verified copy and PUT,
+//!    names that the tier lacks (HEAD; an object of the wrong size counts as missing) is read from
+//!    a live target holding a verified copy and PUT,
 //!    a few at once, at most `--tier-mib-per-sec`; then its manifests and record; then it is marked tiered
 //!    (`CheckpointRecord::tiered_at_ms`, `starckpt ls`). A checkpoint a chunk of which no target can
 //!    provide stays untiered (the pass says so) and is retried by the next pass.
@@ -315,9 +316,15 @@ impl Tier {
         Ok((message, size))
     }
 
-    async fn has_chunk(&self, hash: ChunkHash) -> TierResult<bool> {
+    /// Whether the tier holds chunk `hash` as `length` bytes. An object of another size (written
+    /// by something else, or damaged) is not the chunk: it is reported and uploaded again.
+    async fn has_chunk(&self, hash: ChunkHash, length: u64) -> TierResult<bool> {
         match self.store.head(&Tier::chunk_path(hash)).await {
-            Ok(_) => Ok(true),
+            Ok(meta) if meta.size == length => Ok(true),
+            Ok(meta) => {
+                tracing::warn!(%hash, size = meta.size, length, "the tier's copy of a chunk has the wrong size; uploading it again");
+                Ok(false)
+            }
             Err(object_store::Error::NotFound { .. }) => Ok(false),
             Err(error) => Err(error),
         }
@@ -583,7 +590,8 @@ impl Upload<'_> {
 
     /// Puts `chunk` in the tier unless it is there: its length if it was uploaded.
     async fn chunk(&self, chunk: &ChunkRef) -> Result<Option<u64>, String> {
-        if self.tier.has_chunk(chunk.hash).await.map_err(|e| format!("chunk {}: {e}", chunk.hash))? {
+        let present = self.tier.has_chunk(chunk.hash, chunk.length_bytes).await;
+        if present.map_err(|e| format!("chunk {}: {e}", chunk.hash))? {
             return Ok(None);
         }
         let data = self.read(chunk.hash, chunk.length_bytes, &chunk.replicas).await?;

@@ -173,7 +173,7 @@ impl ExternalBuf {
 
 /// The iovecs of a split transfer, whose pieces lie in file order `head[..split]`, `ext`,
 /// `head[split..end]`, with the first `done` bytes skipped; returns how many of `iovecs` are in
-/// use. (A split read has `split == end ==` `head`'s capacity.)
+/// use. (A split read has `split == end ==` `head`'s capacity; a `split` past `end` is `end`.)
 fn split_iovecs(
     head: &mut BoxedBuf,
     (split, end): (usize, usize),
@@ -182,7 +182,8 @@ fn split_iovecs(
     iovecs: &mut [libc::iovec; 3],
 ) -> usize {
     let head = head.aligned_mut();
-    debug_assert!(split <= end && end <= head.capacity());
+    debug_assert!(end <= head.capacity());
+    let split = split.min(end);
     let base = head.as_mut_ptr();
     // SAFETY: `split <= capacity`: within the buffer, or one past its end.
     let after = unsafe { base.add(split) };
@@ -326,7 +327,7 @@ impl IoEngine for StdEngine {
         self.run(move || {
             let file = if create { create_direct(&path)? } else { open_direct_write(&path)? };
             let end = write_len(&head);
-            transfer_split(&file, true, &mut head, (split.min(end), end), &body)?;
+            transfer_split(&file, true, &mut head, (split, end), &body)?;
             file.sync_data()?;
             Ok(head)
         })
