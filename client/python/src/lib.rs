@@ -204,8 +204,11 @@ impl StagingView {
 }
 
 /// Calls `fill(offset, view)` with a [`StagingView`] of `out`, then closes the view. A fill that
-/// still holds an export of it (an array built on it) fails the save; fills are the package's
-/// own functions, which never do.
+/// still holds an export of it (an array built on it) or a reference to it fails the save: the
+/// staging buffer goes back to the pool, and an array on it could still write there. (Some
+/// arrays keep the object and end their export at once, `torch.frombuffer`'s among them, so the
+/// object's own references are counted too.) Fills are the package's own functions, which keep
+/// neither.
 fn call_fill(py: Python<'_>, fill: &Py<PyAny>, offset: u64, out: &mut [u8]) -> PyResult<()> {
     let view = Bound::new(
         py,
@@ -216,14 +219,25 @@ fn call_fill(py: Python<'_>, fill: &Py<PyAny>, offset: u64, out: &mut [u8]) -> P
             open: AtomicBool::new(true),
         },
     )?;
-    let called = fill.bind(py).call1((offset, &view));
+    let called = fill.bind(py).call1((offset, &view)).map(drop);
     view.get().open.store(false, Ordering::Release);
     called?;
     match view.get().exports.load(Ordering::Acquire) {
-        0 => Ok(()),
-        held => Err(raise(
+        0 => {}
+        held => {
+            return Err(raise(
+                "InvalidInputError",
+                format!("a fill function kept {held} export(s) of its staging buffer; it must not keep any"),
+            ));
+        }
+    }
+    // `view` is this function's reference; any other is the fill's.
+    // SAFETY: `view` is a live object; reading its count with the GIL held.
+    match unsafe { pyo3::ffi::Py_REFCNT(view.as_ptr()) } {
+        1 => Ok(()),
+        refs => Err(raise(
             "InvalidInputError",
-            format!("a fill function kept {held} export(s) of its staging buffer; it must not keep any"),
+            format!("a fill function kept {} reference(s) to its staging buffer; it must not keep any", refs - 1),
         )),
     }
 }

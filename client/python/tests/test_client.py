@@ -478,14 +478,28 @@ def test_a_failing_fill_fails_the_save_with_its_own_exception(cluster, job):
     def keeps_an_array_on_its_view(offset, view):
         kept.append(np.frombuffer(view, dtype=np.uint8))
 
+    def keeps_a_tensor_on_its_view(offset, view):
+        # torch.frombuffer ends its export at once and keeps the object instead.
+        kept.append(torch.frombuffer(view, dtype=torch.uint8))
+
     def keeps_the_view(offset, view):
         kept.append(view)
 
     with pytest.raises(starckpt.InvalidInputError, match="kept 1 export"):
         native.save(job, 2, [("b", (10, keeps_an_array_on_its_view))])
-    native.save(job, 2, [("b", (10, keeps_the_view))]).wait()  # the object alone reaches nothing:
-    with pytest.raises(BufferError, match="handed back"):
+    with pytest.raises(starckpt.InvalidInputError, match="kept 1 reference"):
+        native.save(job, 2, [("b", (10, keeps_a_tensor_on_its_view))])
+    with pytest.raises(starckpt.InvalidInputError, match="kept 1 reference"):
+        native.save(job, 2, [("b", (10, keeps_the_view))])
+    with pytest.raises(BufferError, match="handed back"):  # and the view itself reaches nothing
         memoryview(kept[-1])
+
+    def copies_and_lets_go(offset, view):
+        target = torch.frombuffer(view, dtype=torch.uint8)
+        target.copy_(torch.arange(offset, offset + len(view), dtype=torch.uint8))
+        del target
+
+    native.save(job, 2, [("b", (10, copies_and_lets_go))]).wait()
     with pytest.raises(starckpt.InvalidInputError, match="neither a buffer nor"):
         native.save(job, 3, [("c", "not bytes")])
     assert c.latest() == 2  # only the save whose fill behaved committed

@@ -78,11 +78,20 @@ def tensor_source(tensor, where: str):
         data = data.to("cpu")  # devices without a tested direct copy: one host copy first
         return data.contiguous().reshape(-1).view(torch.uint8).numpy()
     flat = data.contiguous().reshape(-1).view(torch.uint8)  # on the device; a device copy if strided
+    # The fills run on the SDK's copy threads, whose current stream is the device's default one,
+    # which does not wait for the caller's (a side stream of the optimizer step, say; PyTorch's
+    # pool streams do not synchronize with the default one). They copy on the caller's stream,
+    # after what it queued: the step that wrote the tensor and the `contiguous` above.
+    stream = torch.cuda.current_stream(data.device) if data.device.type == "cuda" else None
 
     def fill(offset: int, view) -> None:
         target = torch.frombuffer(view, dtype=torch.uint8)
-        target.copy_(flat[offset : offset + target.numel()])
-        del target  # release the export of `view` before returning
+        if stream is None:
+            target.copy_(flat[offset : offset + target.numel()])
+        else:
+            with torch.cuda.stream(stream):
+                target.copy_(flat[offset : offset + target.numel()])
+        del target  # let go of `view` before returning
 
     return flat.numel(), fill
 
