@@ -288,3 +288,47 @@ f.flush()
     let stderr = cluster.fails(&["mount", "/definitely/not/here"]);
     assert!(stderr.contains("does not exist"), "{stderr}");
 }
+
+/// A chunk read that fails (every copy's target down) is EIO for that read only: the same open
+/// file reads it once a target is back, instead of failing for as long as it stays open.
+#[test]
+fn a_failed_read_is_tried_again_on_the_same_open_file() {
+    use std::io::Write;
+    let mut cluster = Cluster::start(1);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    let data = random_bytes((6 << 20) + 17, 9);
+    std::fs::write(source.join("weights.bin"), &data).unwrap();
+    cluster.json(&["save", "--job", "llama", "--step", "1", source.to_str().unwrap()]);
+    let mount = Mounted::start(&cluster, &cluster.dir.path().join("ckpt"));
+    let path = mount.point.join("llama/1/weights.bin");
+
+    // One open file, read after each line on stdin: its errno or its bytes' length and digest.
+    let script = format!(
+        "import errno, hashlib, sys\nf = open('{}', 'rb', buffering=0)\nprint('open', flush=True)\n\
+         for _ in sys.stdin:\n    f.seek(0)\n    try:\n        b = f.read()\n        \
+         print(len(b), hashlib.sha256(b).hexdigest(), flush=True)\n    except OSError as e:\n        \
+         print(errno.errorcode[e.errno], flush=True)\n",
+        path.display()
+    );
+    let mut reader =
+        Command::new("python3").args(["-c", &script]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut stdin = reader.stdin.take().unwrap();
+    let mut stdout = BufReader::new(reader.stdout.take().unwrap());
+    let mut answer = || {
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        line.trim().to_owned()
+    };
+    assert_eq!(answer(), "open");
+    cluster.targets[0].kill();
+    stdin.write_all(b"read\n").unwrap();
+    assert_eq!(answer(), "EIO");
+    cluster.targets[0] = cluster.start_target(0);
+    cluster.wait_alive(1);
+    stdin.write_all(b"read\n").unwrap();
+    let digest = sh_ok(&format!("sha256sum {}", source.join("weights.bin").display()));
+    assert_eq!(answer(), format!("{} {}", data.len(), digest.split_whitespace().next().unwrap()));
+    drop(stdin);
+    reader.wait().unwrap();
+}

@@ -88,29 +88,26 @@ impl CheckpointManifest {
         self.files.iter().map(|f| f.size_bytes).sum()
     }
 
-    /// Merges the ranks' parts; the same path in two parts is an error (ranks write disjoint files).
     /// A checkpoint's manifest as the control plane (or the object-store tier) describes it:
-    /// every rank's part, checked to hold disjoint files.
+    /// every rank's part, checked to describe one tree (`check_disjoint`: ranks write disjoint
+    /// files; a path that is a file in one part and a directory in another is an error).
     pub fn from_response(response: pb::GetManifestResponse) -> Result<CheckpointManifest> {
         let info =
             response.checkpoint.ok_or_else(|| Error::InvalidInput("manifest response without checkpoint".into()))?;
+        let parts = response
+            .parts
+            .into_iter()
+            .map(|part| Ok((part.rank, Manifest::try_from(part.manifest.unwrap_or_default())?)))
+            .collect::<Result<Vec<_>>>()?;
+        starckpt_proto::model::check_disjoint(parts.iter().map(|(rank, manifest)| (*rank, manifest)))
+            .map_err(|e| Error::InvalidInput(format!("{} step {}: {e}", info.job, info.step)))?;
         let mut files = Vec::new();
         let mut directories = Vec::new();
         let mut metadata = Vec::new();
-        let mut owner: HashMap<RelPath, u32> = HashMap::new();
-        for part in response.parts {
-            let manifest = Manifest::try_from(part.manifest.unwrap_or_default())?;
-            for file in manifest.files {
-                if let Some(other) = owner.insert(file.path.clone(), part.rank) {
-                    return Err(Error::InvalidInput(format!(
-                        "ranks {other} and {} of {} step {} both contain {}",
-                        part.rank, info.job, info.step, file.path
-                    )));
-                }
-                files.push(file);
-            }
+        for (rank, manifest) in parts {
+            files.extend(manifest.files);
             directories.extend(manifest.directories);
-            metadata.push((part.rank, manifest.metadata));
+            metadata.push((rank, manifest.metadata));
         }
         let targets = response.targets.into_iter().map(|t| (t.target_id.clone(), t)).collect();
         let by_path = files.iter().enumerate().map(|(index, f)| (f.path.to_string(), index)).collect();

@@ -798,8 +798,13 @@ impl CkptFs {
         };
         let mut out = BytesMut::with_capacity((end - offset) as usize);
         for (index, future) in wanted {
-            let data = self.block_on(future).map_err(|message| {
+            let data = self.block_on(future.clone()).map_err(|message| {
                 tracing::warn!(op = "read", %message, "chunk read failed");
+                // Not kept: the next read of this chunk on this handle tries again.
+                let mut window = reader.window.lock().unwrap_or_else(|p| p.into_inner());
+                if window.get(&index).is_some_and(|kept| kept.ptr_eq(&future)) {
+                    window.remove(&index);
+                }
                 Errno::EIO
             })?;
             let start = reader.starts[index];

@@ -357,6 +357,46 @@ impl TryFrom<pb::Manifest> for Manifest {
     }
 }
 
+/// Checks that the parts of one checkpoint (each rank's manifest, with its rank) describe one tree
+/// that can be restored: no file in two parts, no file where another part (or the same one) has a
+/// directory, listed or implied by a path beneath it (`a` and `a/b`). Ranks write disjoint
+/// files; a checkpoint whose parts overlap could be committed but never restored.
+pub fn check_disjoint<'a>(parts: impl IntoIterator<Item = (u32, &'a Manifest)>) -> Result<(), ModelError> {
+    let mut files: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
+    // Every directory: listed ones and every ancestor of a file or listed directory, with the
+    // rank that implies it.
+    let mut dirs: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
+    for (rank, manifest) in parts {
+        for file in &manifest.files {
+            let path = file.path.as_str();
+            if let Some(other) = files.insert(path, rank) {
+                let reason = format!("is in the parts of ranks {other} and {rank}");
+                return Err(ModelError::File { path: path.into(), reason });
+            }
+            ancestors(path, rank, &mut dirs);
+        }
+        for dir in &manifest.directories {
+            dirs.entry(dir.as_str()).or_insert(rank);
+            ancestors(dir.as_str(), rank, &mut dirs);
+        }
+    }
+    // Checked once all are in: a directory may be implied by a part after the file's.
+    for (path, rank) in &files {
+        if let Some(other) = dirs.get(path) {
+            let reason = format!("is a file in the part of rank {rank} and a directory in the part of rank {other}");
+            return Err(ModelError::File { path: (*path).into(), reason });
+        }
+    }
+    Ok(())
+}
+
+/// Records every proper ancestor directory of `path` (`a` and `a/b` of `a/b/c`) as implied by `rank`.
+fn ancestors<'a>(path: &'a str, rank: u32, dirs: &mut std::collections::HashMap<&'a str, u32>) {
+    for (at, _) in path.match_indices('/') {
+        dirs.entry(&path[..at]).or_insert(rank);
+    }
+}
+
 impl From<&Manifest> for pb::Manifest {
     fn from(manifest: &Manifest) -> Self {
         pb::Manifest {
@@ -609,6 +649,39 @@ mod tests {
         let mut bad = ok;
         bad.directories.push("a/b".into());
         assert!(Manifest::try_from(bad).is_err());
+    }
+
+    #[test]
+    fn parts_of_one_checkpoint_must_not_overlap() {
+        let part = |files: &[&str], dirs: &[&str]| {
+            Manifest::try_from(pb::Manifest {
+                files: files.iter().map(|path| file(path, &[1])).collect(),
+                directories: dirs.iter().map(|d| d.to_string()).collect(),
+                metadata: Default::default(),
+            })
+            .unwrap()
+        };
+        let check = |parts: &[Manifest]| check_disjoint(parts.iter().enumerate().map(|(rank, m)| (rank as u32, m)));
+        let reason = |parts: &[Manifest]| match check(parts) {
+            Err(ModelError::File { path, reason }) => format!("{path}: {reason}"),
+            other => panic!("{other:?}"),
+        };
+        // Disjoint files, shared directories, a directory listed by one and implied by another.
+        let good = [part(&["m/r0.pt", "x"], &["logs"]), part(&["m/r1.pt"], &["m", "logs"]), part(&[], &[])];
+        check(&good).unwrap();
+        assert_eq!(
+            reason(&[part(&["m/w.pt"], &[]), part(&["m/w.pt"], &[])]),
+            "m/w.pt: is in the parts of ranks 0 and 1"
+        );
+        // A file where a later or an earlier part (or its own) has a directory.
+        for parts in [
+            [part(&["a"], &[]), part(&["a/b"], &[])],
+            [part(&["a/b/c"], &[]), part(&["a"], &[])],
+            [part(&["a"], &[]), part(&[], &["a"])],
+            [part(&["a", "a/b"], &[]), part(&[], &[])],
+        ] {
+            assert!(reason(&parts).starts_with("a: is a file in the part of rank"), "{}", reason(&parts));
+        }
     }
 
     #[test]

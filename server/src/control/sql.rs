@@ -32,7 +32,7 @@ use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
 use sqlx::{Any, AnyPool, ConnectOptions, Connection, Row, Transaction};
 use starckpt_proto::control as pb;
-use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest, TargetRegistration};
+use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest, TargetRegistration, check_disjoint};
 use starckpt_proto::{ChunkHash, JobName};
 
 use super::store::{
@@ -385,6 +385,32 @@ async fn insert_part(
     Ok((total_bytes, file_count))
 }
 
+/// Marks pending checkpoint `id` aborted and commits `tx`.
+async fn abort_in(mut tx: Transaction<'_, Any>, id: i64, now_ms: u64) -> MetaResult<()> {
+    sqlx::query("UPDATE checkpoints SET state = 'aborted', ended_at_ms = $1 WHERE id = $2")
+        .bind(to_i64(now_ms, "time")?)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The committed parts of checkpoint `id` (rank and manifest), by rank.
+async fn part_manifests(tx: &mut Transaction<'_, Any>, id: u64) -> MetaResult<Vec<(u32, Manifest)>> {
+    let rows = sqlx::query("SELECT rank, manifest FROM parts WHERE checkpoint_id = $1 ORDER BY rank")
+        .bind(to_i64(id, "checkpoint id")?)
+        .fetch_all(&mut **tx)
+        .await?;
+    let mut parts = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let rank = get_u64(row, "rank")? as u32;
+        let blob: Vec<u8> = row.try_get("manifest")?;
+        parts.push((rank, decode_manifest(&blob, id, rank)?));
+    }
+    Ok(parts)
+}
+
 async fn checkpoint_by_id(tx: &mut Transaction<'_, Any>, id: i64) -> MetaResult<Option<CheckpointRecord>> {
     let row = sqlx::query(&format!("SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE id = $1"))
         .bind(id)
@@ -602,12 +628,7 @@ impl MetaStore for SqlStore {
             )));
         }
         if record.created_at_ms < begun_after_ms {
-            sqlx::query("UPDATE checkpoints SET state = 'aborted', ended_at_ms = $1 WHERE id = $2")
-                .bind(to_i64(now_ms, "time")?)
-                .bind(id)
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
+            abort_in(tx, id, now_ms).await?;
             return Err(MetaError::FailedPrecondition(format!(
                 "checkpoint {} ({} step {}) was begun {} s ago, past the pending timeout; it is aborted (save again)",
                 record.id,
@@ -615,6 +636,24 @@ impl MetaStore for SqlStore {
                 record.step,
                 now_ms.saturating_sub(record.created_at_ms) / 1000
             )));
+        }
+        // Parts whose files overlap could all be committed, and the checkpoint never restored.
+        // The part alone is checked now; with the last part, all of them, and a conflict then
+        // aborts the checkpoint (the parts committed before cannot change).
+        let overlap = |e: starckpt_proto::model::ModelError| {
+            format!("rank {} of checkpoint {} ({} step {}): {e}", part.rank, record.id, record.job, record.step)
+        };
+        check_disjoint([(part.rank, &part.manifest)]).map_err(|e| MetaError::InvalidArgument(overlap(e)))?;
+        if record.parts_committed + 1 == record.world_size {
+            let others = part_manifests(&mut tx, record.id).await?;
+            let all = others.iter().map(|(rank, manifest)| (*rank, manifest)).chain([(part.rank, &part.manifest)]);
+            if let Err(error) = check_disjoint(all) {
+                abort_in(tx, id, now_ms).await?;
+                return Err(MetaError::InvalidArgument(format!(
+                    "{}; the checkpoint can never be restored and is aborted (ranks must save disjoint files)",
+                    overlap(error)
+                )));
+            }
         }
         let blob = pb::Manifest::from(&part.manifest).encode_to_vec();
         let stored: i64 = sqlx::query_scalar(
@@ -738,16 +777,7 @@ impl MetaStore for SqlStore {
             }));
         };
         let record = checkpoint_from_row(&row)?;
-        let rows = sqlx::query("SELECT rank, manifest FROM parts WHERE checkpoint_id = $1 ORDER BY rank")
-            .bind(record.id as i64)
-            .fetch_all(&mut *tx)
-            .await?;
-        let mut parts = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let rank = get_u64(row, "rank")? as u32;
-            let blob: Vec<u8> = row.try_get("manifest")?;
-            parts.push((rank, decode_manifest(&blob, record.id, rank)?));
-        }
+        let parts = part_manifests(&mut tx, record.id).await?;
         if parts.len() != record.world_size as usize {
             return Err(MetaError::Corrupt(format!(
                 "committed checkpoint {} has {} parts of {}",
@@ -1188,6 +1218,7 @@ mod tests {
     on_both!(
         targets,
         multi_rank_commit,
+        overlapping_parts,
         step_collisions,
         fencing,
         stale_pending_is_aborted,

@@ -471,6 +471,39 @@ pub(crate) mod conformance {
         assert_eq!((c.committed_checkpoints, c.latest_step, c.committed_bytes), (1, Some(1), 1));
     }
 
+    pub async fn overlapping_parts(store: &dyn MetaStore) {
+        let epoch = lease(store, "o", "run-a").await.unwrap().epoch;
+        let states = || async {
+            store.list_checkpoints(&job("o"), true).await.unwrap().iter().map(|c| (c.step, c.state)).collect::<Vec<_>>()
+        };
+        // The same file from two ranks: the last part finds it and aborts the checkpoint.
+        let first = store.begin_checkpoint(&begin("o", 1, 2, epoch), 1).await.unwrap();
+        store.commit_part(&part(first.id, 0, "model.pt", 10), 2, 0).await.unwrap();
+        let refused = store.commit_part(&part(first.id, 1, "model.pt", 10), 3, 0).await;
+        assert!(
+            matches!(&refused, Err(MetaError::InvalidArgument(m)) if m.contains("ranks 0 and 1") && m.contains("aborted")),
+            "{refused:?}"
+        );
+        assert_eq!(states().await, vec![(1, CheckpointState::Aborted)]);
+        // A file of one rank where another has a directory.
+        let second = store.begin_checkpoint(&begin("o", 2, 2, epoch), 4).await.unwrap();
+        store.commit_part(&part(second.id, 1, "a/b", 10), 5, 0).await.unwrap();
+        let refused = store.commit_part(&part(second.id, 0, "a", 10), 6, 0).await;
+        assert!(matches!(&refused, Err(MetaError::InvalidArgument(m)) if m.contains("directory")), "{refused:?}");
+        // Files side by side in one directory commit.
+        let third = store.begin_checkpoint(&begin("o", 3, 2, epoch), 7).await.unwrap();
+        store.commit_part(&part(third.id, 0, "a/x", 10), 8, 0).await.unwrap();
+        assert_eq!(
+            store.commit_part(&part(third.id, 1, "a/y", 10), 9, 0).await.unwrap().state,
+            CheckpointState::Committed
+        );
+        assert_eq!(
+            states().await,
+            vec![(1, CheckpointState::Aborted), (2, CheckpointState::Aborted), (3, CheckpointState::Committed)]
+        );
+        assert_eq!(store.latest(&job("o")).await.unwrap().map(|c| c.step), Some(3));
+    }
+
     pub async fn fencing(store: &dyn MetaStore) {
         // Run 1, two ranks: rank 0 commits its part of step 10, rank 1 never does (preempted).
         let first = lease(store, "f", "run-1").await.unwrap();
