@@ -531,7 +531,9 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     // A warm-up save, untimed: connections opened and the job's lease taken before run 1.
     let (job_name, ranks) = (&job, args.ranks);
     let warm_up = clients.iter().enumerate().map(|(rank, client)| async move {
-        let part = SavePart::new(job_name, 0).rank(rank as u32, ranks).buffer("warm-up", Bytes::from_static(b"."))?;
+        let part = SavePart::new(job_name, 0)
+            .rank(rank as u32, ranks)
+            .buffer(&format!("warm-up-{rank}"), Bytes::from_static(b"."))?;
         client.save(part).await?.wait().await
     });
     futures::future::try_join_all(warm_up).await?;

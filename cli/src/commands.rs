@@ -393,8 +393,18 @@ async fn restore_from(
     let verified = Arc::clone(&progress);
     let follow = output::follow(&bar, move || verified.verified_bytes.load(std::sync::atomic::Ordering::Relaxed));
     let started = Instant::now();
-    let result =
-        starckpt_client::restore_from(source, manifest, to, RestoreOptions { force }, &progress, concurrency).await;
+    // SIGINT or SIGTERM (a preempted launcher) stops the restore: dropping it removes its
+    // unfinished tree, which would otherwise sit beside the destination.
+    let signal = shutdown_signal();
+    let restore = starckpt_client::restore_from(source, manifest, to, RestoreOptions { force }, &progress, concurrency);
+    let result = tokio::select! {
+        result = restore => result,
+        () = signal => {
+            drop(follow);
+            bar.finish_and_clear();
+            anyhow::bail!("restore {job} step {} to {}: interrupted; nothing was restored", manifest.info.step, to.display());
+        }
+    };
     drop(follow);
     bar.finish_and_clear();
     let outcome = result.with_context(|| format!("restore {job} step {} to {}", manifest.info.step, to.display()))?;

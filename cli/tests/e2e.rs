@@ -1212,3 +1212,71 @@ fn a_relative_database_path_is_the_file_it_names() {
     assert_eq!(policy["keep_last"], 3, "{shown:?}");
     assert!(dir.path().join("meta.db").exists());
 }
+
+/// Beside a restore's destination: its unfinished trees and its lock file.
+fn restore_leftovers(parent: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(parent)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".starckpt-"))
+        .collect();
+    names.sort();
+    names
+}
+
+/// A restore interrupted by SIGTERM (a preempted launcher) exits non-zero and leaves nothing
+/// beside its destination; what a SIGKILLed one left is removed by the next restore there, and
+/// two restores into one destination at once are refused.
+#[test]
+fn an_interrupted_restore_leaves_nothing_behind() {
+    let cluster = Cluster::start(2);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("weights.bin"), random_bytes(128 << 20, 5)).unwrap();
+    cluster.json(&["save", "--job", "intr", "--step", "1", source.to_str().unwrap()]);
+    let parent = cluster.dir.path().join("out");
+    std::fs::create_dir(&parent).unwrap();
+    let restored = parent.join("restored");
+    let restore = || {
+        std::process::Command::new(common::BIN)
+            .args(["restore", "--job", "intr", "--latest", "--to", restored.to_str().unwrap()])
+            .env("STARCKPT_SERVER", &cluster.server.address)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+
+    // SIGTERM as soon as the unfinished tree appears.
+    let child = restore();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !restore_leftovers(&parent).iter().any(|n| n.contains("partial")) {
+        assert!(std::time::Instant::now() < deadline, "the restore never started its tree");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // SAFETY: kill(2) on a child we spawned, which has not been waited for.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let output = child.wait_with_output().unwrap();
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("interrupted"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(restore_leftovers(&parent), Vec::<String>::new());
+    assert!(!restored.exists());
+
+    // What a killed restore left (SIGKILL cannot be caught) goes with the next restore there.
+    std::fs::create_dir_all(parent.join(".restored.starckpt-partial-0123/model")).unwrap();
+    std::fs::write(parent.join(".restored.starckpt-partial-0123/model/w.bin"), b"half").unwrap();
+    // One restore into a destination at a time.
+    let lock = std::fs::File::create(parent.join(".restored.starckpt-restore.lock")).unwrap();
+    lock.lock().unwrap();
+    let refused = restore().wait_with_output().unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("another restore into"), "{refused:?}");
+    lock.unlock().unwrap();
+    let done = restore().wait_with_output().unwrap();
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    assert_eq!(tree(&source), tree(&restored));
+    assert_eq!(restore_leftovers(&parent), Vec::<String>::new());
+}

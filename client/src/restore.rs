@@ -141,6 +141,56 @@ impl Drop for RemoveOnDrop {
     }
 }
 
+/// The name prefix of a restore's unfinished tree beside destination `name`.
+fn partial_prefix(name: &str) -> String {
+    format!(".{name}.starckpt-partial-")
+}
+
+/// Held while a restore into one destination runs: an exclusive lock on a file beside it
+/// (`.NAME.starckpt-restore.lock`, removed when the restore ends). Taking it removes unfinished
+/// trees a restore into the same destination left when it was killed (SIGKILL, power loss),
+/// which nothing else can be writing while the lock is held.
+struct DestinationLock {
+    path: PathBuf,
+    _file: std::fs::File,
+}
+
+impl DestinationLock {
+    fn take(parent: &Path, name: &str, to: &Path) -> Result<DestinationLock> {
+        let path = parent.join(format!(".{name}.starckpt-restore.lock"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(Error::io("create", &path))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(Error::InvalidInput(format!("another restore into {} is running", to.display())));
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(Error::io("lock", &path)(e)),
+        }
+        let prefix = partial_prefix(name);
+        for entry in std::fs::read_dir(parent).map_err(Error::io("list", parent))? {
+            let entry = entry.map_err(Error::io("list", parent))?;
+            if entry.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)) {
+                tracing::info!(path = %entry.path().display(), "removing what an interrupted restore left");
+                std::fs::remove_dir_all(entry.path()).map_err(Error::io("remove", &entry.path()))?;
+            }
+        }
+        Ok(DestinationLock { path, _file: file })
+    }
+}
+
+impl Drop for DestinationLock {
+    fn drop(&mut self) {
+        // Unlinked while still locked: a restore that opened it meanwhile fails to lock it (and
+        // says another is running) rather than locking a file no one else will see.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 /// Atomically exchanges two paths (renameat2 RENAME_EXCHANGE).
 fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
@@ -521,15 +571,28 @@ pub async fn restore_from(
         _ => PathBuf::from("."),
     };
     std::fs::create_dir_all(&parent).map_err(Error::io("create", &parent))?;
-    let staging = parent.join(format!(".{name}.starckpt-partial-{}", uuid::Uuid::new_v4().simple()));
+    let _lock = DestinationLock::take(&parent, name, to)?;
+    let staging = parent.join(format!("{}{}", partial_prefix(name), uuid::Uuid::new_v4().simple()));
     // Removed on every way out (errors, a dropped future) unless it became the destination.
     let guard = RemoveOnDrop(staging.clone());
     restore_into(source, manifest, &staging, progress, concurrency).await?;
-    if existing.is_some() {
+    if existing == Some(true) {
         // Swap atomically: `to` is always either the old tree or the complete new one. The old
         // tree ends up at the staging name, which the guard removes.
-        exchange(&staging, to).map_err(Error::io("swap into place", to))?;
+        match exchange(&staging, to) {
+            Ok(()) => {}
+            // A file system without the exchange (NFS, some FUSE ones): the old tree is moved
+            // aside first, so `to` is briefly missing, but never partial.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => {
+                let aside = parent.join(format!("{}{}", partial_prefix(name), uuid::Uuid::new_v4().simple()));
+                let _old = RemoveOnDrop(aside.clone());
+                std::fs::rename(to, &aside).map_err(Error::io("move aside", to))?;
+                std::fs::rename(&staging, to).map_err(Error::io("rename into place", to))?;
+            }
+            Err(e) => return Err(Error::io("swap into place", to)(e)),
+        }
     } else {
+        // Missing or empty: a rename replaces an empty directory atomically.
         std::fs::rename(&staging, to).map_err(Error::io("rename into place", to))?;
         std::mem::forget(guard);
     }
