@@ -238,9 +238,9 @@ enum Command {
         /// torchrun's TORCHELASTIC_RUN_ID/RESTART_COUNT if set, else a fresh run per invocation.
         #[arg(long, env = "STARCKPT_RUN_ID")]
         run_id: Option<String>,
-        /// Chunk size in bytes.
-        #[arg(long)]
-        chunk_size: Option<usize>,
+        /// Chunk size (e.g. 4MiB, or bytes).
+        #[arg(long, value_parser = crate::demo::parse_size)]
+        chunk_size: Option<u64>,
         #[command(flatten)]
         compression: CompressArg,
         #[arg(required = true)]
@@ -478,6 +478,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dev { data, targets, listen, io_engine } => commands::dev(&data, targets, &listen, io_engine).await,
         Command::Save { job, step, rank, world_size, run_id, chunk_size, compression, paths } => {
             let compression = compression.config()?;
+            let chunk_size = chunk_size
+                .map(usize::try_from)
+                .transpose()
+                .map_err(|_| anyhow::anyhow!("--chunk-size is too large"))?;
             let args =
                 commands::SaveArgs { job: job.job, step, rank, world_size, run_id, chunk_size, compression, paths };
             commands::save(&cli.server, args, &out).await

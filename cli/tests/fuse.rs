@@ -332,3 +332,69 @@ fn a_failed_read_is_tried_again_on_the_same_open_file() {
     drop(stdin);
     reader.wait().unwrap();
 }
+
+/// A step deleted and saved again is another checkpoint: the mount serves the new one's bytes,
+/// not the old one's from the kernel's cache of the same path (same name, same size).
+#[test]
+fn a_step_saved_again_serves_its_new_bytes() {
+    let cluster = Cluster::start(1);
+    let mount = Mounted::start(&cluster, &cluster.dir.path().join("ckpt"));
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(source.join("model")).unwrap();
+    let path = mount.point.join("again/7/model/weights.bin");
+    let digest = |file: &Path| sh_ok(&format!("sha256sum < {}", file.display()));
+    for seed in [1, 2] {
+        if seed == 2 {
+            cluster.ok(&["rm", "again", "7"]);
+        }
+        std::fs::write(source.join("model/weights.bin"), random_bytes((1 << 20) + 5, seed)).unwrap();
+        cluster.json(&["save", "--job", "again", "--step", "7", source.to_str().unwrap()]);
+        // Past the mount's listing cache (1 s), not its cache of names and pages (60 s).
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(digest(&path), digest(&source.join("model/weights.bin")), "seed {seed}");
+    }
+}
+
+/// Chunk files the cluster's targets have read for GETs so far.
+fn chunk_reads(cluster: &Cluster) -> u64 {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let config = starckpt_client::ClientConfig::new(cluster.server.address.clone());
+        let client = starckpt_client::Client::connect(config).await.unwrap();
+        let mut reads = 0;
+        for target in client.targets().await.unwrap() {
+            reads += client.target_stat(&target).await.unwrap().chunk_reads;
+        }
+        reads
+    })
+}
+
+/// A random read (a loader reading one tensor by its offset) fetches the chunks it covers, not a
+/// read-ahead window behind them.
+#[test]
+fn random_reads_fetch_only_the_chunks_they_cover() {
+    let cluster = Cluster::start(1);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    let data = random_bytes(12 << 20, 4);
+    std::fs::write(source.join("shard.bin"), &data).unwrap();
+    cluster.json(&["save", "--job", "rand", "--step", "1", "--chunk-size", "1MiB", source.to_str().unwrap()]);
+    let mount = Mounted::start(&cluster, &cluster.dir.path().join("ckpt"));
+    let path = mount.point.join("rand/1/shard.bin");
+
+    let before = chunk_reads(&cluster);
+    for (offset, len) in [((5 << 20) + 100, 200), ((9 << 20) + 4000, 100)] {
+        let script = format!(
+            "import os, sys\nf = os.open('{}', os.O_RDONLY)\nsys.stdout.buffer.write(os.pread(f, {len}, {offset}))",
+            path.display()
+        );
+        let output = Command::new("python3").args(["-c", &script]).output().unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        assert_eq!(output.stdout, &data[offset..offset + len]);
+    }
+    assert_eq!(chunk_reads(&cluster) - before, 2, "each read fetched its one chunk");
+    // Read through from the start: whole and right. (How many fetches that takes depends on the
+    // order the mount's threads see the kernel's requests in; at least one per chunk.)
+    assert_eq!(std::fs::read(&path).unwrap(), data);
+    assert!(chunk_reads(&cluster) - before >= 2 + 12);
+}

@@ -33,7 +33,10 @@ pub enum Error {
     /// A chunk source other than the cluster (`ChunkSource`) could not give the chunk.
     #[error("chunk {hash} from {from}: {message}")]
     Source { hash: ChunkHash, from: String, message: String },
-    #[error("no replica of chunk {hash} could be read: {last}")]
+    #[error(
+        "no replica of chunk {hash} could be read: {last} (a checkpoint copied to an object-store tier \
+         restores from it with `starckpt restore --from-tier URL`, or after `starckpt repair`)"
+    )]
     ChunkUnavailable { hash: ChunkHash, last: Box<Error> },
     #[error("no storage target accepted chunk {hash}: {last}")]
     NoTarget { hash: ChunkHash, last: Box<Error> },

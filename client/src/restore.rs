@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures::StreamExt;
 use starckpt_proto::ChunkHash;
 use starckpt_proto::control::{self as pb};
@@ -402,9 +402,16 @@ impl Client {
         }
         let length = usize::try_from(length)
             .map_err(|_| Error::InvalidInput(format!("range {offset}+{length} does not fit in memory")))?;
-        let mut out = BytesMut::zeroed(length);
+        // An allocation the system refuses (larger than memory) is an error, not an abort.
+        let mut out = Vec::new();
+        out.try_reserve_exact(length).map_err(|_| {
+            Error::InvalidInput(format!(
+                "{length} bytes of {path} do not fit in memory: read it in ranges, or into a buffer of yours"
+            ))
+        })?;
+        out.resize(length, 0);
         self.read_range_into(manifest, path, offset, &mut out).await?;
-        Ok(out.freeze())
+        Ok(Bytes::from(out))
     }
 
     /// Fills `target` with the verified bytes of `path` from `offset` on (`target.len()` bytes),

@@ -456,8 +456,9 @@ async fn a_zombie_client_holding_an_old_epoch_is_fenced() {
         Client::connect(config)
     };
     let zombie = client_for("run-1").await.unwrap();
-    let part =
-        |rank, data: u64| SavePart::new("z", 1).rank(rank, 2).buffer("f", Bytes::from(random(1000, data))).unwrap();
+    let part = |rank, data: u64| {
+        SavePart::new("z", 1).rank(rank, 2).buffer(&format!("f{rank}"), Bytes::from(random(1000, data))).unwrap()
+    };
     let zombie_part = zombie.save(part(0, 1).buffer("g", Bytes::from(random(10, 2))).unwrap()).await.unwrap();
     assert_eq!(zombie_part.wait().await.unwrap().epoch, 1);
 

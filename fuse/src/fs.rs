@@ -67,16 +67,20 @@ enum Node {
     Job(String),
     /// `<job>/latest`, a symlink to the latest committed step's directory.
     Latest(String),
-    /// A directory of a committed checkpoint ("" is the step directory itself).
+    /// A directory of a committed checkpoint ("" is the step directory itself). `checkpoint` is
+    /// its id: a step deleted and saved again is another checkpoint, whose nodes (and inodes,
+    /// and cached pages) are not this one's; this one's then answer ESTALE.
     StepDir {
         job: String,
         step: u64,
+        checkpoint: u64,
         dir: String,
     },
     /// A file of a committed checkpoint, by index into its manifest's files.
     StepFile {
         job: String,
         step: u64,
+        checkpoint: u64,
         index: usize,
     },
     /// A directory being written (a draft checkpoint of this mount); "" is its top.
@@ -143,6 +147,9 @@ struct Reader {
     /// Offset of each chunk in the file, and the file size at the end.
     starts: Vec<u64>,
     window: Mutex<BTreeMap<usize, ChunkFuture>>,
+    /// The last chunk the previous read needed (usize::MAX before the first): a read that starts
+    /// there or in the next chunk is sequential, and only those read ahead.
+    last_read: std::sync::atomic::AtomicUsize,
 }
 
 enum Handle {
@@ -163,8 +170,9 @@ struct State {
     files: HashMap<u64, Arc<DraftFile>>,
     single_files: HashMap<(String, String), u64>,
     next_draft: u64,
-    /// Names this mount committed under, other than `<step>`: (job, name) → (step, file index).
-    aliases: HashMap<(String, String), (u64, Option<usize>)>,
+    /// Names this mount committed under, other than `<step>`: (job, name) → (step, checkpoint id,
+    /// file index).
+    aliases: HashMap<(String, String), (u64, u64, Option<usize>)>,
     trees: HashMap<(String, u64), Arc<StepTree>>,
     jobs: Option<(Instant, Vec<String>)>,
     steps: HashMap<String, (Instant, Vec<CheckpointInfo>)>,
@@ -321,6 +329,16 @@ impl CkptFs {
         Ok(tree)
     }
 
+    /// The tree of checkpoint `checkpoint` at `job`/`step`: ESTALE if the step is now another
+    /// checkpoint (deleted and saved again), ENOENT if it is gone.
+    fn tree_at(&self, job: &str, step: u64, checkpoint: u64) -> Result<Arc<StepTree>, Errno> {
+        let tree = self.tree(job, step)?;
+        if tree.manifest.info.checkpoint_id != checkpoint {
+            return Err(Errno::ESTALE);
+        }
+        Ok(tree)
+    }
+
     // ---- attributes ----
 
     fn attr(&self, ino: u64, kind: FileType, size: u64, perm: u16, time: SystemTime) -> FileAttr {
@@ -355,9 +373,12 @@ impl CkptFs {
                     self.attr(ino, FileType::Symlink, target.len() as u64, 0o777, time_of(latest.committed_at_ms));
                 (attr, dynamic)
             }
-            Node::StepDir { job, step, dir } => {
+            Node::StepDir { job, step, checkpoint, dir } => {
                 let info = self.step_info(job, *step)?.ok_or(Errno::ENOENT)?;
-                if !dir.is_empty() && !self.tree(job, *step)?.dirs.contains_key(dir) {
+                if info.checkpoint_id != *checkpoint {
+                    return Err(Errno::ESTALE);
+                }
+                if !dir.is_empty() && !self.tree_at(job, *step, *checkpoint)?.dirs.contains_key(dir) {
                     return Err(Errno::ENOENT);
                 }
                 (
@@ -365,8 +386,8 @@ impl CkptFs {
                     self.config.committed_ttl,
                 )
             }
-            Node::StepFile { job, step, index } => {
-                let tree = self.tree(job, *step)?;
+            Node::StepFile { job, step, checkpoint, index } => {
+                let tree = self.tree_at(job, *step, *checkpoint)?;
                 let file = tree.manifest.files.get(*index).ok_or(Errno::ENOENT)?;
                 let perm = if file.mode == 0 { 0o444 } else { (file.mode & 0o555) as u16 };
                 let time = time_of(tree.manifest.info.committed_at_ms);
@@ -417,10 +438,11 @@ impl CkptFs {
                     if let Some(file) = state.single_files.get(&key) {
                         return Ok(Node::DraftFile { file: *file });
                     }
-                    if let Some((step, index)) = state.aliases.get(&key) {
+                    if let Some((step, checkpoint, index)) = state.aliases.get(&key) {
+                        let (job, step, checkpoint) = (job.clone(), *step, *checkpoint);
                         return Ok(match index {
-                            Some(index) => Node::StepFile { job: job.clone(), step: *step, index: *index },
-                            None => Node::StepDir { job: job.clone(), step: *step, dir: String::new() },
+                            Some(index) => Node::StepFile { job, step, checkpoint, index: *index },
+                            None => Node::StepDir { job, step, checkpoint, dir: String::new() },
                         });
                     }
                 }
@@ -432,14 +454,17 @@ impl CkptFs {
                     };
                 }
                 let step = parse_step_name(name).ok_or(Errno::ENOENT)?;
-                self.step_info(job, step)?.ok_or(Errno::ENOENT)?;
-                Ok(Node::StepDir { job: job.clone(), step, dir: String::new() })
+                let info = self.step_info(job, step)?.ok_or(Errno::ENOENT)?;
+                Ok(Node::StepDir { job: job.clone(), step, checkpoint: info.checkpoint_id, dir: String::new() })
             }
-            Node::StepDir { job, step, dir } => match self.tree(job, *step)?.child(dir, name) {
-                Some(Child::Dir) => Ok(Node::StepDir { job: job.clone(), step: *step, dir: join(dir, name) }),
-                Some(Child::File(index)) => Ok(Node::StepFile { job: job.clone(), step: *step, index: *index }),
-                None => Err(Errno::ENOENT),
-            },
+            Node::StepDir { job, step, checkpoint, dir } => {
+                let (job, step, checkpoint) = (job.clone(), *step, *checkpoint);
+                match self.tree_at(&job, step, checkpoint)?.child(dir, name) {
+                    Some(Child::Dir) => Ok(Node::StepDir { job, step, checkpoint, dir: join(dir, name) }),
+                    Some(Child::File(index)) => Ok(Node::StepFile { job, step, checkpoint, index: *index }),
+                    None => Err(Errno::ENOENT),
+                }
+            }
             Node::DraftDir { draft, path } => {
                 let state = self.state();
                 let draft_state = state.drafts.get(draft).ok_or(Errno::ENOENT)?;
@@ -527,12 +552,14 @@ impl CkptFs {
             {
                 let step = step_of(&path).ok_or(Errno::EINVAL)?;
                 let metadata = [(NAME_KEY.to_owned(), path.clone())].into_iter().collect();
-                match self.client.commit_streamed(&file.job, step, vec![done.clone()], vec![], metadata).await {
-                    Ok(_) => *writer = Writer::Committed,
-                    // Keep the finished file: a later flush or fsync retries the commit.
-                    Err(e) => return Err(errno("commit", &path, &e)),
-                }
-                self.committed_single(file, step);
+                let checkpoint =
+                    match self.client.commit_streamed(&file.job, step, vec![done.clone()], vec![], metadata).await {
+                        Ok(outcome) => outcome.checkpoint_id,
+                        // Keep the finished file: a later flush or fsync retries the commit.
+                        Err(e) => return Err(errno("commit", &path, &e)),
+                    };
+                *writer = Writer::Committed;
+                self.committed_single(file, step, checkpoint);
             }
             match &*writer {
                 Writer::Failed(code) => Err(*code),
@@ -543,7 +570,7 @@ impl CkptFs {
 
     /// Bookkeeping after a one-file checkpoint committed: the name now resolves to the committed
     /// file, through the same inode.
-    fn committed_single(&self, file: &Arc<DraftFile>, step: u64) {
+    fn committed_single(&self, file: &Arc<DraftFile>, step: u64, checkpoint: u64) {
         let mut state = self.state();
         let key = (file.job.clone(), file.path());
         let id = state
@@ -554,11 +581,11 @@ impl CkptFs {
         if let Some(id) = id {
             state.single_files.remove(&key);
             state.files.remove(&id);
-            let new = Node::StepFile { job: file.job.clone(), step, index: 0 };
+            let new = Node::StepFile { job: file.job.clone(), step, checkpoint, index: 0 };
             remap(&mut state, &Node::DraftFile { file: id }, new);
         }
         state.trees.remove(&(file.job.clone(), step));
-        state.aliases.insert(key, (step, Some(0)));
+        state.aliases.insert(key, (step, checkpoint, Some(0)));
         state.jobs = None;
         state.steps.remove(&file.job);
     }
@@ -631,8 +658,10 @@ impl CkptFs {
         let directories: Vec<RelPath> =
             dirs.iter().filter(|d| !d.is_empty()).filter_map(|d| RelPath::try_from(d.as_str()).ok()).collect();
         let metadata = [(NAME_KEY.to_owned(), name.to_owned())].into_iter().collect();
-        self.block_on(self.client.commit_streamed(&job, step, streamed, directories, metadata))
-            .map_err(|e| errno("commit", &format!("{job}/{name}"), &e))?;
+        let checkpoint = self
+            .block_on(self.client.commit_streamed(&job, step, streamed, directories, metadata))
+            .map_err(|e| errno("commit", &format!("{job}/{name}"), &e))?
+            .checkpoint_id;
         // The kernel may still hold inodes of the draft: each becomes its committed counterpart.
         self.state().trees.remove(&(job.clone(), step));
         let tree = self.tree(&job, step).ok();
@@ -653,12 +682,12 @@ impl CkptFs {
             .filter_map(|(ino, (node, _))| {
                 let new = match node {
                     Node::DraftDir { draft, path } if *draft == id => {
-                        Node::StepDir { job: job.clone(), step, dir: path.clone() }
+                        Node::StepDir { job: job.clone(), step, checkpoint, dir: path.clone() }
                     }
                     Node::DraftFile { file } => {
                         let path = draft_files.get(file)?;
                         let index = tree.as_ref()?.manifest.files.iter().position(|f| f.path.as_str() == path)?;
-                        Node::StepFile { job: job.clone(), step, index }
+                        Node::StepFile { job: job.clone(), step, checkpoint, index }
                     }
                     _ => return None,
                 };
@@ -672,7 +701,7 @@ impl CkptFs {
             }
         }
         if name != step_name(step) {
-            state.aliases.insert((job.clone(), name.to_owned()), (step, None));
+            state.aliases.insert((job.clone(), name.to_owned()), (step, checkpoint, None));
         }
         state.jobs = None;
         state.steps.remove(&job);
@@ -682,7 +711,7 @@ impl CkptFs {
     fn delete_step(&self, job: &str, step: u64) -> Result<(), Errno> {
         self.block_on(self.client.delete(job, step)).map_err(|e| errno("delete", &format!("{job}/{step}"), &e))?;
         let mut state = self.state();
-        state.aliases.retain(|(j, _), (s, _)| !(j == job && *s == step));
+        state.aliases.retain(|(j, _), (s, _, _)| !(j == job && *s == step));
         state.trees.remove(&(job.to_owned(), step));
         drop(state);
         self.forget_listings(job);
@@ -709,7 +738,8 @@ impl CkptFs {
                     push(Node::Latest(job.clone()), FileType::Symlink, "latest".into());
                 }
                 for info in steps {
-                    let node = Node::StepDir { job: job.clone(), step: info.step, dir: String::new() };
+                    let (step, checkpoint) = (info.step, info.checkpoint_id);
+                    let node = Node::StepDir { job: job.clone(), step, checkpoint, dir: String::new() };
                     push(node, FileType::Directory, step_name(info.step));
                 }
                 let pick = |map: &HashMap<(String, String), u64>| -> Vec<(String, u64)> {
@@ -726,16 +756,17 @@ impl CkptFs {
                     push(Node::DraftFile { file }, FileType::RegularFile, name);
                 }
             }
-            Node::StepDir { job, step, dir } => {
-                let tree = self.tree(job, *step)?;
+            Node::StepDir { job, step, checkpoint, dir } => {
+                let tree = self.tree_at(job, *step, *checkpoint)?;
+                let (step, checkpoint) = (*step, *checkpoint);
                 for (name, child) in tree.dirs.get(dir).ok_or(Errno::ENOENT)? {
                     match child {
                         Child::Dir => {
-                            let node = Node::StepDir { job: job.clone(), step: *step, dir: join(dir, name) };
+                            let node = Node::StepDir { job: job.clone(), step, checkpoint, dir: join(dir, name) };
                             push(node, FileType::Directory, name.clone());
                         }
                         Child::File(index) => {
-                            let node = Node::StepFile { job: job.clone(), step: *step, index: *index };
+                            let node = Node::StepFile { job: job.clone(), step, checkpoint, index: *index };
                             push(node, FileType::RegularFile, name.clone());
                         }
                     }
@@ -763,8 +794,8 @@ impl CkptFs {
         Ok(entries)
     }
 
-    fn open_reader(&self, job: &str, step: u64, index: usize) -> Result<Reader, Errno> {
-        let tree = self.tree(job, step)?;
+    fn open_reader(&self, job: &str, step: u64, checkpoint: u64, index: usize) -> Result<Reader, Errno> {
+        let tree = self.tree_at(job, step, checkpoint)?;
         let file = tree.manifest.files.get(index).ok_or(Errno::ENOENT)?;
         let mut starts = Vec::with_capacity(file.chunks.len() + 1);
         let mut offset = 0;
@@ -773,7 +804,13 @@ impl CkptFs {
             offset += chunk.length_bytes;
         }
         starts.push(offset);
-        Ok(Reader { manifest: Arc::clone(&tree.manifest), index, starts, window: Mutex::new(BTreeMap::new()) })
+        Ok(Reader {
+            manifest: Arc::clone(&tree.manifest),
+            index,
+            starts,
+            window: Mutex::new(BTreeMap::new()),
+            last_read: std::sync::atomic::AtomicUsize::new(usize::MAX),
+        })
     }
 
     fn read_range(&self, reader: &Reader, offset: u64, size: u32) -> Result<Bytes, Errno> {
@@ -786,12 +823,21 @@ impl CkptFs {
         let first = reader.starts.partition_point(|s| *s <= offset) - 1;
         let last = reader.starts.partition_point(|s| *s < end) - 1;
         let chunk_count = reader.starts.len() - 1;
+        // Sequential: from the start, where the previous read ended (its last chunk or the next),
+        // or in what was read ahead (the kernel's own read-ahead requests may arrive out of order
+        // and span several chunks). A random read (a loader reading tensors by offset) fetches
+        // what it covers and nothing more.
+        let previous = reader.last_read.swap(last, std::sync::atomic::Ordering::Relaxed);
         let wanted: Vec<(usize, ChunkFuture)> = {
             let mut window = reader.window.lock().unwrap_or_else(|p| p.into_inner());
-            // Drop what the reader has passed or jumped away from; fetch ahead of it.
+            let sequential = offset == 0
+                || first == previous
+                || Some(first) == previous.checked_add(1)
+                || window.contains_key(&first);
+            // Drop what the reader has passed or jumped away from; fetch ahead of a sequential one.
             let ahead = (last + self.config.read_ahead_chunks).min(chunk_count - 1);
             window.retain(|index, _| *index >= first && *index <= ahead);
-            for index in first..=ahead {
+            for index in first..=if sequential { ahead } else { last } {
                 window.entry(index).or_insert_with(|| self.fetch(reader, index));
             }
             (first..=last).map(|index| (index, window[&index].clone())).collect()
@@ -1093,11 +1139,11 @@ impl Filesystem for CkptFs {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let result = self.node(ino).and_then(|node| match node {
-            Node::StepFile { job, step, index } => {
+            Node::StepFile { job, step, checkpoint, index } => {
                 if wants_write(flags) {
                     return Err(Errno::EROFS);
                 }
-                let reader = self.open_reader(&job, step, index)?;
+                let reader = self.open_reader(&job, step, checkpoint, index)?;
                 // Committed files never change: the kernel may keep their pages across opens.
                 Ok((self.add_handle(Handle::Read(Arc::new(reader))), FopenFlags::FOPEN_KEEP_CACHE))
             }
@@ -1245,8 +1291,8 @@ impl Filesystem for CkptFs {
                     drop(state);
                     match alias {
                         // A one-file checkpoint by its name: deleting the file deletes it.
-                        Some((step, Some(_))) => self.delete_step(&job, step),
-                        Some((_, None)) => Err(Errno::EISDIR),
+                        Some((step, _, Some(_))) => self.delete_step(&job, step),
+                        Some((_, _, None)) => Err(Errno::EISDIR),
                         None if name == "latest" => Err(Errno::EROFS),
                         None => match self.resolve(&Node::Job(job), name) {
                             Ok(_) => Err(Errno::EISDIR),

@@ -54,12 +54,18 @@
 //!
 //! Job and checkpoint listings, and `latest`, are cached for 1 s (here and in the kernel), so a
 //! checkpoint committed elsewhere appears within a second. A committed checkpoint's files never
-//! change: their attributes are cached for 60 s and their pages kept across opens.
+//! change: their attributes are cached for 60 s and their pages kept across opens. Its inodes are
+//! its own (they name the checkpoint's id): a step deleted and saved again (a rollback) is a new
+//! checkpoint with new inodes, so no cached page of the old one is served for it; a path the
+//! kernel still resolves to the old one's inode gets ESTALE, on which it looks the name up again.
+//! A chunk read that failed is not kept: the next read of it on the same open file tries again.
 //!
 //! ## Performance
 //!
 //! Requests are served by several threads. Reads of committed files fetch whole chunks, verified,
-//! and keep `read_ahead_chunks` (8) chunks in flight ahead of a sequential reader. The mount asks
+//! and keep `read_ahead_chunks` (8) chunks in flight ahead of a sequential reader (one that reads
+//! on from where its previous read ended); a random read (a loader reading tensors by offset)
+//! fetches only the chunks it covers. The window is bounded per open file, not per mount. The mount asks
 //! for 16 MiB requests; the kernel grants at most `/proc/sys/fs/fuse/max_pages_limit` pages (256 =
 //! 1 MiB by default): `echo 4096 > /proc/sys/fs/fuse/max_pages_limit` before mounting allows 16 MiB.
 

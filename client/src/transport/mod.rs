@@ -75,6 +75,8 @@ pub struct TargetStat {
     /// Bytes of deleted chunks' files the target keeps for reuse, and puts that reused one.
     pub free_pool_bytes: u64,
     pub reused_files: u64,
+    /// Chunk files the target read from its device for GETs.
+    pub chunk_reads: u64,
     /// GETs the target read from its device straight into a same-host client's slot.
     pub placed_reads: u64,
     /// PUTs the target wrote to its device straight from a same-host client's staging memory.
@@ -984,6 +986,7 @@ async fn stat_frames<F: FrameTransport + ?Sized>(frames: &F) -> Result<TargetSta
         chunk_count: response.chunk_count,
         free_pool_bytes: response.free_pool_bytes,
         reused_files: response.reused_files,
+        chunk_reads: response.chunk_reads,
         placed_reads: response.placed_reads,
         placed_writes: response.placed_writes,
         zero_copy_sends: response.zero_copy_sends,

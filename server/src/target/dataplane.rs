@@ -1229,6 +1229,7 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
                 chunk_count: stats.chunk_count,
                 free_pool_bytes: stats.free_pool_bytes,
                 reused_files: stats.reused_files,
+                chunk_reads: stats.chunk_reads,
                 placed_reads: stats.placed_reads,
                 placed_writes: stats.placed_writes,
                 zero_copy_sends: served.zero_copy.counts().sends,

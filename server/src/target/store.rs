@@ -126,6 +126,10 @@ pub struct StoreStats {
     pub free_pool_bytes: u64,
     /// Puts that overwrote a kept file instead of allocating a new one, since start.
     pub reused_files: u64,
+    /// Chunk files read from the device for readers (GETs, and `--queue-depth auto`'s
+    /// calibration), since start; a GET whose chunk did not fit a client's slot after all reads
+    /// twice.
+    pub chunk_reads: u64,
     /// Chunks read straight into a client's memory ([`ChunkStore::read_placed`]), since start.
     pub placed_reads: u64,
     /// Chunks written to the device straight from a client's memory
@@ -290,6 +294,8 @@ pub struct ChunkStore {
     pool: BufPool,
     chunk_count: AtomicU64,
     used_bytes: AtomicU64,
+    /// [`StoreStats::chunk_reads`].
+    chunk_reads: AtomicU64,
     /// [`StoreStats::placed_reads`].
     placed_reads: AtomicU64,
     /// [`StoreStats::placed_writes`].
@@ -344,6 +350,7 @@ impl ChunkStore {
             pool: BufPool::new(HEADER_BYTES + chunk_size_bytes, pool_buffers),
             chunk_count: AtomicU64::new(count),
             used_bytes: AtomicU64::new(used),
+            chunk_reads: AtomicU64::new(0),
             placed_reads: AtomicU64::new(0),
             placed_writes: AtomicU64::new(0),
             use_locks: Arc::new(UseLocks::new()),
@@ -858,6 +865,7 @@ impl ChunkStore {
         }
         let buf = self.read_buffer(round_up(file_len)).await;
         let buf = self.engine.read_file(path.clone(), buf).await.map_err(io_error("read", &path))?;
+        self.chunk_reads.fetch_add(1, Ordering::Relaxed);
         let read = buf.aligned().as_ref();
         let header = decode_header(read, &hash)?;
         let stored_len = header.stored_len;
@@ -906,6 +914,7 @@ impl ChunkStore {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ChunkStoreError::NotFound { hash }),
             Err(source) => return Err(ChunkStoreError::Io { op: "read", path, source }),
         };
+        self.chunk_reads.fetch_add(1, Ordering::Relaxed);
         let header = decode_header(head.aligned().as_ref(), &hash)?;
         if header.stored_len > room {
             return Ok(None);
@@ -1055,6 +1064,7 @@ impl ChunkStore {
             chunk_count: self.chunk_count.load(Ordering::Relaxed),
             free_pool_bytes: self.free.bytes(),
             reused_files: self.free.reused(),
+            chunk_reads: self.chunk_reads.load(Ordering::Relaxed),
             placed_reads: self.placed_reads.load(Ordering::Relaxed),
             placed_writes: self.placed_writes.load(Ordering::Relaxed),
         }
