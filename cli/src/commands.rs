@@ -612,9 +612,13 @@ pub async fn gc(server: &str, out: &Output) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn mount(server: &str, mountpoint: &Path, threads: usize, read_ahead_chunks: usize) -> anyhow::Result<()> {
+pub async fn mount(
+    server: &str,
+    mountpoint: &Path,
+    threads: usize,
+    config: starckpt_fuse::MountConfig,
+) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
-    let config = starckpt_fuse::MountConfig { read_ahead_chunks, ..Default::default() };
     let runtime = tokio::runtime::Handle::current();
     let mounted = starckpt_fuse::mount(client, runtime, mountpoint, config, threads)?;
     let mut signal = std::pin::pin!(shutdown_signal());

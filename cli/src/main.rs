@@ -330,6 +330,9 @@ enum Command {
         /// Chunks read ahead of a sequential reader.
         #[arg(long, default_value_t = 8)]
         read_ahead_chunks: usize,
+        /// Memory the read-ahead of all open files together may hold (e.g. 256MiB, 1GiB).
+        #[arg(long, default_value = "256MiB", value_parser = crate::demo::parse_size)]
+        read_ahead_budget: u64,
     },
     /// Targets, their capacity and health.
     Status,
@@ -502,8 +505,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Repair => commands::repair(&cli.server, &out).await,
         Command::Tier { import: false, .. } => commands::tier(&cli.server, &out).await,
         Command::Tier { import: true, job } => commands::import_tier(&cli.server, job.as_deref(), &out).await,
-        Command::Mount { mountpoint, threads, read_ahead_chunks } => {
-            commands::mount(&cli.server, &mountpoint, threads, read_ahead_chunks).await
+        Command::Mount { mountpoint, threads, read_ahead_chunks, read_ahead_budget } => {
+            let config = starckpt_fuse::MountConfig { read_ahead_chunks, read_ahead_budget, ..Default::default() };
+            commands::mount(&cli.server, &mountpoint, threads, config).await
         }
         Command::Status => commands::status(&cli.server, &out).await,
         Command::Demo(args) => demo::run(args).await,

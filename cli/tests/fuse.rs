@@ -19,10 +19,16 @@ struct Mounted {
 
 impl Mounted {
     fn start(cluster: &Cluster, point: &Path) -> Mounted {
+        Mounted::start_with(cluster, point, &[])
+    }
+
+    /// Mounts with extra `starckpt mount` flags.
+    fn start_with(cluster: &Cluster, point: &Path, flags: &[&str]) -> Mounted {
         std::fs::create_dir_all(point).unwrap();
         let log = std::fs::File::create(cluster.dir.path().join("mount.log")).unwrap();
         let mut child = Command::new(common::BIN)
             .args(["mount", point.to_str().unwrap()])
+            .args(flags)
             .env("STARCKPT_SERVER", &cluster.server.address)
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
@@ -397,4 +403,58 @@ fn random_reads_fetch_only_the_chunks_they_cover() {
     // order the mount's threads see the kernel's requests in; at least one per chunk.)
     assert_eq!(std::fs::read(&path).unwrap(), data);
     assert!(chunk_reads(&cluster) - before >= 2 + 12);
+}
+
+/// The read-ahead windows of all open files share one budget: a file held open keeps what it read
+/// ahead within the budget, another file read meanwhile still reads whole and right (fetching
+/// only what it reads), and closing the first gives its share back.
+#[test]
+fn read_ahead_of_all_open_files_shares_one_budget() {
+    let cluster = Cluster::start(1);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    let data: Vec<Vec<u8>> = (0..3).map(|seed| random_bytes(12 << 20, 10 + seed)).collect();
+    for (name, bytes) in ["a", "b", "c"].iter().zip(&data) {
+        std::fs::write(source.join(format!("{name}.bin")), bytes).unwrap();
+    }
+    cluster.json(&["save", "--job", "budget", "--step", "1", "--chunk-size", "1MiB", source.to_str().unwrap()]);
+    let mount = Mounted::start_with(&cluster, &cluster.dir.path().join("ckpt"), &["--read-ahead-budget", "2MiB"]);
+    let dir = mount.point.join("budget/1");
+    // Fetches settle (read-ahead runs in the background): wait for `at_least`, then a moment more.
+    let settled = |since: u64, at_least: u64| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while chunk_reads(&cluster) - since < at_least && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        chunk_reads(&cluster) - since
+    };
+    let first_bytes = |name: &str| -> (Child, u64) {
+        let before = chunk_reads(&cluster);
+        let script = format!(
+            "import os, sys\nf = os.open('{}', os.O_RDONLY)\nsys.stdout.buffer.write(os.read(f, 4096))\nsys.stdout.flush()\nsys.stdin.read()",
+            dir.join(name).display()
+        );
+        let mut holder =
+            Command::new("python3").args(["-c", &script]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+        let mut head = vec![0; 4096];
+        std::io::Read::read_exact(holder.stdout.as_mut().unwrap(), &mut head).unwrap();
+        assert_eq!(head, data[(name.as_bytes()[0] - b'a') as usize][..4096]);
+        let fetched = settled(before, 2);
+        (holder, fetched)
+    };
+
+    // a.bin: the chunk read and one ahead fill the 2 MiB budget; it stays open.
+    let (mut holder, fetched) = first_bytes("a.bin");
+    assert_eq!(fetched, 2, "the first read's chunk and one chunk ahead, within the budget");
+    // b.bin, read through meanwhile: whole and right, without a window.
+    assert_eq!(std::fs::read(dir.join("b.bin")).unwrap(), data[1]);
+    // a.bin closed: its share comes back, and c.bin reads ahead again.
+    drop(holder.stdin.take());
+    assert!(holder.wait().unwrap().success());
+    std::thread::sleep(Duration::from_millis(500));
+    let (mut holder, fetched) = first_bytes("c.bin");
+    assert_eq!(fetched, 2, "the budget came back when a.bin was closed");
+    drop(holder.stdin.take());
+    assert!(holder.wait().unwrap().success());
 }

@@ -13,17 +13,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use bytes::{Bytes, BytesMut};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig, LockOwner,
     OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen,
     ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
-use futures::FutureExt;
-use futures::future::{BoxFuture, Shared};
-use starckpt_client::{CheckpointInfo, CheckpointManifest, Client, Error, StreamedFile, StreamingFile};
+use starckpt_client::{CheckpointInfo, Client, Error, StreamedFile, StreamingFile};
 use starckpt_proto::{JobName, RelPath};
 
+use crate::read::{Reader, Reads};
 use crate::tree::{Child, StepTree, join, parse_step_name, split, step_name, step_of};
 
 /// Tunables of a mount.
@@ -38,6 +36,9 @@ pub struct MountConfig {
     /// Chunks fetched ahead of a sequential reader. Default 8 (32 MiB at 4 MiB chunks): with
     /// 16 MiB kernel requests, about as many chunks in flight as the SDK's restore keeps.
     pub read_ahead_chunks: usize,
+    /// Bytes the read-ahead windows of all open files together may hold. A read beyond it still
+    /// fetches the chunks it covers, but keeps them only while it is served. Default 256 MiB.
+    pub read_ahead_budget: u64,
     /// Manifests kept in memory. Default 64.
     pub cached_manifests: usize,
     /// Largest write request to negotiate; the kernel may allow less (see the crate docs on
@@ -51,6 +52,7 @@ impl Default for MountConfig {
             listing_ttl: Duration::from_secs(1),
             committed_ttl: Duration::from_secs(60),
             read_ahead_chunks: 8,
+            read_ahead_budget: 256 << 20,
             cached_manifests: 64,
             max_write: 16 << 20,
         }
@@ -138,20 +140,6 @@ impl DraftFile {
     }
 }
 
-type ChunkFuture = Shared<BoxFuture<'static, Result<Bytes, String>>>;
-
-/// An open file of a committed checkpoint, with its read-ahead window.
-struct Reader {
-    manifest: Arc<CheckpointManifest>,
-    index: usize,
-    /// Offset of each chunk in the file, and the file size at the end.
-    starts: Vec<u64>,
-    window: Mutex<BTreeMap<usize, ChunkFuture>>,
-    /// The last chunk the previous read needed (usize::MAX before the first): a read that starts
-    /// there or in the next chunk is sequential, and only those read ahead.
-    last_read: std::sync::atomic::AtomicUsize,
-}
-
 enum Handle {
     Read(Arc<Reader>),
     Write(Arc<DraftFile>),
@@ -182,6 +170,7 @@ pub struct CkptFs {
     client: Client,
     runtime: tokio::runtime::Handle,
     config: MountConfig,
+    reads: Reads,
     state: Mutex<State>,
     uid: u32,
     gid: u32,
@@ -216,7 +205,8 @@ impl CkptFs {
         state.by_node.insert(Node::Root, 1);
         // SAFETY: getuid/getgid have no preconditions.
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-        CkptFs { client, runtime, config, state: Mutex::new(state), uid, gid, mounted_at: SystemTime::now() }
+        let reads = Reads::new(client.clone(), runtime.clone(), config.read_ahead_chunks, config.read_ahead_budget);
+        CkptFs { client, runtime, config, reads, state: Mutex::new(state), uid, gid, mounted_at: SystemTime::now() }
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -796,82 +786,7 @@ impl CkptFs {
 
     fn open_reader(&self, job: &str, step: u64, checkpoint: u64, index: usize) -> Result<Reader, Errno> {
         let tree = self.tree_at(job, step, checkpoint)?;
-        let file = tree.manifest.files.get(index).ok_or(Errno::ENOENT)?;
-        let mut starts = Vec::with_capacity(file.chunks.len() + 1);
-        let mut offset = 0;
-        for chunk in &file.chunks {
-            starts.push(offset);
-            offset += chunk.length_bytes;
-        }
-        starts.push(offset);
-        Ok(Reader {
-            manifest: Arc::clone(&tree.manifest),
-            index,
-            starts,
-            window: Mutex::new(BTreeMap::new()),
-            last_read: std::sync::atomic::AtomicUsize::new(usize::MAX),
-        })
-    }
-
-    fn read_range(&self, reader: &Reader, offset: u64, size: u32) -> Result<Bytes, Errno> {
-        let file_size = *reader.starts.last().unwrap_or(&0);
-        if offset >= file_size || size == 0 {
-            return Ok(Bytes::new());
-        }
-        let end = (offset + u64::from(size)).min(file_size);
-        // starts[i] <= offset < starts[i + 1]
-        let first = reader.starts.partition_point(|s| *s <= offset) - 1;
-        let last = reader.starts.partition_point(|s| *s < end) - 1;
-        let chunk_count = reader.starts.len() - 1;
-        // Sequential: from the start, where the previous read ended (its last chunk or the next),
-        // or in what was read ahead (the kernel's own read-ahead requests may arrive out of order
-        // and span several chunks). A random read (a loader reading tensors by offset) fetches
-        // what it covers and nothing more.
-        let previous = reader.last_read.swap(last, std::sync::atomic::Ordering::Relaxed);
-        let wanted: Vec<(usize, ChunkFuture)> = {
-            let mut window = reader.window.lock().unwrap_or_else(|p| p.into_inner());
-            let sequential = offset == 0
-                || first == previous
-                || Some(first) == previous.checked_add(1)
-                || window.contains_key(&first);
-            // Drop what the reader has passed or jumped away from; fetch ahead of a sequential one.
-            let ahead = (last + self.config.read_ahead_chunks).min(chunk_count - 1);
-            window.retain(|index, _| *index >= first && *index <= ahead);
-            for index in first..=if sequential { ahead } else { last } {
-                window.entry(index).or_insert_with(|| self.fetch(reader, index));
-            }
-            (first..=last).map(|index| (index, window[&index].clone())).collect()
-        };
-        let mut out = BytesMut::with_capacity((end - offset) as usize);
-        for (index, future) in wanted {
-            let data = self.block_on(future.clone()).map_err(|message| {
-                tracing::warn!(op = "read", %message, "chunk read failed");
-                // Not kept: the next read of this chunk on this handle tries again.
-                let mut window = reader.window.lock().unwrap_or_else(|p| p.into_inner());
-                if window.get(&index).is_some_and(|kept| kept.ptr_eq(&future)) {
-                    window.remove(&index);
-                }
-                Errno::EIO
-            })?;
-            let start = reader.starts[index];
-            if data.len() as u64 != reader.starts[index + 1] - start {
-                tracing::warn!(op = "read", index, got = data.len(), "chunk of unexpected length");
-                return Err(Errno::EIO);
-            }
-            let from = offset.saturating_sub(start) as usize;
-            let to = (end - start).min(data.len() as u64) as usize;
-            out.extend_from_slice(&data[from..to]);
-        }
-        Ok(out.freeze())
-    }
-
-    fn fetch(&self, reader: &Reader, index: usize) -> ChunkFuture {
-        let (client, manifest, file) = (self.client.clone(), Arc::clone(&reader.manifest), reader.index);
-        let task = self.runtime.spawn(async move {
-            let chunk = &manifest.files[file].chunks[index];
-            client.read_chunk(&manifest, chunk).await.map_err(|e| e.to_string())
-        });
-        async move { task.await.map_err(|e| e.to_string()).and_then(|r| r) }.boxed().shared()
+        self.reads.open(Arc::clone(&tree.manifest), index).ok_or(Errno::ENOENT)
     }
 }
 
@@ -1180,7 +1095,7 @@ impl Filesystem for CkptFs {
             Some(Handle::Write(_)) => return reply.error(Errno::EBADF),
             None => return reply.error(Errno::EBADF),
         };
-        match self.read_range(&reader, offset, size) {
+        match self.reads.read(&reader, offset, size) {
             Ok(data) => reply.data(&data),
             Err(e) => reply.error(e),
         }

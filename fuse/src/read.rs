@@ -1,0 +1,171 @@
+//! Reads of committed files: whole chunks fetched (and verified) by the SDK, with a read-ahead
+//! window per open file, the windows of all open files bounded together by one budget of bytes.
+
+use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::{Bytes, BytesMut};
+use fuser::Errno;
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
+use starckpt_client::{CheckpointManifest, Client};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+type ChunkFuture = Shared<BoxFuture<'static, Result<Bytes, String>>>;
+
+/// The budget counts in units of this many bytes (a semaphore's permits are counted in `u32`).
+const UNIT: u64 = 1 << 10;
+
+/// A chunk in an open file's window: being fetched or fetched. `held` is its share of the mount's
+/// budget; a chunk without one (the budget was spent) serves the read that needed it and is not
+/// kept.
+struct Slot {
+    chunk: ChunkFuture,
+    held: Option<OwnedSemaphorePermit>,
+}
+
+/// An open file of a committed checkpoint, with its read-ahead window.
+pub(crate) struct Reader {
+    manifest: Arc<CheckpointManifest>,
+    index: usize,
+    /// Offset of each chunk in the file, and the file size at the end.
+    starts: Vec<u64>,
+    window: Mutex<BTreeMap<usize, Slot>>,
+    /// The last chunk the previous read needed (usize::MAX before the first): a read that starts
+    /// there or in the next chunk is sequential, and only those read ahead.
+    last_read: AtomicUsize,
+}
+
+/// The mount's reads: where chunks come from, and the budget their windows share.
+pub(crate) struct Reads {
+    client: Client,
+    runtime: tokio::runtime::Handle,
+    read_ahead_chunks: usize,
+    /// Bytes (in [`UNIT`]s) all open files' windows may keep, fetched or in flight.
+    budget: Arc<Semaphore>,
+}
+
+impl Reads {
+    pub(crate) fn new(client: Client, runtime: tokio::runtime::Handle, read_ahead_chunks: usize, budget: u64) -> Reads {
+        let units = usize::try_from(budget / UNIT).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS);
+        Reads { client, runtime, read_ahead_chunks, budget: Arc::new(Semaphore::new(units)) }
+    }
+
+    /// A reader of file `index` of `manifest`, or None when there is no such file.
+    pub(crate) fn open(&self, manifest: Arc<CheckpointManifest>, index: usize) -> Option<Reader> {
+        let file = manifest.files.get(index)?;
+        let mut starts = Vec::with_capacity(file.chunks.len() + 1);
+        let mut offset = 0;
+        for chunk in &file.chunks {
+            starts.push(offset);
+            offset += chunk.length_bytes;
+        }
+        starts.push(offset);
+        Some(Reader {
+            manifest,
+            index,
+            starts,
+            window: Mutex::new(BTreeMap::new()),
+            last_read: AtomicUsize::new(usize::MAX),
+        })
+    }
+
+    /// Bytes `offset..offset + size` of `reader`'s file (fewer at its end).
+    pub(crate) fn read(&self, reader: &Reader, offset: u64, size: u32) -> Result<Bytes, Errno> {
+        let file_size = *reader.starts.last().unwrap_or(&0);
+        if offset >= file_size || size == 0 {
+            return Ok(Bytes::new());
+        }
+        let end = (offset + u64::from(size)).min(file_size);
+        // starts[i] <= offset < starts[i + 1]
+        let first = reader.starts.partition_point(|s| *s <= offset) - 1;
+        let last = reader.starts.partition_point(|s| *s < end) - 1;
+        let chunk_count = reader.starts.len() - 1;
+        // Sequential: from the start, where the previous read ended (its last chunk or the next),
+        // or in what was read ahead (the kernel's own read-ahead requests may arrive out of order
+        // and span several chunks). A random read (a loader reading tensors by offset) fetches
+        // what it covers and nothing more.
+        let previous = reader.last_read.swap(last, Ordering::Relaxed);
+        let wanted: Vec<(usize, ChunkFuture)> = {
+            let mut window = reader.window.lock().unwrap_or_else(|p| p.into_inner());
+            let sequential = offset == 0
+                || first == previous
+                || Some(first) == previous.checked_add(1)
+                || window.contains_key(&first);
+            // Drop what the reader has passed or jumped away from (its budget with it).
+            let ahead = (last + self.read_ahead_chunks).min(chunk_count - 1);
+            window.retain(|index, _| *index >= first && *index <= ahead);
+            // What this read needs is fetched whatever the budget; read-ahead only within it.
+            for index in first..=last {
+                if let Entry::Vacant(slot) = window.entry(index) {
+                    let held = self.reserve(reader, index);
+                    slot.insert(Slot { chunk: self.fetch(reader, index), held });
+                }
+            }
+            if sequential {
+                for index in last + 1..=ahead {
+                    if let Entry::Vacant(slot) = window.entry(index) {
+                        let Some(held) = self.reserve(reader, index) else { break };
+                        slot.insert(Slot { chunk: self.fetch(reader, index), held: Some(held) });
+                    }
+                }
+            }
+            (first..=last).map(|index| (index, window[&index].chunk.clone())).collect()
+        };
+        let result = self.assemble(reader, &wanted, offset, end);
+        // Chunks fetched past the budget served this read only; one that failed is not kept
+        // either, so the next read of it on this handle tries again.
+        let mut window = reader.window.lock().unwrap_or_else(|p| p.into_inner());
+        for (index, chunk) in &wanted {
+            let keep = window
+                .get(index)
+                .is_some_and(|slot| !slot.chunk.ptr_eq(chunk) || (slot.held.is_some() && result.is_ok()));
+            if !keep {
+                window.remove(index);
+            }
+        }
+        result
+    }
+
+    /// This chunk's share of the budget, if the budget has it.
+    fn reserve(&self, reader: &Reader, index: usize) -> Option<OwnedSemaphorePermit> {
+        let units = (reader.starts[index + 1] - reader.starts[index]).div_ceil(UNIT);
+        Arc::clone(&self.budget).try_acquire_many_owned(u32::try_from(units).ok()?).ok()
+    }
+
+    fn assemble(
+        &self,
+        reader: &Reader,
+        wanted: &[(usize, ChunkFuture)],
+        offset: u64,
+        end: u64,
+    ) -> Result<Bytes, Errno> {
+        let mut out = BytesMut::with_capacity((end - offset) as usize);
+        for (index, future) in wanted {
+            let data = self.runtime.block_on(future.clone()).map_err(|message| {
+                tracing::warn!(op = "read", %message, "chunk read failed");
+                Errno::EIO
+            })?;
+            let start = reader.starts[*index];
+            if data.len() as u64 != reader.starts[index + 1] - start {
+                tracing::warn!(op = "read", index, got = data.len(), "chunk of unexpected length");
+                return Err(Errno::EIO);
+            }
+            let from = offset.saturating_sub(start) as usize;
+            let to = (end - start).min(data.len() as u64) as usize;
+            out.extend_from_slice(&data[from..to]);
+        }
+        Ok(out.freeze())
+    }
+
+    fn fetch(&self, reader: &Reader, index: usize) -> ChunkFuture {
+        let (client, manifest, file) = (self.client.clone(), Arc::clone(&reader.manifest), reader.index);
+        let task = self.runtime.spawn(async move {
+            let chunk = &manifest.files[file].chunks[index];
+            client.read_chunk(&manifest, chunk).await.map_err(|e| e.to_string())
+        });
+        async move { task.await.map_err(|e| e.to_string()).and_then(|r| r) }.boxed().shared()
+    }
+}
