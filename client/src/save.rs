@@ -583,7 +583,7 @@ impl Client {
                     });
                 }
                 SaveItem::File { path, source, mode } => {
-                    let mut file = Some(std::fs::File::open(source).map_err(Error::io("open", source))?);
+                    let mut file = Some(open_regular(source)?);
                     let (mut index, mut size) = (0usize, 0u64);
                     loop {
                         let buf = packer.buffer(pool).await?;
@@ -857,6 +857,23 @@ pub(crate) fn off_runtime<R>(work: impl FnOnce() -> R) -> R {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
         _ => work(),
     }
+}
+
+/// Opens a file item's source for staging, refusing anything but a regular file: a path replaced
+/// by a FIFO or a device since it was listed must not hang or stream without end. (Non-blocking
+/// open, so a FIFO without a writer does not block; reads of a regular file ignore the flag.)
+fn open_regular(source: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(source)
+        .map_err(Error::io("open", source))?;
+    let meta = file.metadata().map_err(Error::io("stat", source))?;
+    if !meta.is_file() {
+        return Err(Error::InvalidInput(format!("{} is not a regular file", source.display())));
+    }
+    Ok(file)
 }
 
 fn read_full(file: &std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {

@@ -134,6 +134,27 @@ async fn small_tensors_share_staging_buffers() {
     cluster.shutdown().await.unwrap();
 }
 
+/// A file item that is not a regular file when it is staged (here a FIFO without a writer, as if
+/// the path had been replaced since it was listed) fails the save at once: no hang, no commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_item_that_is_not_a_regular_file_fails_the_save() {
+    let (dir, cluster, client) = cluster(1, |_| {}).await;
+    let fifo = dir.path().join("fifo");
+    let status = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(status.success());
+    let part = SavePart::new("fifo", 1).buffer("meta", Bytes::from_static(b"{}")).unwrap().file("w", &fifo).unwrap();
+    let saved = tokio::time::timeout(Duration::from_secs(30), async {
+        match client.save(part).await {
+            Ok(handle) => handle.wait().await.map(|_| ()),
+            Err(error) => Err(error),
+        }
+    });
+    let error = saved.await.expect("a save of a FIFO hung").unwrap_err();
+    assert!(matches!(error, Error::InvalidInput(ref m) if m.contains("not a regular file")), "{error}");
+    assert!(client.latest("fifo").await.unwrap().is_none());
+    cluster.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lent_bytes_are_staged_during_the_call_so_the_caller_may_change_them() {
     let (_dir, cluster, client) = cluster(2, |c| {

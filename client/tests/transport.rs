@@ -217,26 +217,47 @@ async fn reconnects_after_the_target_restarts() {
     );
 }
 
-#[tokio::test]
-async fn a_peer_stalled_mid_header_is_disconnected_after_the_idle_timeout() {
+/// Starts a target with `idle` and `frame` timeouts, connects, sends `sent` and stalls; asserts the
+/// target closes the connection within 10 s. Returns the target's address.
+async fn stalled_peer_is_cut_off(idle: Duration, frame: Duration, sent: &[u8]) -> std::net::SocketAddr {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = tempfile::tempdir().unwrap();
     let store =
         Arc::new(ChunkStore::open(dir.path(), open_engine(EngineKind::Std, 2).unwrap(), 1 << 20, 2).await.unwrap());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
-    let limits = DataPlaneLimits { idle_timeout: Duration::from_millis(300), ..DataPlaneLimits::default() };
-    let _server = tokio::spawn(dataplane::serve(listener, store, limits, std::future::pending()));
+    let limits = DataPlaneLimits { idle_timeout: idle, frame_timeout: frame, ..DataPlaneLimits::default() };
+    tokio::spawn(async move {
+        dataplane::serve(listener, store, limits, std::future::pending()).await;
+        drop(dir);
+    });
     let mut stalled = tokio::net::TcpStream::connect(address).await.unwrap();
-    stalled.write_all(b"SCK").await.unwrap();
+    stalled.write_all(sent).await.unwrap();
     let mut buf = [0u8; 16];
     let read = tokio::time::timeout(Duration::from_secs(10), stalled.read(&mut buf)).await;
     assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "the stalled connection was not closed: {read:?}");
+    address
+}
+
+#[tokio::test]
+async fn a_peer_stalled_mid_header_is_disconnected_after_the_idle_timeout() {
+    let address = stalled_peer_is_cut_off(Duration::from_millis(300), Duration::from_secs(3600), b"SCK").await;
     // A client whose idle connection was closed just reconnects.
     let transport = tcp(address, 1);
     transport.stat().await.unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
     transport.stat().await.unwrap();
+}
+
+/// A peer that sends a frame's fixed header and then trickles (or withholds) the rest of its header
+/// is cut off after the frame timeout, not the (long) idle timeout.
+#[tokio::test]
+async fn a_peer_stalled_after_the_fixed_header_is_cut_off_after_the_frame_timeout() {
+    use starckpt_proto::frame::FrameHeader;
+    let mut sent =
+        FrameHeader { opcode: Opcode::Stat, request_id: 1, header_len: 1000, payload_len: 0 }.encode().to_vec();
+    sent.extend_from_slice(&[0u8; 10]);
+    stalled_peer_is_cut_off(Duration::from_secs(3600), Duration::from_millis(300), &sent).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -516,6 +537,45 @@ async fn auto_uses_shared_memory_on_this_host_and_tcp_otherwise() {
     let restarted = start_target_with(&dir.path().join("a"), &with_shm.address.to_string(), None).await;
     assert_eq!(local.get(hash, 0, 0).await.unwrap().bytes, data);
     drop(restarted);
+}
+
+/// A target maps at most `max_shm_region_bytes` of clients' slot regions at once: an attach past
+/// that is answered busy and the client's requests go over TCP, until a region is given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_memory_regions_are_bounded_per_target() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("shm.sock");
+    let listener = ShmListener::new(tokio::net::UnixListener::bind(&socket).unwrap(), socket.clone());
+    // Room for one region of 4 slots of 1 MiB.
+    let limits = DataPlaneLimits { max_shm_region_bytes: 4 << 20, ..DataPlaneLimits::default() };
+    let transports = Transports { shm: Some(listener), rdma: None };
+    let target = start_target_on(&dir.path().join("data"), "127.0.0.1:0", transports, limits).await;
+    let attach = || ShmTransport::connect(socket.clone(), None, TcpConfig::default(), 4, 1 << 20, None);
+    let first = attach().await.unwrap();
+    let (hash, data) = chunk(200_000, 3);
+    assert!(!first.put(hash, Payload::raw(data.clone())).await.unwrap());
+
+    let error = attach().await.err().expect("a second region past the limit was attached");
+    assert!(error.to_string().contains("no room"), "{error}");
+    let auto = AutoTransport::new(target.address, "t", TcpConfig::default(), ShmConfig::default(), 1 << 20, None, None);
+    assert_eq!(auto.get(hash, 0, 0).await.unwrap().bytes, data);
+    auto.settle().await;
+    assert_eq!(auto.kind(), "tcp", "no room for its region: TCP");
+    assert_eq!(auto.get(hash, 0, 0).await.unwrap().bytes, data);
+
+    // The first client goes away: its room comes back.
+    drop(first);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let again = loop {
+        match attach().await {
+            Ok(transport) => break transport,
+            Err(error) => {
+                assert!(std::time::Instant::now() < deadline, "the region was not given back: {error}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    assert_eq!(again.get(hash, 0, 0).await.unwrap().bytes, data);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -197,6 +197,14 @@ pub enum ReadFrameError {
 pub async fn read_frame_head<R: AsyncRead + Unpin>(
     reader: &mut R,
 ) -> Result<(FrameHeader, bytes::Bytes), ReadFrameError> {
+    let header = read_fixed_header(reader).await?;
+    let prost_header = read_message_header(reader, &header).await?;
+    Ok((header, prost_header))
+}
+
+/// The first half of [`read_frame_head`]: the fixed header, decoded. A server waits for it as
+/// long as a connection may idle, and for the rest of the frame only a frame's time.
+pub async fn read_fixed_header<R: AsyncRead + Unpin>(reader: &mut R) -> Result<FrameHeader, ReadFrameError> {
     let mut fixed = [0u8; FIXED_HEADER_BYTES];
     let mut filled = 0;
     while filled < FIXED_HEADER_BYTES {
@@ -210,10 +218,17 @@ pub async fn read_frame_head<R: AsyncRead + Unpin>(
         }
         filled += n;
     }
-    let header = FrameHeader::decode(&fixed)?;
+    Ok(FrameHeader::decode(&fixed)?)
+}
+
+/// The second half of [`read_frame_head`]: the prost header `header` announces.
+pub async fn read_message_header<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    header: &FrameHeader,
+) -> Result<bytes::Bytes, ReadFrameError> {
     let mut prost_header = vec![0u8; header.header_len as usize];
     reader.read_exact(&mut prost_header).await?;
-    Ok((header, bytes::Bytes::from(prost_header)))
+    Ok(bytes::Bytes::from(prost_header))
 }
 
 /// Writes one frame: fixed header, prost header, then the payload pieces in order, without

@@ -59,6 +59,9 @@ pub const ATTACH_MAGIC: &[u8; 8] = b"SCKSHM02";
 /// The first version's magic: slots only, no staging region.
 pub const ATTACH_MAGIC_V1: &[u8; 8] = b"SCKSHM01";
 pub const ATTACH_OK: &[u8; 8] = b"SCKSHMOK";
+/// The target's answer to an attach it has no room for now (it shares as much memory as it
+/// allows): the client goes over TCP meanwhile and asks again later.
+pub const ATTACH_BUSY: &[u8; 8] = b"SCKSHMBZ";
 pub const ATTACH_BYTES: usize = 24;
 const ATTACH_BYTES_V1: usize = 16;
 /// Most slots one connection may share.

@@ -152,6 +152,8 @@ impl ShmTransport {
 enum Attached {
     /// The target closed the connection instead of answering the attach.
     Refused,
+    /// The target shares as much memory as it allows now.
+    Busy,
     Failed(TransportError),
 }
 
@@ -159,6 +161,7 @@ impl Attached {
     fn into_error(self) -> TransportError {
         match self {
             Attached::Refused => TransportError::Connect("the target refused the shared-memory region".into()),
+            Attached::Busy => TransportError::Connect("the target has no room for another shared-memory region".into()),
             Attached::Failed(error) => error,
         }
     }
@@ -176,6 +179,7 @@ impl ShmTransport {
         let mut answer = [0u8; 8];
         match stream.read_exact(&mut answer).await {
             Ok(_) if &answer == shm::ATTACH_OK => {}
+            Ok(_) if &answer == shm::ATTACH_BUSY => return Err(Attached::Busy),
             Ok(_) => return Err(Attached::Refused),
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(Attached::Refused),
             Err(e) => return Err(connect(e)),

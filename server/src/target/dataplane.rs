@@ -71,6 +71,11 @@ pub struct DataPlaneLimits {
     /// GET payloads sent zero-copy over TCP (io_uring SEND_ZC). Default auto: on each connection
     /// until the kernel reports it copied them anyway, as over loopback (`starckpt_proto::zerocopy`).
     pub zero_copy_send: ZeroCopySend,
+    /// Bytes of slot regions same-host clients may share with this target at once (the target
+    /// maps them and may fault them in: memory it is charged for). An attach past it is answered
+    /// busy and that client goes over TCP until a region is given back. Default 4 GiB: 128 of the
+    /// SDK's regions (8 slots of 4 MiB), one per client process.
+    pub max_shm_region_bytes: u64,
 }
 
 impl Default for DataPlaneLimits {
@@ -83,6 +88,7 @@ impl Default for DataPlaneLimits {
             idle_timeout: Duration::from_secs(600),
             rdma_transfers: 32,
             zero_copy_send: ZeroCopySend::Auto,
+            max_shm_region_bytes: 4 << 30,
         }
     }
 }
@@ -152,6 +158,8 @@ struct Served {
     /// [`ShmListener::placed_writes`].
     placed_writes: bool,
     zero_copy: Arc<ZeroCopyStats>,
+    /// Slot regions attached, in pages ([`DataPlaneLimits::max_shm_region_bytes`]).
+    shm_regions: Arc<Semaphore>,
 }
 
 /// Serves the data plane on `listener` until `shutdown` resolves; then closes every connection
@@ -213,6 +221,8 @@ pub async fn serve_with(
         }
     }
     let zero_copy = Arc::new(ZeroCopyStats::default());
+    let shm_pages = usize::try_from(limits.max_shm_region_bytes / SHM_PAGE as u64).unwrap_or(usize::MAX);
+    let shm_regions = Arc::new(Semaphore::new(shm_pages.min(Semaphore::MAX_PERMITS)));
     let placed_writes = shm.as_ref().is_some_and(|s| s.placed_writes);
     let served = Arc::new(Served {
         store,
@@ -223,6 +233,7 @@ pub async fn serve_with(
         placed_reads,
         placed_writes,
         zero_copy,
+        shm_regions,
     });
     let stopping = CancellationToken::new();
     // If this future is dropped (aborted) rather than shut down, its connections still close.
@@ -268,7 +279,7 @@ pub async fn serve_with(
                     }
                 }
                 Accepted::Unix(stream) => {
-                    let attaching = attach(&stream, served.placed_reads, served.placed_writes);
+                    let attaching = attach(&stream, &served);
                     let attached = tokio::time::timeout(served.limits.frame_timeout, attaching).await;
                     match attached {
                         Ok(Ok(region)) => {
@@ -311,7 +322,12 @@ struct Slots {
     placed_failed: std::sync::atomic::AtomicBool,
     /// Whole-chunk GETs are read from the device straight into their slot ([`get_placed`]).
     placed_reads: bool,
+    /// Its share of [`DataPlaneLimits::max_shm_region_bytes`], held while it is mapped.
+    _room: tokio::sync::OwnedSemaphorePermit,
 }
+
+/// The unit [`DataPlaneLimits::max_shm_region_bytes`] is counted in.
+const SHM_PAGE: usize = 4096;
 
 impl Slots {
     /// The byte offset of 1-based slot `slot` if `len` bytes fit in it.
@@ -374,13 +390,19 @@ impl Slots {
 }
 
 /// The shared-memory handshake: the client's region, mapped, or why not.
-async fn attach(
-    stream: &tokio::net::UnixStream,
-    placed_reads: bool,
-    placed_writes: bool,
-) -> std::io::Result<Arc<Slots>> {
+async fn attach(stream: &tokio::net::UnixStream, served: &Served) -> std::io::Result<Arc<Slots>> {
+    let (placed_reads, placed_writes) = (served.placed_reads, served.placed_writes);
     let attached = shm::recv_attach(stream).await?;
     let attach = attached.attach;
+    let pages = u32::try_from(attach.region_bytes().div_ceil(SHM_PAGE)).unwrap_or(u32::MAX);
+    let Ok(room) = Arc::clone(&served.shm_regions).try_acquire_many_owned(pages) else {
+        // Best effort: the client reads a closed connection as a refusal, and goes over TCP too.
+        let _ = write_all_unix(stream, shm::ATTACH_BUSY).await;
+        return Err(std::io::Error::other(format!(
+            "no room for another {} bytes of slots (max_shm_region_bytes)",
+            attach.region_bytes()
+        )));
+    };
     let region = Region::attach(attached.slots, attach.region_bytes())?;
     let staging = match attached.staging {
         Some(fd) => Some(StagingFile::attach(fd, attach.staging_bytes)?),
@@ -396,15 +418,7 @@ async fn attach(
         },
         _ => None,
     };
-    let mut written = 0;
-    while written < shm::ATTACH_OK.len() {
-        stream.writable().await?;
-        match stream.try_write(&shm::ATTACH_OK[written..]) {
-            Ok(n) => written += n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-    }
+    write_all_unix(stream, shm::ATTACH_OK).await?;
     debug!(
         slots = attach.slots,
         slot_bytes = attach.slot_bytes,
@@ -412,7 +426,7 @@ async fn attach(
         "shared-memory client attached"
     );
     let placed_failed = std::sync::atomic::AtomicBool::new(false);
-    let slots = Arc::new(Slots { region, attach, staging, staging_mapped, placed_failed, placed_reads });
+    let slots = Arc::new(Slots { region, attach, staging, staging_mapped, placed_failed, placed_reads, _room: room });
     if placed_reads {
         // Huge pages for the slots where this mapping faults them in first (the device's reads):
         // a read into them is a few contiguous segments rather than one per 4 KiB page. And
@@ -434,6 +448,20 @@ async fn attach(
         }
     }
     Ok(slots)
+}
+
+/// Writes all of `bytes` to `stream` (which is still whole: not split into halves yet).
+async fn write_all_unix(stream: &tokio::net::UnixStream, bytes: &[u8]) -> std::io::Result<()> {
+    let mut written = 0;
+    while written < bytes.len() {
+        stream.writable().await?;
+        match stream.try_write(&bytes[written..]) {
+            Ok(n) => written += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Whether the process at the other end of `stream` runs as this one's effective user or as root:
@@ -472,17 +500,26 @@ where
         let head = tokio::select! {
             _ = stop.cancelled() => break Ok(()),
             _ = writer_failed.cancelled() => break Err("its responses could not be written".into()),
-            head = tokio::time::timeout(limits.idle_timeout, frame::read_frame_head(&mut reader)) => head,
+            head = tokio::time::timeout(limits.idle_timeout, frame::read_fixed_header(&mut reader)) => head,
         };
         let Ok(head) = head else {
             debug!(idle = ?limits.idle_timeout, "closing an idle connection");
             break Ok(());
         };
+        // The rest of the header within a frame's time: a peer trickling a large header does
+        // not hold its connection slot (and the header's buffer) for the idle timeout.
+        let head = match head {
+            Ok(header) => tokio::time::timeout(limits.frame_timeout, frame::read_message_header(&mut reader, &header))
+                .await
+                .map(|prost_header| prost_header.map(|prost_header| (header, prost_header))),
+            Err(error) => Ok(Err(error)),
+        };
         let (header, prost_header) = match head {
-            Ok(head) => head,
-            Err(ReadFrameError::Closed) => break Ok(()),
-            Err(ReadFrameError::Frame(error)) => break Err(format!("protocol error: {error}")),
-            Err(ReadFrameError::Io(error)) => break Err(format!("read: {error}")),
+            Ok(Ok(head)) => head,
+            Ok(Err(ReadFrameError::Closed)) => break Ok(()),
+            Ok(Err(ReadFrameError::Frame(error))) => break Err(format!("protocol error: {error}")),
+            Ok(Err(ReadFrameError::Io(error))) => break Err(format!("read: {error}")),
+            Err(_) => break Err(format!("frame header not received within {:?}", limits.frame_timeout)),
         };
         if header.opcode.is_response() {
             break Err(format!("protocol error: client sent response opcode {:?}", header.opcode));

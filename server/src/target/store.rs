@@ -864,7 +864,12 @@ impl ChunkStore {
             return Err(ChunkStoreError::Corrupt { hash, reason: format!("file is {file_len} bytes") });
         }
         let buf = self.read_buffer(round_up(file_len)).await;
-        let buf = self.engine.read_file(path.clone(), buf).await.map_err(io_error("read", &path))?;
+        let buf = match self.engine.read_file(path.clone(), buf).await {
+            Ok(buf) => buf,
+            // Collected (or repaired) between the stat and the open.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ChunkStoreError::NotFound { hash }),
+            Err(source) => return Err(ChunkStoreError::Io { op: "read", path, source }),
+        };
         self.chunk_reads.fetch_add(1, Ordering::Relaxed);
         let read = buf.aligned().as_ref();
         let header = decode_header(read, &hash)?;
