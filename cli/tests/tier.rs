@@ -21,6 +21,18 @@ fn count(store: &Arc<dyn ObjectStore>, prefix: &str) -> u64 {
     })
 }
 
+/// Restarts every target with its chunk files gone.
+fn lose_every_copy(cluster: &mut Cluster) {
+    for index in 0..cluster.targets.len() {
+        cluster.targets[index].kill();
+        for file in cluster.chunk_files(index) {
+            std::fs::remove_file(file).unwrap();
+        }
+        cluster.targets[index] = cluster.start_target(index);
+    }
+    cluster.wait_alive(cluster.targets.len());
+}
+
 /// Saves, tiers, loses every copy on the targets, restores from the tier, deletes, sweeps.
 fn lose_every_target_copy_and_restore_from_the_tier(mut cluster: Cluster, store: Arc<dyn ObjectStore>) {
     let source = cluster.dir.path().join("source");
@@ -49,18 +61,22 @@ fn lose_every_target_copy_and_restore_from_the_tier(mut cluster: Cluster, store:
     assert_eq!(count(&store, "checkpoints"), 4);
 
     // Every copy on every target is lost.
-    for index in 0..cluster.targets.len() {
-        cluster.targets[index].kill();
-        for file in cluster.chunk_files(index) {
-            std::fs::remove_file(file).unwrap();
-        }
-        cluster.targets[index] = cluster.start_target(index);
-    }
-    cluster.wait_alive(cluster.targets.len());
+    lose_every_copy(&mut cluster);
     assert_eq!(cluster.total_chunks(), 0);
+    // A restore right away (before any re-replication pass) finds no copy, and has the control
+    // plane bring each chunk back from the tier onto the targets as it goes.
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "llm", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&restored));
+    assert!(cluster.total_chunks() as u64 >= chunks, "the recovered chunks are on the targets again");
+    let repair = cluster.json(&["repair"]);
+    assert_eq!((repair["from_tier"].as_u64(), repair["unreadable"].as_u64()), (Some(0), Some(0)), "{repair}");
+    assert_eq!(repair["still_under_replicated"].as_u64(), Some(0), "{repair}");
+    // Lost again: the re-replication pass reads them back from the tier too.
+    lose_every_copy(&mut cluster);
     let repair = cluster.json(&["repair"]);
     assert_eq!((repair["from_tier"].as_u64(), repair["unreadable"].as_u64()), (Some(chunks), Some(0)), "{repair}");
-    let restored = cluster.dir.path().join("restored");
+    let restored = cluster.dir.path().join("restored-again");
     cluster.ok(&["restore", "--job", "llm", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(tree(&source), tree(&restored));
 

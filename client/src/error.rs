@@ -34,8 +34,9 @@ pub enum Error {
     #[error("chunk {hash} from {from}: {message}")]
     Source { hash: ChunkHash, from: String, message: String },
     #[error(
-        "no replica of chunk {hash} could be read: {last} (a checkpoint copied to an object-store tier \
-         restores from it with `starckpt restore --from-tier URL`, or after `starckpt repair`)"
+        "no replica of chunk {hash} could be read, and the control plane found no copy on a live target \
+         nor in its object-store tier: {last} (with the cluster gone, a checkpoint copied to a tier restores \
+         with `starckpt restore --from-tier URL`)"
     )]
     ChunkUnavailable { hash: ChunkHash, last: Box<Error> },
     #[error("no storage target accepted chunk {hash}: {last}")]

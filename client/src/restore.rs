@@ -241,8 +241,53 @@ impl Client {
     }
 
     /// The replica loop of [`Client::read_chunk`] and [`Client::read_chunk_into`]: with `dest`,
-    /// the verified chunk ends up there (`Ok(None)`), otherwise it is returned.
+    /// the verified chunk ends up there (`Ok(None)`), otherwise it is returned. A chunk no target
+    /// could provide is handed to the control plane to recover (from a live target it did not
+    /// know of, or from the object-store tier: [`Client::recover_chunks`]), then read once more.
     async fn fetch_chunk(
+        &self,
+        manifest: &CheckpointManifest,
+        chunk: &ChunkRef,
+        mut dest: Option<&mut [u8]>,
+    ) -> Result<Option<Bytes>> {
+        let error = match self.fetch_listed(manifest, chunk, dest.as_deref_mut()).await {
+            Err(error @ (Error::ChunkUnavailable { .. } | Error::Target { .. } | Error::Checksum { .. })) => error,
+            done => return done,
+        };
+        match self.recover_chunks(manifest, &[chunk.hash]).await {
+            Ok(recovered) if recovered.first() == Some(&true) => {
+                tracing::info!(chunk = %chunk.hash, "the control plane recovered a chunk no target had; reading it again");
+                self.fetch_listed(manifest, chunk, dest).await
+            }
+            Ok(_) => Err(error),
+            Err(recovering) => {
+                tracing::warn!(chunk = %chunk.hash, error = %recovering, "the control plane could not recover a chunk");
+                Err(error)
+            }
+        }
+    }
+
+    /// Asks the control plane to bring back copies of `hashes` (chunks of `manifest`'s checkpoint)
+    /// on live targets, from a copy on another live target or from the object-store tier. Returns,
+    /// per hash, whether a live target holds a verified copy now.
+    pub async fn recover_chunks(&self, manifest: &CheckpointManifest, hashes: &[ChunkHash]) -> Result<Vec<bool>> {
+        let request = pb::RecoverChunksRequest {
+            job: manifest.info.job.clone(),
+            step: manifest.info.step,
+            checkpoint_id: manifest.info.checkpoint_id,
+            hashes: hashes.iter().map(|hash| hash.to_bytes()).collect(),
+        };
+        let response =
+            self.rpc("recover chunks", crate::Resend::Idempotent, request, |mut c, r| async move {
+                c.recover_chunks(r).await
+            })
+            .await?;
+        Ok(response.recovered)
+    }
+
+    /// One round of [`Client::fetch_chunk`]: the listed replicas, then live targets in the
+    /// chunk's rendezvous order.
+    async fn fetch_listed(
         &self,
         manifest: &CheckpointManifest,
         chunk: &ChunkRef,

@@ -134,6 +134,29 @@ async fn small_tensors_share_staging_buffers() {
     cluster.shutdown().await.unwrap();
 }
 
+/// `RecoverChunks` recovers only chunks of the checkpoint the reader names, and says per chunk
+/// whether a live target holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recover_chunks_checks_what_it_is_asked() {
+    let (_dir, cluster, client) = cluster(2, |c| c.chunk_size_bytes = 64 * 1024).await;
+    let part = SavePart::new("recover", 1).buffer("w", Bytes::from(random(200_000, 9))).unwrap();
+    client.save(part).await.unwrap().wait().await.unwrap();
+    let manifest = client.manifest("recover", None).await.unwrap();
+    let hashes: Vec<_> = manifest.files[0].chunks.iter().map(|c| c.hash).collect();
+    assert_eq!(client.recover_chunks(&manifest, &hashes).await.unwrap(), vec![true; hashes.len()]);
+
+    let foreign = starckpt_proto::ChunkHash::of(b"not in this checkpoint");
+    let error = client.recover_chunks(&manifest, &[foreign]).await.unwrap_err();
+    assert!(error.to_string().contains("is not part of"), "{error}");
+    let error = client.recover_chunks(&manifest, &vec![hashes[0]; 65]).await.unwrap_err();
+    assert!(error.to_string().contains("exceed the limit"), "{error}");
+    let mut other = manifest.clone();
+    other.info.checkpoint_id += 1000;
+    let error = client.recover_chunks(&other, &hashes[..1]).await.unwrap_err();
+    assert!(matches!(error, Error::NotFound { .. }), "{error}");
+    cluster.shutdown().await.unwrap();
+}
+
 /// A file item that is not a regular file when it is staged (here a FIFO without a writer, as if
 /// the path had been replaced since it was listed) fails the save at once: no hang, no commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

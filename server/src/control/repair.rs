@@ -17,7 +17,9 @@
 //! has one and the chunk is there (`tier.rs`), and its copies made from that.
 //!
 //! Manifests are not rewritten: a reader that finds none of the listed copies looks for the
-//! chunk on the live targets in its rendezvous order (`read_chunk` in the SDK). GC keeps every
+//! chunk on the live targets in its rendezvous order (`read_chunk` in the SDK). A reader that
+//! finds it nowhere asks for it (`RecoverChunks`, [`recover`]): the same steps for that chunk
+//! alone, at once, every live target's copy checked with HAS rather than trusting the list. GC keeps every
 //! copy of a hash that any retained checkpoint names, so the new copies live as long as the
 //! chunk is needed.
 
@@ -78,15 +80,28 @@ pub(crate) struct Live {
 
 /// The live ones of `targets` (those with an address), each with a TCP transport.
 pub(crate) fn live_targets(targets: &[(TargetRecord, Option<SocketAddr>)]) -> Vec<Live> {
+    live_targets_with(targets, tcp_to)
+}
+
+/// A TCP transport to the target `id` at `address`, with one connection.
+pub(crate) fn tcp_to(id: &str, address: SocketAddr) -> Arc<dyn ChunkTransport> {
+    let tcp = TcpConfig { connections_per_target: 1, ..TcpConfig::default() };
+    Arc::new(TcpTransport::for_target(address, id, tcp))
+}
+
+/// [`live_targets`], with the transport `transport(id, address)` gives.
+pub(crate) fn live_targets_with(
+    targets: &[(TargetRecord, Option<SocketAddr>)],
+    mut transport: impl FnMut(&str, SocketAddr) -> Arc<dyn ChunkTransport>,
+) -> Vec<Live> {
     targets
         .iter()
         .filter_map(|(t, address)| {
             let address = (*address)?;
-            let tcp = TcpConfig { connections_per_target: 1, ..TcpConfig::default() };
             Some(Live {
                 id: t.target_id.clone(),
                 domain: if t.failure_domain.is_empty() { t.target_id.clone() } else { t.failure_domain.clone() },
-                transport: Arc::new(TcpTransport::for_target(address, &t.target_id, tcp)),
+                transport: transport(&t.target_id, address),
             })
         })
         .collect()
@@ -175,7 +190,7 @@ pub async fn rereplicate(
         };
         match restore_copies(*hash, chunk, &listed, &mut pass).await {
             Outcome::Complete => {}
-            Outcome::Short => report.still_under_replicated += 1,
+            Outcome::Short { .. } => report.still_under_replicated += 1,
             Outcome::Unreadable => {
                 report.unreadable += 1;
                 report.still_under_replicated += 1;
@@ -193,10 +208,42 @@ pub async fn rereplicate(
     Ok(report)
 }
 
+/// Chunks of a committed checkpoint a reader could not get from any target it tried
+/// (`RecoverChunks`): each found on live targets, or given its copies again from a live one or
+/// the tier, as a pass would. Returns, per chunk, whether a live target holds a verified copy now,
+/// and how many came from the tier.
+pub(crate) async fn recover(
+    chunks: &[(ChunkHash, CommittedChunk)],
+    live: &[Live],
+    tier: Option<&Tier>,
+    config: &RepairConfig,
+) -> (Vec<bool>, u64) {
+    let live_ids: Vec<&str> = live.iter().map(|l| l.id.as_str()).collect();
+    let (mut unreachable, mut from_tier) = (HashSet::new(), 0);
+    let mut throttle = Pace::new(u64::from(config.copies_per_second));
+    let mut recovered = Vec::with_capacity(chunks.len());
+    for (hash, chunk) in chunks {
+        let mut pass = Pass {
+            live,
+            live_ids: &live_ids,
+            unreachable: &mut unreachable,
+            throttle: &mut throttle,
+            tier,
+            from_tier: &mut from_tier,
+        };
+        // Not trusting the manifest's list: the reader found none of those copies.
+        let outcome = restore_copies(*hash, chunk, &BTreeSet::new(), &mut pass).await;
+        recovered.push(matches!(outcome, Outcome::Complete | Outcome::Short { holders: 1.. }));
+    }
+    (recovered, from_tier)
+}
+
 enum Outcome {
     Complete,
-    /// Not enough live targets to hold the copies it should have.
-    Short,
+    /// Not enough live targets to hold the copies it should have; `holders` do.
+    Short {
+        holders: usize,
+    },
     /// No live copy could be read and verified.
     Unreadable,
 }
@@ -271,7 +318,7 @@ async fn restore_copies(
     }
     let candidates = order.iter().filter(|&&i| !holders.contains(&i) && !unreachable.contains(&i)).count();
     if candidates == 0 {
-        return Outcome::Short;
+        return Outcome::Short { holders: holders.len() };
     }
     // One verified copy to spread; a holder whose copy fails verification is no holder.
     let mut data = None;
@@ -337,7 +384,7 @@ async fn restore_copies(
             }
         }
     }
-    if holders.len() >= wanted { Outcome::Complete } else { Outcome::Short }
+    if holders.len() >= wanted { Outcome::Complete } else { Outcome::Short { holders: holders.len() } }
 }
 
 /// The under-replicated count of the last pass, for `starckpt status`.

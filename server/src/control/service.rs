@@ -1,31 +1,38 @@
 //! The tonic service: converts requests into validated domain types, calls the [`MetaStore`],
 //! and maps its errors to gRPC status codes.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use starckpt_proto::JobName;
+use starckpt_client::transport::ChunkTransport;
 use starckpt_proto::control::control_server::{Control, ControlServer};
 use starckpt_proto::control::{self as pb};
 use starckpt_proto::model::{
     AcquireLease, BeginCheckpoint, CommitPart, ModelError, TargetRegistration, validate_target_id,
 };
+use starckpt_proto::{ChunkHash, JobName};
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
 use super::gc::{self, GcConfig, GcReport};
 use super::repair::{self, LastRepair, RepairConfig, RepairReport};
 use super::store::{
-    CheckpointRecord, CheckpointState, ControlPlaneMember, MetaError, MetaStore, RetentionPolicy, TargetRecord, fault,
-    now_ms,
+    CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, MetaError, MetaStore, RetentionPolicy,
+    TargetRecord, fault, now_ms,
 };
 use super::tier::{self, Tier, TierConfig, TierReport};
 
 /// Largest gRPC message either way. A rank's manifest is ~100 bytes per 4 MiB chunk, so 64 MiB
 /// describes ~2.5 PB in one part: generous, but still a bound.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Most chunks one `RecoverChunks` may name.
+pub const MAX_RECOVER_CHUNKS: usize = 64;
+
+/// `RecoverChunks` served at once (each reads a chunk and writes its copies).
+const RECOVERIES_AT_ONCE: usize = 4;
 
 #[derive(Clone, Debug)]
 pub struct ControlConfig {
@@ -87,6 +94,11 @@ struct Collector {
     repairing: tokio::sync::Mutex<()>,
     tiering: tokio::sync::Mutex<()>,
     last_repair: LastRepair,
+    /// Readers' recoveries (`RecoverChunks`) served at once.
+    recovering: tokio::sync::Semaphore,
+    /// Transports to live targets for recoveries, kept between them (a restore that lost its
+    /// targets asks once per chunk).
+    transports: std::sync::Mutex<HashMap<(String, std::net::SocketAddr), Arc<dyn ChunkTransport>>>,
 }
 
 impl Collector {
@@ -131,6 +143,24 @@ impl Collector {
         Ok(report)
     }
 
+    /// Chunks a reader could get from no target it tried: found, or copied again from a live
+    /// target or the tier ([`repair::recover`]).
+    async fn recover(&self, chunks: &[(ChunkHash, CommittedChunk)]) -> Result<(Vec<bool>, u64), MetaError> {
+        let _room = self.recovering.acquire().await.expect("never closed");
+        let targets = self.targets(now_ms()).await?;
+        let live = {
+            let mut cached = self.transports.lock().unwrap_or_else(|p| p.into_inner());
+            let live = repair::live_targets_with(&targets, |id, address| {
+                let transport = cached.entry((id.to_owned(), address)).or_insert_with(|| repair::tcp_to(id, address));
+                Arc::clone(transport)
+            });
+            // Only live targets' transports are kept.
+            cached.retain(|(id, address), _| targets.iter().any(|(t, a)| t.target_id == *id && *a == Some(*address)));
+            live
+        };
+        Ok(repair::recover(chunks, &live, self.config.tier.as_deref(), &self.config.repair).await)
+    }
+
     /// One tier pass (one at a time here; one at a time in the cluster, `tier.rs`).
     async fn tier(&self, when: tier::Sweep) -> Result<TierReport, MetaError> {
         let tier = self.the_tier()?;
@@ -169,6 +199,8 @@ impl ControlService {
             repairing: Default::default(),
             tiering: Default::default(),
             last_repair: LastRepair::default(),
+            recovering: tokio::sync::Semaphore::new(RECOVERIES_AT_ONCE),
+            transports: Default::default(),
         });
         ControlService { store, config, collector }
     }
@@ -504,6 +536,44 @@ impl Control for ControlService {
         _: Request<pb::RereplicateRequest>,
     ) -> Result<Response<pb::RereplicateResponse>, Status> {
         Ok(Response::new(self.rereplicate_now().await?))
+    }
+
+    async fn recover_chunks(
+        &self,
+        request: Request<pb::RecoverChunksRequest>,
+    ) -> Result<Response<pb::RecoverChunksResponse>, Status> {
+        let request = request.into_inner();
+        let job = job(request.job)?;
+        if request.hashes.len() > MAX_RECOVER_CHUNKS {
+            return Err(Status::invalid_argument(format!(
+                "{} chunks exceed the limit of {MAX_RECOVER_CHUNKS} per call",
+                request.hashes.len()
+            )));
+        }
+        let (record, parts) = self.store.get_manifest(&job, Some(request.step)).await.map_err(meta_status)?;
+        if record.id != request.checkpoint_id {
+            return Err(Status::not_found(format!(
+                "{job} step {} is checkpoint {} now, not {}",
+                request.step, record.id, request.checkpoint_id
+            )));
+        }
+        let wanted = self.store.replication(&job).await.map_err(meta_status)?.unwrap_or(self.config.default_replicas);
+        let named: HashMap<ChunkHash, &starckpt_proto::model::ChunkRef> =
+            parts.iter().flat_map(|(_, m)| m.files.iter()).flat_map(|f| f.chunks.iter()).map(|c| (c.hash, c)).collect();
+        let mut chunks = Vec::with_capacity(request.hashes.len());
+        for hash in &request.hashes {
+            let hash = ChunkHash::try_from(&hash[..]).map_err(|e| Status::invalid_argument(e.to_string()))?;
+            let chunk = named.get(&hash).ok_or_else(|| {
+                Status::invalid_argument(format!("chunk {hash} is not part of {job} step {}", request.step))
+            })?;
+            let replicas = chunk.replicas.iter().cloned().collect();
+            chunks.push((hash, CommittedChunk { length: chunk.length_bytes, replicas, wanted }));
+        }
+        let (recovered, from_tier) = self.collector.recover(&chunks).await.map_err(meta_status)?;
+        if from_tier > 0 {
+            tracing::info!(%job, step = request.step, from_tier, "a reader's chunks were read back from the tier");
+        }
+        Ok(Response::new(pb::RecoverChunksResponse { recovered, from_tier }))
     }
 
     async fn import_tier(

@@ -54,8 +54,9 @@
 //!   checkpoint is marked by a later pass, whose HEADs see what the sweep deleted and upload it
 //!   again. A sweep that died midway blocks marking until the next sweep finishes.
 //!
-//! Re-replication (`repair.rs`) reads a chunk no live target has from here, so a checkpoint
-//! survives the loss of every copy on the NVMe targets once it is tiered.
+//! Re-replication (`repair.rs`), and a reader's `RecoverChunks`, read a chunk no live target has
+//! from here, so a checkpoint survives the loss of every copy on the NVMe targets once it is
+//! tiered.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
