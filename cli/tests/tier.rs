@@ -69,6 +69,19 @@ fn lose_every_target_copy_and_restore_from_the_tier(mut cluster: Cluster, store:
     cluster.ok(&["restore", "--job", "llm", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(tree(&source), tree(&restored));
     assert!(cluster.total_chunks() as u64 >= chunks, "the recovered chunks are on the targets again");
+    // Every copy on the targets rots: present is not readable, so the recovery verifies what it
+    // finds, reads the tier's copy, and rewrites the bad ones.
+    for index in 0..cluster.targets.len() {
+        for file in cluster.chunk_files(index) {
+            let mut bytes = std::fs::read(&file).unwrap();
+            let middle = 4096 + (bytes.len() - 4096) / 2;
+            bytes[middle] ^= 1;
+            std::fs::write(&file, bytes).unwrap();
+        }
+    }
+    let rotted = cluster.dir.path().join("restored-rotted");
+    cluster.ok(&["restore", "--job", "llm", "--latest", "--to", rotted.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&rotted));
     let repair = cluster.json(&["repair"]);
     assert_eq!((repair["from_tier"].as_u64(), repair["unreadable"].as_u64()), (Some(0), Some(0)), "{repair}");
     assert_eq!(repair["still_under_replicated"].as_u64(), Some(0), "{repair}");
@@ -95,7 +108,9 @@ fn lose_every_target_copy_and_restore_from_the_tier(mut cluster: Cluster, store:
 fn a_directory_tier_restores_what_every_target_lost() {
     let tier = tempfile::tempdir().unwrap();
     let url = format!("file://{}", tier.path().display());
-    let cluster = Cluster::start_with(2, &["--tier", &url, "--tier-interval-secs", "0"]);
+    // No background re-replication: the restore's own recovery is what brings chunks back.
+    let flags = ["--tier", &url, "--tier-interval-secs", "0", "--repair-interval-secs", "0"];
+    let cluster = Cluster::start_with(2, &flags);
     let store: Arc<dyn ObjectStore> =
         Arc::new(object_store::local::LocalFileSystem::new_with_prefix(tier.path()).unwrap());
     lose_every_target_copy_and_restore_from_the_tier(cluster, store);
@@ -117,7 +132,8 @@ fn s3_env(endpoint: &str) -> [(&'static str, &str); 5] {
 fn s3_cluster(test: &str) -> Option<(Cluster, String, String, String)> {
     let (endpoint, bucket) = starckpt_server::testing::fresh_s3_bucket(test).unwrap()?;
     let url = format!("s3://{bucket}/cluster");
-    let cluster = Cluster::start_with_env(2, &["--tier", &url, "--tier-interval-secs", "0"], &s3_env(&endpoint));
+    let flags = ["--tier", &url, "--tier-interval-secs", "0", "--repair-interval-secs", "0"];
+    let cluster = Cluster::start_with_env(2, &flags, &s3_env(&endpoint));
     Some((cluster, url, endpoint, bucket))
 }
 

@@ -34,9 +34,9 @@ pub enum Error {
     #[error("chunk {hash} from {from}: {message}")]
     Source { hash: ChunkHash, from: String, message: String },
     #[error(
-        "no replica of chunk {hash} could be read, and the control plane found no copy on a live target \
-         nor in its object-store tier: {last} (with the cluster gone, a checkpoint copied to a tier restores \
-         with `starckpt restore --from-tier URL`)"
+        "no replica of chunk {hash} could be read, nor recovered through the control plane: {last} \
+         (`starckpt repair` copies it back from an object-store tier; with the cluster gone, a checkpoint \
+         copied to a tier restores with `starckpt restore --from-tier URL`)"
     )]
     ChunkUnavailable { hash: ChunkHash, last: Box<Error> },
     #[error("no storage target accepted chunk {hash}: {last}")]

@@ -873,6 +873,15 @@ fn open_regular(source: &Path) -> Result<std::fs::File> {
     if !meta.is_file() {
         return Err(Error::InvalidInput(format!("{} is not a regular file", source.display())));
     }
+    // Blocking reads from here on (a network filesystem may honour the flag with EAGAIN).
+    // SAFETY: F_GETFL/F_SETFL on a descriptor `file` owns.
+    let cleared = unsafe {
+        let flags = libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&file), libc::F_GETFL);
+        flags >= 0 && libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&file), libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
+    };
+    if !cleared {
+        return Err(Error::io("fcntl", source)(std::io::Error::last_os_error()));
+    }
     Ok(file)
 }
 

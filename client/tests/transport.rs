@@ -557,7 +557,9 @@ async fn shared_memory_regions_are_bounded_per_target() {
 
     let error = attach().await.err().expect("a second region past the limit was attached");
     assert!(error.to_string().contains("no room"), "{error}");
-    let auto = AutoTransport::new(target.address, "t", TcpConfig::default(), ShmConfig::default(), 1 << 20, None, None);
+    // A region that would fit were the first one gone (4 slots of 1 MiB).
+    let shm = ShmConfig { slots: 4, ..ShmConfig::default() };
+    let auto = AutoTransport::new(target.address, "t", TcpConfig::default(), shm, 1 << 20, None, None);
     assert_eq!(auto.get(hash, 0, 0).await.unwrap().bytes, data);
     auto.settle().await;
     assert_eq!(auto.kind(), "tcp", "no room for its region: TCP");

@@ -784,7 +784,7 @@ impl CkptFs {
         Ok(entries)
     }
 
-    fn open_reader(&self, job: &str, step: u64, checkpoint: u64, index: usize) -> Result<Reader, Errno> {
+    fn open_reader(&self, job: &str, step: u64, checkpoint: u64, index: usize) -> Result<Arc<Reader>, Errno> {
         let tree = self.tree_at(job, step, checkpoint)?;
         self.reads.open(Arc::clone(&tree.manifest), index).ok_or(Errno::ENOENT)
     }
@@ -1060,7 +1060,7 @@ impl Filesystem for CkptFs {
                 }
                 let reader = self.open_reader(&job, step, checkpoint, index)?;
                 // Committed files never change: the kernel may keep their pages across opens.
-                Ok((self.add_handle(Handle::Read(Arc::new(reader))), FopenFlags::FOPEN_KEEP_CACHE))
+                Ok((self.add_handle(Handle::Read(reader)), FopenFlags::FOPEN_KEEP_CACHE))
             }
             Node::DraftFile { file } => {
                 if !wants_write(flags) {

@@ -66,8 +66,10 @@
 //! and keep `read_ahead_chunks` (8) chunks in flight ahead of a sequential reader (one that reads
 //! on from where its previous read ended); a random read (a loader reading tensors by offset)
 //! fetches only the chunks it covers. The windows of all open files share one budget,
-//! `read_ahead_budget` (256 MiB): past it, a read fetches the chunks it covers and keeps none
-//! ahead, so the mount's memory stays bounded however many files are open. The mount asks
+//! `read_ahead_budget` (256 MiB); a file not read for 2 s gives its window's share to one being
+//! read. Past the budget a read fetches the chunks it covers, keeps the one it ended in (one per
+//! open file) and reads nothing ahead, so the mount's memory stays bounded however many files are
+//! open (`read.rs`). The mount asks
 //! for 16 MiB requests; the kernel grants at most `/proc/sys/fs/fuse/max_pages_limit` pages (256 =
 //! 1 MiB by default): `echo 4096 > /proc/sys/fs/fuse/max_pages_limit` before mounting allows 16 MiB.
 

@@ -1,10 +1,19 @@
 //! Reads of committed files: whole chunks fetched (and verified) by the SDK, with a read-ahead
 //! window per open file, the windows of all open files bounded together by one budget of bytes.
+//!
+//! Past the budget a read still fetches the chunks it covers; it keeps the one it ended in
+//! (the next sequential read most likely starts there: without it, 1 MiB kernel requests would
+//! fetch a 4 MiB chunk four times) and drops the rest. So the mount holds at most the budget, plus
+//! one chunk per open file, plus the chunks of the reads being served. A window whose file has not
+//! been read for [`IDLE`] gives its budget to a reader that wants it (a data loader holding many
+//! shards open reads a few at a time).
 
 use std::collections::BTreeMap;
 use std::collections::btree_map::Entry;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use fuser::Errno;
@@ -14,6 +23,9 @@ use starckpt_client::{CheckpointManifest, Client};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 type ChunkFuture = Shared<BoxFuture<'static, Result<Bytes, String>>>;
+
+/// A file not read for this long gives up its window's budget when another reader wants it.
+const IDLE: Duration = Duration::from_secs(2);
 
 /// The budget counts in units of this many bytes (a semaphore's permits are counted in `u32`).
 const UNIT: u64 = 1 << 10;
@@ -36,6 +48,8 @@ pub(crate) struct Reader {
     /// The last chunk the previous read needed (usize::MAX before the first): a read that starts
     /// there or in the next chunk is sequential, and only those read ahead.
     last_read: AtomicUsize,
+    /// When it was last read, in ms since [`Reads::epoch`].
+    touched: AtomicU64,
 }
 
 /// The mount's reads: where chunks come from, and the budget their windows share.
@@ -45,16 +59,33 @@ pub(crate) struct Reads {
     read_ahead_chunks: usize,
     /// Bytes (in [`UNIT`]s) all open files' windows may keep, fetched or in flight.
     budget: Arc<Semaphore>,
+    /// Every open file's reader, for taking budget back from idle ones.
+    readers: Mutex<Vec<Weak<Reader>>>,
+    epoch: Instant,
+    /// When idle windows were last looked for (ms since `epoch`): at most every 100 ms.
+    reclaimed: AtomicU64,
 }
 
 impl Reads {
     pub(crate) fn new(client: Client, runtime: tokio::runtime::Handle, read_ahead_chunks: usize, budget: u64) -> Reads {
         let units = usize::try_from(budget / UNIT).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS);
-        Reads { client, runtime, read_ahead_chunks, budget: Arc::new(Semaphore::new(units)) }
+        Reads {
+            client,
+            runtime,
+            read_ahead_chunks,
+            budget: Arc::new(Semaphore::new(units)),
+            readers: Mutex::new(Vec::new()),
+            epoch: Instant::now(),
+            reclaimed: AtomicU64::new(0),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
     }
 
     /// A reader of file `index` of `manifest`, or None when there is no such file.
-    pub(crate) fn open(&self, manifest: Arc<CheckpointManifest>, index: usize) -> Option<Reader> {
+    pub(crate) fn open(&self, manifest: Arc<CheckpointManifest>, index: usize) -> Option<Arc<Reader>> {
         let file = manifest.files.get(index)?;
         let mut starts = Vec::with_capacity(file.chunks.len() + 1);
         let mut offset = 0;
@@ -63,13 +94,18 @@ impl Reads {
             offset += chunk.length_bytes;
         }
         starts.push(offset);
-        Some(Reader {
+        let reader = Arc::new(Reader {
             manifest,
             index,
             starts,
             window: Mutex::new(BTreeMap::new()),
             last_read: AtomicUsize::new(usize::MAX),
-        })
+            touched: AtomicU64::new(self.now_ms()),
+        });
+        let mut readers = self.readers.lock().unwrap_or_else(|p| p.into_inner());
+        readers.retain(|r| r.strong_count() > 0);
+        readers.push(Arc::downgrade(&reader));
+        Some(reader)
     }
 
     /// Bytes `offset..offset + size` of `reader`'s file (fewer at its end).
@@ -88,6 +124,7 @@ impl Reads {
         // and span several chunks). A random read (a loader reading tensors by offset) fetches
         // what it covers and nothing more.
         let previous = reader.last_read.swap(last, Ordering::Relaxed);
+        reader.touched.store(self.now_ms(), Ordering::Relaxed);
         let wanted: Vec<(usize, ChunkFuture)> = {
             let mut window = reader.window.lock().unwrap_or_else(|p| p.into_inner());
             let sequential = offset == 0
@@ -115,13 +152,16 @@ impl Reads {
             (first..=last).map(|index| (index, window[&index].chunk.clone())).collect()
         };
         let result = self.assemble(reader, &wanted, offset, end);
-        // Chunks fetched past the budget served this read only; one that failed is not kept
-        // either, so the next read of it on this handle tries again.
+        // Chunks fetched past the budget served this read only, but for the one it ended in (the
+        // next sequential read starts there); one that failed is not kept either, so the next
+        // read of it on this handle tries again.
+        let ends_inside = end < reader.starts[last + 1];
         let mut window = reader.window.lock().unwrap_or_else(|p| p.into_inner());
         for (index, chunk) in &wanted {
-            let keep = window
-                .get(index)
-                .is_some_and(|slot| !slot.chunk.ptr_eq(chunk) || (slot.held.is_some() && result.is_ok()));
+            let keep = window.get(index).is_some_and(|slot| {
+                !slot.chunk.ptr_eq(chunk)
+                    || (result.is_ok() && (slot.held.is_some() || (*index == last && ends_inside)))
+            });
             if !keep {
                 window.remove(index);
             }
@@ -129,10 +169,37 @@ impl Reads {
         result
     }
 
-    /// This chunk's share of the budget, if the budget has it.
+    /// This chunk's share of the budget, if the budget has it (after taking back what idle
+    /// windows hold, if it did not).
     fn reserve(&self, reader: &Reader, index: usize) -> Option<OwnedSemaphorePermit> {
-        let units = (reader.starts[index + 1] - reader.starts[index]).div_ceil(UNIT);
-        Arc::clone(&self.budget).try_acquire_many_owned(u32::try_from(units).ok()?).ok()
+        let units = u32::try_from((reader.starts[index + 1] - reader.starts[index]).div_ceil(UNIT)).ok()?;
+        if let Ok(permit) = Arc::clone(&self.budget).try_acquire_many_owned(units) {
+            return Some(permit);
+        }
+        self.reclaim(reader);
+        Arc::clone(&self.budget).try_acquire_many_owned(units).ok()
+    }
+
+    /// Empties the windows of files not read for [`IDLE`] (other than `asking`'s), giving their
+    /// budget back; at most every 100 ms. Windows busy right now are skipped (never waited for:
+    /// the caller holds its own window's lock).
+    fn reclaim(&self, asking: &Reader) {
+        let now = self.now_ms();
+        let last = self.reclaimed.load(Ordering::Relaxed);
+        if now < last + 100 || self.reclaimed.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_err()
+        {
+            return;
+        }
+        let idle = IDLE.as_millis() as u64;
+        let readers = self.readers.lock().unwrap_or_else(|p| p.into_inner());
+        for reader in readers.iter().filter_map(Weak::upgrade) {
+            if std::ptr::eq(Arc::as_ptr(&reader), asking) || now < reader.touched.load(Ordering::Relaxed) + idle {
+                continue;
+            }
+            if let Ok(mut window) = reader.window.try_lock() {
+                window.retain(|_, slot| slot.held.is_none());
+            }
+        }
     }
 
     fn assemble(

@@ -85,8 +85,12 @@ pub(crate) fn live_targets(targets: &[(TargetRecord, Option<SocketAddr>)]) -> Ve
 
 /// A TCP transport to the target `id` at `address`, with one connection.
 pub(crate) fn tcp_to(id: &str, address: SocketAddr) -> Arc<dyn ChunkTransport> {
-    let tcp = TcpConfig { connections_per_target: 1, ..TcpConfig::default() };
-    Arc::new(TcpTransport::for_target(address, id, tcp))
+    tcp_with(id, address, TcpConfig { connections_per_target: 1, ..TcpConfig::default() })
+}
+
+/// A TCP transport to the target `id` at `address`, configured.
+pub(crate) fn tcp_with(id: &str, address: SocketAddr, config: TcpConfig) -> Arc<dyn ChunkTransport> {
+    Arc::new(TcpTransport::for_target(address, id, config))
 }
 
 /// [`live_targets`], with the transport `transport(id, address)` gives.
@@ -188,7 +192,7 @@ pub async fn rereplicate(
             tier,
             from_tier: &mut report.from_tier,
         };
-        match restore_copies(*hash, chunk, &listed, &mut pass).await {
+        match restore_copies(*hash, chunk, &listed, &mut pass, false).await {
             Outcome::Complete => {}
             Outcome::Short { .. } => report.still_under_replicated += 1,
             Outcome::Unreadable => {
@@ -208,18 +212,30 @@ pub async fn rereplicate(
     Ok(report)
 }
 
+/// What [`recover`] did.
+pub(crate) struct Recovered {
+    /// Per chunk: a live target holds a copy verified now.
+    pub chunks: Vec<bool>,
+    /// Chunks read back from the tier.
+    pub from_tier: u64,
+    /// Live targets that did not answer (the caller skips them for a while).
+    pub unreachable: Vec<String>,
+}
+
 /// Chunks of a committed checkpoint a reader could not get from any target it tried
-/// (`RecoverChunks`): each found on live targets, or given its copies again from a live one or
-/// the tier, as a pass would. Returns, per chunk, whether a live target holds a verified copy now,
-/// and how many came from the tier.
+/// (`RecoverChunks`): each found on live targets and verified there, or given its copies again
+/// from a live one or the tier, as a pass would. Targets in `skip` (recently unreachable) are not
+/// asked.
 pub(crate) async fn recover(
     chunks: &[(ChunkHash, CommittedChunk)],
     live: &[Live],
     tier: Option<&Tier>,
     config: &RepairConfig,
-) -> (Vec<bool>, u64) {
+    skip: &HashSet<String>,
+) -> Recovered {
     let live_ids: Vec<&str> = live.iter().map(|l| l.id.as_str()).collect();
-    let (mut unreachable, mut from_tier) = (HashSet::new(), 0);
+    let mut unreachable: HashSet<usize> = (0..live.len()).filter(|&i| skip.contains(&live[i].id)).collect();
+    let mut from_tier = 0;
     let mut throttle = Pace::new(u64::from(config.copies_per_second));
     let mut recovered = Vec::with_capacity(chunks.len());
     for (hash, chunk) in chunks {
@@ -232,10 +248,11 @@ pub(crate) async fn recover(
             from_tier: &mut from_tier,
         };
         // Not trusting the manifest's list: the reader found none of those copies.
-        let outcome = restore_copies(*hash, chunk, &BTreeSet::new(), &mut pass).await;
+        let outcome = restore_copies(*hash, chunk, &BTreeSet::new(), &mut pass, true).await;
         recovered.push(matches!(outcome, Outcome::Complete | Outcome::Short { holders: 1.. }));
     }
-    (recovered, from_tier)
+    let unreachable = unreachable.into_iter().map(|i| live[i].id.clone()).filter(|id| !skip.contains(id)).collect();
+    Recovered { chunks: recovered, from_tier, unreachable }
 }
 
 enum Outcome {
@@ -282,11 +299,15 @@ struct Pass<'a> {
     from_tier: &'a mut u64,
 }
 
+/// Gives `hash` the copies it should have (module docs). With `verify`, the copies found are not
+/// taken on trust (present is not readable: a reader failed on them): one is read and verified,
+/// and copies that fail are repaired from a good one or the tier.
 async fn restore_copies(
     hash: ChunkHash,
     chunk: &CommittedChunk,
     listed: &BTreeSet<&str>,
     pass: &mut Pass<'_>,
+    verify: bool,
 ) -> Outcome {
     let Pass { live, live_ids, unreachable, throttle, tier, from_tier } = pass;
     let (live, tier) = (*live, *tier);
@@ -298,6 +319,9 @@ async fn restore_copies(
     let mut holders: Vec<usize> = order.iter().copied().filter(|&i| listed.contains(live[i].id.as_str())).collect();
     for &index in &order {
         if holders.len() >= wanted {
+            if verify {
+                break;
+            }
             return Outcome::Complete;
         }
         if holders.contains(&index) {
@@ -313,11 +337,11 @@ async fn restore_copies(
             }
         }
     }
-    if holders.len() >= wanted {
+    if holders.len() >= wanted && !verify {
         return Outcome::Complete;
     }
     let candidates = order.iter().filter(|&&i| !holders.contains(&i) && !unreachable.contains(&i)).count();
-    if candidates == 0 {
+    if candidates == 0 && !verify {
         return Outcome::Short { holders: holders.len() };
     }
     // One verified copy to spread; a holder whose copy fails verification is no holder.

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use starckpt_client::transport::ChunkTransport;
+use starckpt_client::transport::{ChunkTransport, TcpConfig};
 use starckpt_proto::control::control_server::{Control, ControlServer};
 use starckpt_proto::control::{self as pb};
 use starckpt_proto::model::{
@@ -99,7 +99,16 @@ struct Collector {
     /// Transports to live targets for recoveries, kept between them (a restore that lost its
     /// targets asks once per chunk).
     transports: std::sync::Mutex<HashMap<(String, std::net::SocketAddr), Arc<dyn ChunkTransport>>>,
+    /// Targets a recovery found unreachable, and since when: later ones skip them a while.
+    unreachable: std::sync::Mutex<HashMap<String, std::time::Instant>>,
 }
+
+/// How long recoveries skip a target one of them found unreachable.
+const UNREACHABLE_SKIPPED_FOR: Duration = Duration::from_secs(30);
+
+/// How long a `RecoverChunks` waits for its turn before answering Unavailable (the client's call
+/// has a deadline; the background re-replication pass recovers the chunk anyway).
+const RECOVERY_QUEUE_WAIT: Duration = Duration::from_secs(20);
 
 impl Collector {
     /// Every registered target, with its data address when it is alive.
@@ -143,22 +152,40 @@ impl Collector {
         Ok(report)
     }
 
-    /// Chunks a reader could get from no target it tried: found, or copied again from a live
-    /// target or the tier ([`repair::recover`]).
-    async fn recover(&self, chunks: &[(ChunkHash, CommittedChunk)]) -> Result<(Vec<bool>, u64), MetaError> {
-        let _room = self.recovering.acquire().await.expect("never closed");
+    /// Chunks a reader could get from no target it tried: found and verified, or copied again
+    /// from a live target or the tier ([`repair::recover`]). The caller holds a `recovering` permit.
+    async fn recover(&self, chunks: &[(ChunkHash, CommittedChunk)]) -> Result<repair::Recovered, MetaError> {
         let targets = self.targets(now_ms()).await?;
+        // Short timeouts: a reader waits on this.
+        let tcp = TcpConfig {
+            connections_per_target: 1,
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(10),
+            ..TcpConfig::default()
+        };
         let live = {
             let mut cached = self.transports.lock().unwrap_or_else(|p| p.into_inner());
             let live = repair::live_targets_with(&targets, |id, address| {
-                let transport = cached.entry((id.to_owned(), address)).or_insert_with(|| repair::tcp_to(id, address));
+                let transport = cached
+                    .entry((id.to_owned(), address))
+                    .or_insert_with(|| repair::tcp_with(id, address, tcp.clone()));
                 Arc::clone(transport)
             });
             // Only live targets' transports are kept.
             cached.retain(|(id, address), _| targets.iter().any(|(t, a)| t.target_id == *id && *a == Some(*address)));
             live
         };
-        Ok(repair::recover(chunks, &live, self.config.tier.as_deref(), &self.config.repair).await)
+        let skip: HashSet<String> = {
+            let mut silent = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+            silent.retain(|_, since| since.elapsed() < UNREACHABLE_SKIPPED_FOR);
+            silent.keys().cloned().collect()
+        };
+        let recovered = repair::recover(chunks, &live, self.config.tier.as_deref(), &self.config.repair, &skip).await;
+        let mut silent = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+        for id in &recovered.unreachable {
+            silent.insert(id.clone(), std::time::Instant::now());
+        }
+        Ok(recovered)
     }
 
     /// One tier pass (one at a time here; one at a time in the cluster, `tier.rs`).
@@ -188,7 +215,20 @@ pub struct ControlService {
     store: Arc<dyn MetaStore>,
     config: ControlConfig,
     collector: Arc<Collector>,
+    /// [`ControlService::checkpoint_chunks`]' recent answers: ((job, step, id), when, index).
+    chunk_indexes: tokio::sync::Mutex<Vec<CachedIndex>>,
 }
+
+/// Every chunk a committed checkpoint names, with the targets its manifests list and the copies
+/// it should have.
+type ChunkIndex = HashMap<ChunkHash, CommittedChunk>;
+
+/// ((job, step, checkpoint id), when it was read, its index).
+type CachedIndex = ((String, u64, u64), std::time::Instant, Arc<ChunkIndex>);
+
+/// How long a checkpoint's [`ChunkIndex`] is kept, and how many are.
+const CHUNK_INDEX_TTL: Duration = Duration::from_secs(60);
+const CHUNK_INDEXES_KEPT: usize = 4;
 
 impl ControlService {
     pub fn new(store: Arc<dyn MetaStore>, config: ControlConfig) -> ControlService {
@@ -201,8 +241,40 @@ impl ControlService {
             last_repair: LastRepair::default(),
             recovering: tokio::sync::Semaphore::new(RECOVERIES_AT_ONCE),
             transports: Default::default(),
+            unreachable: Default::default(),
         });
-        ControlService { store, config, collector }
+        ControlService { store, config, collector, chunk_indexes: Default::default() }
+    }
+
+    /// The chunks of committed checkpoint `id`, (job, step), for `RecoverChunks`: a restore that
+    /// lost its copies asks once per chunk, so the index is kept a while rather than decoded from
+    /// the manifests per call. NotFound when (job, step) is not that checkpoint.
+    async fn checkpoint_chunks(&self, job: &JobName, step: u64, id: u64) -> Result<Arc<ChunkIndex>, Status> {
+        let mut cached = self.chunk_indexes.lock().await;
+        cached.retain(|(_, at, _)| at.elapsed() < CHUNK_INDEX_TTL);
+        if let Some((_, _, index)) = cached.iter().find(|(key, _, _)| *key == (job.to_string(), step, id)) {
+            return Ok(Arc::clone(index));
+        }
+        let (record, parts) = self.store.get_manifest(job, Some(step)).await.map_err(meta_status)?;
+        if record.id != id {
+            return Err(Status::not_found(format!("{job} step {step} is checkpoint {} now, not {id}", record.id)));
+        }
+        let wanted = self.store.replication(job).await.map_err(meta_status)?.unwrap_or(self.config.default_replicas);
+        let mut index = ChunkIndex::new();
+        for chunk in parts.iter().flat_map(|(_, m)| m.files.iter()).flat_map(|f| f.chunks.iter()) {
+            let entry = index.entry(chunk.hash).or_insert_with(|| CommittedChunk {
+                length: chunk.length_bytes,
+                replicas: Default::default(),
+                wanted,
+            });
+            entry.replicas.extend(chunk.replicas.iter().cloned());
+        }
+        let index = Arc::new(index);
+        if cached.len() >= CHUNK_INDEXES_KEPT {
+            cached.remove(0);
+        }
+        cached.push(((job.to_string(), step, id), std::time::Instant::now(), Arc::clone(&index)));
+        Ok(index)
     }
 
     fn target_info(&self, record: &TargetRecord, now: u64) -> pb::TargetInfo {
@@ -550,30 +622,25 @@ impl Control for ControlService {
                 request.hashes.len()
             )));
         }
-        let (record, parts) = self.store.get_manifest(&job, Some(request.step)).await.map_err(meta_status)?;
-        if record.id != request.checkpoint_id {
-            return Err(Status::not_found(format!(
-                "{job} step {} is checkpoint {} now, not {}",
-                request.step, record.id, request.checkpoint_id
-            )));
-        }
-        let wanted = self.store.replication(&job).await.map_err(meta_status)?.unwrap_or(self.config.default_replicas);
-        let named: HashMap<ChunkHash, &starckpt_proto::model::ChunkRef> =
-            parts.iter().flat_map(|(_, m)| m.files.iter()).flat_map(|f| f.chunks.iter()).map(|c| (c.hash, c)).collect();
+        // The turn first: what waits for it holds no manifest.
+        let turn = tokio::time::timeout(RECOVERY_QUEUE_WAIT, self.collector.recovering.acquire()).await;
+        let Ok(Ok(_turn)) = turn else {
+            return Err(Status::unavailable("busy recovering other readers' chunks; try again shortly"));
+        };
+        let named = self.checkpoint_chunks(&job, request.step, request.checkpoint_id).await?;
         let mut chunks = Vec::with_capacity(request.hashes.len());
         for hash in &request.hashes {
             let hash = ChunkHash::try_from(&hash[..]).map_err(|e| Status::invalid_argument(e.to_string()))?;
             let chunk = named.get(&hash).ok_or_else(|| {
                 Status::invalid_argument(format!("chunk {hash} is not part of {job} step {}", request.step))
             })?;
-            let replicas = chunk.replicas.iter().cloned().collect();
-            chunks.push((hash, CommittedChunk { length: chunk.length_bytes, replicas, wanted }));
+            chunks.push((hash, chunk.clone()));
         }
-        let (recovered, from_tier) = self.collector.recover(&chunks).await.map_err(meta_status)?;
-        if from_tier > 0 {
-            tracing::info!(%job, step = request.step, from_tier, "a reader's chunks were read back from the tier");
+        let recovered = self.collector.recover(&chunks).await.map_err(meta_status)?;
+        if recovered.from_tier > 0 {
+            tracing::info!(%job, step = request.step, from_tier = recovered.from_tier, "a reader's chunks were read back from the tier");
         }
-        Ok(Response::new(pb::RecoverChunksResponse { recovered, from_tier }))
+        Ok(Response::new(pb::RecoverChunksResponse { recovered: recovered.chunks, from_tier: recovered.from_tier }))
     }
 
     async fn import_tier(

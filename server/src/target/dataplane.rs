@@ -394,6 +394,13 @@ async fn attach(stream: &tokio::net::UnixStream, served: &Served) -> std::io::Re
     let (placed_reads, placed_writes) = (served.placed_reads, served.placed_writes);
     let attached = shm::recv_attach(stream).await?;
     let attach = attached.attach;
+    if attach.region_bytes() as u64 > served.limits.max_shm_region_bytes {
+        // Never room for it: refused (the connection closed), not busy.
+        return Err(std::io::Error::other(format!(
+            "a region of {} bytes exceeds max_shm_region_bytes",
+            attach.region_bytes()
+        )));
+    }
     let pages = u32::try_from(attach.region_bytes().div_ceil(SHM_PAGE)).unwrap_or(u32::MAX);
     let Ok(room) = Arc::clone(&served.shm_regions).try_acquire_many_owned(pages) else {
         // Best effort: the client reads a closed connection as a refusal, and goes over TCP too.
