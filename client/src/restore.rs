@@ -254,7 +254,18 @@ impl Client {
             Err(error @ (Error::ChunkUnavailable { .. } | Error::Target { .. } | Error::Checksum { .. })) => error,
             done => return done,
         };
-        match self.recover_chunks(manifest, &[chunk.hash]).await {
+        // A control plane busy recovering others' chunks says so: asked again a few times.
+        let mut recovering = self.recover_chunks(manifest, &[chunk.hash]).await;
+        for _ in 0..RECOVERY_RETRIES {
+            match &recovering {
+                Err(Error::Control { status, .. }) if status.code() == tonic::Code::ResourceExhausted => {
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    recovering = self.recover_chunks(manifest, &[chunk.hash]).await;
+                }
+                _ => break,
+            }
+        }
+        match recovering {
             Ok(recovered) if recovered.first() == Some(&true) => {
                 tracing::info!(chunk = %chunk.hash, "the control plane recovered a chunk no target had; reading it again");
                 self.fetch_listed(manifest, chunk, dest).await
@@ -572,6 +583,9 @@ impl Client {
         restore_from(self, manifest, to, options, &progress, self.inner.config.restore_concurrency).await
     }
 }
+
+/// Times a chunk's recovery is asked again of a control plane that was busy with others.
+const RECOVERY_RETRIES: usize = 3;
 
 /// Where a restore reads a checkpoint's chunks: the cluster's targets ([`Client`]), or the
 /// object-store tier when the cluster is gone (`starckpt restore --from-tier`).

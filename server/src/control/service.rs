@@ -31,9 +31,6 @@ pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 /// Most chunks one `RecoverChunks` may name.
 pub const MAX_RECOVER_CHUNKS: usize = 64;
 
-/// `RecoverChunks` served at once (each reads a chunk and writes its copies).
-const RECOVERIES_AT_ONCE: usize = 4;
-
 #[derive(Clone, Debug)]
 pub struct ControlConfig {
     /// Heartbeat period asked of targets. Default 1 s.
@@ -66,6 +63,13 @@ pub struct ControlConfig {
     /// Period of the background tier pass (with a tier); None runs it only on request
     /// (`starckpt tier`). Default 1 min.
     pub tier_interval: Option<Duration>,
+    /// Readers' `RecoverChunks` served at once (each reads a chunk and writes its copies), and
+    /// how long one waits for its turn before it is answered ResourceExhausted (the reader asks
+    /// again a few times; re-replication recovers the chunk anyway). Default 4 and 20 s (under
+    /// the SDK's 30 s RPC timeout).
+    pub recoveries_at_once: usize,
+    /// See `recoveries_at_once`.
+    pub recovery_wait: Duration,
 }
 
 impl Default for ControlConfig {
@@ -82,6 +86,8 @@ impl Default for ControlConfig {
             tier: None,
             tier_config: TierConfig::default(),
             tier_interval: Some(Duration::from_secs(60)),
+            recoveries_at_once: 4,
+            recovery_wait: Duration::from_secs(20),
         }
     }
 }
@@ -105,10 +111,6 @@ struct Collector {
 
 /// How long recoveries skip a target one of them found unreachable.
 const UNREACHABLE_SKIPPED_FOR: Duration = Duration::from_secs(30);
-
-/// How long a `RecoverChunks` waits for its turn before answering Unavailable (the client's call
-/// has a deadline; the background re-replication pass recovers the chunk anyway).
-const RECOVERY_QUEUE_WAIT: Duration = Duration::from_secs(20);
 
 impl Collector {
     /// Every registered target, with its data address when it is alive.
@@ -239,7 +241,7 @@ impl ControlService {
             repairing: Default::default(),
             tiering: Default::default(),
             last_repair: LastRepair::default(),
-            recovering: tokio::sync::Semaphore::new(RECOVERIES_AT_ONCE),
+            recovering: tokio::sync::Semaphore::new(config.recoveries_at_once),
             transports: Default::default(),
             unreachable: Default::default(),
         });
@@ -623,9 +625,10 @@ impl Control for ControlService {
             )));
         }
         // The turn first: what waits for it holds no manifest.
-        let turn = tokio::time::timeout(RECOVERY_QUEUE_WAIT, self.collector.recovering.acquire()).await;
+        let turn = tokio::time::timeout(self.config.recovery_wait, self.collector.recovering.acquire()).await;
         let Ok(Ok(_turn)) = turn else {
-            return Err(Status::unavailable("busy recovering other readers' chunks; try again shortly"));
+            // Not Unavailable: that would read as this control plane being down.
+            return Err(Status::resource_exhausted("busy recovering other readers' chunks; try again shortly"));
         };
         let named = self.checkpoint_chunks(&job, request.step, request.checkpoint_id).await?;
         let mut chunks = Vec::with_capacity(request.hashes.len());
@@ -911,6 +914,23 @@ async fn reap_stale_pending(store: Arc<dyn MetaStore>, timeout: Duration) {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// A recovery that does not get its turn in time is told the control plane is busy
+    /// (ResourceExhausted, which the SDK asks again after), not that it is down (Unavailable,
+    /// which would move the SDK to another control plane).
+    #[tokio::test]
+    async fn a_recovery_that_waits_too_long_is_told_busy() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open_store(dir.path().join("meta.db").to_str().unwrap()).await.unwrap();
+        let config =
+            ControlConfig { recoveries_at_once: 0, recovery_wait: Duration::from_millis(50), ..Default::default() };
+        let service = ControlService::new(store, config);
+        let request = pb::RecoverChunksRequest { job: "j".into(), step: 1, checkpoint_id: 1, hashes: vec![] };
+        let status = service.recover_chunks(Request::new(request)).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status}");
+    }
+
     #[test]
     fn a_listener_is_known_by_its_whole_address_on_this_kernel_and_network() {
         let at = |address: &str| super::listener_identity(address.parse().unwrap());

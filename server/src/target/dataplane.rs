@@ -516,9 +516,12 @@ where
         // The rest of the header within a frame's time: a peer trickling a large header does
         // not hold its connection slot (and the header's buffer) for the idle timeout.
         let head = match head {
-            Ok(header) => tokio::time::timeout(limits.frame_timeout, frame::read_message_header(&mut reader, &header))
-                .await
-                .map(|prost_header| prost_header.map(|prost_header| (header, prost_header))),
+            Ok(header) => tokio::select! {
+                _ = stop.cancelled() => break Ok(()),
+                rest = tokio::time::timeout(limits.frame_timeout, frame::read_message_header(&mut reader, &header)) => {
+                    rest.map(|prost_header| prost_header.map(|prost_header| (header, prost_header)))
+                }
+            },
             Err(error) => Ok(Err(error)),
         };
         let (header, prost_header) = match head {
