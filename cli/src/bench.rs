@@ -79,6 +79,11 @@ pub struct BenchArgs {
     /// before writing it (`starckpt target --shm-copy-writes`), instead of writing it from there.
     #[arg(long, conflicts_with = "no_shm")]
     shm_copy_writes: bool,
+    /// Hash and upload chunks while the rest is still being copied into staging (true), or once
+    /// the copy is done (false): a shorter time to commit against a longer stall where cores are
+    /// few. Default: the client's (`ClientConfig::upload_during_staging`: on from 8 cores).
+    #[arg(long)]
+    upload_during_staging: Option<bool>,
     /// TCP payloads (PUTs, and the built-in cluster's GET results) sent zero-copy: auto, always
     /// or off (`starckpt target --zero-copy-send`). Over loopback the kernel copies them anyway.
     #[arg(long, default_value = "auto")]
@@ -484,6 +489,9 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         config.compression = args.compression.config()?;
         config.shm.enabled = !args.no_shm;
         config.tcp.zero_copy_send = args.zero_copy_send;
+        if let Some(overlap) = args.upload_during_staging {
+            config.upload_during_staging = overlap;
+        }
         clients.push(Client::connect(config).await?);
     }
     crate::demo::wait_for_targets(&clients[0], if cluster.is_some() { args.targets } else { 1 }).await?;

@@ -253,6 +253,41 @@ async fn fill_sources_write_staging_buffers_themselves_and_their_errors_fail_the
     cluster.shutdown().await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_wait_for_staging_unless_told_to_overlap_it() {
+    // The first file's one chunk is staged before the second file's fill runs: the fill looks
+    // for it on the targets' disks. Held back (the small-host default), it cannot be there yet;
+    // overlapped, it arrives while the save is still staging.
+    for overlap in [false, true] {
+        let (dir, cluster, client) = cluster(2, |c| {
+            c.chunk_size_bytes = 64 * 1024;
+            c.upload_during_staging = overlap;
+        })
+        .await;
+        let first = random(64 * 1024, 40 + overlap as u64);
+        let hash = starckpt_proto::ChunkHash::of(&first);
+        let dirs: Vec<std::path::PathBuf> = target_dirs(dir.path(), 2).into_values().collect();
+        let uploaded = || dirs.iter().any(|d| copy_verifies(&chunk_file(d, &hash), &hash, first.len() as u64));
+        let fill = |_: u64, out: &mut [u8]| {
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while overlap && !uploaded() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            out.fill(7);
+            match (overlap, uploaded()) {
+                (false, true) => Err("the first chunk was uploaded while the save was staging".to_owned()),
+                (true, false) => Err("the first chunk was not uploaded while the save was staging".to_owned()),
+                _ => Ok(()),
+            }
+        };
+        let sources = [("first", Lent::Bytes(&first)), ("second", Lent::Fill { size: 1000, fill: &fill })];
+        let handle = client.save_lent(SavePart::new("overlap", 1), &sources).await.unwrap();
+        assert!(handle.wait().await.unwrap().committed());
+        assert!(uploaded());
+        cluster.shutdown().await.unwrap();
+    }
+}
+
 /// Target id -> data directory of a dev cluster's targets.
 fn target_dirs(dir: &std::path::Path, targets: usize) -> std::collections::HashMap<String, std::path::PathBuf> {
     (0..targets)
