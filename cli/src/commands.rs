@@ -61,6 +61,7 @@ pub struct ServerArgs {
     pub tier: Option<String>,
     pub tier_interval: Option<Duration>,
     pub tier_bytes_per_sec: u64,
+    pub cluster_key: Option<starckpt_proto::capability::ClusterKey>,
 }
 
 pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<()> {
@@ -85,6 +86,7 @@ pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<
         tier,
         tier_config: starckpt_server::control::tier::TierConfig { bytes_per_second: args.tier_bytes_per_sec },
         tier_interval: args.tier_interval,
+        cluster_key: args.cluster_key,
         ..Default::default()
     };
     starckpt_server::control::run(listener, store, config, shutdown).await

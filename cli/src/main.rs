@@ -101,6 +101,27 @@ struct JobArg {
     job: String,
 }
 
+/// The secret a cluster's control planes and targets share (`starckpt_proto::capability`).
+#[derive(clap::Args)]
+struct ClusterKeyArg {
+    /// File holding the cluster's secret (16 bytes or more; `head -c 32 /dev/urandom`), the same
+    /// for its control planes and targets: control planes sign data-plane capabilities with it,
+    /// and targets serve only requests carrying one (clients get theirs from the control plane).
+    /// Without it a target serves any peer that reaches its port.
+    #[arg(long, env = "STARCKPT_CLUSTER_KEY_FILE")]
+    cluster_key_file: Option<PathBuf>,
+}
+
+impl ClusterKeyArg {
+    fn load(&self) -> anyhow::Result<Option<starckpt_proto::capability::ClusterKey>> {
+        self.cluster_key_file
+            .as_deref()
+            .map(starckpt_proto::capability::ClusterKey::from_file)
+            .transpose()
+            .map_err(anyhow::Error::msg)
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the control plane.
@@ -144,6 +165,8 @@ enum Command {
         /// Upload pace of the tier, in MiB/s (it competes with saves for the targets' disks).
         #[arg(long, default_value_t = 256)]
         tier_mib_per_sec: u64,
+        #[command(flatten)]
+        key: ClusterKeyArg,
     },
     /// Run a storage target on one device or directory.
     Target {
@@ -209,6 +232,8 @@ enum Command {
         /// checkpoints are written into allocated files too (raises --free-pool to at least SIZE).
         #[arg(long, default_value = "0", value_parser = crate::demo::parse_size)]
         preallocate: u64,
+        #[command(flatten)]
+        key: ClusterKeyArg,
     },
     /// Run a control plane and N targets in one process, data kept in DIR across restarts.
     Dev {
@@ -416,6 +441,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             tier,
             tier_interval_secs,
             tier_mib_per_sec,
+            key,
         } => {
             let pending_timeout = pending_timeout_secs.max(1);
             let args = commands::ServerArgs {
@@ -433,6 +459,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .max(1)
                     .checked_mul(1 << 20)
                     .ok_or_else(|| anyhow::anyhow!("--tier-mib-per-sec {tier_mib_per_sec} is out of range"))?,
+                cluster_key: key.load()?,
             };
             commands::server(&listen, &db, args).await
         }
@@ -454,6 +481,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             rdma,
             free_pool,
             preallocate,
+            key,
         } => {
             let mut config = starckpt_server::target::TargetConfig::new(dir, cli.server.clone());
             config.rdma = rdma.target();
@@ -472,6 +500,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             config.failure_domain = failure_domain;
             config.free_pool_bytes = free_pool;
             config.preallocate_bytes = preallocate;
+            config.cluster_key = key.load()?;
             config.scrub = starckpt_server::target::scrub::ScrubConfig {
                 bytes_per_second: scrub_mib_per_sec.saturating_mul(1 << 20),
                 pause: Duration::from_secs(scrub_pause_secs),

@@ -415,6 +415,56 @@ fn garbage_on_the_data_port_is_rejected_and_the_target_keeps_serving() {
 }
 
 #[test]
+fn a_cluster_key_keeps_peers_without_a_capability_off_the_targets() {
+    use prost::Message;
+    use starckpt_proto::frame::{FrameHeader, Opcode};
+
+    // The harness gives the control plane and targets one key file.
+    let mut cluster = Cluster::start(2);
+    let mut peer = TcpStream::connect(&cluster.targets[0].address).unwrap();
+    let stat = starckpt_proto::data::StatRequest::default().encode_to_vec();
+    let header = FrameHeader { opcode: Opcode::Stat, request_id: 7, header_len: stat.len() as u32, payload_len: 0 };
+    peer.write_all(&header.encode()).unwrap();
+    peer.write_all(&stat).unwrap();
+    let mut fixed = [0u8; 24];
+    peer.read_exact(&mut fixed).unwrap();
+    let mut body = vec![0u8; FrameHeader::decode(&fixed).unwrap().header_len as usize];
+    peer.read_exact(&mut body).unwrap();
+    let answer = starckpt_proto::data::Response::decode(&body[..]).unwrap();
+    assert_eq!(answer.code, starckpt_proto::data::ErrorCode::Unauthorized as i32, "{answer:?}");
+    assert!(answer.message.contains("no capability"), "{answer:?}");
+
+    // A third target set up with another cluster's key refuses this cluster's clients: saves go
+    // to the other two, and restores read from them.
+    let other = cluster.dir.path().join("other.key");
+    std::fs::write(&other, "the key of some other cluster").unwrap();
+    let stray = cluster.start_target_env(2, &[], &[("STARCKPT_CLUSTER_KEY_FILE", other.to_str().unwrap())]);
+    cluster.targets.push(stray);
+    cluster.wait_alive(3);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("f"), random_bytes(3 << 20, 5)).unwrap();
+    cluster.ok(&["save", "--job", "k", "--step", "1", "--chunk-size", "262144", source.to_str().unwrap()]);
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "k", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&restored));
+    assert_eq!(cluster.chunk_files(2).len(), 0, "the stray target stored chunks");
+    assert!(cluster.chunk_files(0).len() + cluster.chunk_files(1).len() >= 12);
+
+    // A key file too short to be a secret stops a service at start, saying why.
+    let short = cluster.dir.path().join("short.key");
+    std::fs::write(&short, "tiny").unwrap();
+    let output = std::process::Command::new(common::BIN)
+        .args(["server", "--listen", "127.0.0.1:0", "--db", cluster.dir.path().join("x.db").to_str().unwrap()])
+        .env("STARCKPT_CLUSTER_KEY_FILE", &short)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("at least 16 bytes"), "{stderr}");
+}
+
+#[test]
 fn a_dead_target_during_save_and_restore() {
     let mut cluster = Cluster::start(3);
     let source = cluster.dir.path().join("source");

@@ -138,6 +138,31 @@ impl ClientConfig {
     }
 }
 
+/// The capability the client's data-plane requests carry, asked of the control plane when the
+/// first request needs it and again at half its life (`starckpt_proto::capability`). A control
+/// plane that does not know the call has no key to sign with.
+fn data_capability(control: Arc<ControlPlanes>) -> transport::Credentials {
+    transport::Credentials::asked(Box::new(move || {
+        let control = Arc::clone(&control);
+        Box::pin(async move {
+            let request = pb::DataCapabilityRequest {};
+            let asked = control.call("data capability", Resend::Idempotent, request, |mut c, r| async move {
+                c.data_capability(r).await
+            });
+            match asked.await {
+                Ok(answer) => {
+                    let expires = std::time::UNIX_EPOCH + Duration::from_millis(answer.expires_unix_ms);
+                    Ok((answer.capability, expires))
+                }
+                Err(status) if status.code() == tonic::Code::Unimplemented => {
+                    Ok((bytes::Bytes::new(), std::time::UNIX_EPOCH))
+                }
+                Err(status) => Err(format!("data capability: {}", status.message())),
+            }
+        })
+    }))
+}
+
 /// The RDMA device `config` asks for, if enabled and present (a missing one means TCP, logged);
 /// malformed settings are an error.
 fn rdma_device(config: &RdmaConfig) -> Result<Option<Arc<dyn starckpt_rdma::Verbs>>> {
@@ -221,7 +246,7 @@ struct Inner {
     leases: tokio::sync::Mutex<HashMap<String, u64>>,
     /// One save uploads at a time per client; held from staging until commit.
     upload_slot: Arc<tokio::sync::Semaphore>,
-    control: ControlPlanes,
+    control: Arc<ControlPlanes>,
     staging: BufPool,
     targets: Targets,
     /// Read repairs queued or running in the background (see `read_chunk`), and those running.
@@ -246,7 +271,7 @@ impl Client {
     /// Connects to the control plane, failing fast if it is unreachable. `config.server` may list
     /// several control planes of one cluster (`a:7070,b:7070`, sharing a PostgreSQL database):
     /// the first that answers is used.
-    pub async fn connect(config: ClientConfig) -> Result<Client> {
+    pub async fn connect(mut config: ClientConfig) -> Result<Client> {
         if config.chunk_size_bytes == 0 || config.chunk_size_bytes > starckpt_proto::frame::MAX_PAYLOAD_BYTES as usize {
             return Err(Error::InvalidInput(format!(
                 "chunk size {} is outside 1..={}",
@@ -254,7 +279,8 @@ impl Client {
                 starckpt_proto::frame::MAX_PAYLOAD_BYTES
             )));
         }
-        let control = ControlPlanes::connect(&config).await?;
+        let control = Arc::new(ControlPlanes::connect(&config).await?);
+        config.tcp.credentials = data_capability(Arc::clone(&control));
         let buffers = (config.staging_bytes / config.chunk_size_bytes).max(1);
         // In a memfd when shared memory is on, so targets on this host read staged chunks where
         // they lie; on the heap if the memfd cannot be made (a sandbox without memfd_create).

@@ -1013,7 +1013,9 @@ pub(crate) async fn upload_one(
                             TransportError::Remote {
                                 code: starckpt_proto::data::ErrorCode::NoSpace
                                     | starckpt_proto::data::ErrorCode::Busy
-                                    | starckpt_proto::data::ErrorCode::Internal,
+                                    | starckpt_proto::data::ErrorCode::Internal
+                                    // A target set up with another cluster's key.
+                                    | starckpt_proto::data::ErrorCode::Unauthorized,
                                 ..
                             }
                         );

@@ -288,6 +288,78 @@ async fn uploads_wait_for_staging_unless_told_to_overlap_it() {
     }
 }
 
+/// The message of a target's UNAUTHORIZED answer; any other outcome fails the test.
+fn refusal<T: std::fmt::Debug>(result: Result<T, starckpt_client::transport::TransportError>) -> String {
+    match result {
+        Err(starckpt_client::transport::TransportError::Remote {
+            code: starckpt_proto::data::ErrorCode::Unauthorized,
+            message,
+        }) => message,
+        other => panic!("expected UNAUTHORIZED, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targets_serve_only_requests_carrying_a_capability_from_the_control_plane() {
+    use starckpt_client::transport::{ChunkTransport, Credentials, Payload, TcpConfig, TcpTransport};
+    use starckpt_proto::capability::{CLOCK_SKEW, ClusterKey, Rights};
+    use std::time::SystemTime;
+    let (_dir, cluster, client) = cluster(1, |c| c.chunk_size_bytes = 64 * 1024).await;
+    // The SDK asks the control plane for its capability: saves and restores just work.
+    let data = random(200_000, 50);
+    let part = SavePart::new("auth", 1).buffer("w", Bytes::from(data.clone())).unwrap();
+    assert!(client.save(part).await.unwrap().wait().await.unwrap().committed());
+    let manifest = client.manifest("auth", Some(1)).await.unwrap();
+    assert_eq!(&client.read_file(&manifest, "w").await.unwrap()[..], &data[..]);
+    let stored = manifest.file("w").unwrap().chunks[0].hash;
+    let fresh = random(1000, 51);
+    let fresh_hash = starckpt_proto::ChunkHash::of(&fresh);
+
+    let address = cluster.target_addresses[0];
+    let with = |credentials: Credentials| TcpTransport::new(address, TcpConfig { credentials, ..TcpConfig::default() });
+    let fixed = |capability: Bytes| {
+        Credentials::asked(Box::new(move || {
+            let capability = capability.clone();
+            Box::pin(async move { Ok((capability, SystemTime::now() + Duration::from_secs(3600))) })
+        }))
+    };
+
+    // A peer without a capability gets nothing done.
+    let anyone = with(Credentials::default());
+    let message = refusal(anyone.has(&[stored]).await);
+    assert!(message.contains("carries no capability"), "{message}");
+    refusal(anyone.get(stored, 0, 0).await);
+    refusal(anyone.put(fresh_hash, Payload::raw(Bytes::from(fresh.clone()))).await);
+    refusal(anyone.delete(&[stored], None).await);
+    refusal(anyone.list(None, 10).await);
+    refusal(anyone.stat().await);
+
+    // A client's capability reads and writes, and neither deletes nor lists.
+    let key = cluster.cluster_key.clone();
+    let a_client = with(Credentials::minted(key.clone(), Rights::CLIENT, Duration::from_secs(600)));
+    assert_eq!(a_client.has(&[stored, fresh_hash]).await.unwrap(), vec![true, false]);
+    assert!(!a_client.put(fresh_hash, Payload::raw(Bytes::from(fresh.clone()))).await.unwrap());
+    assert_eq!(&a_client.get(fresh_hash, 0, 0).await.unwrap().bytes[..], &fresh[..]);
+    let message = refusal(a_client.delete(&[stored], None).await);
+    assert!(message.contains("grants read+write, and the request needs admin"), "{message}");
+    refusal(a_client.list(None, 10).await);
+
+    // Signed with another key, or expired: refused.
+    let forged = ClusterKey::from_secret(b"a guess at the cluster's secret").unwrap();
+    let forger = with(Credentials::minted(forged, Rights::ALL, Duration::from_secs(600)));
+    let message = refusal(forger.delete(&[stored], None).await);
+    assert!(message.contains("not signed with this target's cluster key"), "{message}");
+    let old = key.mint(Rights::ALL, SystemTime::now() - 2 * CLOCK_SKEW);
+    let message = refusal(with(fixed(old)).has(&[stored]).await);
+    assert!(message.contains("expired"), "{message}");
+
+    // The control plane's own (what GC carries) deletes.
+    let admin = with(cluster.admin_credentials());
+    assert_eq!(admin.list(None, 100).await.unwrap().chunks.len(), manifest.file("w").unwrap().chunks.len() + 1);
+    assert_eq!(admin.delete(&[fresh_hash], None).await.unwrap(), 1);
+    cluster.shutdown().await.unwrap();
+}
+
 /// Target id -> data directory of a dev cluster's targets.
 fn target_dirs(dir: &std::path::Path, targets: usize) -> std::collections::HashMap<String, std::path::PathBuf> {
     (0..targets)
@@ -399,8 +471,9 @@ async fn streamed_files_commit_together_and_a_collected_chunk_fails_the_commit()
     let lost = stream.finish("lost.bin".try_into().unwrap(), 0).await.unwrap();
     let chunk = &lost.chunks[0];
     let target = client.targets().await.unwrap().into_iter().find(|t| t.target_id == chunk.replicas[0]).unwrap();
-    let transport =
-        starckpt_client::transport::TcpTransport::new(target.data_address.parse().unwrap(), Default::default());
+    let config =
+        starckpt_client::transport::TcpConfig { credentials: cluster.admin_credentials(), ..Default::default() };
+    let transport = starckpt_client::transport::TcpTransport::new(target.data_address.parse().unwrap(), config);
     use starckpt_client::transport::ChunkTransport;
     assert_eq!(transport.delete(&[chunk.hash], None).await.unwrap(), 1);
     let error = client.commit_streamed("streamed", 4, vec![lost], vec![], Default::default()).await.unwrap_err();

@@ -53,7 +53,7 @@ async fn start_target_placing(
         listener.placed_reads = placed_reads;
         listener
     });
-    start_target_on(dir, address, Transports { shm, rdma: None }, DataPlaneLimits::default()).await
+    start_target_on(dir, address, Transports { shm, rdma: None, cluster_key: None }, DataPlaneLimits::default()).await
 }
 
 async fn start_target_on(
@@ -548,7 +548,7 @@ async fn shared_memory_regions_are_bounded_per_target() {
     let listener = ShmListener::new(tokio::net::UnixListener::bind(&socket).unwrap(), socket.clone());
     // Room for one region of 4 slots of 1 MiB.
     let limits = DataPlaneLimits { max_shm_region_bytes: 4 << 20, ..DataPlaneLimits::default() };
-    let transports = Transports { shm: Some(listener), rdma: None };
+    let transports = Transports { shm: Some(listener), rdma: None, cluster_key: None };
     let target = start_target_on(&dir.path().join("data"), "127.0.0.1:0", transports, limits).await;
     let attach = || ShmTransport::connect(socket.clone(), None, TcpConfig::default(), 4, 1 << 20, None);
     let first = attach().await.unwrap();
@@ -824,7 +824,7 @@ use starckpt_rdma::soft::SoftDevice;
 /// A target serving TCP and RDMA on its own software device.
 async fn rdma_target(dir: &std::path::Path, limits: DataPlaneLimits) -> (Target, Arc<SoftDevice>) {
     let device = SoftDevice::new("target");
-    let transports = Transports { shm: None, rdma: Some(device.clone()) };
+    let transports = Transports { shm: None, rdma: Some(device.clone()), cluster_key: None };
     (start_target_on(dir, "127.0.0.1:0", transports, limits).await, device)
 }
 

@@ -10,6 +10,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
@@ -18,6 +19,7 @@ use tokio::task::JoinHandle;
 
 use crate::control::{self, ControlConfig};
 use crate::target::{self, EngineKind, TargetConfig};
+use starckpt_proto::capability::ClusterKey;
 
 /// Binds a target's port, reusing the one it had last time (remembered in `DIR/listen.addr`) so
 /// addresses stay valid across `starckpt dev` restarts; a fresh ephemeral port if that one is taken.
@@ -37,10 +39,37 @@ async fn bind_stable(dir: &Path) -> anyhow::Result<TcpListener> {
     Ok(listener)
 }
 
+/// The dev cluster's key, in `DIR/cluster.key` (made on first start, readable by its owner only):
+/// its targets serve only requests with a capability from its control plane, as in production.
+/// Other processes join the cluster with `--cluster-key-file DIR/cluster.key`.
+fn cluster_key(data_dir: &Path) -> anyhow::Result<ClusterKey> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = data_dir.join("cluster.key");
+    if !path.exists() {
+        // Written whole, then renamed into place: a crash never leaves a short key behind.
+        let partial = data_dir.join("cluster.key.partial");
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&partial)
+            .with_context(|| format!("create {}", partial.display()))?;
+        file.write_all(format!("{}\n", ClusterKey::generate_secret()).as_bytes())
+            .and_then(|()| file.sync_all())
+            .and_then(|()| std::fs::rename(&partial, &path))
+            .with_context(|| format!("write {}", path.display()))?;
+    }
+    ClusterKey::from_file(&path).map_err(anyhow::Error::msg)
+}
+
 pub struct DevCluster {
     pub control_address: SocketAddr,
     pub target_addresses: Vec<SocketAddr>,
     pub data_dir: PathBuf,
+    /// The key its control plane and targets share (`DIR/cluster.key`).
+    pub cluster_key: ClusterKey,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<anyhow::Result<()>>>,
 }
@@ -72,18 +101,35 @@ impl DevCluster {
         let wait = |mut stopped: watch::Receiver<bool>| async move {
             let _ = stopped.wait_for(|s| *s).await;
         };
-        let mut tasks =
-            vec![tokio::spawn(control::run(listener, store, ControlConfig::default(), wait(stopped.clone())))];
+        let key = cluster_key(data_dir)?;
+        let cluster_key = Some(key.clone());
+        let control_config = ControlConfig { cluster_key: cluster_key.clone(), ..ControlConfig::default() };
+        let mut tasks = vec![tokio::spawn(control::run(listener, store, control_config, wait(stopped.clone())))];
         let mut target_addresses = Vec::new();
         for index in 0..targets {
             let mut config = TargetConfig::new(data_dir.join(format!("target-{index}")), control_address.to_string());
             config.engine = engine;
+            config.cluster_key = cluster_key.clone();
             configure(&mut config);
             let listener = bind_stable(&config.dir).await?;
             target_addresses.push(listener.local_addr()?);
             tasks.push(tokio::spawn(target::run(config, listener, wait(stopped.clone()))));
         }
-        Ok(DevCluster { control_address, target_addresses, data_dir: data_dir.to_path_buf(), stop, tasks })
+        Ok(DevCluster {
+            control_address,
+            target_addresses,
+            data_dir: data_dir.to_path_buf(),
+            cluster_key: key,
+            stop,
+            tasks,
+        })
+    }
+
+    /// What the control plane's own requests carry: capabilities to do anything on the targets,
+    /// for tools and tests that act for it (deleting or listing chunks).
+    pub fn admin_credentials(&self) -> starckpt_proto::capability::Credentials {
+        let rights = starckpt_proto::capability::Rights::ALL;
+        starckpt_proto::capability::Credentials::minted(self.cluster_key.clone(), rights, Duration::from_secs(3600))
     }
 
     /// Graceful stop: services finish what they are doing and exit.

@@ -25,6 +25,11 @@ impl Proc {
         let log_file = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
         let mut command = Command::new(BIN);
         command.args(args).stdout(Stdio::piped()).stderr(Stdio::from(log_file)).env("RUST_LOG", "info");
+        // Control planes and targets of one test's cluster (their logs share its directory) share
+        // a cluster key, as in production: clients' data-plane requests carry capabilities.
+        if matches!(args.first(), Some(&"server" | &"target")) {
+            command.env("STARCKPT_CLUSTER_KEY_FILE", cluster_key_file(log.parent().unwrap()));
+        }
         for (key, value) in env {
             command.env(key, value);
         }
@@ -56,6 +61,16 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The cluster key file of the cluster whose files are in `dir`, made on first use.
+pub fn cluster_key_file(dir: &Path) -> PathBuf {
+    let path = dir.join("cluster.key");
+    if !path.exists() {
+        let secret = format!("test secret {} {:?}", std::process::id(), std::time::SystemTime::now());
+        std::fs::write(&path, secret).unwrap();
+    }
+    path
 }
 
 /// A control plane and N targets, each a separate `starckpt` process, data under one temp dir.

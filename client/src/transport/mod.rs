@@ -23,6 +23,7 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use prost::Message;
 use starckpt_proto::ChunkHash;
+pub use starckpt_proto::capability::Credentials;
 use starckpt_proto::codec::Codec;
 use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{self, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, Opcode, ReadFrameError};
@@ -198,6 +199,9 @@ pub struct TcpConfig {
     /// PUT payloads sent zero-copy (io_uring SEND_ZC). Default auto: until the kernel reports it
     /// copied them anyway, as it does over loopback (`starckpt_proto::zerocopy`).
     pub zero_copy_send: ZeroCopySend,
+    /// The capability every request carries (`starckpt_proto::capability`): the client's comes
+    /// from the control plane; none where the cluster has no key.
+    pub credentials: Credentials,
 }
 
 impl Default for TcpConfig {
@@ -208,6 +212,7 @@ impl Default for TcpConfig {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(120),
             zero_copy_send: ZeroCopySend::Auto,
+            credentials: Credentials::default(),
         }
     }
 }
@@ -688,9 +693,11 @@ impl TcpTransport {
     }
 }
 
-/// The `Auth` of a transport's requests.
-fn auth_for(target_id: &Option<String>) -> Option<data::Auth> {
-    target_id.as_ref().map(|id| data::Auth { capability: Bytes::new(), target_id: id.clone() })
+/// The `Auth` of a transport's requests: the target meant, and the sender's capability.
+async fn auth_for(target_id: &Option<String>, config: &TcpConfig) -> Option<data::Auth> {
+    let capability = config.credentials.fresh().await;
+    (target_id.is_some() || !capability.is_empty())
+        .then(|| data::Auth { capability, target_id: target_id.clone().unwrap_or_default() })
 }
 
 /// Runs `attempt`, and once more if it failed because its connection broke: a fresh connection is
@@ -721,8 +728,9 @@ fn checked(response: data::Response, payload: Bytes) -> Result<(data::Response, 
 /// transport; [`ChunkTransport`] comes with it.
 #[async_trait]
 pub trait FrameTransport: Send + Sync + 'static {
-    /// Sent in every request; a target with another id refuses it.
-    fn auth(&self) -> Option<data::Auth>;
+    /// Sent in every request: a target with another id refuses it, and one whose cluster has a
+    /// key checks its capability.
+    async fn auth(&self) -> Option<data::Auth>;
     async fn call(
         &self,
         opcode: Opcode,
@@ -742,8 +750,8 @@ pub trait FrameTransport: Send + Sync + 'static {
 
 #[async_trait]
 impl FrameTransport for TcpTransport {
-    fn auth(&self) -> Option<data::Auth> {
-        auth_for(&self.target_id)
+    async fn auth(&self) -> Option<data::Auth> {
+        auth_for(&self.target_id, &self.config).await
     }
 
     async fn call(
@@ -762,13 +770,13 @@ impl FrameTransport for TcpTransport {
     }
 
     async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
-        let header = put_header(self, hash, &payload, repair, Place::Inline);
+        let header = put_header(self, hash, &payload, repair, Place::Inline).await;
         Ok(self.call(Opcode::Put, header, Some(payload.bytes)).await?.0.already_present)
     }
 
     async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
         let (response, bytes) =
-            self.call(Opcode::Get, get_header(self, hash, offset, length, Place::Inline), None).await?;
+            self.call(Opcode::Get, get_header(self, hash, offset, length, Place::Inline).await, None).await?;
         get_payload(&response, bytes)
     }
 
@@ -780,7 +788,7 @@ impl FrameTransport for TcpTransport {
         loop {
             let attempt = async {
                 let connection = self.connection().await?;
-                get_landing(&connection, get_header(self, hash, 0, 0, Place::Inline), dest, timeout).await
+                get_landing(&connection, get_header(self, hash, 0, 0, Place::Inline).await, dest, timeout).await
             };
             // Once more on a fresh connection if this one broke, as `once_more` does.
             match attempt.await {
@@ -816,7 +824,7 @@ pub(crate) enum Place {
 }
 
 /// A PUT request's header, its payload at `place`.
-pub(crate) fn put_header<F: FrameTransport + ?Sized>(
+pub(crate) async fn put_header<F: FrameTransport + ?Sized>(
     frames: &F,
     hash: ChunkHash,
     payload: &Payload,
@@ -828,7 +836,7 @@ pub(crate) fn put_header<F: FrameTransport + ?Sized>(
         _ => (0, 0),
     };
     data::PutRequest {
-        auth: frames.auth(),
+        auth: frames.auth().await,
         hash: hash.to_bytes(),
         repair,
         codec: payload.codec.to_wire(),
@@ -847,7 +855,7 @@ pub(crate) fn put_header<F: FrameTransport + ?Sized>(
     .encode_to_vec()
 }
 
-pub(crate) fn get_header<F: FrameTransport + ?Sized>(
+pub(crate) async fn get_header<F: FrameTransport + ?Sized>(
     frames: &F,
     hash: ChunkHash,
     offset: u64,
@@ -855,7 +863,7 @@ pub(crate) fn get_header<F: FrameTransport + ?Sized>(
     place: Place,
 ) -> Vec<u8> {
     data::GetRequest {
-        auth: frames.auth(),
+        auth: frames.auth().await,
         hash: hash.to_bytes(),
         offset,
         length,
@@ -931,7 +939,7 @@ pub(crate) fn get_payload(response: &data::Response, bytes: Bytes) -> Result<Pay
 }
 
 async fn has_frames<F: FrameTransport + ?Sized>(frames: &F, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError> {
-    let header = data::HasRequest { auth: frames.auth(), hashes: hash_list(hashes)? }.encode_to_vec();
+    let header = data::HasRequest { auth: frames.auth().await, hashes: hash_list(hashes)? }.encode_to_vec();
     let (response, _) = frames.call(Opcode::Has, header, None).await?;
     if response.present.len() != hashes.len() {
         return Err(TransportError::Protocol(format!(
@@ -950,7 +958,8 @@ async fn delete_frames<F: FrameTransport + ?Sized>(
 ) -> Result<u64, TransportError> {
     // A zero guard would mean "unconditional" on the wire; the smallest real guard is 1 ms.
     let unused_for_ms = unused_for.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
-    let header = data::DeleteRequest { auth: frames.auth(), hashes: hash_list(hashes)?, unused_for_ms }.encode_to_vec();
+    let header =
+        data::DeleteRequest { auth: frames.auth().await, hashes: hash_list(hashes)?, unused_for_ms }.encode_to_vec();
     Ok(frames.call(Opcode::Delete, header, None).await?.0.deleted)
 }
 
@@ -960,7 +969,7 @@ async fn list_frames<F: FrameTransport + ?Sized>(
     limit: u32,
 ) -> Result<ChunkPage, TransportError> {
     let after = after.map_or_else(Bytes::new, |h| h.to_bytes());
-    let header = data::ListRequest { auth: frames.auth(), after, limit }.encode_to_vec();
+    let header = data::ListRequest { auth: frames.auth().await, after, limit }.encode_to_vec();
     let (response, payload) = frames.call(Opcode::List, header, None).await?;
     if payload.len() % LIST_ENTRY_BYTES != 0 || payload.len() / LIST_ENTRY_BYTES > limit as usize {
         return Err(TransportError::Protocol(format!("LIST answered {} payload bytes", payload.len())));
@@ -978,7 +987,7 @@ async fn list_frames<F: FrameTransport + ?Sized>(
 }
 
 async fn stat_frames<F: FrameTransport + ?Sized>(frames: &F) -> Result<TargetStat, TransportError> {
-    let header = data::StatRequest { auth: frames.auth() }.encode_to_vec();
+    let header = data::StatRequest { auth: frames.auth().await }.encode_to_vec();
     let (response, _) = frames.call(Opcode::Stat, header, None).await?;
     Ok(TargetStat {
         capacity_bytes: response.capacity_bytes,

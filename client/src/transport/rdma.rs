@@ -195,8 +195,8 @@ impl RdmaTransport {
         let region = unsafe { verbs.register(nonce.as_mut_ptr(), 32, Access::REMOTE_READ) }
             .map_err(|e| TransportError::Connect(format!("RDMA probe: {e}")))?;
         let probe = RemoteBuffer { addr: region.addr(), rkey: region.rkey(), len: 32 };
-        let header =
-            data::ConnectRequest { auth: self.auth(), endpoint: None, probe: Some(probe.to_wire()) }.encode_to_vec();
+        let header = data::ConnectRequest { auth: self.auth().await, endpoint: None, probe: Some(probe.to_wire()) }
+            .encode_to_vec();
         let (response, echoed) = frames.call(Opcode::Connect, header, None, self.config.request_timeout).await?;
         let (_, echoed) = checked(response, echoed).map_err(|e| TransportError::Connect(format!("RDMA probe: {e}")))?;
         drop(region);
@@ -215,12 +215,12 @@ impl RdmaTransport {
         let registered =
             if fits { unsafe { self.client.memory.register(bytes.as_ptr(), bytes.len()) }.ok() } else { None };
         let Some(registered) = registered else {
-            let header = put_header(self, hash, payload, repair, Place::Inline);
+            let header = put_header(self, hash, payload, repair, Place::Inline).await;
             return Ok(self.call_on(&connection, Opcode::Put, header, Some(bytes)).await?.0.already_present);
         };
         let remote =
             RemoteBuffer { addr: bytes.as_ptr() as u64, rkey: registered.region().rkey(), len: bytes.len() as u32 };
-        let header = put_header(self, hash, payload, repair, Place::Rdma(remote));
+        let header = put_header(self, hash, payload, repair, Place::Rdma(remote)).await;
         let (response, _) = self.call_on(&connection, Opcode::Put, header, None).await?;
         drop(registered);
         Ok(response.already_present)
@@ -298,7 +298,7 @@ impl Dialled for RdmaTransport {
         let access = Access { remote_read: true, remote_write: true };
         let queue_pair = verbs.create_qp(self.config.max_requests_per_connection as u32, access).map_err(setup)?;
         let header = data::ConnectRequest {
-            auth: self.auth(),
+            auth: self.auth().await,
             endpoint: Some(endpoint_to_wire(&queue_pair.endpoint())),
             probe: None,
         }
@@ -330,8 +330,8 @@ impl Dialled for RdmaTransport {
 
 #[async_trait]
 impl FrameTransport for RdmaTransport {
-    fn auth(&self) -> Option<data::Auth> {
-        auth_for(&self.target_id)
+    async fn auth(&self) -> Option<data::Auth> {
+        auth_for(&self.target_id, &self.config).await
     }
 
     async fn call(

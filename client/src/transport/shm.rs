@@ -122,14 +122,14 @@ impl ShmTransport {
             let staged = connection.region.staging.as_ref();
             let staged = staged.and_then(|r| r.offset_of(payload.bytes.as_ptr(), payload.bytes.len()));
             if let Some(offset) = staged.filter(|_| !payload.bytes.is_empty()) {
-                let header = put_header(self, hash, &payload, repair, Place::Staging(offset as u64));
+                let header = put_header(self, hash, &payload, repair, Place::Staging(offset as u64)).await;
                 let timeout = self.timeouts().request_timeout;
                 let memory = payload.bytes.clone();
                 let (response, bytes) = connection.frames.call_holding(Opcode::Put, header, memory, timeout).await?;
                 return checked(response, bytes);
             }
             if payload.bytes.len() > connection.slots.slot_bytes() {
-                let header = put_header(self, hash, &payload, repair, Place::Inline);
+                let header = put_header(self, hash, &payload, repair, Place::Inline).await;
                 return self.call_on(&connection, Opcode::Put, header, Some(payload.bytes.clone())).await;
             }
             let mut slot = Slot::lend(&connection).await?;
@@ -138,7 +138,7 @@ impl ShmTransport {
                 .slots
                 .write_at(slot.offset(), &payload.bytes)
                 .map_err(|e| TransportError::Protocol(e.to_string()))?;
-            let header = put_header(self, hash, &payload, repair, Place::Slot(slot.number()));
+            let header = put_header(self, hash, &payload, repair, Place::Slot(slot.number())).await;
             let result = self.call_on(&connection, Opcode::Put, header, None).await;
             slot.settle(&result);
             result
@@ -243,8 +243,8 @@ impl Dialled for ShmTransport {
 
 #[async_trait]
 impl FrameTransport for ShmTransport {
-    fn auth(&self) -> Option<data::Auth> {
-        auth_for(&self.target_id)
+    async fn auth(&self) -> Option<data::Auth> {
+        auth_for(&self.target_id, &self.config).await
     }
 
     async fn call(

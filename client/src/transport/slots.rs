@@ -160,13 +160,13 @@ pub(crate) trait Dialled: FrameTransport + Send + Sync {
             // Bigger than a slot: in the frame, read from the stream straight into place (asking
             // for a slot would have the target fill it, find the chunk larger, and read it again).
             Some(dest) if dest.len() > connection.slot_pool().slot_bytes() && offset == 0 && length == 0 => {
-                let header = get_header(self, hash, 0, 0, Place::Inline);
+                let header = get_header(self, hash, 0, 0, Place::Inline).await;
                 return get_landing(connection.frames(), header, dest, self.timeouts().request_timeout).await;
             }
             dest => dest,
         };
         let mut slot = Slot::lend(&connection).await?;
-        let header = get_header(self, hash, offset, length, self.slot_place(&connection, &slot));
+        let header = get_header(self, hash, offset, length, self.slot_place(&connection, &slot)).await;
         let result = self.call_on(&connection, Opcode::Get, header, None).await;
         slot.settle(&result);
         let (response, inline) = result?;

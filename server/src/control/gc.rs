@@ -37,7 +37,7 @@ use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use starckpt_client::transport::{ChunkTransport, TcpConfig, TcpTransport, TransportError};
+use starckpt_client::transport::{ChunkTransport, Credentials, TcpConfig, TcpTransport, TransportError};
 use starckpt_proto::ChunkHash;
 use starckpt_proto::frame::MAX_LIST_ENTRIES;
 
@@ -103,10 +103,11 @@ impl Throttle {
 }
 
 /// Runs one pass over `targets` (those the caller considers alive), with the data-plane address
-/// of each.
+/// of each; its requests carry `credentials`.
 pub async fn collect(
     store: &dyn MetaStore,
     targets: Vec<(TargetRecord, Option<SocketAddr>)>,
+    credentials: &Credentials,
     config: &GcConfig,
 ) -> MetaResult<GcReport> {
     let started = Instant::now();
@@ -120,7 +121,7 @@ pub async fn collect(
             report.target_errors.push(format!("{}: not alive, skipped", target.target_id));
             continue;
         };
-        let tcp = TcpConfig { connections_per_target: 1, ..TcpConfig::default() };
+        let tcp = TcpConfig { connections_per_target: 1, credentials: credentials.clone(), ..TcpConfig::default() };
         let transport = TcpTransport::for_target(address, &target.target_id, tcp);
         match sweep(&transport, &live, marked_at, config, &mut throttle, &mut report).await {
             Ok(()) => report.targets_swept += 1,

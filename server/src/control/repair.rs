@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use starckpt_client::placement::rank_targets;
-use starckpt_client::transport::{ChunkTransport, Payload, TcpConfig, TcpTransport, TransportError};
+use starckpt_client::transport::{ChunkTransport, Credentials, Payload, TcpConfig, TcpTransport, TransportError};
 use starckpt_proto::ChunkHash;
 use starckpt_proto::frame::MAX_BATCH_HASHES;
 
@@ -79,13 +79,14 @@ pub(crate) struct Live {
 }
 
 /// The live ones of `targets` (those with an address), each with a TCP transport.
-pub(crate) fn live_targets(targets: &[(TargetRecord, Option<SocketAddr>)]) -> Vec<Live> {
-    live_targets_with(targets, tcp_to)
+pub(crate) fn live_targets(targets: &[(TargetRecord, Option<SocketAddr>)], credentials: &Credentials) -> Vec<Live> {
+    live_targets_with(targets, |id, address| tcp_to(id, address, credentials))
 }
 
 /// A TCP transport to the target `id` at `address`, with one connection.
-pub(crate) fn tcp_to(id: &str, address: SocketAddr) -> Arc<dyn ChunkTransport> {
-    tcp_with(id, address, TcpConfig { connections_per_target: 1, ..TcpConfig::default() })
+pub(crate) fn tcp_to(id: &str, address: SocketAddr, credentials: &Credentials) -> Arc<dyn ChunkTransport> {
+    let config = TcpConfig { connections_per_target: 1, credentials: credentials.clone(), ..TcpConfig::default() };
+    tcp_with(id, address, config)
 }
 
 /// A TCP transport to the target `id` at `address`, configured.
@@ -136,6 +137,7 @@ pub(crate) async fn read_verified(target: &Live, hash: ChunkHash, length: u64) -
 pub async fn rereplicate(
     store: &dyn MetaStore,
     targets: Vec<(TargetRecord, Option<SocketAddr>)>,
+    credentials: &Credentials,
     now_ms: u64,
     default_replicas: u32,
     config: &RepairConfig,
@@ -149,7 +151,7 @@ pub async fn rereplicate(
         .map(|(t, _)| t.target_id.clone())
         .collect();
     let known: HashSet<&str> = targets.iter().map(|(t, _)| t.target_id.as_str()).collect();
-    let live = live_targets(&targets);
+    let live = live_targets(&targets, credentials);
     let live_ids: Vec<&str> = live.iter().map(|l| l.id.as_str()).collect();
     let mut report = RepairReport { chunks: chunks.len() as u64, ..RepairReport::default() };
     // Which listed copies on live targets are really there (a scrub may have removed a corrupt

@@ -6,7 +6,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use starckpt_client::transport::{ChunkTransport, TcpConfig};
+use starckpt_client::transport::{ChunkTransport, Credentials, TcpConfig};
+use starckpt_proto::capability::{ClusterKey, Rights};
 use starckpt_proto::control::control_server::{Control, ControlServer};
 use starckpt_proto::control::{self as pb};
 use starckpt_proto::model::{
@@ -70,6 +71,13 @@ pub struct ControlConfig {
     pub recoveries_at_once: usize,
     /// See `recoveries_at_once`.
     pub recovery_wait: Duration,
+    /// The key shared with the cluster's targets (`--cluster-key-file`), with which this control
+    /// plane signs data-plane capabilities (`starckpt_proto::capability`): clients' through
+    /// `DataCapability`, and its own for GC, re-replication and the tier. None: targets without a
+    /// key serve everyone, and clients get an empty capability.
+    pub cluster_key: Option<ClusterKey>,
+    /// How long a capability lasts. Default 1 h; clients renew theirs at half that.
+    pub capability_lifetime: Duration,
 }
 
 impl Default for ControlConfig {
@@ -88,6 +96,8 @@ impl Default for ControlConfig {
             tier_interval: Some(Duration::from_secs(60)),
             recoveries_at_once: 4,
             recovery_wait: Duration::from_secs(20),
+            cluster_key: None,
+            capability_lifetime: Duration::from_secs(60 * 60),
         }
     }
 }
@@ -107,6 +117,9 @@ struct Collector {
     transports: std::sync::Mutex<HashMap<(String, std::net::SocketAddr), Arc<dyn ChunkTransport>>>,
     /// Targets a recovery found unreachable, and since when: later ones skip them a while.
     unreachable: std::sync::Mutex<HashMap<String, std::time::Instant>>,
+    /// What this control plane's own data-plane requests carry: ADMIN capabilities it signs with
+    /// the cluster key (none without one).
+    credentials: Credentials,
 }
 
 /// How long recoveries skip a target one of them found unreachable.
@@ -132,7 +145,7 @@ impl Collector {
     async fn run(&self) -> Result<GcReport, MetaError> {
         let _one_at_a_time = self.running.lock().await;
         let targets = self.targets(now_ms()).await?;
-        gc::collect(self.store.as_ref(), targets, &self.config.gc).await
+        gc::collect(self.store.as_ref(), targets, &self.credentials, &self.config.gc).await
     }
 
     /// One re-replication pass (one at a time, like GC, whose sweeps it must not race for disks).
@@ -144,6 +157,7 @@ impl Collector {
         let report = repair::rereplicate(
             self.store.as_ref(),
             targets,
+            &self.credentials,
             now,
             self.config.default_replicas,
             &self.config.repair,
@@ -163,6 +177,7 @@ impl Collector {
             connections_per_target: 1,
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(10),
+            credentials: self.credentials.clone(),
             ..TcpConfig::default()
         };
         let live = {
@@ -195,7 +210,7 @@ impl Collector {
         let tier = self.the_tier()?;
         let _one_at_a_time = self.tiering.lock().await;
         let targets = self.targets(now_ms()).await?;
-        tier::pass(self.store.as_ref(), tier, targets, &self.config.tier_config, when).await
+        tier::pass(self.store.as_ref(), tier, targets, &self.credentials, &self.config.tier_config, when).await
     }
 }
 
@@ -244,6 +259,11 @@ impl ControlService {
             recovering: tokio::sync::Semaphore::new(config.recoveries_at_once),
             transports: Default::default(),
             unreachable: Default::default(),
+            credentials: config
+                .cluster_key
+                .clone()
+                .map(|key| Credentials::minted(key, Rights::ALL, config.capability_lifetime))
+                .unwrap_or_default(),
         });
         ControlService { store, config, collector, chunk_indexes: Default::default() }
     }
@@ -610,6 +630,20 @@ impl Control for ControlService {
         _: Request<pb::RereplicateRequest>,
     ) -> Result<Response<pb::RereplicateResponse>, Status> {
         Ok(Response::new(self.rereplicate_now().await?))
+    }
+
+    async fn data_capability(
+        &self,
+        _request: Request<pb::DataCapabilityRequest>,
+    ) -> Result<Response<pb::DataCapabilityResponse>, Status> {
+        let Some(key) = &self.config.cluster_key else {
+            return Ok(Response::new(pb::DataCapabilityResponse::default()));
+        };
+        let expires = std::time::SystemTime::now() + self.config.capability_lifetime;
+        Ok(Response::new(pb::DataCapabilityResponse {
+            capability: key.mint(Rights::CLIENT, expires),
+            expires_unix_ms: starckpt_proto::capability::unix_ms(expires),
+        }))
     }
 
     async fn recover_chunks(

@@ -72,6 +72,7 @@ use object_store::prefix::PrefixStore;
 use object_store::{ObjectStore, PutPayload};
 use prost::Message;
 use starckpt_client::placement::rank_targets;
+use starckpt_client::transport::Credentials;
 use starckpt_proto::control as pb;
 use starckpt_proto::model::{ChunkRef, Manifest};
 use starckpt_proto::{ChunkHash, JobName};
@@ -454,6 +455,7 @@ pub async fn pass(
     store: &dyn MetaStore,
     tier: &Tier,
     targets: Vec<(TargetRecord, Option<SocketAddr>)>,
+    credentials: &Credentials,
     config: &TierConfig,
     when: Sweep,
 ) -> MetaResult<TierReport> {
@@ -464,7 +466,7 @@ pub async fn pass(
     let mut report = TierReport { ran: true, ..TierReport::default() };
     // Read before any HEAD of this pass's uploads (module docs).
     let fence = store.tier_sweeps().await?.fence();
-    let live = live_targets(&targets);
+    let live = live_targets(&targets, credentials);
     let mut upload = Upload {
         tier,
         live: &live,

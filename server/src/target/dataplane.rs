@@ -29,6 +29,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
 use starckpt_proto::ChunkHash;
 use starckpt_proto::buf::ALIGN;
+use starckpt_proto::capability::{ClusterKey, Rights};
 use starckpt_proto::codec::Codec;
 use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{
@@ -127,13 +128,16 @@ impl ShmListener {
     }
 }
 
-/// Ways to reach a target besides plain TCP.
+/// Ways to reach a target besides plain TCP, and who may use them all.
 #[derive(Default)]
 pub struct Transports {
     /// Same-host clients' shared memory.
     pub shm: Option<ShmListener>,
     /// An opened RDMA device: clients with RDMA set up queue pairs on their TCP connections.
     pub rdma: Option<Arc<dyn Verbs>>,
+    /// The cluster's key: requests must carry a capability signed with it
+    /// (`starckpt_proto::capability`). None serves every request.
+    pub cluster_key: Option<ClusterKey>,
 }
 
 /// A target's RDMA device, its registrations and its admission control.
@@ -160,6 +164,8 @@ struct Served {
     zero_copy: Arc<ZeroCopyStats>,
     /// Slot regions attached, in pages ([`DataPlaneLimits::max_shm_region_bytes`]).
     shm_regions: Arc<Semaphore>,
+    /// [`Transports::cluster_key`].
+    cluster_key: Option<ClusterKey>,
 }
 
 /// Serves the data plane on `listener` until `shutdown` resolves; then closes every connection
@@ -183,7 +189,7 @@ pub async fn serve_with_shm(
     limits: DataPlaneLimits,
     shutdown: impl Future<Output = ()>,
 ) {
-    serve_with(listener, Transports { shm, rdma: None }, store, limits, shutdown).await
+    serve_with(listener, Transports { shm, rdma: None, cluster_key: None }, store, limits, shutdown).await
 }
 
 /// [`serve`], plus the `transports` given: same-host shared memory, RDMA.
@@ -194,7 +200,13 @@ pub async fn serve_with(
     limits: DataPlaneLimits,
     shutdown: impl Future<Output = ()>,
 ) {
-    let Transports { shm, rdma } = transports;
+    let Transports { shm, rdma, cluster_key } = transports;
+    if cluster_key.is_none() {
+        tracing::warn!(
+            "no cluster key: any peer that reaches this target may read, write, list and delete its chunks \
+             (--cluster-key-file)"
+        );
+    }
     let connections = Arc::new(Semaphore::new(limits.max_connections));
     // Never below one maximal frame, or a maximal PUT would wait forever.
     let inflight_bytes = Arc::new(Semaphore::new(limits.max_inflight_bytes.max(frame::MAX_PAYLOAD_BYTES) as usize));
@@ -234,6 +246,7 @@ pub async fn serve_with(
         placed_writes,
         zero_copy,
         shm_regions,
+        cluster_key,
     });
     let stopping = CancellationToken::new();
     // If this future is dropped (aborted) rather than shut down, its connections still close.
@@ -545,7 +558,7 @@ where
             let permit = Arc::clone(&requests).acquire_owned().await.expect("never closed");
             let (served, rdma, responses) = (Arc::clone(&served), rdma.clone(), responses.clone());
             tokio::spawn(async move {
-                let checked = check_target(&served.store, &request.auth);
+                let checked = check_auth(&served, &request.auth, Rights::READ);
                 let (response, payload) = match checked {
                     Err(response) => (response, None),
                     Ok(()) => match echo_probe(&served, rdma.as_deref(), &probe).await {
@@ -576,7 +589,7 @@ where
         let served = Arc::clone(&served);
         let responses = responses.clone();
         if header.opcode == Opcode::Put {
-            let request = decode_for::<data::PutRequest>(&served.store, prost_header);
+            let request = decode_for::<data::PutRequest>(&served, prost_header);
             // Where the payload is: after the frame, in a slot of the shared region, or in the
             // client's registered memory.
             let mut source = match &request {
@@ -653,7 +666,7 @@ where
                     && let Ok(request) = data::GetRequest::decode(prost_header.clone())
                     && request.shm_slot != 0
                     && slots.placed_reads
-                    && let Some(response) = get_placed(&served.store, slots, &request).await
+                    && let Some(response) = get_placed(&served, slots, &request).await
                 {
                     let _ = responses.send(reply(header, response, None)).await;
                     drop(permit);
@@ -738,8 +751,9 @@ where
 /// an error, a chunk larger than the slot, a compressed one the client does not decode, or an I/O
 /// error (the device may refuse to read into the client's memory where it reads into the
 /// target's: a memory limit on pinning it, a filesystem without O_DIRECT into shared memory).
-async fn get_placed(store: &ChunkStore, slots: &Arc<Slots>, request: &data::GetRequest) -> Option<data::Response> {
-    if request.offset != 0 || request.length != 0 || check_target(store, &request.auth).is_err() {
+async fn get_placed(served: &Served, slots: &Arc<Slots>, request: &data::GetRequest) -> Option<data::Response> {
+    let store = &served.store;
+    if request.offset != 0 || request.length != 0 || check_auth(served, &request.auth, Rights::READ).is_err() {
         return None;
     }
     let hash = ChunkHash::try_from(&request.hash[..]).ok()?;
@@ -987,7 +1001,7 @@ struct Untransferred<K> {
 /// client's; the response, and the queue pair's driver when one was set up.
 fn connect_rdma(served: &Served, prost_header: Bytes, already: bool) -> (data::Response, Option<Arc<QpDriver>>) {
     let refuse = |reason: String| (error_response(ErrorCode::BadRequest, reason), None);
-    let request: data::ConnectRequest = match decode_for(&served.store, prost_header) {
+    let request: data::ConnectRequest = match decode_for(served, prost_header) {
         Ok(request) => request,
         Err(response) => return (response, None),
     };
@@ -1104,14 +1118,16 @@ fn decode<M: Message + Default>(prost_header: Bytes) -> Result<M, data::Response
     })
 }
 
-/// Requests that carry an `Auth`.
+/// Requests that carry an `Auth`, and the right each needs (`starckpt_proto::capability`).
 trait Addressed: Message + Default {
+    const NEEDS: Rights;
     fn auth(&self) -> &Option<data::Auth>;
 }
 
 macro_rules! addressed {
-    ($($request:ty),*) => {
+    ($($request:ty => $needs:expr),*) => {
         $(impl Addressed for $request {
+            const NEEDS: Rights = $needs;
             fn auth(&self) -> &Option<data::Auth> {
                 &self.auth
             }
@@ -1119,20 +1135,30 @@ macro_rules! addressed {
     };
 }
 addressed!(
-    data::PutRequest,
-    data::GetRequest,
-    data::HasRequest,
-    data::DeleteRequest,
-    data::ListRequest,
-    data::StatRequest,
-    data::ConnectRequest
+    data::PutRequest => Rights::WRITE,
+    data::GetRequest => Rights::READ,
+    data::HasRequest => Rights::READ,
+    data::DeleteRequest => Rights::ADMIN,
+    data::ListRequest => Rights::ADMIN,
+    data::StatRequest => Rights::READ,
+    data::ConnectRequest => Rights::READ
 );
 
-/// Decodes a request, refusing one meant for another target.
-fn decode_for<M: Addressed>(store: &ChunkStore, prost_header: Bytes) -> Result<M, data::Response> {
+/// Decodes a request, refusing one meant for another target or without the capability it needs.
+fn decode_for<M: Addressed>(served: &Served, prost_header: Bytes) -> Result<M, data::Response> {
     let request: M = decode(prost_header)?;
-    check_target(store, request.auth())?;
+    check_auth(served, request.auth(), M::NEEDS)?;
     Ok(request)
+}
+
+/// Refuses a request meant for another target, or, where the cluster has a key, one whose
+/// capability does not grant `needs`.
+fn check_auth(served: &Served, auth: &Option<data::Auth>, needs: Rights) -> Result<(), data::Response> {
+    check_target(&served.store, auth)?;
+    let Some(key) = &served.cluster_key else { return Ok(()) };
+    let capability = auth.as_ref().map_or(&[][..], |a| &a.capability[..]);
+    key.verify(capability, needs, std::time::SystemTime::now())
+        .map_err(|refused| error_response(ErrorCode::Unauthorized, refused.to_string()))
 }
 
 /// Refuses a request meant for another target (see `Auth.target_id` in dataplane.proto).
@@ -1186,7 +1212,7 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
     let store = &*served.store;
     match header.opcode {
         Opcode::Get => {
-            let request: data::GetRequest = match decode_for(store, prost_header) {
+            let request: data::GetRequest = match decode_for(served, prost_header) {
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
@@ -1207,7 +1233,7 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
             }
         }
         Opcode::Has => {
-            let request: data::HasRequest = match decode_for(store, prost_header) {
+            let request: data::HasRequest = match decode_for(served, prost_header) {
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
@@ -1221,7 +1247,7 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
             }
         }
         Opcode::Delete => {
-            let request: data::DeleteRequest = match decode_for(store, prost_header) {
+            let request: data::DeleteRequest = match decode_for(served, prost_header) {
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
@@ -1236,7 +1262,7 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
             }
         }
         Opcode::List => {
-            let request: data::ListRequest = match decode_for(store, prost_header) {
+            let request: data::ListRequest = match decode_for(served, prost_header) {
                 Ok(r) => r,
                 Err(response) => return (response, None),
             };
@@ -1265,7 +1291,7 @@ async fn dispatch(served: &Served, header: FrameHeader, prost_header: Bytes) -> 
             }
         }
         Opcode::Stat => {
-            if let Err(response) = decode_for::<data::StatRequest>(store, prost_header) {
+            if let Err(response) = decode_for::<data::StatRequest>(served, prost_header) {
                 return (response, None);
             }
             let stats = store.stats();

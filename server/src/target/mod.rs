@@ -77,6 +77,9 @@ pub struct TargetConfig {
     /// Fill the free pool to this many bytes at start, in the background (0: only chunks deleted
     /// by GC fill it). Raises the pool's cap to at least this.
     pub preallocate_bytes: u64,
+    /// The cluster's key (`--cluster-key-file`): requests must carry a capability the control
+    /// plane signed with it (`starckpt_proto::capability`). None: every request is served.
+    pub cluster_key: Option<starckpt_proto::capability::ClusterKey>,
 }
 
 /// How many operations a target keeps in flight on its device.
@@ -158,6 +161,7 @@ impl TargetConfig {
             rdma: TargetRdma::Open(starckpt_rdma::DeviceSettings::default()),
             free_pool_bytes: None,
             preallocate_bytes: 0,
+            cluster_key: None,
             dir,
         }
     }
@@ -310,7 +314,7 @@ pub async fn run(
         shm.placed_writes = config.shm_placed_writes;
         shm
     });
-    let transports = dataplane::Transports { shm, rdma: rdma_device };
+    let transports = dataplane::Transports { shm, rdma: rdma_device, cluster_key: config.cluster_key.clone() };
     let serving = dataplane::serve_with(listener, transports, store, config.limits.clone(), async move {
         let _ = serve_stop.wait_for(|stopped| *stopped).await;
     });
