@@ -57,12 +57,18 @@ class Proc:
 class Cluster:
     def __init__(self, root: Path, targets: int = 2):
         self.root = root
-        self.server = Proc(["server", "--listen", "127.0.0.1:0", "--db", str(root / "meta.db")], root / "server.log")
+        # One key for the control plane and the targets: clients' requests carry capabilities.
+        key = root / "cluster.key"
+        key.write_bytes(os.urandom(32))
+        keyed = ["--cluster-key-file", str(key)]
+        self.server = Proc(
+            ["server", "--listen", "127.0.0.1:0", "--db", str(root / "meta.db"), *keyed], root / "server.log"
+        )
         self.targets = [
             Proc(
                 # A fixed queue depth: measuring the device (`auto`) writes 1.5 GiB per target.
                 ["target", "--dir", str(root / f"target-{i}"), "--listen", "127.0.0.1:0", "--server", self.server.address,
-                 "--queue-depth", "8"],
+                 "--queue-depth", "8", *keyed],
                 root / f"target-{i}.log",
             )
             for i in range(targets)
