@@ -150,13 +150,8 @@ fn data_capability(control: Arc<ControlPlanes>) -> transport::Credentials {
                 c.data_capability(r).await
             });
             match asked.await {
-                Ok(answer) => {
-                    let expires = std::time::UNIX_EPOCH + Duration::from_millis(answer.expires_unix_ms);
-                    Ok((answer.capability, expires))
-                }
-                Err(status) if status.code() == tonic::Code::Unimplemented => {
-                    Ok((bytes::Bytes::new(), std::time::UNIX_EPOCH))
-                }
+                Ok(answer) => Ok((answer.capability, Duration::from_millis(answer.lifetime_ms))),
+                Err(status) if status.code() == tonic::Code::Unimplemented => Ok((bytes::Bytes::new(), Duration::ZERO)),
                 Err(status) => Err(format!("data capability: {}", status.message())),
             }
         })

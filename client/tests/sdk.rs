@@ -315,14 +315,18 @@ async fn targets_serve_only_requests_carrying_a_capability_from_the_control_plan
     let fresh = random(1000, 51);
     let fresh_hash = starckpt_proto::ChunkHash::of(&fresh);
 
-    let address = cluster.target_addresses[0];
-    let with = |credentials: Credentials| TcpTransport::new(address, TcpConfig { credentials, ..TcpConfig::default() });
+    let target = client.targets().await.unwrap().remove(0);
+    let address = target.data_address.parse().unwrap();
+    let with = |credentials: Credentials| {
+        TcpTransport::for_target(address, &target.target_id, TcpConfig { credentials, ..TcpConfig::default() })
+    };
     let fixed = |capability: Bytes| {
         Credentials::asked(Box::new(move || {
             let capability = capability.clone();
-            Box::pin(async move { Ok((capability, SystemTime::now() + Duration::from_secs(3600))) })
+            Box::pin(async move { Ok((capability, Duration::from_secs(3600))) })
         }))
     };
+    let hour = SystemTime::now() + Duration::from_secs(3600);
 
     // A peer without a capability gets nothing done.
     let anyone = with(Credentials::default());
@@ -334,9 +338,9 @@ async fn targets_serve_only_requests_carrying_a_capability_from_the_control_plan
     refusal(anyone.list(None, 10).await);
     refusal(anyone.stat().await);
 
-    // A client's capability reads and writes, and neither deletes nor lists.
+    // A client's capability (valid on any target) reads and writes, and neither deletes nor lists.
     let key = cluster.cluster_key.clone();
-    let a_client = with(Credentials::minted(key.clone(), Rights::CLIENT, Duration::from_secs(600)));
+    let a_client = with(fixed(key.mint(Rights::CLIENT, hour, None)));
     assert_eq!(a_client.has(&[stored, fresh_hash]).await.unwrap(), vec![true, false]);
     assert!(!a_client.put(fresh_hash, Payload::raw(Bytes::from(fresh.clone()))).await.unwrap());
     assert_eq!(&a_client.get(fresh_hash, 0, 0).await.unwrap().bytes[..], &fresh[..]);
@@ -344,12 +348,15 @@ async fn targets_serve_only_requests_carrying_a_capability_from_the_control_plan
     assert!(message.contains("grants read+write, and the request needs admin"), "{message}");
     refusal(a_client.list(None, 10).await);
 
-    // Signed with another key, or expired: refused.
+    // Signed with another key, bound to another target, or expired: refused.
     let forged = ClusterKey::from_secret(b"a guess at the cluster's secret").unwrap();
     let forger = with(Credentials::minted(forged, Rights::ALL, Duration::from_secs(600)));
     let message = refusal(forger.delete(&[stored], None).await);
-    assert!(message.contains("not signed with this target's cluster key"), "{message}");
-    let old = key.mint(Rights::ALL, SystemTime::now() - 2 * CLOCK_SKEW);
+    assert!(message.contains("not signed with this cluster's key"), "{message}");
+    let elsewhere = with(fixed(key.mint(Rights::ALL, hour, Some("another-target"))));
+    refusal(elsewhere.delete(&[stored], None).await);
+    refusal(elsewhere.has(&[stored]).await);
+    let old = key.mint(Rights::CLIENT, SystemTime::now() - 2 * CLOCK_SKEW, None);
     let message = refusal(with(fixed(old)).has(&[stored]).await);
     assert!(message.contains("expired"), "{message}");
 
@@ -357,6 +364,35 @@ async fn targets_serve_only_requests_carrying_a_capability_from_the_control_plan
     let admin = with(cluster.admin_credentials());
     assert_eq!(admin.list(None, 100).await.unwrap().chunks.len(), manifest.file("w").unwrap().chunks.len() + 1);
     assert_eq!(admin.delete(&[fresh_hash], None).await.unwrap(), 1);
+    cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_asks_for_a_new_capability_when_targets_refuse_its_own() {
+    // The cluster gets a new key under a running client (the control plane and targets restarted
+    // with it): the client's capability, good for another half hour by its clock, is refused,
+    // and the client asks for a new one instead of failing (or recovering chunks it has).
+    let (dir, cluster, client) = cluster(2, |c| c.chunk_size_bytes = 64 * 1024).await;
+    let data = random(300_000, 60);
+    let part = SavePart::new("rekey", 1).buffer("w", Bytes::from(data.clone())).unwrap();
+    assert!(client.save(part).await.unwrap().wait().await.unwrap().committed());
+    let address = cluster.control_address.to_string();
+    cluster.shutdown().await.unwrap();
+    std::fs::remove_file(dir.path().join("cluster.key")).unwrap();
+    let cluster = DevCluster::start(dir.path(), &address, 2, EngineKind::Uring).await.unwrap();
+    for _ in 0..200 {
+        let targets = client.targets().await.unwrap();
+        if targets.iter().filter(|t| t.state == starckpt_client::TargetState::Alive as i32).count() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let manifest = client.manifest("rekey", Some(1)).await.unwrap();
+    assert_eq!(&client.read_file(&manifest, "w").await.unwrap()[..], &data[..]);
+    let part = SavePart::new("rekey", 2).buffer("w", Bytes::from(random(300_000, 61))).unwrap();
+    let saved = client.save(part).await.unwrap().wait().await.unwrap();
+    assert!(saved.committed());
+    assert!(saved.uploaded_bytes > 0);
     cluster.shutdown().await.unwrap();
 }
 
@@ -473,7 +509,8 @@ async fn streamed_files_commit_together_and_a_collected_chunk_fails_the_commit()
     let target = client.targets().await.unwrap().into_iter().find(|t| t.target_id == chunk.replicas[0]).unwrap();
     let config =
         starckpt_client::transport::TcpConfig { credentials: cluster.admin_credentials(), ..Default::default() };
-    let transport = starckpt_client::transport::TcpTransport::new(target.data_address.parse().unwrap(), config);
+    let address = target.data_address.parse().unwrap();
+    let transport = starckpt_client::transport::TcpTransport::for_target(address, &target.target_id, config);
     use starckpt_client::transport::ChunkTransport;
     assert_eq!(transport.delete(&[chunk.hash], None).await.unwrap(), 1);
     let error = client.commit_streamed("streamed", 4, vec![lost], vec![], Default::default()).await.unwrap_err();
@@ -678,17 +715,25 @@ async fn a_save_while_the_previous_one_uploads_waits_or_skips() {
         }
     });
     let mut control = ControlClient::connect(format!("http://{}", cluster.control_address)).await.unwrap();
-    control
-        .register_target(RegisterTargetRequest {
-            target_id: "silent-1".into(),
-            data_address: silent_address,
-            capacity_bytes: 1 << 30,
-            used_bytes: 0,
-            failure_domain: String::new(),
-            rdma_device: String::new(),
-        })
-        .await
-        .unwrap();
+    let registration = |proof| RegisterTargetRequest {
+        target_id: "silent-1".into(),
+        data_address: silent_address.clone(),
+        capacity_bytes: 1 << 30,
+        used_bytes: 0,
+        failure_domain: String::new(),
+        rdma_device: String::new(),
+        proof,
+    };
+    // Only a process holding the cluster key may register as a target.
+    let refused = control.register_target(registration(Bytes::new())).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
+    let expires = std::time::SystemTime::now() + Duration::from_secs(60);
+    let rights = starckpt_proto::capability::Rights::TARGET;
+    let stolen = cluster.cluster_key.mint(rights, expires, Some("another-target"));
+    let refused = control.register_target(registration(stolen)).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
+    let proof = cluster.cluster_key.mint(rights, expires, Some("silent-1"));
+    control.register_target(registration(proof)).await.unwrap();
     let mut config = ClientConfig::new(cluster.control_address.to_string());
     config.tcp.request_timeout = Duration::from_millis(1500);
     let client = Client::connect(config).await.unwrap();

@@ -2,33 +2,38 @@
 //! has a key.
 //!
 //! The control planes and the targets of a cluster share a secret (`--cluster-key-file`). With
-//! it a control plane signs capabilities: clients get `READ | WRITE` ones from the
-//! `DataCapability` call (the SDK renews them at half their life), and the control plane's own
-//! garbage collection, re-replication and tier uploads carry `ADMIN` ones. A target with the key
-//! serves a request only if its `Auth.capability` is signed with that key, unexpired, and grants
-//! the request's right: GET, HAS, STAT and CONNECT need READ; PUT needs WRITE; DELETE and LIST
-//! (which enumerates every chunk it holds) need ADMIN. So a peer that can reach a target's port
-//! cannot delete chunks or list them, and one without a capability from the control plane cannot
-//! read or write either. A target without a key serves everyone (one trusted host; it says so
-//! when it starts).
+//! it a control plane signs capabilities: clients get READ+WRITE ones, valid on any target, from
+//! the `DataCapability` call (the SDK renews them at half their life); the control plane's own
+//! requests carry ones bound to the target they go to: READ+WRITE for re-replication, the tier
+//! and recoveries, and ADMIN too for garbage collection. A target with the key serves a request
+//! only if its `Auth.capability` is signed with that key, unexpired, bound to no target or to
+//! this one, and grants the request's right: GET, HAS, STAT and CONNECT need READ; PUT needs
+//! WRITE; DELETE and LIST (which enumerates every chunk it holds) need ADMIN. Targets prove they
+//! hold the key when they register and heartbeat (a capability with the TARGET right bound to
+//! their own id), so a process that is not one cannot pose as a target and collect the control
+//! plane's capabilities, nor take over a real target's id. A target without a key serves
+//! everyone (one trusted host; it says so when it starts).
 //!
-//! Wire form, 42 bytes: version (1), rights (bits), expiry in milliseconds since the Unix epoch
-//! (u64, little-endian), then BLAKE3 in keyed mode over those 10 bytes. The key is derived from
-//! the secret file's contents with BLAKE3's key derivation, so any secret of 16 bytes or more
-//! will do (`head -c 32 /dev/urandom > cluster.key`). Clocks of control planes and targets must
-//! agree within [`CLOCK_SKEW`].
+//! Wire form, 43 bytes: version (1), rights (bits), scope (0: any target; 1: the target whose id
+//! the MAC covers), expiry in milliseconds since the Unix epoch (u64, little-endian), then BLAKE3
+//! in keyed mode over those 11 bytes followed, for scope 1, by the target's id. The key is derived
+//! from the secret file's contents with BLAKE3's key derivation, so any secret of 16 bytes or more
+//! will do (`head -c 32 /dev/urandom > cluster.key`). A capability is accepted until
+//! [`CLOCK_SKEW`] past its expiry, so the clocks of control planes and targets must agree within
+//! that.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 
 const VERSION: u8 = 1;
-const SIGNED_BYTES: usize = 10;
+const SIGNED_BYTES: usize = 11;
 /// Length of a capability on the wire.
 pub const CAPABILITY_BYTES: usize = SIGNED_BYTES + blake3::OUT_LEN;
-/// How far a target's clock may run ahead of the control plane's before a fresh capability looks
-/// expired to it.
+/// How long past its expiry a capability is still accepted: how far the clock of a target (or a
+/// control plane checking a target's proof) may run ahead of the signer's.
 pub const CLOCK_SKEW: Duration = Duration::from_secs(60);
 /// The shortest secret accepted as a cluster key.
 pub const MIN_SECRET_BYTES: usize = 16;
@@ -45,9 +50,13 @@ impl Rights {
     pub const WRITE: Rights = Rights(2);
     /// DELETE and LIST.
     pub const ADMIN: Rights = Rights(4);
-    /// What a client gets.
+    /// Registering and heartbeating as the target the capability is bound to (at the control
+    /// plane, not a target).
+    pub const TARGET: Rights = Rights(8);
+    /// What a client gets, and what the control plane's copies (re-replication, tier,
+    /// recoveries) carry.
     pub const CLIENT: Rights = Rights(1 | 2);
-    /// What the control plane gives itself.
+    /// What the control plane's garbage collection carries.
     pub const ALL: Rights = Rights(1 | 2 | 4);
 
     pub fn contains(self, other: Rights) -> bool {
@@ -61,23 +70,24 @@ impl Rights {
 
 impl std::fmt::Display for Rights {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let names: Vec<&str> = [(Rights::READ, "read"), (Rights::WRITE, "write"), (Rights::ADMIN, "admin")]
-            .into_iter()
-            .filter(|(right, _)| self.contains(*right))
-            .map(|(_, name)| name)
-            .collect();
+        let names: Vec<&str> =
+            [(Rights::READ, "read"), (Rights::WRITE, "write"), (Rights::ADMIN, "admin"), (Rights::TARGET, "target")]
+                .into_iter()
+                .filter(|(right, _)| self.contains(*right))
+                .map(|(_, name)| name)
+                .collect();
         if names.is_empty() { f.write_str("nothing") } else { f.write_str(&names.join("+")) }
     }
 }
 
-/// Why a target refused a capability.
+/// Why a capability was refused.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CapabilityError {
-    #[error("the request carries no capability, and this target requires one (its cluster has a key)")]
+    #[error("the request carries no capability, and this cluster requires one (it has a key)")]
     Missing,
     #[error("the capability is malformed ({0})")]
     Malformed(String),
-    #[error("the capability is not signed with this target's cluster key")]
+    #[error("the capability is not signed with this cluster's key, or is bound to another target")]
     BadSignature,
     #[error("the capability expired {0:?} ago")]
     Expired(Duration),
@@ -96,7 +106,8 @@ impl std::fmt::Debug for ClusterKey {
 }
 
 impl ClusterKey {
-    /// The key derived from `secret` (surrounding whitespace ignored, so a hex line works).
+    /// The key derived from `secret` (surrounding ASCII whitespace ignored, so a hex line with
+    /// its newline works).
     pub fn from_secret(secret: &[u8]) -> Result<ClusterKey, String> {
         let secret = secret.trim_ascii();
         if secret.len() < MIN_SECRET_BYTES {
@@ -122,20 +133,37 @@ impl ClusterKey {
         hex::encode(secret)
     }
 
-    /// A capability granting `rights` until `expires`.
-    pub fn mint(&self, rights: Rights, expires: SystemTime) -> Bytes {
+    fn mac(&self, signed: &[u8], target: Option<&str>) -> blake3::Hash {
+        let mut hasher = blake3::Hasher::new_keyed(&self.0);
+        hasher.update(signed);
+        if let Some(target) = target {
+            hasher.update(target.as_bytes());
+        }
+        hasher.finalize()
+    }
+
+    /// A capability granting `rights` until `expires`, on the target `target` only, or on any.
+    pub fn mint(&self, rights: Rights, expires: SystemTime, target: Option<&str>) -> Bytes {
         let mut token = Vec::with_capacity(CAPABILITY_BYTES);
         token.push(VERSION);
         token.push(rights.0);
+        token.push(u8::from(target.is_some()));
         token.extend_from_slice(&unix_ms(expires).to_le_bytes());
-        let mac = blake3::keyed_hash(&self.0, &token);
+        let mac = self.mac(&token, target);
         token.extend_from_slice(mac.as_bytes());
         Bytes::from(token)
     }
 
-    /// Checks that `token` is signed with this key, unexpired at `now` (allowing [`CLOCK_SKEW`]),
-    /// and grants `needed`.
-    pub fn verify(&self, token: &[u8], needed: Rights, now: SystemTime) -> Result<(), CapabilityError> {
+    /// Checks that `token` is signed with this key, bound to no target or to `target` (the
+    /// verifier's own id; a target that has none yet accepts only unbound ones), unexpired at
+    /// `now` (allowing [`CLOCK_SKEW`]), and grants `needed`.
+    pub fn verify(
+        &self,
+        token: &[u8],
+        needed: Rights,
+        target: Option<&str>,
+        now: SystemTime,
+    ) -> Result<(), CapabilityError> {
         if token.is_empty() {
             return Err(CapabilityError::Missing);
         }
@@ -146,13 +174,18 @@ impl ClusterKey {
             return Err(CapabilityError::Malformed(format!("version {}", token[0])));
         }
         let (signed, mac) = token.split_at(SIGNED_BYTES);
+        let bound = match signed[2] {
+            0 => None,
+            1 => Some(target.ok_or(CapabilityError::BadSignature)?),
+            scope => return Err(CapabilityError::Malformed(format!("scope {scope}"))),
+        };
         let mac: [u8; blake3::OUT_LEN] = mac.try_into().map_err(|_| CapabilityError::Malformed("short".into()))?;
         // blake3::Hash compares in constant time.
-        if blake3::keyed_hash(&self.0, signed) != blake3::Hash::from(mac) {
+        if self.mac(signed, bound) != blake3::Hash::from(mac) {
             return Err(CapabilityError::BadSignature);
         }
         let granted = Rights(signed[1]);
-        let expires = u64::from_le_bytes(signed[2..SIGNED_BYTES].try_into().expect("8 bytes"));
+        let expires = u64::from_le_bytes(signed[3..SIGNED_BYTES].try_into().expect("8 bytes"));
         let late = unix_ms(now).saturating_sub(expires.saturating_add(CLOCK_SKEW.as_millis() as u64));
         if late > 0 {
             return Err(CapabilityError::Expired(Duration::from_millis(late)));
@@ -169,51 +202,62 @@ pub fn unix_ms(at: SystemTime) -> u64 {
     at.duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// A capability and when it expires, as the control plane hands it out (empty: the cluster has no
-/// key).
-pub type Renewal = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(Bytes, SystemTime), String>> + Send>>;
+/// A capability and how long it lasts from when it was asked for, as the control plane hands
+/// it out (empty: the cluster has no key).
+pub type Renewal = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(Bytes, Duration), String>> + Send>>;
 
 /// Asks for a fresh capability (a client: the control plane's `DataCapability`).
 pub type Renew = Box<dyn Fn() -> Renewal + Send + Sync>;
 
 /// The capability a sender attaches to its data-plane requests, shared by all its transports:
-/// none; minted here with the cluster key (a control plane's own); or asked for with [`Renew`]
-/// (a client's, from the control plane). Both kinds are renewed when a request finds less than
-/// half their life left, so a sender idle for days still sends a valid one.
+/// none; minted here with the cluster key, per target (a control plane's own); or asked for with
+/// [`Renew`] (a client's, from the control plane). Both kinds are renewed when a request finds
+/// less than half their life left, so a sender idle for days still sends a valid one.
 #[derive(Clone, Default)]
 pub struct Credentials(Option<Arc<Source>>);
 
 enum Source {
-    Minted { key: ClusterKey, rights: Rights, lifetime: Duration, current: Mutex<Held> },
-    Asked { renew: Renew, current: RwLock<Held>, renewing: tokio::sync::Mutex<()> },
+    /// Held per target id.
+    Minted {
+        key: ClusterKey,
+        rights: Rights,
+        lifetime: Duration,
+        current: Mutex<HashMap<String, Held>>,
+    },
+    Asked {
+        renew: Renew,
+        current: RwLock<Held>,
+        renewing: tokio::sync::Mutex<()>,
+    },
 }
 
-/// A capability, when it was obtained and when it expires; after a failed renewal, when to try
-/// again.
+/// A capability, when it was obtained and when it is to be renewed (by the holder's clock).
 #[derive(Clone)]
 struct Held {
     capability: Bytes,
     obtained: SystemTime,
+    /// Half its life after `obtained`; after a failed renewal, when to try again; for a cluster
+    /// without a key, never (until a target refuses a request: [`Credentials::invalidate`]).
+    renew_at: SystemTime,
+    /// When targets stop accepting it, by the holder's clock.
     expires: SystemTime,
-    retry_at: SystemTime,
 }
 
 impl Held {
     const NONE: Held =
-        Held { capability: Bytes::new(), obtained: UNIX_EPOCH, expires: UNIX_EPOCH, retry_at: UNIX_EPOCH };
+        Held { capability: Bytes::new(), obtained: UNIX_EPOCH, renew_at: UNIX_EPOCH, expires: UNIX_EPOCH };
 
-    /// Less than half its life left (or none yet), and no failed renewal asking to wait.
-    fn due(&self, now: SystemTime) -> bool {
-        let half_life = self.expires.duration_since(self.obtained).unwrap_or_default() / 2;
-        now >= self.obtained + half_life && now >= self.retry_at
+    fn new(capability: Bytes, now: SystemTime, lifetime: Duration) -> Held {
+        Held { capability, obtained: now, renew_at: now + lifetime / 2, expires: now + lifetime }
     }
 }
 
-/// How long a sender whose cluster has no key waits before it asks again (a key may be added), and
-/// one whose renewal failed before it tries again.
+/// How long a sender waits before it tries a failed renewal again.
 const ASK_AGAIN: Duration = Duration::from_secs(30);
 /// How long a request waits for a renewal while the capability held is still good this long.
 const STILL_GOOD: Duration = Duration::from_secs(2);
+/// Far enough never to come.
+const NEVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 impl std::fmt::Debug for Credentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -226,9 +270,10 @@ impl std::fmt::Debug for Credentials {
 }
 
 impl Credentials {
-    /// Credentials minting their own capabilities with `key`, each valid for `lifetime`.
+    /// Credentials minting their own capabilities with `key`, each bound to the target it is
+    /// sent to and valid for `lifetime`.
     pub fn minted(key: ClusterKey, rights: Rights, lifetime: Duration) -> Credentials {
-        Credentials(Some(Arc::new(Source::Minted { key, rights, lifetime, current: Mutex::new(Held::NONE) })))
+        Credentials(Some(Arc::new(Source::Minted { key, rights, lifetime, current: Mutex::new(HashMap::new()) })))
     }
 
     /// Credentials that ask `renew` for their capability when a request first needs one, and
@@ -238,50 +283,52 @@ impl Credentials {
         Credentials(Some(Arc::new(Source::Asked { renew, current, renewing: tokio::sync::Mutex::new(()) })))
     }
 
-    /// The capability to send now (empty: none), renewed first if it is due. A renewal that fails
-    /// leaves the one held (a target says so if it has expired) and is tried again after
-    /// [`ASK_AGAIN`].
-    pub async fn fresh(&self) -> Bytes {
+    /// The capability to send to `target` now (empty: none), renewed first if it is due. Minted
+    /// ones need the target's id. A renewal asked for while the held capability is still good
+    /// waits at most [`STILL_GOOD`]; one that fails leaves the held one (a target says so if it
+    /// has expired) and is tried again after [`ASK_AGAIN`].
+    pub async fn fresh(&self, target: Option<&str>) -> Bytes {
         let now = SystemTime::now();
         match self.0.as_deref() {
             None => Bytes::new(),
             Some(Source::Minted { key, rights, lifetime, current }) => {
+                let Some(target) = target else { return Bytes::new() };
                 let mut current = current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                if current.due(now) {
-                    let expires = now + *lifetime;
-                    *current = Held { capability: key.mint(*rights, expires), obtained: now, expires, retry_at: now };
+                if current.get(target).is_none_or(|held| now >= held.renew_at) {
+                    let capability = key.mint(*rights, now + *lifetime, Some(target));
+                    current.insert(target.to_owned(), Held::new(capability, now, *lifetime));
                 }
-                current.capability.clone()
+                current[target].capability.clone()
             }
             Some(Source::Asked { renew, current, renewing }) => {
                 let read =
                     |current: &RwLock<Held>| current.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-                let held = read(current);
-                if !held.due(now) {
-                    return held.capability;
+                if read(current).renew_at > now {
+                    return read(current).capability;
                 }
                 // One renewal at a time; the others wait for it and take what it got.
                 let _renewing = renewing.lock().await;
                 let held = read(current);
-                if !held.due(SystemTime::now()) {
+                if held.renew_at > SystemTime::now() {
                     return held.capability;
                 }
                 // While the held one is still good, a control plane slow to answer does not hold
                 // up the request: it is asked again later.
-                let renewed = if held.expires > SystemTime::now() + STILL_GOOD {
+                let renewed = if !held.capability.is_empty() && held.expires > SystemTime::now() + STILL_GOOD {
                     tokio::time::timeout(STILL_GOOD, renew()).await.unwrap_or_else(|_| Err("no answer in time".into()))
                 } else {
                     renew().await
                 };
                 let now = SystemTime::now();
                 let next = match renewed {
+                    // No key: nothing to renew until a target asks for a capability.
                     Ok((capability, _)) if capability.is_empty() => {
-                        Held { capability, obtained: now, expires: now, retry_at: now + ASK_AGAIN }
+                        Held { obtained: now, renew_at: now + NEVER, ..Held::NONE }
                     }
-                    Ok((capability, expires)) => Held { capability, obtained: now, expires, retry_at: now },
+                    Ok((capability, lifetime)) => Held::new(capability, now, lifetime),
                     Err(error) => {
                         tracing::warn!(%error, "could not renew the data-plane capability; keeping the one held");
-                        Held { retry_at: now + ASK_AGAIN, ..held }
+                        Held { renew_at: now + ASK_AGAIN, ..held }
                     }
                 };
                 let capability = next.capability.clone();
@@ -289,6 +336,19 @@ impl Credentials {
                 capability
             }
         }
+    }
+
+    /// After a target refused the capability of a request sent at `sent` (UNAUTHORIZED): an
+    /// asked-for capability obtained before then is forgotten, so the next request asks for a
+    /// fresh one (one obtained since is already that). True for asked-for credentials: the
+    /// request is worth sending once more.
+    pub fn invalidate(&self, sent: SystemTime) -> bool {
+        let Some(Source::Asked { current, .. }) = self.0.as_deref() else { return false };
+        let mut held = current.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if held.obtained <= sent {
+            *held = Held::NONE;
+        }
+        true
     }
 }
 
@@ -304,20 +364,34 @@ mod tests {
     fn a_capability_grants_its_rights_until_it_expires() {
         let key = key("0123456789abcdef0123");
         let now = SystemTime::now();
-        let client = key.mint(Rights::CLIENT, now + Duration::from_secs(3600));
+        let client = key.mint(Rights::CLIENT, now + Duration::from_secs(3600), None);
         assert_eq!(client.len(), CAPABILITY_BYTES);
-        assert_eq!(key.verify(&client, Rights::READ, now), Ok(()));
-        assert_eq!(key.verify(&client, Rights::WRITE, now), Ok(()));
+        assert_eq!(key.verify(&client, Rights::READ, Some("t1"), now), Ok(()));
+        assert_eq!(key.verify(&client, Rights::WRITE, None, now), Ok(()));
         assert_eq!(
-            key.verify(&client, Rights::ADMIN, now),
+            key.verify(&client, Rights::ADMIN, Some("t1"), now),
             Err(CapabilityError::Lacks { needed: Rights::ADMIN, granted: Rights::CLIENT })
         );
-        let admin = key.mint(Rights::ALL, now + Duration::from_secs(1));
-        assert_eq!(key.verify(&admin, Rights::ADMIN, now), Ok(()));
+        let admin = key.mint(Rights::ALL, now + Duration::from_secs(1), Some("t1"));
+        assert_eq!(key.verify(&admin, Rights::ADMIN, Some("t1"), now), Ok(()));
         // Within the clock skew, then past it.
-        assert_eq!(key.verify(&admin, Rights::ADMIN, now + Duration::from_secs(30)), Ok(()));
+        assert_eq!(key.verify(&admin, Rights::ADMIN, Some("t1"), now + Duration::from_secs(30)), Ok(()));
         let late = now + Duration::from_secs(1) + CLOCK_SKEW + Duration::from_secs(5);
-        assert!(matches!(key.verify(&admin, Rights::ADMIN, late), Err(CapabilityError::Expired(_))));
+        assert!(matches!(key.verify(&admin, Rights::ADMIN, Some("t1"), late), Err(CapabilityError::Expired(_))));
+    }
+
+    #[test]
+    fn a_bound_capability_works_on_its_target_only() {
+        let key = key("0123456789abcdef0123");
+        let now = SystemTime::now();
+        let for_t1 = key.mint(Rights::ALL, now + Duration::from_secs(60), Some("t1"));
+        assert_eq!(key.verify(&for_t1, Rights::ADMIN, Some("t1"), now), Ok(()));
+        assert_eq!(key.verify(&for_t1, Rights::READ, Some("t2"), now), Err(CapabilityError::BadSignature));
+        assert_eq!(key.verify(&for_t1, Rights::READ, None, now), Err(CapabilityError::BadSignature));
+        // Unbinding it breaks the signature.
+        let mut unbound = for_t1.to_vec();
+        unbound[2] = 0;
+        assert_eq!(key.verify(&unbound, Rights::READ, Some("t2"), now), Err(CapabilityError::BadSignature));
     }
 
     #[test]
@@ -325,22 +399,22 @@ mod tests {
         let (ours, theirs) = (key("0123456789abcdef0123"), key("another secret of ours"));
         let now = SystemTime::now();
         let expires = now + Duration::from_secs(60);
-        assert_eq!(
-            ours.verify(&theirs.mint(Rights::ALL, expires), Rights::READ, now),
-            Err(CapabilityError::BadSignature)
-        );
+        let verify = |token: &[u8], needed| ours.verify(token, needed, Some("t"), now);
+        assert_eq!(verify(&theirs.mint(Rights::ALL, expires, None), Rights::READ), Err(CapabilityError::BadSignature));
         // Raising its own rights or expiry breaks the signature.
-        let mut raised = ours.mint(Rights::CLIENT, expires).to_vec();
+        let mut raised = ours.mint(Rights::CLIENT, expires, None).to_vec();
         raised[1] = Rights::ALL.bits();
-        assert_eq!(ours.verify(&raised, Rights::ADMIN, now), Err(CapabilityError::BadSignature));
-        let mut extended = ours.mint(Rights::CLIENT, expires).to_vec();
-        extended[9] = 0x7f;
-        assert_eq!(ours.verify(&extended, Rights::READ, now), Err(CapabilityError::BadSignature));
-        assert_eq!(ours.verify(b"", Rights::READ, now), Err(CapabilityError::Missing));
-        assert!(matches!(ours.verify(&[1u8; 41], Rights::READ, now), Err(CapabilityError::Malformed(_))));
-        let mut version = ours.mint(Rights::CLIENT, expires).to_vec();
-        version[0] = 2;
-        assert!(matches!(ours.verify(&version, Rights::READ, now), Err(CapabilityError::Malformed(_))));
+        assert_eq!(verify(&raised, Rights::ADMIN), Err(CapabilityError::BadSignature));
+        let mut extended = ours.mint(Rights::CLIENT, expires, None).to_vec();
+        extended[10] = 0x7f;
+        assert_eq!(verify(&extended, Rights::READ), Err(CapabilityError::BadSignature));
+        assert_eq!(verify(b"", Rights::READ), Err(CapabilityError::Missing));
+        assert!(matches!(verify(&[1u8; 42], Rights::READ), Err(CapabilityError::Malformed(_))));
+        for (at, value) in [(0, 2u8), (2, 7u8)] {
+            let mut bad = ours.mint(Rights::CLIENT, expires, None).to_vec();
+            bad[at] = value;
+            assert!(matches!(verify(&bad, Rights::READ), Err(CapabilityError::Malformed(_))), "byte {at}");
+        }
     }
 
     #[test]
@@ -351,40 +425,77 @@ mod tests {
         // Whitespace around a secret (a trailing newline) does not change the key.
         let (a, b) = (key(&secret), key(&format!("{secret}\n")));
         let now = SystemTime::now();
-        assert_eq!(b.verify(&a.mint(Rights::READ, now + Duration::from_secs(9)), Rights::READ, now), Ok(()));
+        let token = a.mint(Rights::READ, now + Duration::from_secs(9), None);
+        assert_eq!(b.verify(&token, Rights::READ, None, now), Ok(()));
     }
 
     #[tokio::test]
-    async fn credentials_renew_at_half_life_and_keep_what_they_hold_when_renewal_fails() {
+    async fn minted_credentials_are_per_target_and_renew_at_half_life() {
         let key = key("0123456789abcdef0123");
         let minted = Credentials::minted(key.clone(), Rights::ALL, Duration::from_millis(200));
-        let first = minted.fresh().await;
-        assert_eq!(key.verify(&first, Rights::ADMIN, SystemTime::now()), Ok(()));
-        assert_eq!(minted.fresh().await, first, "reused while more than half its life is left");
+        assert!(minted.fresh(None).await.is_empty(), "minted ones are for a named target");
+        let first = minted.fresh(Some("t1")).await;
+        assert_eq!(key.verify(&first, Rights::ADMIN, Some("t1"), SystemTime::now()), Ok(()));
+        assert_eq!(minted.fresh(Some("t1")).await, first, "reused while more than half its life is left");
+        let other = minted.fresh(Some("t2")).await;
+        assert_eq!(key.verify(&other, Rights::ADMIN, Some("t2"), SystemTime::now()), Ok(()));
         tokio::time::sleep(Duration::from_millis(150)).await;
-        assert_ne!(minted.fresh().await, first, "renewed past half its life");
-        assert!(Credentials::default().fresh().await.is_empty());
+        assert_ne!(minted.fresh(Some("t1")).await, first, "renewed past half its life");
+        assert!(Credentials::default().fresh(Some("t1")).await.is_empty());
+        assert!(!minted.invalidate(SystemTime::now()));
+    }
 
-        // Asked for: once per half life, not per request; a failed renewal keeps the old one.
+    /// Credentials asking a counter-keeping `answer(n)` for the n-th capability.
+    fn asking(
+        answer: impl Fn(usize) -> Result<(Bytes, Duration), String> + Send + Sync + 'static,
+    ) -> (Credentials, Arc<std::sync::atomic::AtomicUsize>) {
         let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let (counter, signer) = (Arc::clone(&asked), key.clone());
+        let counter = Arc::clone(&asked);
         let credentials = Credentials::asked(Box::new(move || {
-            let n = counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let expires = SystemTime::now() + Duration::from_millis(200);
-            let capability = signer.mint(Rights::CLIENT, expires);
-            Box::pin(async move { if n < 2 { Ok((capability, expires)) } else { Err("control plane down".into()) } })
+            let answer = answer(counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst));
+            Box::pin(async move { answer })
         }));
-        let got = credentials.fresh().await;
-        assert_eq!(key.verify(&got, Rights::WRITE, SystemTime::now()), Ok(()));
-        assert_eq!(credentials.fresh().await, got);
-        assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 1);
+        (credentials, asked)
+    }
+
+    #[tokio::test]
+    async fn asked_credentials_renew_at_half_life_and_keep_what_they_hold_when_renewal_fails() {
+        let key = key("0123456789abcdef0123");
+        let signer = key.clone();
+        let (credentials, asked) = asking(move |n| {
+            let capability = signer.mint(Rights::CLIENT, SystemTime::now() + Duration::from_millis(200), None);
+            if n < 2 { Ok((capability, Duration::from_millis(200))) } else { Err("control plane down".into()) }
+        });
+        let count = || asked.load(std::sync::atomic::Ordering::SeqCst);
+        let got = credentials.fresh(None).await;
+        assert_eq!(key.verify(&got, Rights::WRITE, None, SystemTime::now()), Ok(()));
+        assert_eq!(credentials.fresh(Some("any")).await, got);
+        assert_eq!(count(), 1);
         tokio::time::sleep(Duration::from_millis(150)).await;
-        let renewed = credentials.fresh().await;
+        let renewed = credentials.fresh(None).await;
         assert_ne!(renewed, got);
-        assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(count(), 2);
         tokio::time::sleep(Duration::from_millis(150)).await;
-        assert_eq!(credentials.fresh().await, renewed, "a failed renewal keeps what is held");
-        assert_eq!(credentials.fresh().await, renewed);
-        assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 3, "and waits before it asks again");
+        assert_eq!(credentials.fresh(None).await, renewed, "a failed renewal keeps what is held");
+        assert_eq!(credentials.fresh(None).await, renewed);
+        assert_eq!(count(), 3, "and waits before it asks again");
+    }
+
+    #[tokio::test]
+    async fn without_a_key_nothing_is_asked_again_until_a_target_refuses() {
+        let (credentials, asked) = asking(|_| Ok((Bytes::new(), Duration::ZERO)));
+        let count = || asked.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(credentials.fresh(None).await.is_empty());
+        assert!(credentials.fresh(None).await.is_empty());
+        assert_eq!(count(), 1);
+        // A target refused a request (a key was added since): asked again, once, however many
+        // requests sent before the new answer were refused.
+        let sent = SystemTime::now();
+        assert!(credentials.invalidate(sent));
+        assert!(credentials.fresh(None).await.is_empty());
+        assert_eq!(count(), 2);
+        assert!(credentials.invalidate(sent), "sent again, with what was asked for since");
+        assert!(credentials.fresh(None).await.is_empty());
+        assert_eq!(count(), 2, "a refusal of the old one does not throw away the new one");
     }
 }

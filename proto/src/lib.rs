@@ -2,7 +2,8 @@
 //!
 //! - [`control`]: the control-plane gRPC service (tonic), generated from `proto/control.proto`.
 //! - [`data`]: the prost headers of data-plane frames, generated from `proto/dataplane.proto`.
-//! - [`capability`]: data-plane capabilities the control plane signs and targets check.
+//! - [`capability`]: data-plane capabilities the control plane signs and targets check, and the
+//!   proof of the cluster key targets register with.
 //! - [`codec`]: chunk codecs (zstd, zstd over float byte planes) and their stored formats.
 //! - [`frame`]: the data-plane frame format (fixed binary header, prost header, raw payload),
 //!   with hard size limits and async read/write helpers.

@@ -560,6 +560,7 @@ mod tests {
             used_bytes: 0,
             failure_domain: "rack-2".into(),
             rdma_device: "mlx5_0".into(),
+            proof: Default::default(),
         };
         let registration = super::TargetRegistration::try_from(good.clone()).unwrap();
         assert_eq!((registration.failure_domain.as_str(), registration.rdma_device.as_str()), ("rack-2", "mlx5_0"));

@@ -125,8 +125,9 @@ impl DevCluster {
         })
     }
 
-    /// What the control plane's own requests carry: capabilities to do anything on the targets,
-    /// for tools and tests that act for it (deleting or listing chunks).
+    /// What the control plane's garbage collection carries: capabilities to do anything on the
+    /// target each is sent to (a transport made `for_target`), for tools and tests that act for
+    /// it (deleting or listing chunks).
     pub fn admin_credentials(&self) -> starckpt_proto::capability::Credentials {
         let rights = starckpt_proto::capability::Rights::ALL;
         starckpt_proto::capability::Credentials::minted(self.cluster_key.clone(), rights, Duration::from_secs(3600))

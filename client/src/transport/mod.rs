@@ -695,7 +695,7 @@ impl TcpTransport {
 
 /// The `Auth` of a transport's requests: the target meant, and the sender's capability.
 async fn auth_for(target_id: &Option<String>, config: &TcpConfig) -> Option<data::Auth> {
-    let capability = config.credentials.fresh().await;
+    let capability = config.credentials.fresh(target_id.as_deref()).await;
     (target_id.is_some() || !capability.is_empty())
         .then(|| data::Auth { capability, target_id: target_id.clone().unwrap_or_default() })
 }

@@ -457,6 +457,25 @@ impl AutoTransport {
     where
         F: std::future::Future<Output = Result<T, TransportError>>,
     {
+        let sent = std::time::SystemTime::now();
+        match self.run_once(&op).await {
+            Err(error) if self.asks_again(&error, sent) => self.run_once(&op).await,
+            other => other,
+        }
+    }
+
+    /// Whether a request sent at `sent` that the target refused (UNAUTHORIZED) is sent again:
+    /// once, with a fresh capability (the cluster's key changed, or it got one, since the held
+    /// one was asked for).
+    fn asks_again(&self, error: &TransportError, sent: std::time::SystemTime) -> bool {
+        matches!(error, TransportError::Remote { code: ErrorCode::Unauthorized, .. })
+            && self.probe.config.credentials.invalidate(sent)
+    }
+
+    async fn run_once<T, F>(&self, op: &impl Fn(Arc<dyn ChunkTransport>) -> F) -> Result<T, TransportError>
+    where
+        F: std::future::Future<Output = Result<T, TransportError>>,
+    {
         let chosen = self.chosen();
         match op(Arc::clone(&chosen)).await {
             Err(error) if self.falls_back(&chosen, &error) => {
@@ -502,9 +521,13 @@ impl ChunkTransport for AutoTransport {
     }
 
     async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
-        let chosen = self.chosen();
-        match chosen.get_into(hash, dest).await {
+        let (chosen, sent) = (self.chosen(), std::time::SystemTime::now());
+        let fetched = match chosen.get_into(hash, dest).await {
             Err(error) if self.falls_back(&chosen, &error) => self.tcp.get_into(hash, dest).await,
+            other => other,
+        };
+        match fetched {
+            Err(error) if self.asks_again(&error, sent) => self.chosen().get_into(hash, dest).await,
             other => other,
         }
     }

@@ -117,9 +117,11 @@ struct Collector {
     transports: std::sync::Mutex<HashMap<(String, std::net::SocketAddr), Arc<dyn ChunkTransport>>>,
     /// Targets a recovery found unreachable, and since when: later ones skip them a while.
     unreachable: std::sync::Mutex<HashMap<String, std::time::Instant>>,
-    /// What this control plane's own data-plane requests carry: ADMIN capabilities it signs with
-    /// the cluster key (none without one).
-    credentials: Credentials,
+    /// What this control plane's own data-plane requests carry, signed with the cluster key per
+    /// target (none without one): garbage collection's may delete and list; re-replication's, the
+    /// tier's and recoveries' only read and write.
+    collecting: Credentials,
+    copying: Credentials,
 }
 
 /// How long recoveries skip a target one of them found unreachable.
@@ -145,7 +147,7 @@ impl Collector {
     async fn run(&self) -> Result<GcReport, MetaError> {
         let _one_at_a_time = self.running.lock().await;
         let targets = self.targets(now_ms()).await?;
-        gc::collect(self.store.as_ref(), targets, &self.credentials, &self.config.gc).await
+        gc::collect(self.store.as_ref(), targets, &self.collecting, &self.config.gc).await
     }
 
     /// One re-replication pass (one at a time, like GC, whose sweeps it must not race for disks).
@@ -157,7 +159,7 @@ impl Collector {
         let report = repair::rereplicate(
             self.store.as_ref(),
             targets,
-            &self.credentials,
+            &self.copying,
             now,
             self.config.default_replicas,
             &self.config.repair,
@@ -177,7 +179,7 @@ impl Collector {
             connections_per_target: 1,
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(10),
-            credentials: self.credentials.clone(),
+            credentials: self.copying.clone(),
             ..TcpConfig::default()
         };
         let live = {
@@ -210,7 +212,7 @@ impl Collector {
         let tier = self.the_tier()?;
         let _one_at_a_time = self.tiering.lock().await;
         let targets = self.targets(now_ms()).await?;
-        tier::pass(self.store.as_ref(), tier, targets, &self.credentials, &self.config.tier_config, when).await
+        tier::pass(self.store.as_ref(), tier, targets, &self.copying, &self.config.tier_config, when).await
     }
 }
 
@@ -248,6 +250,27 @@ const CHUNK_INDEX_TTL: Duration = Duration::from_secs(60);
 const CHUNK_INDEXES_KEPT: usize = 4;
 
 impl ControlService {
+    /// With a cluster key: refuses a registration or heartbeat whose sender does not prove it
+    /// holds the key for `target_id` (`RegisterTargetRequest.proof`).
+    fn check_target_proof(&self, target_id: &str, proof: &[u8]) -> Result<(), Status> {
+        let Some(key) = &self.config.cluster_key else { return Ok(()) };
+        key.verify(proof, Rights::TARGET, Some(target_id), std::time::SystemTime::now()).map_err(|refused| {
+            tracing::warn!(%target_id, %refused, "refused a target without proof of the cluster key");
+            Status::permission_denied(format!(
+                "target {target_id} did not prove it holds this cluster's key ({refused}): start it with the \
+                 control plane's --cluster-key-file"
+            ))
+        })
+    }
+}
+
+/// Credentials signing `rights` with `config`'s cluster key, if it has one.
+fn minted(config: &ControlConfig, rights: Rights) -> Credentials {
+    let key = config.cluster_key.clone();
+    key.map(|key| Credentials::minted(key, rights, config.capability_lifetime)).unwrap_or_default()
+}
+
+impl ControlService {
     pub fn new(store: Arc<dyn MetaStore>, config: ControlConfig) -> ControlService {
         let collector = Arc::new(Collector {
             store: Arc::clone(&store),
@@ -259,11 +282,8 @@ impl ControlService {
             recovering: tokio::sync::Semaphore::new(config.recoveries_at_once),
             transports: Default::default(),
             unreachable: Default::default(),
-            credentials: config
-                .cluster_key
-                .clone()
-                .map(|key| Credentials::minted(key, Rights::ALL, config.capability_lifetime))
-                .unwrap_or_default(),
+            collecting: minted(&config, Rights::ALL),
+            copying: minted(&config, Rights::CLIENT),
         });
         ControlService { store, config, collector, chunk_indexes: Default::default() }
     }
@@ -378,7 +398,9 @@ impl Control for ControlService {
         &self,
         request: Request<pb::RegisterTargetRequest>,
     ) -> Result<Response<pb::RegisterTargetResponse>, Status> {
-        let registration = TargetRegistration::try_from(request.into_inner()).map_err(invalid)?;
+        let request = request.into_inner();
+        self.check_target_proof(&request.target_id, &request.proof)?;
+        let registration = TargetRegistration::try_from(request).map_err(invalid)?;
         self.store.upsert_target(&registration, now_ms()).await.map_err(meta_status)?;
         tracing::info!(target_id = %registration.target_id, address = %registration.data_address, "target registered");
         Ok(Response::new(pb::RegisterTargetResponse {
@@ -392,6 +414,7 @@ impl Control for ControlService {
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let request = request.into_inner();
         validate_target_id(&request.target_id).map_err(invalid)?;
+        self.check_target_proof(&request.target_id, &request.proof)?;
         self.store
             .heartbeat(&request.target_id, request.capacity_bytes, request.used_bytes, request.chunk_count, now_ms())
             .await
@@ -639,10 +662,12 @@ impl Control for ControlService {
         let Some(key) = &self.config.cluster_key else {
             return Ok(Response::new(pb::DataCapabilityResponse::default()));
         };
-        let expires = std::time::SystemTime::now() + self.config.capability_lifetime;
+        let lifetime = self.config.capability_lifetime;
+        let expires = std::time::SystemTime::now() + lifetime;
         Ok(Response::new(pb::DataCapabilityResponse {
-            capability: key.mint(Rights::CLIENT, expires),
+            capability: key.mint(Rights::CLIENT, expires, None),
             expires_unix_ms: starckpt_proto::capability::unix_ms(expires),
+            lifetime_ms: u64::try_from(lifetime.as_millis()).unwrap_or(u64::MAX),
         }))
     }
 

@@ -590,6 +590,21 @@ where
         let responses = responses.clone();
         if header.opcode == Opcode::Put {
             let request = decode_for::<data::PutRequest>(&served, prost_header);
+            if let Err(refused) = &request {
+                // A PUT refused for its header (undecodable, no capability): its payload is read
+                // past, never buffered or charged to the budget other requests share.
+                let mut payload = (&mut reader).take(u64::from(header.payload_len));
+                let mut sink = tokio::io::sink();
+                match tokio::time::timeout(limits.frame_timeout, tokio::io::copy(&mut payload, &mut sink)).await {
+                    Ok(Ok(n)) if n == u64::from(header.payload_len) => {}
+                    Ok(Ok(_)) => break Err("payload cut short".into()),
+                    Ok(Err(error)) => break Err(format!("read payload: {error}")),
+                    Err(_) => break Err(format!("payload not received within {:?}", limits.frame_timeout)),
+                }
+                let _ = responses.send(reply(header, refused.clone(), None)).await;
+                drop(permit);
+                continue;
+            }
             // Where the payload is: after the frame, in a slot of the shared region, or in the
             // client's registered memory.
             let mut source = match &request {
@@ -679,6 +694,7 @@ where
                 let mut get_remote = None;
                 if header.opcode == Opcode::Get
                     && let Ok(request) = data::GetRequest::decode(prost_header.clone())
+                    && check_auth(&served, &request.auth, Rights::READ).is_ok()
                     && let Ok(hash) = ChunkHash::try_from(&request.hash[..])
                 {
                     get_slot = request.shm_slot;
@@ -1157,7 +1173,7 @@ fn check_auth(served: &Served, auth: &Option<data::Auth>, needs: Rights) -> Resu
     check_target(&served.store, auth)?;
     let Some(key) = &served.cluster_key else { return Ok(()) };
     let capability = auth.as_ref().map_or(&[][..], |a| &a.capability[..]);
-    key.verify(capability, needs, std::time::SystemTime::now())
+    key.verify(capability, needs, served.store.target_id(), std::time::SystemTime::now())
         .map_err(|refused| error_response(ErrorCode::Unauthorized, refused.to_string()))
 }
 

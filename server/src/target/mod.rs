@@ -17,6 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use bytes::Bytes;
+use starckpt_proto::capability::{ClusterKey, Rights};
 use starckpt_proto::control::control_client::ControlClient;
 use starckpt_proto::control::{HeartbeatRequest, RegisterTargetRequest};
 use tokio::net::TcpListener;
@@ -289,6 +291,7 @@ pub async fn run(
         advertise,
         failure_domain: config.failure_domain.clone(),
         rdma_device: rdma_device.as_ref().map(|device| device.name()).unwrap_or_default(),
+        cluster_key: config.cluster_key.clone(),
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut heartbeat_stop = stop_rx.clone();
@@ -329,8 +332,6 @@ pub async fn run(
     Ok(())
 }
 
-/// Registers with the control plane, then heartbeats; re-registers whenever the control plane
-/// forgot us (NOT_FOUND) and keeps retrying while it is unreachable.
 /// What a target tells the control plane about itself.
 struct Registration {
     target_id: String,
@@ -338,8 +339,15 @@ struct Registration {
     failure_domain: String,
     /// Empty: no RDMA.
     rdma_device: String,
+    /// Signs the proof that this is a target of the cluster (`starckpt_proto::capability`).
+    cluster_key: Option<ClusterKey>,
 }
 
+/// How long a registration's or heartbeat's proof is good for.
+const PROOF_LIFETIME: Duration = Duration::from_secs(300);
+
+/// Registers with the control plane, then heartbeats; re-registers whenever the control plane
+/// forgot us (NOT_FOUND) and keeps retrying while it is unreachable.
 async fn heartbeat_loop(
     server: String,
     registration: Registration,
@@ -361,7 +369,13 @@ async fn heartbeat_loop(
         warn!(%server, "no valid control-plane address; target will not register");
         return;
     }
-    let Registration { target_id, advertise, failure_domain, rdma_device } = registration;
+    let Registration { target_id, advertise, failure_domain, rdma_device, cluster_key } = registration;
+    let proof = || {
+        cluster_key.as_ref().map_or_else(Bytes::new, |key| {
+            key.mint(Rights::TARGET, std::time::SystemTime::now() + PROOF_LIFETIME, Some(&target_id))
+        })
+    };
+    let mut refusal_logged = false;
     // The control plane in use: the next one is tried when it stops answering.
     let mut current = 0;
     let mut registered = false;
@@ -377,6 +391,7 @@ async fn heartbeat_loop(
                     capacity_bytes: stats.capacity_bytes,
                     used_bytes: stats.used_bytes,
                     chunk_count: stats.chunk_count,
+                    proof: proof(),
                 })
                 .await
                 .map(|_| ())
@@ -389,6 +404,7 @@ async fn heartbeat_loop(
                     used_bytes: stats.used_bytes,
                     failure_domain: failure_domain.clone(),
                     rdma_device: rdma_device.clone(),
+                    proof: proof(),
                 })
                 .await
                 .map(|response| {
@@ -398,8 +414,15 @@ async fn heartbeat_loop(
                 })
         };
         match outcome {
-            Ok(()) => unreachable_logged = false,
+            Ok(()) => (unreachable_logged, refusal_logged) = (false, false),
             Err(status) if status.code() == tonic::Code::NotFound => registered = false,
+            Err(status) if status.code() == tonic::Code::PermissionDenied => {
+                registered = false;
+                if !refusal_logged {
+                    warn!(%server, error = %status.message(), "the control plane refused this target; retrying");
+                    refusal_logged = true;
+                }
+            }
             Err(status) => {
                 registered = false;
                 if !unreachable_logged {
