@@ -142,6 +142,7 @@ impl ClientConfig {
 /// first request needs it and again at half its life (`starckpt_proto::capability`). A control
 /// plane that does not know the call has no key to sign with.
 fn data_capability(control: Arc<ControlPlanes>) -> transport::Credentials {
+    const SHORTEST_LIFE: Duration = Duration::from_secs(10);
     transport::Credentials::asked(Box::new(move || {
         let control = Arc::clone(&control);
         Box::pin(async move {
@@ -150,7 +151,19 @@ fn data_capability(control: Arc<ControlPlanes>) -> transport::Credentials {
                 c.data_capability(r).await
             });
             match asked.await {
-                Ok(answer) => Ok((answer.capability, Duration::from_millis(answer.lifetime_ms))),
+                Ok(answer) => {
+                    // An answer without a lifetime (or an absurdly short one) is held at least
+                    // SHORTEST_LIFE: never a control-plane call per request.
+                    let lifetime = match answer.lifetime_ms {
+                        0 => Duration::from_millis(
+                            answer
+                                .expires_unix_ms
+                                .saturating_sub(starckpt_proto::capability::unix_ms(std::time::SystemTime::now())),
+                        ),
+                        ms => Duration::from_millis(ms),
+                    };
+                    Ok((answer.capability, lifetime.max(SHORTEST_LIFE)))
+                }
                 Err(status) if status.code() == tonic::Code::Unimplemented => Ok((bytes::Bytes::new(), Duration::ZERO)),
                 Err(status) => Err(format!("data capability: {}", status.message())),
             }

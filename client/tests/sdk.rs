@@ -729,10 +729,15 @@ async fn a_save_while_the_previous_one_uploads_waits_or_skips() {
     assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
     let expires = std::time::SystemTime::now() + Duration::from_secs(60);
     let rights = starckpt_proto::capability::Rights::TARGET;
-    let stolen = cluster.cluster_key.mint(rights, expires, Some("another-target"));
-    let refused = control.register_target(registration(stolen)).await.unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
-    let proof = cluster.cluster_key.mint(rights, expires, Some("silent-1"));
+    let scope = |id, address| starckpt_proto::capability::registration_scope(id, address);
+    // Another target's proof, a heartbeat's, or one for another address (seen on the wire) will
+    // not do.
+    for stolen in [scope("another-target", &silent_address), "silent-1".into(), scope("silent-1", "10.9.9.9:1")] {
+        let stolen = cluster.cluster_key.mint(rights, expires, Some(&stolen));
+        let refused = control.register_target(registration(stolen)).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
+    }
+    let proof = cluster.cluster_key.mint(rights, expires, Some(&scope("silent-1", &silent_address)));
     control.register_target(registration(proof)).await.unwrap();
     let mut config = ClientConfig::new(cluster.control_address.to_string());
     config.tcp.request_timeout = Duration::from_millis(1500);

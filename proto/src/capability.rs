@@ -24,7 +24,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 
@@ -197,6 +197,13 @@ impl ClusterKey {
     }
 }
 
+/// What a target's registration proof is bound to: its id and the address it registers, so a
+/// proof seen on the wire cannot register the target at another address (a heartbeat's proof is
+/// bound to the id alone: a heartbeat moves nothing).
+pub fn registration_scope(target_id: &str, data_address: &str) -> String {
+    format!("{target_id}\0{data_address}")
+}
+
 /// Milliseconds since the Unix epoch (0 before it).
 pub fn unix_ms(at: SystemTime) -> u64 {
     at.duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
@@ -231,24 +238,35 @@ enum Source {
     },
 }
 
-/// A capability, when it was obtained and when it is to be renewed (by the holder's clock).
+/// A capability, when it was obtained and when it is to be renewed, by the holder's monotonic
+/// clock (a capability's life is relative; the wall clocks of holder and signer need not agree).
 #[derive(Clone)]
 struct Held {
     capability: Bytes,
-    obtained: SystemTime,
+    /// None: never obtained (nothing held, or every ask so far failed).
+    obtained: Option<Instant>,
     /// Half its life after `obtained`; after a failed renewal, when to try again; for a cluster
     /// without a key, never (until a target refuses a request: [`Credentials::invalidate`]).
-    renew_at: SystemTime,
-    /// When targets stop accepting it, by the holder's clock.
-    expires: SystemTime,
+    /// None: now.
+    renew_at: Option<Instant>,
+    /// When targets stop accepting it.
+    expires: Option<Instant>,
 }
 
 impl Held {
-    const NONE: Held =
-        Held { capability: Bytes::new(), obtained: UNIX_EPOCH, renew_at: UNIX_EPOCH, expires: UNIX_EPOCH };
+    const NONE: Held = Held { capability: Bytes::new(), obtained: None, renew_at: None, expires: None };
 
-    fn new(capability: Bytes, now: SystemTime, lifetime: Duration) -> Held {
-        Held { capability, obtained: now, renew_at: now + lifetime / 2, expires: now + lifetime }
+    fn new(capability: Bytes, now: Instant, lifetime: Duration) -> Held {
+        Held { capability, obtained: Some(now), renew_at: Some(now + lifetime / 2), expires: Some(now + lifetime) }
+    }
+
+    fn due(&self, now: Instant) -> bool {
+        self.renew_at.is_none_or(|at| now >= at)
+    }
+
+    /// Still accepted for at least `margin` after `now`.
+    fn good_for(&self, now: Instant, margin: Duration) -> bool {
+        !self.capability.is_empty() && self.expires.is_some_and(|at| at > now + margin)
     }
 }
 
@@ -257,7 +275,7 @@ const ASK_AGAIN: Duration = Duration::from_secs(30);
 /// How long a request waits for a renewal while the capability held is still good this long.
 const STILL_GOOD: Duration = Duration::from_secs(2);
 /// Far enough never to come.
-const NEVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+const NEVER: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
 impl std::fmt::Debug for Credentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -288,14 +306,14 @@ impl Credentials {
     /// waits at most [`STILL_GOOD`]; one that fails leaves the held one (a target says so if it
     /// has expired) and is tried again after [`ASK_AGAIN`].
     pub async fn fresh(&self, target: Option<&str>) -> Bytes {
-        let now = SystemTime::now();
+        let now = Instant::now();
         match self.0.as_deref() {
             None => Bytes::new(),
             Some(Source::Minted { key, rights, lifetime, current }) => {
                 let Some(target) = target else { return Bytes::new() };
                 let mut current = current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                if current.get(target).is_none_or(|held| now >= held.renew_at) {
-                    let capability = key.mint(*rights, now + *lifetime, Some(target));
+                if current.get(target).is_none_or(|held| held.due(now)) {
+                    let capability = key.mint(*rights, SystemTime::now() + *lifetime, Some(target));
                     current.insert(target.to_owned(), Held::new(capability, now, *lifetime));
                 }
                 current[target].capability.clone()
@@ -303,32 +321,34 @@ impl Credentials {
             Some(Source::Asked { renew, current, renewing }) => {
                 let read =
                     |current: &RwLock<Held>| current.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-                if read(current).renew_at > now {
-                    return read(current).capability;
+                let held = read(current);
+                if !held.due(now) {
+                    return held.capability;
                 }
                 // One renewal at a time; the others wait for it and take what it got.
                 let _renewing = renewing.lock().await;
                 let held = read(current);
-                if held.renew_at > SystemTime::now() {
+                if !held.due(Instant::now()) {
                     return held.capability;
                 }
                 // While the held one is still good, a control plane slow to answer does not hold
                 // up the request: it is asked again later.
-                let renewed = if !held.capability.is_empty() && held.expires > SystemTime::now() + STILL_GOOD {
+                let renewed = if held.good_for(Instant::now(), STILL_GOOD) {
                     tokio::time::timeout(STILL_GOOD, renew()).await.unwrap_or_else(|_| Err("no answer in time".into()))
                 } else {
                     renew().await
                 };
-                let now = SystemTime::now();
+                let now = Instant::now();
                 let next = match renewed {
                     // No key: nothing to renew until a target asks for a capability.
                     Ok((capability, _)) if capability.is_empty() => {
-                        Held { obtained: now, renew_at: now + NEVER, ..Held::NONE }
+                        let never = now.checked_add(NEVER).unwrap_or(now + ASK_AGAIN);
+                        Held { obtained: Some(now), renew_at: Some(never), ..Held::NONE }
                     }
                     Ok((capability, lifetime)) => Held::new(capability, now, lifetime),
                     Err(error) => {
                         tracing::warn!(%error, "could not renew the data-plane capability; keeping the one held");
-                        Held { renew_at: now + ASK_AGAIN, ..held }
+                        Held { renew_at: Some(now + ASK_AGAIN), ..held }
                     }
                 };
                 let capability = next.capability.clone();
@@ -340,15 +360,20 @@ impl Credentials {
 
     /// After a target refused the capability of a request sent at `sent` (UNAUTHORIZED): an
     /// asked-for capability obtained before then is forgotten, so the next request asks for a
-    /// fresh one (one obtained since is already that). True for asked-for credentials: the
-    /// request is worth sending once more.
-    pub fn invalidate(&self, sent: SystemTime) -> bool {
+    /// fresh one (one obtained since is already that). True if the request is worth sending once
+    /// more: not for minted credentials, nor while every ask has failed (that waits
+    /// [`ASK_AGAIN`]).
+    pub fn invalidate(&self, sent: Instant) -> bool {
         let Some(Source::Asked { current, .. }) = self.0.as_deref() else { return false };
         let mut held = current.write().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if held.obtained <= sent {
-            *held = Held::NONE;
+        match held.obtained {
+            None => false,
+            Some(obtained) if obtained <= sent => {
+                *held = Held::NONE;
+                true
+            }
+            Some(_) => true,
         }
-        true
     }
 }
 
@@ -442,7 +467,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(150)).await;
         assert_ne!(minted.fresh(Some("t1")).await, first, "renewed past half its life");
         assert!(Credentials::default().fresh(Some("t1")).await.is_empty());
-        assert!(!minted.invalidate(SystemTime::now()));
+        assert!(!minted.invalidate(Instant::now()));
     }
 
     /// Credentials asking a counter-keeping `answer(n)` for the n-th capability.
@@ -482,6 +507,18 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn with_the_control_plane_down_requests_do_not_wait_for_it_one_after_another() {
+        let (credentials, asked) = asking(|_| Err("control plane down".into()));
+        let count = || asked.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(credentials.fresh(None).await.is_empty());
+        assert_eq!(count(), 1);
+        // The refusal that follows sends nothing again, and nothing is asked before ASK_AGAIN.
+        assert!(!credentials.invalidate(Instant::now()));
+        assert!(credentials.fresh(None).await.is_empty());
+        assert_eq!(count(), 1);
+    }
+
+    #[tokio::test]
     async fn without_a_key_nothing_is_asked_again_until_a_target_refuses() {
         let (credentials, asked) = asking(|_| Ok((Bytes::new(), Duration::ZERO)));
         let count = || asked.load(std::sync::atomic::Ordering::SeqCst);
@@ -490,7 +527,7 @@ mod tests {
         assert_eq!(count(), 1);
         // A target refused a request (a key was added since): asked again, once, however many
         // requests sent before the new answer were refused.
-        let sent = SystemTime::now();
+        let sent = Instant::now();
         assert!(credentials.invalidate(sent));
         assert!(credentials.fresh(None).await.is_empty());
         assert_eq!(count(), 2);

@@ -457,7 +457,7 @@ impl AutoTransport {
     where
         F: std::future::Future<Output = Result<T, TransportError>>,
     {
-        let sent = std::time::SystemTime::now();
+        let sent = std::time::Instant::now();
         match self.run_once(&op).await {
             Err(error) if self.asks_again(&error, sent) => self.run_once(&op).await,
             other => other,
@@ -467,9 +467,18 @@ impl AutoTransport {
     /// Whether a request sent at `sent` that the target refused (UNAUTHORIZED) is sent again:
     /// once, with a fresh capability (the cluster's key changed, or it got one, since the held
     /// one was asked for).
-    fn asks_again(&self, error: &TransportError, sent: std::time::SystemTime) -> bool {
+    fn asks_again(&self, error: &TransportError, sent: std::time::Instant) -> bool {
         matches!(error, TransportError::Remote { code: ErrorCode::Unauthorized, .. })
             && self.probe.config.credentials.invalidate(sent)
+    }
+
+    /// [`ChunkTransport::get_into`] on the chosen transport, on TCP if that fails to connect.
+    async fn get_into_once(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
+        let chosen = self.chosen();
+        match chosen.get_into(hash, dest).await {
+            Err(error) if self.falls_back(&chosen, &error) => self.tcp.get_into(hash, dest).await,
+            other => other,
+        }
     }
 
     async fn run_once<T, F>(&self, op: &impl Fn(Arc<dyn ChunkTransport>) -> F) -> Result<T, TransportError>
@@ -521,13 +530,9 @@ impl ChunkTransport for AutoTransport {
     }
 
     async fn get_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
-        let (chosen, sent) = (self.chosen(), std::time::SystemTime::now());
-        let fetched = match chosen.get_into(hash, dest).await {
-            Err(error) if self.falls_back(&chosen, &error) => self.tcp.get_into(hash, dest).await,
-            other => other,
-        };
-        match fetched {
-            Err(error) if self.asks_again(&error, sent) => self.chosen().get_into(hash, dest).await,
+        let sent = std::time::Instant::now();
+        match self.get_into_once(hash, dest).await {
+            Err(error) if self.asks_again(&error, sent) => self.get_into_once(hash, dest).await,
             other => other,
         }
     }

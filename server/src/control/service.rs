@@ -250,11 +250,11 @@ const CHUNK_INDEX_TTL: Duration = Duration::from_secs(60);
 const CHUNK_INDEXES_KEPT: usize = 4;
 
 impl ControlService {
-    /// With a cluster key: refuses a registration or heartbeat whose sender does not prove it
-    /// holds the key for `target_id` (`RegisterTargetRequest.proof`).
-    fn check_target_proof(&self, target_id: &str, proof: &[u8]) -> Result<(), Status> {
+    /// With a cluster key: refuses a registration or heartbeat of `target_id` whose sender does
+    /// not prove it holds the key (`RegisterTargetRequest.proof`, bound to `scope`).
+    fn check_target_proof(&self, target_id: &str, scope: &str, proof: &[u8]) -> Result<(), Status> {
         let Some(key) = &self.config.cluster_key else { return Ok(()) };
-        key.verify(proof, Rights::TARGET, Some(target_id), std::time::SystemTime::now()).map_err(|refused| {
+        key.verify(proof, Rights::TARGET, Some(scope), std::time::SystemTime::now()).map_err(|refused| {
             tracing::warn!(%target_id, %refused, "refused a target without proof of the cluster key");
             Status::permission_denied(format!(
                 "target {target_id} did not prove it holds this cluster's key ({refused}): start it with the \
@@ -264,11 +264,16 @@ impl ControlService {
     }
 }
 
-/// Credentials signing `rights` with `config`'s cluster key, if it has one.
+/// Credentials signing `rights` with `config`'s cluster key, if it has one, each capability for
+/// one target and [`OWN_CAPABILITY_LIFETIME`] (at most): minting costs nothing, and one seen on
+/// the wire is soon useless.
 fn minted(config: &ControlConfig, rights: Rights) -> Credentials {
-    let key = config.cluster_key.clone();
-    key.map(|key| Credentials::minted(key, rights, config.capability_lifetime)).unwrap_or_default()
+    let lifetime = config.capability_lifetime.min(OWN_CAPABILITY_LIFETIME);
+    config.cluster_key.clone().map(|key| Credentials::minted(key, rights, lifetime)).unwrap_or_default()
 }
+
+/// How long the control plane's own capabilities last.
+const OWN_CAPABILITY_LIFETIME: Duration = Duration::from_secs(120);
 
 impl ControlService {
     pub fn new(store: Arc<dyn MetaStore>, config: ControlConfig) -> ControlService {
@@ -399,7 +404,8 @@ impl Control for ControlService {
         request: Request<pb::RegisterTargetRequest>,
     ) -> Result<Response<pb::RegisterTargetResponse>, Status> {
         let request = request.into_inner();
-        self.check_target_proof(&request.target_id, &request.proof)?;
+        let scope = starckpt_proto::capability::registration_scope(&request.target_id, &request.data_address);
+        self.check_target_proof(&request.target_id, &scope, &request.proof)?;
         let registration = TargetRegistration::try_from(request).map_err(invalid)?;
         self.store.upsert_target(&registration, now_ms()).await.map_err(meta_status)?;
         tracing::info!(target_id = %registration.target_id, address = %registration.data_address, "target registered");
@@ -414,7 +420,7 @@ impl Control for ControlService {
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let request = request.into_inner();
         validate_target_id(&request.target_id).map_err(invalid)?;
-        self.check_target_proof(&request.target_id, &request.proof)?;
+        self.check_target_proof(&request.target_id, &request.target_id, &request.proof)?;
         self.store
             .heartbeat(&request.target_id, request.capacity_bytes, request.used_bytes, request.chunk_count, now_ms())
             .await

@@ -344,7 +344,7 @@ struct Registration {
 }
 
 /// How long a registration's or heartbeat's proof is good for.
-const PROOF_LIFETIME: Duration = Duration::from_secs(300);
+const PROOF_LIFETIME: Duration = Duration::from_secs(10);
 
 /// Registers with the control plane, then heartbeats; re-registers whenever the control plane
 /// forgot us (NOT_FOUND) and keeps retrying while it is unreachable.
@@ -370,9 +370,12 @@ async fn heartbeat_loop(
         return;
     }
     let Registration { target_id, advertise, failure_domain, rdma_device, cluster_key } = registration;
-    let proof = || {
+    // A registration's proof covers the address too: one seen on the wire cannot register the
+    // target elsewhere. A heartbeat changes nothing but liveness.
+    let registration_scope = starckpt_proto::capability::registration_scope(&target_id, &advertise.to_string());
+    let proof = |scope: &str| {
         cluster_key.as_ref().map_or_else(Bytes::new, |key| {
-            key.mint(Rights::TARGET, std::time::SystemTime::now() + PROOF_LIFETIME, Some(&target_id))
+            key.mint(Rights::TARGET, std::time::SystemTime::now() + PROOF_LIFETIME, Some(scope))
         })
     };
     let mut refusal_logged = false;
@@ -391,7 +394,7 @@ async fn heartbeat_loop(
                     capacity_bytes: stats.capacity_bytes,
                     used_bytes: stats.used_bytes,
                     chunk_count: stats.chunk_count,
-                    proof: proof(),
+                    proof: proof(&target_id),
                 })
                 .await
                 .map(|_| ())
@@ -404,7 +407,7 @@ async fn heartbeat_loop(
                     used_bytes: stats.used_bytes,
                     failure_domain: failure_domain.clone(),
                     rdma_device: rdma_device.clone(),
-                    proof: proof(),
+                    proof: proof(&registration_scope),
                 })
                 .await
                 .map(|response| {
@@ -422,6 +425,7 @@ async fn heartbeat_loop(
                     warn!(%server, error = %status.message(), "the control plane refused this target; retrying");
                     refusal_logged = true;
                 }
+                current = (current + 1) % clients.len();
             }
             Err(status) => {
                 registered = false;
