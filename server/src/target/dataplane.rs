@@ -589,28 +589,27 @@ where
         let served = Arc::clone(&served);
         let responses = responses.clone();
         if header.opcode == Opcode::Put {
-            let request = decode_for::<data::PutRequest>(&served, prost_header);
-            if let Err(refused) = &request {
-                // A PUT refused for its header (undecodable, no capability): its payload is read
-                // past, never buffered or charged to the budget other requests share.
-                let mut payload = (&mut reader).take(u64::from(header.payload_len));
-                let mut sink = tokio::io::sink();
-                match tokio::time::timeout(limits.frame_timeout, tokio::io::copy(&mut payload, &mut sink)).await {
-                    Ok(Ok(n)) if n == u64::from(header.payload_len) => {}
-                    Ok(Ok(_)) => break Err("payload cut short".into()),
-                    Ok(Err(error)) => break Err(format!("read payload: {error}")),
-                    Err(_) => break Err(format!("payload not received within {:?}", limits.frame_timeout)),
+            let request = match decode_for::<data::PutRequest>(&served, prost_header) {
+                Ok(request) => request,
+                Err(refused) => {
+                    // A PUT refused for its header (undecodable, no capability): its payload is
+                    // read past, never buffered or charged to the budget other requests share.
+                    let mut payload = (&mut reader).take(u64::from(header.payload_len));
+                    let mut sink = tokio::io::sink();
+                    match tokio::time::timeout(limits.frame_timeout, tokio::io::copy(&mut payload, &mut sink)).await {
+                        Ok(Ok(n)) if n == u64::from(header.payload_len) => {}
+                        Ok(Ok(_)) => break Err("payload cut short".into()),
+                        Ok(Err(error)) => break Err(format!("read payload: {error}")),
+                        Err(_) => break Err(format!("payload not received within {:?}", limits.frame_timeout)),
+                    }
+                    let _ = responses.send(reply(header, refused, None)).await;
+                    drop(permit);
+                    continue;
                 }
-                let _ = responses.send(reply(header, refused.clone(), None)).await;
-                drop(permit);
-                continue;
-            }
+            };
             // Where the payload is: after the frame, in a slot of the shared region, or in the
             // client's registered memory.
-            let mut source = match &request {
-                Ok(request) => PayloadSource::of(request, slots.as_deref(), rdma.as_ref()),
-                Err(_) => PayloadSource::Frame,
-            };
+            let mut source = PayloadSource::of(&request, slots.as_deref(), rdma.as_ref());
             if !matches!(source, PayloadSource::Frame) && header.payload_len != 0 {
                 break Err("protocol error: a PUT with its payload both in the frame and elsewhere".into());
             }
@@ -648,26 +647,23 @@ where
             let is_placed = matches!(source, PayloadSource::Placed(..));
             let (slots, rdma) = (slots.clone(), rdma.clone());
             tokio::spawn(async move {
-                let response = match request {
-                    Err(response) => response,
-                    Ok(request) => match fetch(&served, source, slots.clone(), rdma.as_deref(), chunk).await {
-                        Ok(chunk) => {
-                            let response = put(&served.store, request, chunk).await;
-                            if is_placed
-                                && response.code == ErrorCode::Internal as i32
-                                && let Some(slots) = &slots
-                                && !slots.placed_failed.swap(true, std::sync::atomic::Ordering::Relaxed)
-                            {
-                                warn!(
-                                    error = %response.message,
-                                    "a write straight from a client's staging memory failed; this connection's \
-                                     chunks are copied from now on"
-                                );
-                            }
-                            response
+                let response = match fetch(&served, source, slots.clone(), rdma.as_deref(), chunk).await {
+                    Ok(chunk) => {
+                        let response = put(&served.store, request, chunk).await;
+                        if is_placed
+                            && response.code == ErrorCode::Internal as i32
+                            && let Some(slots) = &slots
+                            && !slots.placed_failed.swap(true, std::sync::atomic::Ordering::Relaxed)
+                        {
+                            warn!(
+                                error = %response.message,
+                                "a write straight from a client's staging memory failed; this connection's \
+                                 chunks are copied from now on"
+                            );
                         }
-                        Err(response) => response,
-                    },
+                        response
+                    }
+                    Err(response) => response,
                 };
                 drop(bytes_permit);
                 let _ = responses.send(reply(header, response, None)).await;
