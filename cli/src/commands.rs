@@ -62,6 +62,7 @@ pub struct ServerArgs {
     pub tier_interval: Option<Duration>,
     pub tier_bytes_per_sec: u64,
     pub cluster_key: Option<starckpt_proto::capability::ClusterKey>,
+    pub tokens: Option<std::sync::Arc<starckpt_server::control::auth::Tokens>>,
 }
 
 pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<()> {
@@ -87,6 +88,7 @@ pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<
         tier_config: starckpt_server::control::tier::TierConfig { bytes_per_second: args.tier_bytes_per_sec },
         tier_interval: args.tier_interval,
         cluster_key: args.cluster_key,
+        tokens: args.tokens,
         ..Default::default()
     };
     starckpt_server::control::run(listener, store, config, shutdown).await
@@ -710,5 +712,55 @@ pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
             format!("{:.1}s ago", t.heartbeat_age_ms as f64 / 1000.0)
         );
     }
+    Ok(())
+}
+
+/// `starckpt token new`: a token for `tenant` (None: an admin's), printed once; its hash added to
+/// `tokens_file` (or printed, to add by hand).
+pub fn new_token(tenant: Option<&str>, tokens_file: Option<&Path>, out: &Output) -> anyhow::Result<()> {
+    use starckpt_server::control::auth::{Caller, TokenTable};
+    let caller = match tenant {
+        Some(name) => Caller::Tenant(starckpt_proto::TenantName::try_from(name)?),
+        None => Caller::Operator,
+    };
+    let token = starckpt_proto::token::generate();
+    let line = TokenTable::line(&caller, &token);
+    if let Some(path) = tokens_file {
+        append_token_line(path, &line)?;
+    }
+    if out.json {
+        out.json(json!({ "token": token, "line": line, "tokens_file": tokens_file }));
+    } else {
+        println!("{token}");
+        match tokens_file {
+            Some(path) => eprintln!("added to {}: {line}", path.display()),
+            None => eprintln!("add this line to the control plane's --tokens-file: {line}"),
+        }
+    }
+    Ok(())
+}
+
+/// Adds `line` to the tokens file at `path` (made 0600 if missing), durably, after checking that
+/// what is there parses: a control plane that cannot parse the file keeps its old tokens.
+fn append_token_line(path: &Path, line: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let existing = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(error) => return Err(error).with_context(|| format!("read {}", path.display())),
+    };
+    starckpt_server::control::auth::TokenTable::parse(&existing)
+        .map_err(|e| anyhow::anyhow!("{} does not parse, so nothing was added: {e}", path.display()))?;
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("open {}", path.display()))?;
+    let separator = if existing.is_empty() || existing.ends_with('\n') { "" } else { "\n" };
+    file.write_all(format!("{separator}{line}\n").as_bytes())
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("write {}", path.display()))?;
     Ok(())
 }

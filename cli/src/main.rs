@@ -167,6 +167,12 @@ enum Command {
         tier_mib_per_sec: u64,
         #[command(flatten)]
         key: ClusterKeyArg,
+        /// Serve only callers with a bearer token listed in this file (by hash; `starckpt token
+        /// new` adds them), each reaching its tenant's jobs or, with an admin token, every job
+        /// and the cluster-wide operations. Read again within seconds of a change. Needs
+        /// --cluster-key-file. Without it, every caller is an operator.
+        #[arg(long, env = "STARCKPT_TOKENS_FILE")]
+        tokens_file: Option<PathBuf>,
     },
     /// Run a storage target on one device or directory.
     Target {
@@ -361,6 +367,13 @@ enum Command {
     },
     /// Targets, their capacity and health.
     Status,
+    /// Make a bearer token for a control plane's tokens file (`starckpt server --tokens-file`):
+    /// prints the token once (give it to its user: STARCKPT_TOKEN or STARCKPT_TOKEN_FILE) and adds
+    /// its hash to FILE, which control planes read again within seconds.
+    Token {
+        #[command(subcommand)]
+        action: TokenAction,
+    },
     /// Start a throwaway cluster, save a multi-GB synthetic state at a few steps, simulate a
     /// preemption, restore the latest, verify it, and print timings against raw disk and memory.
     Demo(demo::DemoArgs),
@@ -368,6 +381,24 @@ enum Command {
     /// synthetic mixed-precision Adam state from N ranks; blocking, committed and restore times
     /// beside memcpy, O_DIRECT write/read and buffered write+fsync; a table, --json, --chart PNG.
     Bench(bench::BenchArgs),
+}
+
+#[derive(Subcommand)]
+enum TokenAction {
+    /// A new token, for one tenant's jobs or (--admin) for an operator.
+    New {
+        /// The tenant whose jobs the token reaches (letters, digits, '.', '_', '-').
+        #[arg(long, required_unless_present = "admin", conflicts_with = "admin")]
+        tenant: Option<String>,
+        /// An operator's token: every job (tenants' ones as TENANT/JOB) and the cluster-wide
+        /// operations (gc, repair, tier).
+        #[arg(long)]
+        admin: bool,
+        /// The tokens file to add it to (made, readable by its owner only, if missing). Without
+        /// it, the line to add is printed to stderr.
+        #[arg(long, env = "STARCKPT_TOKENS_FILE")]
+        tokens_file: Option<PathBuf>,
+    },
 }
 
 fn init_logging(verbose: u8, default: &str) {
@@ -442,6 +473,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             tier_interval_secs,
             tier_mib_per_sec,
             key,
+            tokens_file,
         } => {
             let pending_timeout = pending_timeout_secs.max(1);
             let args = commands::ServerArgs {
@@ -460,6 +492,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .checked_mul(1 << 20)
                     .ok_or_else(|| anyhow::anyhow!("--tier-mib-per-sec {tier_mib_per_sec} is out of range"))?,
                 cluster_key: key.load()?,
+                tokens: tokens_file
+                    .as_deref()
+                    .map(starckpt_server::control::auth::Tokens::load)
+                    .transpose()
+                    .map_err(anyhow::Error::msg)?
+                    .map(std::sync::Arc::new),
             };
             commands::server(&listen, &db, args).await
         }
@@ -539,6 +577,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             commands::mount(&cli.server, &mountpoint, threads, config).await
         }
         Command::Status => commands::status(&cli.server, &out).await,
+        Command::Token { action: TokenAction::New { tenant, admin: _, tokens_file } } => {
+            commands::new_token(tenant.as_deref(), tokens_file.as_deref(), &out)
+        }
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args, cli.json).await,
     }

@@ -161,6 +161,19 @@ fn control_planes_sharing_postgres_must_agree_on_their_settings() {
     assert!(error.contains("must agree") && error.contains("pending timeout of 1800 s"), "{error}");
     let error = server_refuses(&db, &["--gc-grace-secs", "7200"]);
     assert!(error.contains("GC grace of 3600 s"), "{error}");
+    // Another cluster key (the targets would refuse its capabilities), or bearer tokens where the
+    // first serves everyone (tenants would be open through it).
+    let key = common::cluster_key_file(cluster.dir.path());
+    let other_key = cluster.dir.path().join("other.key");
+    std::fs::write(&other_key, "another cluster's secret").unwrap();
+    let error = server_refuses(&db, &["--cluster-key-file", other_key.to_str().unwrap()]);
+    assert!(error.contains("must agree") && error.contains("--cluster-key-file"), "{error}");
+    assert!(!error.contains("pending timeout"), "only what differs is named: {error}");
+    let tokens = cluster.dir.path().join("tokens");
+    std::fs::write(&tokens, "").unwrap();
+    let error =
+        server_refuses(&db, &["--cluster-key-file", key.to_str().unwrap(), "--tokens-file", tokens.to_str().unwrap()]);
+    assert!(error.contains("bearer tokens required") && error.contains("no bearer tokens"), "{error}");
     // The same settings: it serves beside the first.
     let second = common::start_server_on(cluster.dir.path(), &db, &[]);
     let status = cli_with_server(&second.address, &["status", "--json"]);

@@ -268,10 +268,12 @@ fn a_new_cluster_adopts_the_checkpoints_of_a_tier() {
     let flags = ["--tier", url.as_str(), "--tier-interval-secs", "0"];
     let kept = tempfile::tempdir().unwrap();
     let old = Cluster::start_with(2, &flags);
-    // A checkpoint saved and deleted first, so the old database's ids are not the new one's.
+    // Checkpoints saved and deleted first, so the old database's ids are not the new one's.
     std::fs::write(kept.path().join("scratch"), b"scratch").unwrap();
-    old.json(&["save", "--job", "scratch", "--step", "1", kept.path().join("scratch").to_str().unwrap()]);
-    old.ok(&["rm", "scratch", "1"]);
+    for step in ["1", "2"] {
+        old.json(&["save", "--job", "scratch", "--step", step, kept.path().join("scratch").to_str().unwrap()]);
+        old.ok(&["rm", "scratch", step]);
+    }
     let trees: Vec<_> = (1..=2u64)
         .map(|step| {
             let source = kept.path().join(format!("source-{step}"));
@@ -281,18 +283,33 @@ fn a_new_cluster_adopts_the_checkpoints_of_a_tier() {
             source
         })
         .collect();
-    assert_eq!(old.json(&["tier"])["checkpoints_tiered"], 2);
+    // A tenant's job (tenants.rs), saved here by the operator under its stored name.
+    old.json(&["save", "--job", "acme/llm", "--step", "9", trees[0].to_str().unwrap()]);
+    assert_eq!(old.json(&["tier"])["checkpoints_tiered"], 3);
     drop(old);
+    let listed = cli_env(&["--server", "127.0.0.1:1", "ls", "acme/llm", "--from-tier", &url, "--json"], &[]);
+    assert!(listed.status.success(), "{}", String::from_utf8_lossy(&listed.stderr));
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!((listed[0]["job"].as_str(), listed[0]["step"].as_u64()), (Some("acme/llm"), Some(9)), "{listed}");
 
     // A new cluster on the same tier: a new database, empty targets.
     let new = Cluster::start_with(2, &flags);
     assert!(new.json(&["ls"]).as_array().unwrap().is_empty());
     let report = new.json(&["tier", "--import"]);
-    let steps: Vec<_> = report["imported"].as_array().unwrap().iter().map(|c| c["step"].as_u64()).collect();
-    assert_eq!((steps, report["present"].as_u64()), (vec![Some(1), Some(2)], Some(0)), "{report}");
+    let mut imported: Vec<_> = report["imported"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["job"].as_str().unwrap().to_owned(), c["step"].as_u64().unwrap()))
+        .collect();
+    imported.sort();
+    let expected = [("acme/llm".to_owned(), 9), ("llm".to_owned(), 1), ("llm".to_owned(), 2)];
+    assert_eq!((imported.as_slice(), report["present"].as_u64()), (&expected[..], Some(0)), "{report}");
     let again = new.json(&["tier", "--import", "--job", "llm"]);
     assert_eq!((again["imported"].as_array().unwrap().len(), again["present"].as_u64()), (0, Some(2)), "{again}");
-    assert_eq!(new.json(&["ls"])[0]["latest_step"], 2);
+    let jobs = new.json(&["ls"]);
+    let llm = jobs.as_array().unwrap().iter().find(|j| j["job"] == "llm").unwrap();
+    assert_eq!(llm["latest_step"], 2);
 
     // Re-replication brings the chunks from the tier onto the targets; restores read them there.
     let repair = new.json(&["repair"]);
@@ -305,10 +322,10 @@ fn a_new_cluster_adopts_the_checkpoints_of_a_tier() {
     // The next pass records them under their new ids (their chunks are there already), and
     // sweeps the old ids' manifests and records.
     let pass = new.json(&["tier"]);
-    assert_eq!((pass["checkpoints_tiered"].as_u64(), pass["chunks_uploaded"].as_u64()), (Some(2), Some(0)), "{pass}");
-    assert_eq!(pass["manifests_deleted"], 2, "{pass}");
+    assert_eq!((pass["checkpoints_tiered"].as_u64(), pass["chunks_uploaded"].as_u64()), (Some(3), Some(0)), "{pass}");
+    assert_eq!(pass["manifests_deleted"], 3, "{pass}");
     let records = walk(tier.path()).into_iter().filter(|p| p.ends_with("checkpoint.info")).count();
-    assert_eq!(records, 2);
+    assert_eq!(records, 3);
 }
 
 /// Every file under `dir`.

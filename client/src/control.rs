@@ -23,6 +23,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use starckpt_proto::control::control_client::ControlClient;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
@@ -35,7 +37,41 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 /// A client of one control plane.
-pub(crate) type Control = ControlClient<Channel>;
+pub(crate) type Control = ControlClient<InterceptedService<Channel, Bearer>>;
+
+/// Puts the client's bearer token (`starckpt_proto::token`), if it has one, on every call.
+#[derive(Clone, Debug)]
+pub(crate) struct Bearer(Option<MetadataValue<Ascii>>);
+
+impl Bearer {
+    /// The token `config` names (`ClientConfig::token`, else `token_file`), checked.
+    pub(crate) fn from_config(config: &ClientConfig) -> Result<Bearer> {
+        let token = match (&config.token, &config.token_file) {
+            (Some(token), _) => token.trim().to_owned(),
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(path).map_err(Error::io("read the token file", path))?;
+                text.trim().to_owned()
+            }
+            (None, None) => return Ok(Bearer(None)),
+        };
+        starckpt_proto::token::check(&token).map_err(Error::InvalidInput)?;
+        let value = format!("{}{token}", starckpt_proto::token::BEARER);
+        let mut value = MetadataValue::try_from(value)
+            .map_err(|_| Error::InvalidInput("the bearer token cannot travel in a header".into()))?;
+        // Kept out of any trace of the request's headers.
+        value.set_sensitive(true);
+        Ok(Bearer(Some(value)))
+    }
+}
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut request: tonic::Request<()>) -> std::result::Result<tonic::Request<()>, Status> {
+        if let Some(value) = &self.0 {
+            request.metadata_mut().insert(starckpt_proto::token::AUTHORIZATION, value.clone());
+        }
+        Ok(request)
+    }
+}
 
 /// Whether a failed call may be sent again (module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,11 +89,13 @@ pub(crate) struct ControlPlanes {
     /// Index into `endpoints` of the control plane in use, and a client of it.
     current: Mutex<(usize, Control)>,
     failover_timeout: Duration,
+    bearer: Bearer,
 }
 
 impl ControlPlanes {
     /// Connects to the first of `config.server`'s control planes that accepts a connection.
     pub(crate) async fn connect(config: &ClientConfig) -> Result<ControlPlanes> {
+        let bearer = Bearer::from_config(config)?;
         let urls = starckpt_proto::control_urls(&config.server);
         if urls.is_empty() {
             return Err(Error::InvalidInput(format!("no control-plane address in {:?}", config.server)));
@@ -74,8 +112,8 @@ impl ControlPlanes {
         for (index, (url, endpoint)) in endpoints.iter().enumerate() {
             match endpoint.connect().await {
                 Ok(channel) => {
-                    let current = Mutex::new((index, client(channel)));
-                    return Ok(ControlPlanes { endpoints, current, failover_timeout: config.failover_timeout });
+                    let current = Mutex::new((index, client(channel, &bearer)));
+                    return Ok(ControlPlanes { endpoints, current, failover_timeout: config.failover_timeout, bearer });
                 }
                 Err(error) => {
                     tracing::warn!(%url, error = %error_chain(&error), "control plane unreachable; trying the next");
@@ -158,14 +196,14 @@ impl ControlPlanes {
         let mut current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if current.0 == failed {
             let next = (failed + 1) % self.endpoints.len();
-            *current = (next, client(self.endpoints[next].1.connect_lazy()));
+            *current = (next, client(self.endpoints[next].1.connect_lazy(), &self.bearer));
         }
         current.0
     }
 }
 
-fn client(channel: Channel) -> Control {
-    ControlClient::new(channel)
+fn client(channel: Channel, bearer: &Bearer) -> Control {
+    ControlClient::with_interceptor(channel, bearer.clone())
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }

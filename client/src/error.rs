@@ -22,6 +22,10 @@ pub enum Error {
     /// run); it can no longer begin or commit checkpoints of that job.
     #[error("{op}: {message}")]
     Fenced { op: &'static str, message: String },
+    /// The control plane did not accept this client's bearer token (none, unknown or revoked:
+    /// UNAUTHENTICATED), or the token's tenant may not make this call (PERMISSION_DENIED).
+    #[error("{op}: {message}")]
+    Denied { op: &'static str, message: String },
     #[error("{op} failed at the control plane: {status}")]
     Control { op: &'static str, status: Box<tonic::Status> },
     #[error("target {target_id} ({address}): {source}")]
@@ -64,6 +68,7 @@ impl Error {
             Code::AlreadyExists => Error::AlreadyExists { op, message },
             Code::InvalidArgument | Code::FailedPrecondition => Error::Rejected { op, message },
             Code::Aborted => Error::Fenced { op, message },
+            Code::Unauthenticated | Code::PermissionDenied => Error::Denied { op, message },
             Code::Unavailable | Code::DeadlineExceeded => Error::Unreachable { address: address.to_owned(), message },
             _ => Error::Control { op, status: Box::new(status) },
         }

@@ -114,6 +114,15 @@ pub struct ClientConfig {
     /// RDMA with targets that serve it (`transport/rdma.rs`): used when this client has a device
     /// (builds with the `rdma` feature on a host with one, or a device given here); TCP otherwise.
     pub rdma: RdmaConfig,
+    /// The bearer token sent with every control-plane call, for a control plane that requires
+    /// one (`starckpt server --tokens-file`; `starckpt token new` makes one): it decides whose
+    /// jobs this client reaches. Default: `$STARCKPT_TOKEN`. None: no token, which is all a
+    /// control plane without tokens needs.
+    pub token: Option<String>,
+    /// A file holding the token (read once, at connect; surrounding whitespace ignored), used
+    /// when `token` is None: keeps the token out of the environment and the process list.
+    /// Default: `$STARCKPT_TOKEN_FILE`.
+    pub token_file: Option<std::path::PathBuf>,
 }
 
 impl ClientConfig {
@@ -134,6 +143,8 @@ impl ClientConfig {
             compression: None,
             shm: ShmConfig::default(),
             rdma: RdmaConfig::default(),
+            token: std::env::var("STARCKPT_TOKEN").ok().filter(|t| !t.is_empty()),
+            token_file: std::env::var_os("STARCKPT_TOKEN_FILE").filter(|p| !p.is_empty()).map(Into::into),
         }
     }
 }

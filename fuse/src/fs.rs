@@ -187,7 +187,7 @@ fn errno(op: &str, what: &str, error: &Error) -> Errno {
     match error {
         Error::NotFound { .. } => Errno::ENOENT,
         Error::AlreadyExists { .. } => Errno::EEXIST,
-        Error::Fenced { .. } => Errno::EPERM,
+        Error::Fenced { .. } | Error::Denied { .. } => Errno::EPERM,
         Error::Rejected { .. } | Error::Invalid(_) | Error::InvalidInput(_) => Errno::EINVAL,
         Error::NoTarget { last, .. } if last.to_string().contains("NoSpace") => Errno::ENOSPC,
         _ => Errno::EIO,
@@ -262,6 +262,9 @@ impl CkptFs {
             .map_err(|e| errno("list jobs", "/", &e))?
             .into_iter()
             .filter(|j| j.committed_checkpoints > 0)
+            // An admin token lists tenants' jobs as `<tenant>/<name>`, which is no file name:
+            // such a mount shows the jobs outside every tenant (a tenant's token mounts its own).
+            .filter(|j| !j.job.contains('/'))
             .map(|j| j.job)
             .collect();
         self.state().jobs = Some((Instant::now(), jobs.clone()));

@@ -119,6 +119,12 @@ impl ClusterKey {
         Ok(ClusterKey(blake3::derive_key(KEY_CONTEXT, secret)))
     }
 
+    /// A short name of this key that says nothing of it: control planes sharing a database
+    /// compare theirs (a cluster's are all one key, or targets refuse some of its capabilities).
+    pub fn fingerprint(&self) -> String {
+        hex::encode(&blake3::keyed_hash(&self.0, b"starckpt cluster key fingerprint").as_bytes()[..8])
+    }
+
     /// The key in the secret file at `path`.
     pub fn from_file(path: &std::path::Path) -> Result<ClusterKey, String> {
         let secret = std::fs::read(path).map_err(|e| format!("reading cluster key {}: {e}", path.display()))?;

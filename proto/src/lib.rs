@@ -10,6 +10,7 @@
 //! - [`rdma`]: the RDMA fields of frames (queue-pair endpoints, client buffers), checked.
 //! - [`shm`]: same-host shared memory for the data plane (sealed memfd regions, the attach
 //!   handshake over a Unix socket).
+//! - [`token`]: bearer tokens, how callers of the control plane say who they are.
 //! - [`zerocopy`]: the frame writer both ends use, sending large payloads over TCP zero-copy
 //!   (io_uring SEND_ZC) where that pays.
 //! - [`model`]: domain types validated on receipt (`TryFrom`), so malformed input never reaches
@@ -30,6 +31,7 @@ pub mod frame;
 pub mod model;
 pub mod rdma;
 pub mod shm;
+pub mod token;
 pub mod zerocopy;
 
 /// Control-plane gRPC messages and service.
@@ -42,7 +44,7 @@ pub mod data {
     tonic::include_proto!("starckpt.data.v1");
 }
 
-pub use model::{ChunkHash, JobName, ModelError, RelPath};
+pub use model::{ChunkHash, JobName, ModelError, RelPath, TenantName};
 
 /// The URL tonic should dial for a control-plane address given as `host:port` or as a URL.
 pub fn control_url(address: &str) -> String {

@@ -95,7 +95,10 @@ impl fmt::Debug for ChunkHash {
 }
 
 /// A job name: 1..=128 bytes of `[A-Za-z0-9._-]`, not starting with `.` (so it can never be `.`,
-/// `..` or a hidden directory under the mount).
+/// `..` or a hidden directory under the mount); inside a tenant's namespace, `<tenant>/<name>`
+/// (see [`TenantName`]). A tenant's callers name their jobs without the tenant part: the control
+/// plane adds it (and strips it from what it answers), so tenants never see each other's jobs and
+/// may use the same names. `/` appears in no other name, so the qualified form is unambiguous.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct JobName(String);
 
@@ -103,25 +106,111 @@ impl JobName {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The tenant whose namespace holds the job; None for a job outside every tenant's (a
+    /// cluster without bearer tokens, or one an operator made).
+    pub fn tenant(&self) -> Option<&str> {
+        tenant_of(&self.0)
+    }
+
+    /// The name without its tenant part: what the tenant's own callers call it.
+    pub fn local(&self) -> &str {
+        self.0.split_once('/').map_or(&self.0, |(_, name)| name)
+    }
+
+    /// This job, named by a caller of `tenant`, in that tenant's namespace. A caller of a tenant
+    /// cannot name a job of another (or one outside every tenant's).
+    pub fn in_tenant(&self, tenant: &TenantName) -> Result<JobName, ModelError> {
+        if self.tenant().is_some() {
+            return Err(ModelError::JobName {
+                name: self.0.clone(),
+                reason: "a tenant's callers name their jobs without a tenant part",
+            });
+        }
+        Ok(JobName(format!("{}/{}", tenant.0, self.0)))
+    }
+}
+
+/// The tenant part of job name `name`, if it has one.
+fn tenant_of(name: &str) -> Option<&str> {
+    name.split_once('/').map(|(tenant, _)| tenant)
+}
+
+/// Why `name` is not a plain name of at most `max` bytes (job and tenant names share the rule);
+/// `too_long` says the limit.
+fn plain_name_error(name: &str, max: usize, too_long: &'static str) -> Option<&'static str> {
+    if name.is_empty() {
+        return Some("empty");
+    }
+    if name.len() > max {
+        return Some(too_long);
+    }
+    if name.starts_with('.') {
+        return Some("starts with '.'");
+    }
+    if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-') {
+        return Some("only letters, digits, '.', '_' and '-' are allowed");
+    }
+    None
 }
 
 impl TryFrom<&str> for JobName {
     type Error = ModelError;
     fn try_from(name: &str) -> Result<Self, Self::Error> {
         let reject = |reason| Err(ModelError::JobName { name: name.chars().take(200).collect(), reason });
-        if name.is_empty() {
-            return reject("empty");
+        let (tenant, local) = match name.split_once('/') {
+            Some((tenant, local)) => (Some(tenant), local),
+            None => (None, name),
+        };
+        if let Some(tenant) = tenant
+            && let Some(reason) = plain_name_error(tenant, MAX_TENANT_NAME_BYTES, "")
+        {
+            return reject(match reason {
+                "empty" => "empty tenant part",
+                _ => "its tenant part is not a tenant name",
+            });
         }
-        if name.len() > MAX_JOB_NAME_BYTES {
-            return reject("longer than 128 bytes");
-        }
-        if name.starts_with('.') {
-            return reject("starts with '.'");
-        }
-        if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-') {
-            return reject("only letters, digits, '.', '_' and '-' are allowed");
+        if let Some(reason) = plain_name_error(local, MAX_JOB_NAME_BYTES, "longer than 128 bytes") {
+            return reject(reason);
         }
         Ok(JobName(name.to_owned()))
+    }
+}
+
+/// Longest tenant name.
+pub const MAX_TENANT_NAME_BYTES: usize = 64;
+
+/// A tenant: whose jobs a bearer token reaches (`server/src/control/auth.rs`). 1..=64 bytes of
+/// `[A-Za-z0-9._-]`, not starting with `.`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TenantName(String);
+
+impl TenantName {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether the job named `job` (as stored: `<tenant>/<name>`) is in this tenant's namespace.
+    pub fn holds(&self, job: &str) -> bool {
+        tenant_of(job) == Some(self.0.as_str())
+    }
+}
+
+impl TryFrom<&str> for TenantName {
+    type Error = ModelError;
+    fn try_from(name: &str) -> Result<Self, Self::Error> {
+        match plain_name_error(name, MAX_TENANT_NAME_BYTES, "longer than 64 bytes") {
+            Some(reason) => {
+                Err(field("tenant name", format!("{:?}: {reason}", name.chars().take(100).collect::<String>())))
+            }
+            None => Ok(TenantName(name.to_owned())),
+        }
+    }
+}
+
+impl fmt::Display for TenantName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
     }
 }
 
@@ -471,6 +560,10 @@ pub struct CommitPart {
     pub manifest: Manifest,
     /// Bytes the writer actually uploaded for this part (≤ the manifest's total).
     pub written_bytes: u64,
+    /// The tenant the committer acts for, set by the control plane from its bearer token (never
+    /// from the request): the checkpoint must be one of that tenant's jobs, or the part is refused
+    /// as if the checkpoint did not exist. None: an operator's, or a cluster without tokens.
+    pub namespace: Option<TenantName>,
 }
 
 impl TryFrom<pb::CommitPartRequest> for CommitPart {
@@ -492,6 +585,7 @@ impl TryFrom<pb::CommitPartRequest> for CommitPart {
             rank: request.rank,
             manifest,
             written_bytes: request.written_bytes,
+            namespace: None,
         })
     }
 }
@@ -613,8 +707,22 @@ mod tests {
         for good in ["llama-70b", "a", "run_1.v2"] {
             assert!(JobName::try_from(good).is_ok());
         }
-        for bad in ["", ".", "..", ".x", "a/b", "a b", &"x".repeat(129)] {
+        for bad in ["", ".", "..", ".x", "a b", &"x".repeat(129), "a/b/c", "/a", "a/", ".t/a", "t/.a", "t u/a"] {
             assert!(JobName::try_from(bad).is_err(), "{bad:?}");
+        }
+        assert!(JobName::try_from(format!("{}/a", "t".repeat(65)).as_str()).is_err());
+        let plain = JobName::try_from("llama").unwrap();
+        assert_eq!((plain.tenant(), plain.local()), (None, "llama"));
+        let acme = TenantName::try_from("acme").unwrap();
+        let qualified = plain.in_tenant(&acme).unwrap();
+        assert_eq!(qualified.as_str(), "acme/llama");
+        assert_eq!((qualified.tenant(), qualified.local()), (Some("acme"), "llama"));
+        assert!(acme.holds(qualified.as_str()) && !acme.holds(plain.as_str()));
+        assert!(!TenantName::try_from("acmex").unwrap().holds(qualified.as_str()));
+        assert_eq!(JobName::try_from("acme/llama").unwrap(), qualified);
+        assert!(qualified.in_tenant(&acme).is_err(), "a tenant cannot name another tenant's job");
+        for bad in ["", ".a", "a/b", "a b", &"t".repeat(65)] {
+            assert!(TenantName::try_from(bad).is_err(), "{bad:?}");
         }
     }
 

@@ -85,6 +85,9 @@ pub struct Cluster {
     /// Further control planes on the same PostgreSQL database ([`Cluster::start_ha`]); the
     /// targets know them all.
     pub peers: Vec<Proc>,
+    /// Environment of [`Cluster::cli`]'s commands (an admin's bearer token, where the control
+    /// plane requires one: [`Cluster::start_with_tokens`]).
+    pub cli_env: Vec<(String, String)>,
 }
 
 impl Cluster {
@@ -101,7 +104,17 @@ impl Cluster {
     pub fn start_with_env(targets: usize, server_flags: &[&str], server_env: &[(&str, &str)]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("meta.db").to_str().unwrap().to_owned();
-        Cluster::start_on(dir, db, 1, targets, server_flags, server_env)
+        Cluster::start_on(dir, db, 1, targets, server_flags, server_env, Vec::new())
+    }
+
+    /// A cluster whose control plane serves only the bearer tokens of `tokens_file`; the
+    /// harness's own commands (and [`Cluster::cli`]) carry `admin_token`.
+    pub fn start_with_tokens(targets: usize, tokens_file: &Path, admin_token: &str) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("meta.db").to_str().unwrap().to_owned();
+        let flags = ["--tokens-file", tokens_file.to_str().unwrap()];
+        let cli_env = vec![("STARCKPT_TOKEN".to_owned(), admin_token.to_owned())];
+        Cluster::start_on(dir, db, 1, targets, &flags, &[], cli_env)
     }
 
     /// A cluster of `control_planes` control planes sharing the PostgreSQL database `db`, and
@@ -112,7 +125,15 @@ impl Cluster {
 
     /// `start_ha`, the first control plane (`server`) started with extra environment variables.
     pub fn start_ha_env(db: &str, control_planes: usize, targets: usize, first_env: &[(&str, &str)]) -> Cluster {
-        Cluster::start_on(tempfile::tempdir().unwrap(), db.to_owned(), control_planes, targets, &[], first_env)
+        Cluster::start_on(
+            tempfile::tempdir().unwrap(),
+            db.to_owned(),
+            control_planes,
+            targets,
+            &[],
+            first_env,
+            Vec::new(),
+        )
     }
 
     fn start_on(
@@ -122,12 +143,13 @@ impl Cluster {
         targets: usize,
         server_flags: &[&str],
         server_env: &[(&str, &str)],
+        cli_env: Vec<(String, String)>,
     ) -> Cluster {
         let start = |env| start_server_env(dir.path(), &db, server_flags, env);
         let server = start(server_env);
         let peers = (1..control_planes).map(|_| start(&[])).collect();
         let server_flags = server_flags.iter().map(|f| f.to_string()).collect();
-        let mut cluster = Cluster { dir, server, targets: Vec::new(), server_flags, db, peers };
+        let mut cluster = Cluster { dir, server, targets: Vec::new(), server_flags, db, peers, cli_env };
         for index in 0..targets {
             let target = cluster.start_target(index);
             cluster.targets.push(target);
@@ -222,7 +244,8 @@ impl Cluster {
 
     /// Runs the CLI against this cluster.
     pub fn cli(&self, args: &[&str]) -> Output {
-        cli_with_server(&self.server.address, args)
+        let env: Vec<(&str, &str)> = self.cli_env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        cli_with_env(&self.server.address, args, &env)
     }
 
     /// Runs the CLI and asserts success, returning stdout.
@@ -336,7 +359,16 @@ pub fn start_server_at(dir: &Path, db: &str, listen: &str, extra: &[&str], env: 
 }
 
 pub fn cli_with_server(server: &str, args: &[&str]) -> Output {
-    Command::new(BIN).args(args).env("STARCKPT_SERVER", server).env_remove("STARCKPT_JOB").output().unwrap()
+    cli_with_env(server, args, &[])
+}
+
+/// Runs the CLI against `server` with extra environment variables (and no job or token but
+/// those given).
+pub fn cli_with_env(server: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(BIN);
+    command.args(args).env("STARCKPT_SERVER", server).env_remove("STARCKPT_JOB");
+    command.env_remove("STARCKPT_TOKEN").env_remove("STARCKPT_TOKEN_FILE");
+    command.envs(env.iter().copied()).output().unwrap()
 }
 
 /// Deterministic pseudo-random bytes.

@@ -116,6 +116,7 @@ fn error_class(err: &sdk::Error) -> &'static str {
         E::AlreadyExists { .. } => "AlreadyExistsError",
         E::Rejected { .. } => "RejectedError",
         E::Fenced { .. } => "FencedError",
+        E::Denied { .. } => "DeniedError",
         E::Control { .. } => "StarckptError",
         E::Target { source, .. } if source.is_connection() => "ConnectionError",
         E::Target { .. } => "TargetError",
@@ -326,7 +327,7 @@ impl NativeClient {
 #[pymethods]
 impl NativeClient {
     #[new]
-    #[pyo3(signature = (server, *, staging_bytes=None, chunk_size_bytes=None, run_id=None, compress_level=None))]
+    #[pyo3(signature = (server, *, staging_bytes=None, chunk_size_bytes=None, run_id=None, compress_level=None, token=None))]
     fn new(
         py: Python<'_>,
         server: String,
@@ -334,8 +335,12 @@ impl NativeClient {
         chunk_size_bytes: Option<usize>,
         run_id: Option<String>,
         compress_level: Option<i32>,
+        token: Option<String>,
     ) -> PyResult<NativeClient> {
         let mut config = sdk::ClientConfig::new(server);
+        if token.is_some() {
+            config.token = token;
+        }
         config.compression = compress_config(compress_level)?;
         if let Some(bytes) = staging_bytes {
             config.staging_bytes = bytes;

@@ -55,14 +55,19 @@ class Proc:
 
 
 class Cluster:
-    def __init__(self, root: Path, targets: int = 2):
+    """A control plane and `targets` targets. With `tokens_file`, the control plane serves only
+    its bearer tokens, and the harness's own commands carry `admin_token`."""
+
+    def __init__(self, root: Path, targets: int = 2, tokens_file: Path | None = None, admin_token: str | None = None):
         self.root = root
+        self.cli_env = {"STARCKPT_TOKEN": admin_token} if admin_token else {}
         # One key for the control plane and the targets: clients' requests carry capabilities.
         key = root / "cluster.key"
         key.write_bytes(os.urandom(32))
         keyed = ["--cluster-key-file", str(key)]
+        tokens = ["--tokens-file", str(tokens_file)] if tokens_file else []
         self.server = Proc(
-            ["server", "--listen", "127.0.0.1:0", "--db", str(root / "meta.db"), *keyed], root / "server.log"
+            ["server", "--listen", "127.0.0.1:0", "--db", str(root / "meta.db"), *keyed, *tokens], root / "server.log"
         )
         self.targets = [
             Proc(
@@ -81,7 +86,9 @@ class Cluster:
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [starckpt_bin(), *args], capture_output=True, env={**os.environ, "STARCKPT_SERVER": self.address}
+            [starckpt_bin(), *args],
+            capture_output=True,
+            env={**os.environ, "STARCKPT_SERVER": self.address, **self.cli_env},
         )
 
     def wait_alive(self) -> None:

@@ -578,3 +578,43 @@ def test_a_child_forked_after_a_restore_restores_too(cluster, job):
         if pid:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+def test_a_tenants_token_reaches_its_own_jobs_alone(tmp_path, monkeypatch):
+    from conftest import Cluster, starckpt_bin
+
+    tokens = tmp_path / "tokens"
+
+    def new_token(*args: str) -> str:
+        made = subprocess.run([starckpt_bin(), "token", "new", *args, "--tokens-file", str(tokens)],
+                              capture_output=True, check=True)
+        return made.stdout.decode().strip()
+
+    admin, acme, beta = new_token("--admin"), new_token("--tenant", "acme"), new_token("--tenant", "beta")
+    (tmp_path / "cluster").mkdir()
+    tenants = Cluster(tmp_path / "cluster", targets=1, tokens_file=tokens, admin_token=admin)
+    try:
+        ours = starckpt.Client(tenants.address, "llama", token=acme)
+        ours.save(1, {"w": np.arange(1000, dtype=np.float32)}).wait()
+        # The same job name in another tenant is another job; the environment's token works too.
+        monkeypatch.setenv("STARCKPT_TOKEN", beta)
+        theirs = starckpt.Client(tenants.address, "llama")
+        assert theirs.latest() is None
+        theirs.save(5, {"w": np.zeros(3)}).wait()
+        assert (ours.latest(), theirs.latest()) == (1, 5)
+        state, _ = ours.load()
+        assert same_array(state["w"], np.arange(1000, dtype=np.float32))
+        # Without a token, or with one the control plane does not know: refused, as a PermissionError.
+        monkeypatch.delenv("STARCKPT_TOKEN")
+        (tmp_path / "acme.token").write_text(acme + "\n")
+        monkeypatch.setenv("STARCKPT_TOKEN_FILE", str(tmp_path / "acme.token"))
+        assert starckpt.Client(tenants.address, "llama").latest() == 1
+        monkeypatch.delenv("STARCKPT_TOKEN_FILE")
+        with pytest.raises(starckpt.DeniedError, match="bearer token"):
+            starckpt.Client(tenants.address, "llama").latest()
+        with pytest.raises(PermissionError):
+            starckpt.Client(tenants.address, "llama", token="stk_" + "0" * 64).latest()
+        listed = json.loads(tenants.cli("ls", "--json").stdout)
+        assert sorted(j["job"] for j in listed) == ["acme/llama", "beta/llama"]
+    finally:
+        tenants.stop()

@@ -1,6 +1,7 @@
 //! The control plane: jobs, checkpoints, manifests and targets behind a gRPC service.
 //!
 //! Entry point: [`service::run`]. The binary (`starckpt server`) only parses flags and calls it.
+pub mod auth;
 pub mod gc;
 pub mod repair;
 pub mod service;

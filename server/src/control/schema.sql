@@ -105,7 +105,9 @@ CREATE TABLE IF NOT EXISTS control_planes (
     id                 TEXT PRIMARY KEY,
     pending_timeout_ms BIGINT NOT NULL,
     gc_grace_ms        BIGINT NOT NULL,
-    seen_at_ms         BIGINT NOT NULL
+    seen_at_ms         BIGINT NOT NULL,
+    -- What callers and targets must prove (store.rs `ControlPlaneMember::security`); '' unknown.
+    security           TEXT NOT NULL DEFAULT ''
 );
 
 -- Tags pin committed checkpoints: retention never deletes a tagged one.

@@ -17,6 +17,7 @@ use starckpt_proto::{ChunkHash, JobName};
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
+use super::auth::{Caller, Tokens};
 use super::gc::{self, GcConfig, GcReport};
 use super::repair::{self, LastRepair, RepairConfig, RepairReport};
 use super::store::{
@@ -78,6 +79,10 @@ pub struct ControlConfig {
     pub cluster_key: Option<ClusterKey>,
     /// How long a capability lasts. Default 1 h; clients renew theirs at half that.
     pub capability_lifetime: Duration,
+    /// The bearer tokens callers must present (`--tokens-file`, `auth.rs`), which also decide
+    /// whose jobs each reaches. None: every caller is an operator, as on a single-user cluster.
+    /// Requires `cluster_key` (`run` refuses tokens without one).
+    pub tokens: Option<Arc<Tokens>>,
 }
 
 impl Default for ControlConfig {
@@ -98,6 +103,7 @@ impl Default for ControlConfig {
             recovery_wait: Duration::from_secs(20),
             cluster_key: None,
             capability_lifetime: Duration::from_secs(60 * 60),
+            tokens: None,
         }
     }
 }
@@ -250,6 +256,15 @@ const CHUNK_INDEX_TTL: Duration = Duration::from_secs(60);
 const CHUNK_INDEXES_KEPT: usize = 4;
 
 impl ControlService {
+    /// Who sent `request`: the caller its bearer token names (`auth.rs`), or an operator where
+    /// this control plane has no tokens.
+    fn caller<T>(&self, request: &Request<T>) -> Result<Caller, Status> {
+        match &self.config.tokens {
+            None => Ok(Caller::Operator),
+            Some(tokens) => tokens.authenticate(request.metadata()),
+        }
+    }
+
     /// With a cluster key: refuses a registration or heartbeat of `target_id` whose sender does
     /// not prove it holds the key (`RegisterTargetRequest.proof`, bound to `scope`).
     fn check_target_proof(&self, target_id: &str, scope: &str, proof: &[u8]) -> Result<(), Status> {
@@ -365,10 +380,6 @@ fn meta_status(error: MetaError) -> Status {
     }
 }
 
-fn job(name: String) -> Result<JobName, Status> {
-    JobName::try_from(name).map_err(invalid)
-}
-
 fn state_pb(state: CheckpointState) -> pb::CheckpointState {
     match state {
         CheckpointState::Pending => pb::CheckpointState::Pending,
@@ -378,10 +389,16 @@ fn state_pb(state: CheckpointState) -> pb::CheckpointState {
     }
 }
 
+/// `record` as the tier stores it and operators see it: under the job's stored name.
 pub fn checkpoint_info(record: &CheckpointRecord) -> pb::CheckpointInfo {
+    checkpoint_info_for(&Caller::Operator, record)
+}
+
+/// `record` as `caller` sees it: under the name the caller calls the job.
+fn checkpoint_info_for(caller: &Caller, record: &CheckpointRecord) -> pb::CheckpointInfo {
     pb::CheckpointInfo {
         checkpoint_id: record.id,
-        job: record.job.clone(),
+        job: caller.shown(&record.job),
         step: record.step,
         state: state_pb(record.state) as i32,
         world_size: record.world_size,
@@ -430,8 +447,10 @@ impl Control for ControlService {
 
     async fn list_targets(
         &self,
-        _: Request<pb::ListTargetsRequest>,
+        request: Request<pb::ListTargetsRequest>,
     ) -> Result<Response<pb::ListTargetsResponse>, Status> {
+        // Any caller: the targets' addresses are what every writer is sent (BeginCheckpoint).
+        self.caller(&request)?;
         let now = now_ms();
         let targets = self.store.list_targets().await.map_err(meta_status)?;
         let last = self.collector.last_repair.get();
@@ -446,7 +465,9 @@ impl Control for ControlService {
         &self,
         request: Request<pb::AcquireLeaseRequest>,
     ) -> Result<Response<pb::AcquireLeaseResponse>, Status> {
-        let request = AcquireLease::try_from(request.into_inner()).map_err(invalid)?;
+        let caller = self.caller(&request)?;
+        let mut request = AcquireLease::try_from(request.into_inner()).map_err(invalid)?;
+        request.job = caller.job(request.job.as_str())?;
         let grant = self.store.acquire_lease(&request, now_ms()).await.map_err(meta_status)?;
         Ok(Response::new(pb::AcquireLeaseResponse {
             epoch: grant.epoch,
@@ -458,7 +479,9 @@ impl Control for ControlService {
         &self,
         request: Request<pb::BeginCheckpointRequest>,
     ) -> Result<Response<pb::BeginCheckpointResponse>, Status> {
-        let request = BeginCheckpoint::try_from(request.into_inner()).map_err(invalid)?;
+        let caller = self.caller(&request)?;
+        let mut request = BeginCheckpoint::try_from(request.into_inner()).map_err(invalid)?;
+        request.job = caller.job(request.job.as_str())?;
         let now = now_ms();
         let placement: Vec<pb::TargetInfo> = self
             .store
@@ -492,7 +515,9 @@ impl Control for ControlService {
         &self,
         request: Request<pb::CommitPartRequest>,
     ) -> Result<Response<pb::CommitPartResponse>, Status> {
-        let part = CommitPart::try_from(request.into_inner()).map_err(invalid)?;
+        let caller = self.caller(&request)?;
+        let mut part = CommitPart::try_from(request.into_inner()).map_err(invalid)?;
+        part.namespace = caller.namespace();
         // Every replica must name a registered target, or restore could not find the chunk.
         let known: HashSet<String> =
             self.store.list_targets().await.map_err(meta_status)?.into_iter().map(|t| t.target_id).collect();
@@ -522,18 +547,21 @@ impl Control for ControlService {
     }
 
     async fn latest(&self, request: Request<pb::LatestRequest>) -> Result<Response<pb::LatestResponse>, Status> {
-        let job = job(request.into_inner().job)?;
+        let caller = self.caller(&request)?;
+        let job = caller.job(&request.into_inner().job)?;
         let record = self.store.latest(&job).await.map_err(meta_status)?;
-        Ok(Response::new(pb::LatestResponse { checkpoint: record.as_ref().map(checkpoint_info) }))
+        Ok(Response::new(pb::LatestResponse { checkpoint: record.map(|r| checkpoint_info_for(&caller, &r)) }))
     }
 
-    async fn list_jobs(&self, _: Request<pb::ListJobsRequest>) -> Result<Response<pb::ListJobsResponse>, Status> {
+    async fn list_jobs(&self, request: Request<pb::ListJobsRequest>) -> Result<Response<pb::ListJobsResponse>, Status> {
+        let caller = self.caller(&request)?;
         let jobs = self.store.list_jobs().await.map_err(meta_status)?;
         Ok(Response::new(pb::ListJobsResponse {
             jobs: jobs
                 .into_iter()
+                .filter(|j| caller.reaches(&j.job))
                 .map(|j| pb::JobInfo {
-                    job: j.job,
+                    job: caller.shown(&j.job),
                     committed_checkpoints: j.committed_checkpoints,
                     latest_step: j.latest_step,
                     committed_bytes: j.committed_bytes,
@@ -546,18 +574,22 @@ impl Control for ControlService {
         &self,
         request: Request<pb::ListCheckpointsRequest>,
     ) -> Result<Response<pb::ListCheckpointsResponse>, Status> {
+        let caller = self.caller(&request)?;
         let request = request.into_inner();
-        let job = job(request.job)?;
+        let job = caller.job(&request.job)?;
         let records = self.store.list_checkpoints(&job, request.include_inactive).await.map_err(meta_status)?;
-        Ok(Response::new(pb::ListCheckpointsResponse { checkpoints: records.iter().map(checkpoint_info).collect() }))
+        Ok(Response::new(pb::ListCheckpointsResponse {
+            checkpoints: records.iter().map(|r| checkpoint_info_for(&caller, r)).collect(),
+        }))
     }
 
     async fn get_manifest(
         &self,
         request: Request<pb::GetManifestRequest>,
     ) -> Result<Response<pb::GetManifestResponse>, Status> {
+        let caller = self.caller(&request)?;
         let request = request.into_inner();
-        let job = job(request.job)?;
+        let job = caller.job(&request.job)?;
         let (record, parts) = self.store.get_manifest(&job, request.step).await.map_err(meta_status)?;
         let named: HashSet<&str> = parts
             .iter()
@@ -568,7 +600,7 @@ impl Control for ControlService {
         let now = now_ms();
         let targets = self.store.list_targets().await.map_err(meta_status)?;
         Ok(Response::new(pb::GetManifestResponse {
-            checkpoint: Some(checkpoint_info(&record)),
+            checkpoint: Some(checkpoint_info_for(&caller, &record)),
             parts: parts
                 .iter()
                 .map(|(rank, manifest)| pb::RankManifest { rank: *rank, manifest: Some(pb::Manifest::from(manifest)) })
@@ -585,8 +617,9 @@ impl Control for ControlService {
         &self,
         request: Request<pb::DeleteCheckpointRequest>,
     ) -> Result<Response<pb::DeleteCheckpointResponse>, Status> {
+        let caller = self.caller(&request)?;
         let request = request.into_inner();
-        let job = job(request.job)?;
+        let job = caller.job(&request.job)?;
         self.store.delete_checkpoint(&job, request.step, now_ms()).await.map_err(meta_status)?;
         tracing::info!(%job, step = request.step, "checkpoint deleted");
         Ok(Response::new(pb::DeleteCheckpointResponse {}))
@@ -596,8 +629,9 @@ impl Control for ControlService {
         &self,
         request: Request<pb::SetRetentionRequest>,
     ) -> Result<Response<pb::SetRetentionResponse>, Status> {
+        let caller = self.caller(&request)?;
         let request = request.into_inner();
-        let job = job(request.job)?;
+        let job = caller.job(&request.job)?;
         let policy = request.policy.ok_or_else(|| Status::invalid_argument("policy is required"))?;
         let policy = RetentionPolicy { keep_last: policy.keep_last, keep_every: policy.keep_every };
         let deleted_steps = self.store.set_retention(&job, policy, now_ms()).await.map_err(meta_status)?;
@@ -609,7 +643,8 @@ impl Control for ControlService {
         &self,
         request: Request<pb::GetRetentionRequest>,
     ) -> Result<Response<pb::GetRetentionResponse>, Status> {
-        let job = job(request.into_inner().job)?;
+        let caller = self.caller(&request)?;
+        let job = caller.job(&request.into_inner().job)?;
         let policy = self.store.get_retention(&job).await.map_err(meta_status)?;
         Ok(Response::new(pb::GetRetentionResponse {
             policy: Some(pb::RetentionPolicy { keep_last: policy.keep_last, keep_every: policy.keep_every }),
@@ -620,8 +655,9 @@ impl Control for ControlService {
         &self,
         request: Request<pb::SetReplicationRequest>,
     ) -> Result<Response<pb::SetReplicationResponse>, Status> {
+        let caller = self.caller(&request)?;
         let request = request.into_inner();
-        let job = job(request.job)?;
+        let job = caller.job(&request.job)?;
         self.store.set_replication(&job, request.replicas, now_ms()).await.map_err(meta_status)?;
         tracing::info!(%job, replicas = request.replicas, "replication factor set");
         Ok(Response::new(pb::SetReplicationResponse {}))
@@ -631,8 +667,9 @@ impl Control for ControlService {
         &self,
         request: Request<pb::TagCheckpointRequest>,
     ) -> Result<Response<pb::TagCheckpointResponse>, Status> {
+        let caller = self.caller(&request)?;
         let request = request.into_inner();
-        let job = job(request.job)?;
+        let job = caller.job(&request.job)?;
         starckpt_proto::model::validate_tag(&request.tag).map_err(invalid)?;
         self.store.tag_checkpoint(&job, request.step, &request.tag, request.remove).await.map_err(meta_status)?;
         Ok(Response::new(pb::TagCheckpointResponse {}))
@@ -640,8 +677,9 @@ impl Control for ControlService {
 
     async fn collect_garbage(
         &self,
-        _: Request<pb::CollectGarbageRequest>,
+        request: Request<pb::CollectGarbageRequest>,
     ) -> Result<Response<pb::CollectGarbageResponse>, Status> {
+        self.caller(&request)?.must_operate("garbage collection")?;
         let report = self.collector.run().await.map_err(meta_status)?;
         Ok(Response::new(pb::CollectGarbageResponse {
             live_chunks: report.live_chunks,
@@ -656,15 +694,17 @@ impl Control for ControlService {
 
     async fn rereplicate(
         &self,
-        _: Request<pb::RereplicateRequest>,
+        request: Request<pb::RereplicateRequest>,
     ) -> Result<Response<pb::RereplicateResponse>, Status> {
+        self.caller(&request)?.must_operate("re-replication")?;
         Ok(Response::new(self.rereplicate_now().await?))
     }
 
     async fn data_capability(
         &self,
-        _request: Request<pb::DataCapabilityRequest>,
+        request: Request<pb::DataCapabilityRequest>,
     ) -> Result<Response<pb::DataCapabilityResponse>, Status> {
+        self.caller(&request)?;
         let Some(key) = &self.config.cluster_key else {
             return Ok(Response::new(pb::DataCapabilityResponse::default()));
         };
@@ -681,8 +721,9 @@ impl Control for ControlService {
         &self,
         request: Request<pb::RecoverChunksRequest>,
     ) -> Result<Response<pb::RecoverChunksResponse>, Status> {
+        let caller = self.caller(&request)?;
         let request = request.into_inner();
-        let job = job(request.job)?;
+        let job = caller.job(&request.job)?;
         if request.hashes.len() > MAX_RECOVER_CHUNKS {
             return Err(Status::invalid_argument(format!(
                 "{} chunks exceed the limit of {MAX_RECOVER_CHUNKS} per call",
@@ -715,6 +756,7 @@ impl Control for ControlService {
         &self,
         request: Request<pb::ImportTierRequest>,
     ) -> Result<Response<pb::ImportTierResponse>, Status> {
+        self.caller(&request)?.must_operate("importing the tier")?;
         let job = request.into_inner().job;
         let job = match job.is_empty() {
             true => None,
@@ -729,7 +771,8 @@ impl Control for ControlService {
         }))
     }
 
-    async fn tier(&self, _: Request<pb::TierRequest>) -> Result<Response<pb::TierResponse>, Status> {
+    async fn tier(&self, request: Request<pb::TierRequest>) -> Result<Response<pb::TierResponse>, Status> {
+        self.caller(&request)?.must_operate("a tier pass")?;
         // A pass of its own: one the caller gives up waiting for still finishes.
         let collector = Arc::clone(&self.collector);
         let report = tokio::spawn(async move { collector.tier(tier::Sweep::Always).await })
@@ -796,12 +839,19 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     config.gc.validate(config.pending_timeout).map_err(anyhow::Error::msg)?;
+    if config.tokens.is_some() && config.cluster_key.is_none() {
+        anyhow::bail!(
+            "bearer tokens need a cluster key (--cluster-key-file): without one, any process could register \
+             as a target and be sent the chunks of every tenant"
+        );
+    }
     let listening = listener_identity(listener.local_addr()?);
     let member = ControlPlaneMember {
         id: format!("{listening}/{}", uuid::Uuid::new_v4().simple()),
         listener: listening,
         pending_timeout_ms: config.pending_timeout.as_millis() as u64,
         gc_grace_ms: config.gc.grace.as_millis() as u64,
+        security: ControlPlaneMember::security_of(config.cluster_key.as_ref(), config.tokens.is_some()),
     };
     // Where control planes may share the database (PostgreSQL), they must agree on settings and
     // on the time. SQLite is one host's: a control plane restarted with other settings (or on
@@ -831,6 +881,19 @@ pub async fn run(
     let gc_interval = config.gc_interval;
     let repair_interval = config.repair_interval;
     let tier_interval = config.tier.as_ref().and(config.tier_interval);
+    let tokens = every(config.tokens.as_ref().map(|_| super::auth::RELOAD_EVERY), "tokens file", {
+        let tokens = config.tokens.clone();
+        move || {
+            let tokens = tokens.clone();
+            async move {
+                if let Some(tokens) = tokens {
+                    // A small file, but a read all the same: off the reactor's threads.
+                    let _ = tokio::task::spawn_blocking(move || tokens.reload_if_changed()).await;
+                }
+                Ok(())
+            }
+        }
+    });
     let service = ControlService::new(Arc::clone(&store), config);
     let collector = Arc::clone(&service.collector);
     let periodic_repair = every(repair_interval, "re-replication", {
@@ -860,7 +923,7 @@ pub async fn run(
         .add_service(service)
         .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
         .await;
-    drop((membership, reaper, periodic_gc, periodic_repair, periodic_tier));
+    drop((membership, reaper, periodic_gc, periodic_repair, periodic_tier, tokens));
     if shared && let Err(error) = store.leave_control_planes(&member.id).await {
         tracing::warn!(%error, "could not remove this control plane from the database's list");
     }

@@ -43,7 +43,7 @@ use super::store::{
 const SCHEMA: &str = include_str!("schema.sql");
 /// 2: targets.failure_domain, the replication table. 3: targets.rdma_device. Older SQLite
 /// databases are migrated on open (PostgreSQL support began at 3).
-const SCHEMA_VERSION: i64 = 3;
+const SCHEMA_VERSION: i64 = 4;
 const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
      written_bytes, file_count, created_at_ms, committed_at_ms, \
      (SELECT string_agg(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags, \
@@ -211,15 +211,21 @@ impl SqlStore {
                     .await?;
             }
             Some(SCHEMA_VERSION) => {}
-            Some(old @ (1 | 2)) => {
+            Some(old @ (1..=3)) => {
                 if old < 2 {
                     sqlx::query("ALTER TABLE targets ADD COLUMN failure_domain TEXT NOT NULL DEFAULT ''")
                         .execute(&mut *tx)
                         .await?;
                 }
-                sqlx::query("ALTER TABLE targets ADD COLUMN rdma_device TEXT NOT NULL DEFAULT ''")
-                    .execute(&mut *tx)
-                    .await?;
+                if old < 3 {
+                    sqlx::query("ALTER TABLE targets ADD COLUMN rdma_device TEXT NOT NULL DEFAULT ''")
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                // Its rows are refreshed every few seconds by the control planes they name: made
+                // again with the current columns (version 3 databases may or may not have it).
+                sqlx::query("DROP TABLE IF EXISTS control_planes").execute(&mut *tx).await?;
+                sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&self.dialect.schema())).await?;
                 sqlx::query("UPDATE schema_version SET version = $1").bind(SCHEMA_VERSION).execute(&mut *tx).await?;
             }
             Some(other) => {
@@ -593,7 +599,10 @@ impl MetaStore for SqlStore {
     async fn commit_part(&self, part: &CommitPart, now_ms: u64, begun_after_ms: u64) -> MetaResult<CheckpointRecord> {
         let id = to_i64(part.checkpoint_id, "checkpoint id")?;
         let mut tx = self.write().await?;
-        let Some(record) = checkpoint_by_id(&mut tx, id).await? else {
+        let record = checkpoint_by_id(&mut tx, id).await?;
+        // Another tenant's checkpoint is answered as one that does not exist: ids are sequential,
+        // so anything else would tell a tenant which ids others use.
+        let Some(record) = record.filter(|r| part.namespace.as_ref().is_none_or(|tenant| tenant.holds(&r.job))) else {
             return Err(MetaError::NotFound(format!("checkpoint {} does not exist", part.checkpoint_id)));
         };
         if part.rank >= record.world_size {
@@ -1033,29 +1042,46 @@ impl MetaStore for SqlStore {
             .execute(&mut *tx)
             .await?;
         let other = sqlx::query(
-            "SELECT id, pending_timeout_ms, gc_grace_ms, seen_at_ms FROM control_planes
-             WHERE id <> $1 AND seen_at_ms >= $2 AND (pending_timeout_ms <> $3 OR gc_grace_ms <> $4)
+            "SELECT id, pending_timeout_ms, gc_grace_ms, seen_at_ms, security FROM control_planes
+             WHERE id <> $1 AND seen_at_ms >= $2 AND (pending_timeout_ms <> $3 OR gc_grace_ms <> $4
+                 OR (security <> $5 AND security <> '' AND $5 <> ''))
              ORDER BY seen_at_ms DESC LIMIT 1",
         )
         .bind(&member.id)
         .bind(to_i64(live_since_ms, "time")?)
         .bind(to_i64(member.pending_timeout_ms, "pending timeout")?)
         .bind(to_i64(member.gc_grace_ms, "GC grace")?)
+        .bind(&member.security)
         .fetch_optional(&mut *tx)
         .await?;
         let conflict = match other {
             None => None,
             Some(row) => {
                 let id: String = row.try_get("id")?;
+                let security: String = row.try_get("security")?;
+                let (pending, grace) = (get_u64(&row, "pending_timeout_ms")?, get_u64(&row, "gc_grace_ms")?);
+                let mut differences = Vec::new();
+                if (pending, grace) != (member.pending_timeout_ms, member.gc_grace_ms) {
+                    differences.push(format!(
+                        "it has a pending timeout of {} s and a GC grace of {} s, this one {} s and {} s \
+                         (--pending-timeout-secs, --gc-grace-secs)",
+                        pending / 1000,
+                        grace / 1000,
+                        member.pending_timeout_ms / 1000,
+                        member.gc_grace_ms / 1000,
+                    ));
+                }
+                if !security.is_empty() && !member.security.is_empty() && security != member.security {
+                    differences.push(format!(
+                        "it runs with {security}, this one with {} (--cluster-key-file, --tokens-file)",
+                        member.security
+                    ));
+                }
                 Some(format!(
-                    "control plane {id} (seen {} s ago) serves this database with a pending timeout of {} s and a GC \
-                 grace of {} s; this one was started with {} s and {} s. Control planes sharing a database \
-                 must agree on both: start them all with the same --pending-timeout-secs and --gc-grace-secs",
+                    "control plane {id} (seen {} s ago) serves this database, and control planes sharing a \
+                     database must agree: {}",
                     now_ms.saturating_sub(get_u64(&row, "seen_at_ms")?) / 1000,
-                    get_u64(&row, "pending_timeout_ms")? / 1000,
-                    get_u64(&row, "gc_grace_ms")? / 1000,
-                    member.pending_timeout_ms / 1000,
-                    member.gc_grace_ms / 1000,
+                    differences.join("; "),
                 ))
             }
         };
@@ -1063,14 +1089,16 @@ impl MetaStore for SqlStore {
             return Ok(conflict);
         }
         sqlx::query(
-            "INSERT INTO control_planes (id, pending_timeout_ms, gc_grace_ms, seen_at_ms) VALUES ($1, $2, $3, $4)
+            "INSERT INTO control_planes (id, pending_timeout_ms, gc_grace_ms, seen_at_ms, security)
+             VALUES ($1, $2, $3, $4, $5)
              ON CONFLICT (id) DO UPDATE SET pending_timeout_ms = excluded.pending_timeout_ms,
-                 gc_grace_ms = excluded.gc_grace_ms, seen_at_ms = excluded.seen_at_ms",
+                 gc_grace_ms = excluded.gc_grace_ms, seen_at_ms = excluded.seen_at_ms, security = excluded.security",
         )
         .bind(&member.id)
         .bind(to_i64(member.pending_timeout_ms, "pending timeout")?)
         .bind(to_i64(member.gc_grace_ms, "GC grace")?)
         .bind(to_i64(now_ms, "time")?)
+        .bind(&member.security)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -1218,6 +1246,7 @@ mod tests {
     on_both!(
         targets,
         multi_rank_commit,
+        tenant_namespaces,
         overlapping_parts,
         step_collisions,
         fencing,
@@ -1302,15 +1331,25 @@ mod tests {
     async fn old_database(path: &std::path::Path, version: i64) {
         let options = SqliteConnectOptions::new().filename(path).create_if_missing(true);
         let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
-        let (domain_column, domain_value) =
+        let (mut domain_column, mut domain_value) =
             if version >= 2 { (", failure_domain TEXT NOT NULL DEFAULT ''", ", 'rack'") } else { ("", "") };
+        // Version 3 added the RDMA device; its control_planes table had no security column.
+        let mut control_planes = "";
+        if version >= 3 {
+            (domain_column, domain_value) =
+                (", failure_domain TEXT NOT NULL DEFAULT '', rdma_device TEXT NOT NULL DEFAULT ''", ", 'rack', ''");
+            control_planes = "CREATE TABLE control_planes (id TEXT PRIMARY KEY, pending_timeout_ms BIGINT NOT NULL,
+                 gc_grace_ms BIGINT NOT NULL, seen_at_ms BIGINT NOT NULL);
+                 INSERT INTO control_planes VALUES ('old/1', 1, 2, 3);";
+        }
         sqlx::raw_sql(&format!(
             "CREATE TABLE schema_version (version INTEGER NOT NULL);
              INSERT INTO schema_version (version) VALUES ({version});
              CREATE TABLE targets (target_id TEXT PRIMARY KEY, data_address TEXT NOT NULL,
                  capacity_bytes BIGINT NOT NULL, used_bytes BIGINT NOT NULL, chunk_count BIGINT NOT NULL DEFAULT 0,
                  registered_at_ms BIGINT NOT NULL, last_heartbeat_ms BIGINT NOT NULL{domain_column});
-             INSERT INTO targets VALUES ('old', '127.0.0.1:9000', 100, 1, 0, 5, 5{domain_value});"
+             INSERT INTO targets VALUES ('old', '127.0.0.1:9000', 100, 1, 0, 5, 5{domain_value});
+             {control_planes}"
         ))
         .execute(&pool)
         .await
@@ -1320,7 +1359,7 @@ mod tests {
 
     #[tokio::test]
     async fn older_databases_are_migrated_and_keep_their_targets() {
-        for (version, domain) in [(1, ""), (2, "rack")] {
+        for (version, domain) in [(1, ""), (2, "rack"), (3, "rack")] {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("old.db");
             old_database(&path, version).await;
@@ -1329,6 +1368,15 @@ mod tests {
             let target =
                 (targets[0].target_id.as_str(), targets[0].failure_domain.as_str(), targets[0].rdma_device.as_str());
             assert_eq!(target, ("old", domain, ""), "from version {version}");
+            // Control planes record their security (schema version 4).
+            let member = ControlPlaneMember {
+                id: "new/1".into(),
+                listener: "new".into(),
+                pending_timeout_ms: 1,
+                gc_grace_ms: 2,
+                security: ControlPlaneMember::security_of(None, true),
+            };
+            assert_eq!(store.join_control_planes(&member, 10, 0, true).await.unwrap(), None, "from version {version}");
             drop(store);
             // Opening again finds the current version and changes nothing.
             let store = SqlStore::open(path.to_str().unwrap()).await.unwrap();

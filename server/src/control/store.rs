@@ -286,6 +286,21 @@ pub struct ControlPlaneMember {
     pub listener: String,
     pub pending_timeout_ms: u64,
     pub gc_grace_ms: u64,
+    /// What callers and targets must prove to it ([`ControlPlaneMember::security_of`]): control
+    /// planes sharing a database must agree, or a cluster key's capabilities work on only some
+    /// targets, and one control plane without bearer tokens opens every tenant's jobs to anyone.
+    /// Empty: not known (a control plane of a build that did not record it), which binds nobody.
+    pub security: String,
+}
+
+impl ControlPlaneMember {
+    /// `security` for a control plane with `key` (by fingerprint) that requires bearer tokens
+    /// or not.
+    pub fn security_of(key: Option<&starckpt_proto::capability::ClusterKey>, tokens: bool) -> String {
+        let key = key.map_or("no cluster key".to_owned(), |key| format!("cluster key {}", key.fingerprint()));
+        let tokens = if tokens { "bearer tokens required" } else { "no bearer tokens" };
+        format!("{key}, {tokens}")
+    }
 }
 
 /// The tier's sweeps: how many began, and the last that finished (`tier.rs`).
@@ -356,7 +371,7 @@ pub(crate) mod conformance {
         };
         let manifest = Manifest::try_from(manifest).unwrap();
         // As if half of each part had deduplicated.
-        CommitPart { checkpoint_id, rank, written_bytes: manifest.total_bytes() / 2, manifest }
+        CommitPart { checkpoint_id, rank, written_bytes: manifest.total_bytes() / 2, manifest, namespace: None }
     }
 
     fn job(name: &str) -> JobName {
@@ -438,6 +453,34 @@ pub(crate) mod conformance {
         assert_eq!(parts.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), vec![0, 1]);
         assert_eq!(parts[1].1.files[0].path.as_str(), "r1.pt");
         assert_eq!(parts[0].1.metadata.get("rank").map(String::as_str), Some("0"));
+    }
+
+    /// Tenants' jobs live under `<tenant>/<name>`: the same name in two tenants is two jobs, and
+    /// a part committed for one tenant cannot land in another's checkpoint.
+    pub async fn tenant_namespaces(store: &dyn MetaStore) {
+        let acme = starckpt_proto::TenantName::try_from("acme").unwrap();
+        let other = starckpt_proto::TenantName::try_from("other").unwrap();
+        let acme_epoch = lease(store, "acme/llama", "run").await.unwrap().epoch;
+        let other_epoch = lease(store, "other/llama", "run").await.unwrap().epoch;
+        let ours = store.begin_checkpoint(&begin("acme/llama", 1, 1, acme_epoch), 1).await.unwrap();
+        let theirs = store.begin_checkpoint(&begin("other/llama", 1, 1, other_epoch), 1).await.unwrap();
+        assert_ne!(ours.id, theirs.id, "one name in two tenants is two jobs");
+
+        let as_other = CommitPart { namespace: Some(other.clone()), ..part(ours.id, 0, "f", 1) };
+        assert!(matches!(store.commit_part(&as_other, 2, 0).await, Err(MetaError::NotFound(_))));
+        let as_acme = CommitPart { namespace: Some(acme.clone()), ..part(ours.id, 0, "f", 1) };
+        assert_eq!(store.commit_part(&as_acme, 2, 0).await.unwrap().state, CheckpointState::Committed);
+        // An operator (no namespace) commits anywhere.
+        assert_eq!(
+            store.commit_part(&part(theirs.id, 0, "g", 2), 3, 0).await.unwrap().state,
+            CheckpointState::Committed
+        );
+
+        assert_eq!(store.latest(&job("acme/llama")).await.unwrap().unwrap().id, ours.id);
+        assert_eq!(store.latest(&job("other/llama")).await.unwrap().unwrap().id, theirs.id);
+        assert_eq!(store.latest(&job("llama")).await.unwrap(), None, "outside every tenant: another job");
+        let jobs: Vec<String> = store.list_jobs().await.unwrap().into_iter().map(|j| j.job).collect();
+        assert!(jobs.contains(&"acme/llama".to_owned()) && jobs.contains(&"other/llama".to_owned()), "{jobs:?}");
     }
 
     pub async fn step_collisions(store: &dyn MetaStore) {
@@ -718,6 +761,7 @@ pub(crate) mod conformance {
             listener: id.split('/').next().unwrap_or_default().into(),
             pending_timeout_ms,
             gc_grace_ms,
+            security: ControlPlaneMember::security_of(None, false),
         };
         let join = |m: ControlPlaneMember, now, live_since, refuse| async move {
             store.join_control_planes(&m, now, live_since, refuse).await.unwrap()
@@ -757,6 +801,23 @@ pub(crate) mod conformance {
         // Replaced, not just passed over: once the restarted one leaves, nothing binds.
         store.leave_control_planes("g:7700/2").await.unwrap();
         assert_eq!(join(member("h:1/1", 300_000, 600_000), 203_000, 0, true).await, None, "g:7700/1 is gone");
+
+        // Another key, or tokens where the others have none: refused, told why. A member that
+        // did not record its security (an older build) binds nobody, and is bound by nobody.
+        let key = starckpt_proto::capability::ClusterKey::from_secret(b"0123456789abcdef").unwrap();
+        let keyed = |id: &str, tokens| ControlPlaneMember {
+            security: ControlPlaneMember::security_of(Some(&key), tokens),
+            ..member(id, 300_000, 600_000)
+        };
+        let refused = join(keyed("i:1/1", false), 204_000, 0, true).await.expect("another key");
+        assert!(refused.contains("no cluster key") && refused.contains(&key.fingerprint()), "{refused}");
+        store.leave_control_planes("h:1/1").await.unwrap();
+        assert_eq!(join(keyed("i:1/1", false), 205_000, 0, true).await, None);
+        let refused = join(keyed("j:1/1", true), 205_000, 0, true).await.expect("tokens where i has none");
+        assert!(refused.contains("bearer tokens required") && refused.contains("no bearer tokens"), "{refused}");
+        let unknown = ControlPlaneMember { security: String::new(), ..member("k:1/1", 300_000, 600_000) };
+        assert_eq!(join(unknown, 205_000, 0, true).await, None);
+        assert_eq!(join(keyed("j:1/1", false), 205_000, 0, true).await, None, "k binds nobody");
     }
 
     pub async fn importing(store: &dyn MetaStore) {

@@ -201,6 +201,8 @@ impl Tier {
         Path::from_iter([CHUNKS, &hash.to_hex()])
     }
 
+    /// Where a checkpoint's `file` lies. The job is one path part: a tenant's (`acme/llama`)
+    /// with its `/` percent-encoded ([`job_of_part`] reads it back).
     fn checkpoint_path(job: &str, step: u64, id: u64, file: &str) -> Path {
         Path::from_iter([CHECKPOINTS, job, &format!("{step:020}-{id}"), file])
     }
@@ -247,7 +249,7 @@ impl Tier {
             .common_prefixes
             .iter()
             .filter_map(|p| p.filename())
-            .filter_map(|n| JobName::try_from(n).ok())
+            .filter_map(|n| JobName::try_from(job_of_part(n).as_str()).ok())
             .collect())
     }
 
@@ -360,6 +362,12 @@ pub struct ImportReport {
     /// Checkpoints whose job already has one at that step.
     pub present: u64,
     pub errors: Vec<String>,
+}
+
+/// The job name a listed path part holds: object_store percent-encodes the `/` of a tenant's job
+/// (`acme%2Fllama`), and a valid job name has no other character that needs encoding.
+fn job_of_part(part: &str) -> String {
+    part.replace("%2F", "/")
 }
 
 /// Adds to `store` the complete checkpoints in `tier` (of `job`, or of every job) that it lacks,
@@ -655,7 +663,7 @@ async fn sweep(store: &dyn MetaStore, tier: &Tier, report: &mut TierReport) -> R
             let parts: Vec<String> = meta.location.parts().map(|p| p.as_ref().to_owned()).collect();
             let unneeded = match parts.as_slice() {
                 [_, job, dir, file] if file.ends_with(".manifest") || file == INFO => {
-                    (!committed.contains(&(job.clone(), dir.clone()))).then_some(file != INFO)
+                    (!committed.contains(&(job_of_part(job), dir.clone()))).then_some(file != INFO)
                 }
                 _ => None,
             };

@@ -36,6 +36,7 @@ from .errors import (
     AlreadyExistsError,
     CancelledError,
     ChecksumError,
+    DeniedError,
     ClosedError,
     ConnectionError,
     FencedError,
@@ -58,21 +59,38 @@ _META_USER = "starckpt.python.metadata"
 _META_FORMAT = "starckpt.python.format"
 
 _shared_lock = threading.Lock()
-_shared: dict[tuple[int, str, int | None], _native.NativeClient] = {}
+_shared: dict[tuple[int, str, int | None, str | None], _native.NativeClient] = {}
 
 
-def _native_client(server: str, compress: int | None = None) -> _native.NativeClient:
-    """The process's one native client for `server` and compression level (a forked child gets
-    its own)."""
-    key = (os.getpid(), server, compress)
+def _bearer_token(token: str | None) -> str | None:
+    """The bearer token a client uses: `token`, else ``$STARCKPT_TOKEN``, else the contents of the
+    file ``$STARCKPT_TOKEN_FILE`` names (resolved here, so clients of different tokens never
+    share a native client)."""
+    if token is not None:
+        return token
+    if os.environ.get("STARCKPT_TOKEN"):
+        return os.environ["STARCKPT_TOKEN"]
+    path = os.environ.get("STARCKPT_TOKEN_FILE")
+    if path:
+        try:
+            return Path(path).read_text().strip()
+        except OSError as e:
+            raise StarckptIOError(f"read the token file {path}: {e}") from None
+    return None
+
+
+def _native_client(server: str, compress: int | None = None, token: str | None = None) -> _native.NativeClient:
+    """The process's one native client for `server`, compression level and bearer token (a forked
+    child gets its own)."""
+    key = (os.getpid(), server, compress, token)
     with _shared_lock:
         client = _shared.get(key)
         if client is None:
             # A second native client (another compression level) must write as the same run, or
             # taking the job's lease would fence this process's other saves.
-            sibling = next((c for (pid, srv, _), c in _shared.items() if pid == key[0] and srv == server), None)
+            sibling = next((c for (pid, srv, _, _), c in _shared.items() if pid == key[0] and srv == server), None)
             run_id = sibling.run_id if sibling is not None else None
-            client = _native.NativeClient(server, compress_level=compress, run_id=run_id)
+            client = _native.NativeClient(server, compress_level=compress, run_id=run_id, token=token)
             _shared[key] = client
         return client
 
@@ -195,7 +213,10 @@ class Client:
     """A trainer's handle on one job of a starckpt cluster.
 
     ``server`` defaults to ``$STARCKPT_SERVER`` (else 127.0.0.1:7070), ``job`` to
-    ``$STARCKPT_JOB``. ``rank``/``world_size`` default to torchrun's ``RANK``/``WORLD_SIZE``
+    ``$STARCKPT_JOB``. ``token`` is the bearer token of a cluster that requires one (``starckpt
+    server --tokens-file``); it defaults to ``$STARCKPT_TOKEN``, else the contents of the file
+    ``$STARCKPT_TOKEN_FILE`` names, and decides whose jobs the client reaches (a tenant's token:
+    that tenant's alone, by their short names). ``rank``/``world_size`` default to torchrun's ``RANK``/``WORLD_SIZE``
     (else 0/1): with several ranks each saves its own part of the step and the checkpoint is
     complete once all parts are in. ``compress`` (a zstd level, e.g. 1) compresses chunks before
     they travel — float tensors split into exponent and mantissa byte planes — where a chunk
@@ -216,17 +237,13 @@ class Client:
         compress: int | None = None,
         warm: int | None = None,
     ):
-        if token is not None or os.environ.get("STARCKPT_TOKEN"):
-            raise InvalidInputError(
-                "starckpt servers do not authenticate clients yet; a token cannot be checked, so none is accepted"
-            )
         self.server = server or os.environ.get("STARCKPT_SERVER") or DEFAULT_SERVER
         self.job = job or os.environ.get("STARCKPT_JOB") or None
         self.rank = _env_int("RANK", 0) if rank is None else rank
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
         if not (0 <= self.rank < self.world_size):
             raise InvalidInputError(f"rank {self.rank} is outside world size {self.world_size}")
-        self._native = _native_client(self.server, compress)
+        self._native = _native_client(self.server, compress, _bearer_token(token))
         self._closed = False
         self._in_flight: list[SaveHandle] = []
         if warm:
@@ -400,6 +417,7 @@ __all__ = [
     "AlreadyExistsError",
     "RejectedError",
     "FencedError",
+    "DeniedError",
     "ChecksumError",
     "UnavailableError",
     "TargetError",

@@ -17,6 +17,7 @@ class NativeClient:
         chunk_size_bytes: int | None = None,
         run_id: str | None = None,
         compress_level: int | None = None,
+        token: str | None = None,
     ) -> None: ...
     @property
     def run_id(self) -> str: ...

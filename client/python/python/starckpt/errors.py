@@ -33,6 +33,11 @@ class FencedError(StarckptError):
     and can no longer save checkpoints of that job."""
 
 
+class DeniedError(StarckptError, PermissionError):
+    """The control plane did not accept this client's bearer token (missing, unknown or revoked),
+    or the token's tenant may not make this call."""
+
+
 class ChecksumError(StarckptError):
     """Stored bytes failed their BLAKE3 check on every replica; nothing unverified was returned."""
 

@@ -1,0 +1,236 @@
+//! Bearer tokens and tenants (`server/src/control/auth.rs`), with real processes: tokens made by
+//! `starckpt token new`, a control plane started with `--tokens-file`, and every call made
+//! through the CLI or raw gRPC the way a peer would.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{BIN, Cluster, cli_with_env};
+
+/// `starckpt token new ARGS --tokens-file FILE`: the token it prints.
+fn new_token(tokens_file: &Path, args: &[&str]) -> String {
+    let output = std::process::Command::new(BIN)
+        .args(["token", "new"])
+        .args(args)
+        .arg("--tokens-file")
+        .arg(tokens_file)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "token new {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    let token = String::from_utf8(output.stdout).unwrap().trim().to_owned();
+    starckpt_proto::token::check(&token).unwrap();
+    token
+}
+
+/// The CLI as the holder of `token` (None: no token).
+fn as_holder(cluster: &Cluster, token: Option<&str>, args: &[&str]) -> std::process::Output {
+    let env: Vec<(&str, &str)> = token.map(|t| ("STARCKPT_TOKEN", t)).into_iter().collect();
+    cli_with_env(&cluster.server.address, args, &env)
+}
+
+fn ok(cluster: &Cluster, token: &str, args: &[&str]) -> String {
+    let output = as_holder(cluster, Some(token), args);
+    assert!(output.status.success(), "{args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).unwrap()
+}
+
+fn fails(cluster: &Cluster, token: Option<&str>, args: &[&str]) -> String {
+    let output = as_holder(cluster, token, args);
+    assert!(!output.status.success(), "{args:?} should have failed: {}", String::from_utf8_lossy(&output.stdout));
+    String::from_utf8(output.stderr).unwrap()
+}
+
+fn jobs(cluster: &Cluster, token: &str) -> Vec<String> {
+    let listed: serde_json::Value = serde_json::from_str(&ok(cluster, token, &["ls", "--json"])).unwrap();
+    let mut names: Vec<String> =
+        listed.as_array().unwrap().iter().map(|j| j["job"].as_str().unwrap().to_owned()).collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn tenants_reach_only_their_own_jobs_and_operators_reach_all() {
+    let secrets = tempfile::tempdir().unwrap();
+    let tokens = secrets.path().join("tokens");
+    let admin = new_token(&tokens, &["--admin"]);
+    let acme = new_token(&tokens, &["--tenant", "acme"]);
+    let beta = new_token(&tokens, &["--tenant", "beta"]);
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&tokens).unwrap().permissions().mode() & 0o777, 0o600);
+    let listed = std::fs::read_to_string(&tokens).unwrap();
+    assert!(!listed.contains(&acme[4..]), "the file holds hashes, not tokens");
+    let cluster = Cluster::start_with_tokens(2, &tokens, &admin);
+
+    // Two tenants save a job of the same name; each sees only its own.
+    let data = tempfile::tempdir().unwrap();
+    let (ours, theirs) = (data.path().join("ours"), data.path().join("theirs"));
+    std::fs::write(&ours, common::random_bytes(3 << 20, 1)).unwrap();
+    std::fs::write(&theirs, common::random_bytes(1 << 20, 2)).unwrap();
+    ok(&cluster, &acme, &["save", "--job", "llama", "--step", "1", ours.to_str().unwrap()]);
+    ok(&cluster, &beta, &["save", "--job", "llama", "--step", "7", theirs.to_str().unwrap()]);
+    assert_eq!(jobs(&cluster, &acme), ["llama"]);
+    assert_eq!(jobs(&cluster, &beta), ["llama"]);
+    // The token from a file (STARCKPT_TOKEN_FILE), surrounding whitespace ignored.
+    let token_file = secrets.path().join("beta.token");
+    std::fs::write(&token_file, format!("{beta}\n")).unwrap();
+    let from_file = cli_with_env(
+        &cluster.server.address,
+        &["ls", "llama"],
+        &[("STARCKPT_TOKEN_FILE", token_file.to_str().unwrap())],
+    );
+    assert!(from_file.status.success() && String::from_utf8_lossy(&from_file.stdout).contains('7'), "{from_file:?}");
+    let restored = data.path().join("restored-acme");
+    ok(&cluster, &acme, &["restore", "--job", "llama", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("ours")).unwrap(), std::fs::read(&ours).unwrap());
+    let restored = data.path().join("restored-beta");
+    ok(&cluster, &beta, &["restore", "--job", "llama", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("theirs")).unwrap(), std::fs::read(&theirs).unwrap());
+    let shown: serde_json::Value = serde_json::from_str(&ok(&cluster, &acme, &["ls", "llama", "--json"])).unwrap();
+    assert_eq!(shown[0]["job"], "llama", "a tenant sees its jobs by their short names: {shown}");
+    assert_eq!(shown[0]["step"], 1);
+
+    // A tenant cannot reach another's job, nor act for the cluster.
+    let refused = fails(&cluster, Some(&acme), &["ls", "beta/llama"]);
+    assert!(refused.contains("without a tenant part"), "{refused}");
+    for operation in [&["gc"][..], &["repair"], &["tier"]] {
+        let refused = fails(&cluster, Some(&acme), operation);
+        assert!(refused.contains("operator"), "{operation:?}: {refused}");
+    }
+    // The operator sees every job by its stored name and runs the cluster's operations.
+    assert_eq!(jobs(&cluster, &admin), ["acme/llama", "beta/llama"]);
+    assert!(ok(&cluster, &admin, &["show", "beta/llama", "7"]).contains("theirs"));
+    ok(&cluster, &admin, &["gc"]);
+    ok(&cluster, &acme, &["status"]);
+
+    // No token, an unknown one, a malformed one.
+    let refused = fails(&cluster, None, &["ls"]);
+    assert!(refused.contains("bearer token") && refused.contains("STARCKPT_TOKEN"), "{refused}");
+    let refused = fails(&cluster, Some(&starckpt_proto::token::generate()), &["ls"]);
+    assert!(refused.contains("not one this control plane knows"), "{refused}");
+    let refused = fails(&cluster, Some("hunter2"), &["ls"]);
+    assert!(refused.contains("stk_"), "{refused}");
+
+    // Revoked: the file rewritten without acme's line takes effect without a restart.
+    let kept: Vec<&str> = listed.lines().filter(|line| !line.starts_with("tenant acme ")).collect();
+    std::fs::write(&tokens, kept.join("\n") + "\n").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while as_holder(&cluster, Some(&acme), &["ls"]).status.success() {
+        assert!(Instant::now() < deadline, "a revoked token still works");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(jobs(&cluster, &beta), ["llama"], "the other tokens still work");
+}
+
+#[tokio::test]
+async fn a_tenant_cannot_commit_into_another_tenants_checkpoint() {
+    use starckpt_proto::control::control_client::ControlClient;
+    use starckpt_proto::control::*;
+    use tonic::metadata::MetadataValue;
+
+    let secrets = tempfile::tempdir().unwrap();
+    let tokens = secrets.path().join("tokens");
+    let admin = new_token(&tokens, &["--admin"]);
+    let acme = new_token(&tokens, &["--tenant", "acme"]);
+    let beta = new_token(&tokens, &["--tenant", "beta"]);
+    let cluster = tokio::task::spawn_blocking(move || Cluster::start_with_tokens(1, &tokens, &admin)).await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.server.address))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let holder = |token: &str| {
+        let value = MetadataValue::try_from(format!("Bearer {token}")).unwrap();
+        ControlClient::with_interceptor(channel.clone(), move |mut request: tonic::Request<()>| {
+            request.metadata_mut().insert("authorization", value.clone());
+            Ok(request)
+        })
+    };
+    let (mut acme, mut beta) = (holder(&acme), holder(&beta));
+
+    let epoch = acme
+        .acquire_lease(AcquireLeaseRequest { job: "j".into(), run_id: "r".into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .epoch;
+    let begun = acme
+        .begin_checkpoint(BeginCheckpointRequest { job: "j".into(), step: 1, world_size: 1, epoch })
+        .await
+        .unwrap()
+        .into_inner();
+    let target = begun.placement[0].target_id.clone();
+    let part = CommitPartRequest {
+        checkpoint_id: begun.checkpoint_id,
+        rank: 0,
+        manifest: Some(Manifest {
+            files: vec![FileEntry {
+                path: "intruder".into(),
+                size_bytes: 4,
+                mode: 0o644,
+                chunks: vec![ChunkRef {
+                    hash: vec![7u8; 32].into(),
+                    length_bytes: 4,
+                    stored_length_bytes: 4,
+                    codec: 0,
+                    replicas: vec![target],
+                }],
+            }],
+            ..Default::default()
+        }),
+        written_bytes: 0,
+    };
+    let refused = beta.commit_part(part.clone()).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::NotFound, "{refused:?}");
+    let state = beta.latest(LatestRequest { job: "j".into() }).await.unwrap().into_inner();
+    assert!(state.checkpoint.is_none(), "beta has no job j");
+    // Nor may a tenant's token ask for what only operators may.
+    let refused = beta.collect_garbage(CollectGarbageRequest {}).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+    // The owner's commit goes through, and the checkpoint is acme's alone.
+    let committed = acme.commit_part(part).await.unwrap().into_inner();
+    assert_eq!(committed.state, CheckpointState::Committed as i32);
+    let latest = acme.latest(LatestRequest { job: "j".into() }).await.unwrap().into_inner().checkpoint.unwrap();
+    assert_eq!((latest.job.as_str(), latest.step), ("j", 1));
+    // The data capability needs a token too.
+    let mut anonymous = ControlClient::new(channel.clone());
+    let refused = anonymous.data_capability(DataCapabilityRequest {}).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+    assert!(!acme.data_capability(DataCapabilityRequest {}).await.unwrap().into_inner().capability.is_empty());
+}
+
+#[test]
+fn a_control_plane_refuses_tokens_it_cannot_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    new_token(&tokens, &["--admin"]);
+    let db = dir.path().join("meta.db");
+    let server = |extra: &[&str], key: bool| {
+        let mut command = std::process::Command::new(BIN);
+        command.args(["server", "--listen", "127.0.0.1:0", "--db", db.to_str().unwrap()]).args(extra);
+        command.env_remove("STARCKPT_CLUSTER_KEY_FILE").env_remove("STARCKPT_TOKENS_FILE");
+        if key {
+            command.env("STARCKPT_CLUSTER_KEY_FILE", common::cluster_key_file(dir.path()));
+        }
+        let output = command.output().unwrap();
+        assert!(!output.status.success(), "{extra:?} started");
+        String::from_utf8(output.stderr).unwrap()
+    };
+    let refused = server(&["--tokens-file", tokens.to_str().unwrap()], false);
+    assert!(refused.contains("cluster key"), "{refused}");
+    std::fs::write(dir.path().join("broken"), "admin 1234\n").unwrap();
+    let refused = server(&["--tokens-file", dir.path().join("broken").to_str().unwrap()], true);
+    assert!(refused.contains("line 1"), "{refused}");
+    let refused = server(&["--tokens-file", dir.path().join("missing").to_str().unwrap()], true);
+    assert!(refused.contains("missing"), "{refused}");
+    // `token new` does not add to a file that does not parse, nor make a token for a bad tenant.
+    for args in
+        [&["--tenant", "a/b"][..], &["--tenant", "ok", "--tokens-file", dir.path().join("broken").to_str().unwrap()]]
+    {
+        let output = std::process::Command::new(BIN).args(["token", "new"]).args(args).output().unwrap();
+        assert!(!output.status.success(), "{args:?}");
+    }
+    assert_eq!(std::fs::read_to_string(dir.path().join("broken")).unwrap(), "admin 1234\n");
+}
