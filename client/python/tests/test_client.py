@@ -618,3 +618,27 @@ def test_a_tenants_token_reaches_its_own_jobs_alone(tmp_path, monkeypatch):
         assert sorted(j["job"] for j in listed) == ["acme/llama", "beta/llama"]
     finally:
         tenants.stop()
+
+
+def test_a_save_while_the_previous_one_uploads_can_be_skipped(cluster, job):
+    c = client(cluster, job)
+    c.save(1, {"w": np.ones(8)}).wait()
+    # Stopped targets hold the next save's upload (deterministically) after its staging copy.
+    for target in cluster.targets:
+        target.signal(signal.SIGSTOP)
+    try:
+        uploading = c.save(2, {"w": np.arange(1 << 20, dtype=np.float32)})
+        # In a thread: a save that waited instead of skipping would wait for the stopped targets.
+        skipped = []
+        attempt = threading.Thread(target=lambda: skipped.append(c.save(3, {"w": np.zeros(4)}, skip_if_busy=True)))
+        attempt.start()
+        attempt.join(timeout=20)
+        assert not attempt.is_alive(), "the save waited for the previous one"
+        assert skipped == [None]
+        assert not uploading.done()
+    finally:
+        for target in cluster.targets:
+            target.signal(signal.SIGCONT)
+    assert uploading.wait().committed
+    assert c.latest() == 2
+    assert c.save(4, {"w": np.zeros(4)}, skip_if_busy=True).wait().committed

@@ -292,11 +292,14 @@ class Client:
         state: Any,
         metadata: Mapping[str, Any] | None = None,
         blocking: bool = False,
-    ) -> SaveHandle:
+        skip_if_busy: bool = False,
+    ) -> SaveHandle | None:
         """Saves this rank's `state` as (job, `step`). Returns once every array, tensor and bytes
         leaf is copied into staging buffers: the caller may change them right away. The handle
         resolves when the part is committed; with ``blocking=True`` this waits for that too.
-        If this client's previous save is still uploading, this one first waits for it.
+        If this process's previous save is still uploading, this one first waits for it; with
+        ``skip_if_busy=True`` it is skipped instead and None returned, so a trainer that saves
+        more often than its saves upload never stalls (it saves a later step).
 
         `metadata` is a JSON-serialisable mapping stored with the part and returned by ``load``.
         """
@@ -318,7 +321,10 @@ class Client:
             rank=self.rank,
             world_size=self.world_size,
             metadata={_META_USER: user_metadata, _META_FORMAT: str(_state.FORMAT)},
+            skip_if_busy=skip_if_busy,
         )
+        if native is None:
+            return None
         handle = SaveHandle(native, step)
         _track(handle)
         self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
