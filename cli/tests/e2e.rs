@@ -519,6 +519,11 @@ fn bad_requests_get_clear_errors() {
     assert!(stderr.contains("no checkpoint at step 5"), "{stderr}");
     let stderr = cluster.fails(&["ls", "../job"]);
     assert!(stderr.contains("invalid job name"), "{stderr}");
+    // Without bearer tokens, nobody starts a job in a tenant's namespace (tenants.rs).
+    let file = cluster.dir.path().join("planted");
+    std::fs::write(&file, b"x").unwrap();
+    let stderr = cluster.fails(&["save", "--job", "acme/llama", "--step", "1", file.to_str().unwrap()]);
+    assert!(stderr.contains("names a tenant's job"), "{stderr}");
     let stderr = cluster.fails(&["save", "--job", "j", "--step", "1", "/definitely/not/here"]);
     assert!(stderr.contains("/definitely/not/here"), "{stderr}");
 

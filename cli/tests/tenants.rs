@@ -10,17 +10,9 @@ use std::time::{Duration, Instant};
 
 use common::{BIN, Cluster, cli_with_env};
 
-/// `starckpt token new ARGS --tokens-file FILE`: the token it prints.
+/// `starckpt token new`, its token checked.
 fn new_token(tokens_file: &Path, args: &[&str]) -> String {
-    let output = std::process::Command::new(BIN)
-        .args(["token", "new"])
-        .args(args)
-        .arg("--tokens-file")
-        .arg(tokens_file)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "token new {args:?}: {}", String::from_utf8_lossy(&output.stderr));
-    let token = String::from_utf8(output.stdout).unwrap().trim().to_owned();
+    let token = common::new_token(tokens_file, args);
     starckpt_proto::token::check(&token).unwrap();
     token
 }
@@ -62,7 +54,7 @@ fn tenants_reach_only_their_own_jobs_and_operators_reach_all() {
     assert_eq!(std::fs::metadata(&tokens).unwrap().permissions().mode() & 0o777, 0o600);
     let listed = std::fs::read_to_string(&tokens).unwrap();
     assert!(!listed.contains(&acme[4..]), "the file holds hashes, not tokens");
-    let cluster = Cluster::start_with_tokens(2, &tokens, &admin);
+    let cluster = Cluster::start_with_tokens(2, &tokens, &admin, &[]);
 
     // Two tenants save a job of the same name; each sees only its own.
     let data = tempfile::tempdir().unwrap();
@@ -104,6 +96,9 @@ fn tenants_reach_only_their_own_jobs_and_operators_reach_all() {
     assert!(ok(&cluster, &admin, &["show", "beta/llama", "7"]).contains("theirs"));
     ok(&cluster, &admin, &["gc"]);
     ok(&cluster, &acme, &["status"]);
+    // Errors name a tenant's jobs by their short names too.
+    let missing = fails(&cluster, Some(&acme), &["show", "llama", "99"]);
+    assert!(missing.contains("llama") && !missing.contains("acme/"), "{missing}");
 
     // No token, an unknown one, a malformed one.
     let refused = fails(&cluster, None, &["ls"]);
@@ -135,7 +130,8 @@ async fn a_tenant_cannot_commit_into_another_tenants_checkpoint() {
     let admin = new_token(&tokens, &["--admin"]);
     let acme = new_token(&tokens, &["--tenant", "acme"]);
     let beta = new_token(&tokens, &["--tenant", "beta"]);
-    let cluster = tokio::task::spawn_blocking(move || Cluster::start_with_tokens(1, &tokens, &admin)).await.unwrap();
+    let cluster =
+        tokio::task::spawn_blocking(move || Cluster::start_with_tokens(1, &tokens, &admin, &[])).await.unwrap();
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.server.address))
         .unwrap()
         .connect()

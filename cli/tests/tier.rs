@@ -267,7 +267,10 @@ fn a_new_cluster_adopts_the_checkpoints_of_a_tier() {
     let url = format!("file://{}", tier.path().display());
     let flags = ["--tier", url.as_str(), "--tier-interval-secs", "0"];
     let kept = tempfile::tempdir().unwrap();
-    let old = Cluster::start_with(2, &flags);
+    // With bearer tokens: only an admin's token may start a tenant's job (below).
+    let tokens = kept.path().join("tokens");
+    let admin = common::new_token(&tokens, &["--admin"]);
+    let old = Cluster::start_with_tokens(2, &tokens, &admin, &flags);
     // Checkpoints saved and deleted first, so the old database's ids are not the new one's.
     std::fs::write(kept.path().join("scratch"), b"scratch").unwrap();
     for step in ["1", "2"] {

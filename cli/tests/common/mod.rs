@@ -107,12 +107,13 @@ impl Cluster {
         Cluster::start_on(dir, db, 1, targets, server_flags, server_env, Vec::new())
     }
 
-    /// A cluster whose control plane serves only the bearer tokens of `tokens_file`; the
-    /// harness's own commands (and [`Cluster::cli`]) carry `admin_token`.
-    pub fn start_with_tokens(targets: usize, tokens_file: &Path, admin_token: &str) -> Cluster {
+    /// A cluster whose control plane serves only the bearer tokens of `tokens_file` (and gets
+    /// `server_flags`); the harness's own commands (and [`Cluster::cli`]) carry `admin_token`.
+    pub fn start_with_tokens(targets: usize, tokens_file: &Path, admin_token: &str, server_flags: &[&str]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("meta.db").to_str().unwrap().to_owned();
-        let flags = ["--tokens-file", tokens_file.to_str().unwrap()];
+        let mut flags = vec!["--tokens-file", tokens_file.to_str().unwrap()];
+        flags.extend_from_slice(server_flags);
         let cli_env = vec![("STARCKPT_TOKEN".to_owned(), admin_token.to_owned())];
         Cluster::start_on(dir, db, 1, targets, &flags, &[], cli_env)
     }
@@ -334,6 +335,15 @@ impl Cluster {
         }
         out
     }
+}
+
+/// `starckpt token new ARGS --tokens-file FILE` (`--admin`, or `--tenant NAME`): the token it
+/// prints, its hash added to the file.
+pub fn new_token(tokens_file: &Path, args: &[&str]) -> String {
+    let output =
+        Command::new(BIN).args(["token", "new"]).args(args).arg("--tokens-file").arg(tokens_file).output().unwrap();
+    assert!(output.status.success(), "token new {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).unwrap().trim().to_owned()
 }
 
 /// Starts a control plane on the cluster's database (`meta.db` in `dir`) with extra flags.

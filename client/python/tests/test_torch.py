@@ -84,6 +84,10 @@ def test_dcp_checkpoint_ids_name_job_and_step(cluster, job, monkeypatch):
     assert st.Writer.validate_checkpoint_id(f"starckpt://{job}/40")
     assert not st.Writer.validate_checkpoint_id("/tmp/ckpt") and not st.Writer.validate_checkpoint_id(f"starckpt://{job}")
     assert st.Reader.validate_checkpoint_id(f"starckpt://{job}")
+    # An operator's name of a tenant's job: the step is the last part, when it is a number.
+    assert st.parse_checkpoint_id("starckpt://acme/llama/5") == ("acme/llama", 5)
+    assert st.parse_checkpoint_id("starckpt://acme/llama") == ("acme/llama", None)
+    assert st.parse_checkpoint_id(f"starckpt://{job}/40") == (job, 40)
     error = dcp_error(lambda: dcp.save(sd, storage_writer=st.Writer(job=job)))
     assert isinstance(error, starckpt.InvalidInputError) and "needs a step" in str(error)
 

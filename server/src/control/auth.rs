@@ -21,9 +21,11 @@
 //! A call without a valid token is UNAUTHENTICATED; targets do not need one (they prove the
 //! cluster key instead, `RegisterTargetRequest.proof`), which is why tokens require a cluster
 //! key: without one, a process could register as a target and be handed clients' chunks.
-//! The file is read again when it changes (checked every [`RELOAD_EVERY`]), so a token added or
-//! removed takes effect within seconds, without a restart; a file that no longer parses is
-//! logged and the tokens read before stay in force.
+//! The file is checked every [`RELOAD_EVERY`] and a change applied once two checks in a row see
+//! the same contents (a rewrite caught halfway is not), so a token added or removed takes effect
+//! within seconds, without a restart; a file that no longer parses, or is gone, is logged and the
+//! tokens read before stay in force. A revoked token's holder keeps the data-plane capability it
+//! was given until it expires (at most 5 minutes with tokens: `DataCapability`).
 //!
 //! Not covered: the data plane does not know tenants. A client's data capability reads and
 //! writes any chunk whose hash it names, so deduplication crosses tenants, and a tenant can learn
@@ -34,7 +36,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use starckpt_proto::{JobName, TenantName, token};
 use tonic::Status;
@@ -46,8 +48,11 @@ pub const RELOAD_EVERY: Duration = Duration::from_secs(2);
 /// Whom a call comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Caller {
-    /// An admin token, or any caller of a control plane without tokens.
+    /// An admin token.
     Operator,
+    /// Any caller of a control plane without tokens: an operator, except that it cannot start
+    /// jobs in a tenant's namespace (which would become that tenant's once tokens are on).
+    Anyone,
     Tenant(TenantName),
 }
 
@@ -56,15 +61,26 @@ impl Caller {
     pub fn job(&self, name: &str) -> Result<JobName, Status> {
         let job = JobName::try_from(name).map_err(|e| Status::invalid_argument(e.to_string()))?;
         match self {
-            Caller::Operator => Ok(job),
+            Caller::Operator | Caller::Anyone => Ok(job),
             Caller::Tenant(tenant) => job.in_tenant(tenant).map_err(|e| Status::invalid_argument(e.to_string())),
         }
+    }
+
+    /// [`Caller::job`] for a call that may start the job (a lease, a checkpoint).
+    pub fn new_job(&self, name: &str) -> Result<JobName, Status> {
+        let job = self.job(name)?;
+        if *self == Caller::Anyone && job.tenant().is_some() {
+            return Err(Status::invalid_argument(format!(
+                "{job} names a tenant's job: only an admin token of a control plane with bearer tokens may start one"
+            )));
+        }
+        Ok(job)
     }
 
     /// Whether the caller reaches the job stored as `stored`.
     pub fn reaches(&self, stored: &str) -> bool {
         match self {
-            Caller::Operator => true,
+            Caller::Operator | Caller::Anyone => true,
             Caller::Tenant(tenant) => tenant.holds(stored),
         }
     }
@@ -72,9 +88,21 @@ impl Caller {
     /// What the caller calls the job stored as `stored` (one it [`reaches`](Self::reaches)).
     pub fn shown(&self, stored: &str) -> String {
         match self {
-            Caller::Operator => stored.to_owned(),
+            Caller::Operator | Caller::Anyone => stored.to_owned(),
             Caller::Tenant(tenant) => {
                 stored.strip_prefix(tenant.as_str()).and_then(|s| s.strip_prefix('/')).unwrap_or(stored).to_owned()
+            }
+        }
+    }
+
+    /// `status` as the caller is told it: a tenant's job appears under its short name in the
+    /// message too (the store's errors name jobs as stored).
+    pub fn told(&self, status: Status) -> Status {
+        match self {
+            Caller::Operator | Caller::Anyone => status,
+            Caller::Tenant(tenant) => {
+                let message = status.message().replace(&format!("{tenant}/"), "");
+                Status::new(status.code(), message)
             }
         }
     }
@@ -82,7 +110,7 @@ impl Caller {
     /// The tenant whose namespace the caller's writes must stay in; None for an operator.
     pub fn namespace(&self) -> Option<TenantName> {
         match self {
-            Caller::Operator => None,
+            Caller::Operator | Caller::Anyone => None,
             Caller::Tenant(tenant) => Some(tenant.clone()),
         }
     }
@@ -90,7 +118,7 @@ impl Caller {
     /// Refuses a tenant's call to `what`, a cluster-wide operation.
     pub fn must_operate(&self, what: &str) -> Result<(), Status> {
         match self {
-            Caller::Operator => Ok(()),
+            Caller::Operator | Caller::Anyone => Ok(()),
             Caller::Tenant(tenant) => Err(Status::permission_denied(format!(
                 "{what} is an operator's: tenant {tenant}'s token may not (an admin token may)"
             ))),
@@ -141,7 +169,7 @@ impl TokenTable {
     pub fn line(caller: &Caller, token: &str) -> String {
         let hash = hex::encode(token::hash(token));
         match caller {
-            Caller::Operator => format!("admin {hash}"),
+            Caller::Operator | Caller::Anyone => format!("admin {hash}"),
             Caller::Tenant(tenant) => format!("tenant {tenant} {hash}"),
         }
     }
@@ -159,19 +187,22 @@ impl TokenTable {
     }
 }
 
-/// What identifies one version of the file: a replaced or rewritten file differs in one of them.
-type Stamp = (Option<SystemTime>, u64, u64);
-
-fn stamp(path: &Path) -> std::io::Result<Stamp> {
-    use std::os::unix::fs::MetadataExt;
-    let metadata = std::fs::metadata(path)?;
-    Ok((metadata.modified().ok(), metadata.len(), metadata.ino()))
-}
-
 /// A tokens file and the tokens last read from it.
 pub struct Tokens {
     path: PathBuf,
-    current: RwLock<(Arc<TokenTable>, Stamp)>,
+    state: RwLock<Reading>,
+}
+
+/// What [`Tokens`] has read.
+struct Reading {
+    table: Arc<TokenTable>,
+    /// The contents `table` was parsed from.
+    applied: blake3::Hash,
+    /// Other contents seen at the last check, applied if the next check sees them again: a file
+    /// being rewritten in place is not taken half-written.
+    pending: Option<blake3::Hash>,
+    /// Contents (or a read error's text) already reported as unusable: not logged again.
+    reported: Option<blake3::Hash>,
 }
 
 impl std::fmt::Debug for Tokens {
@@ -184,33 +215,51 @@ impl Tokens {
     /// Reads the tokens file at `path`; an unreadable or malformed file is an error (a control
     /// plane is not started with tokens it cannot read).
     pub fn load(path: &Path) -> Result<Tokens, String> {
-        let (table, stamp) = read(path)?;
+        let text = std::fs::read(path).map_err(|e| format!("tokens file {}: {e}", path.display()))?;
+        let table = parse(path, &text)?;
         if table.is_empty() {
             tracing::warn!(path = %path.display(), "the tokens file lists no token: every call will be refused");
         }
-        Ok(Tokens { path: path.to_owned(), current: RwLock::new((Arc::new(table), stamp)) })
+        let reading = Reading { table: Arc::new(table), applied: blake3::hash(&text), pending: None, reported: None };
+        Ok(Tokens { path: path.to_owned(), state: RwLock::new(reading) })
     }
 
-    /// Reads the file again if it changed since it was last read. What does not parse is logged
-    /// and changes nothing: the tokens read before stay in force.
+    /// Reads the file again and applies what changed once two checks in a row have seen the same
+    /// contents (so a rewrite caught halfway is not applied). What cannot be read or parsed is
+    /// logged once and changes nothing: the tokens read before stay in force.
     pub fn reload_if_changed(&self) {
-        let Ok(now) = stamp(&self.path) else {
-            tracing::error!(path = %self.path.display(), "the tokens file is gone: keeping the tokens read before");
-            return;
+        let text = std::fs::read(&self.path);
+        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let text = match text {
+            Ok(text) => text,
+            Err(error) => {
+                let seen = blake3::hash(error.to_string().as_bytes());
+                if state.reported != Some(seen) {
+                    state.reported = Some(seen);
+                    tracing::error!(path = %self.path.display(), %error, "cannot read the tokens file: keeping the tokens read before");
+                }
+                return;
+            }
         };
-        if self.current.read().unwrap_or_else(|p| p.into_inner()).1 == now {
+        let seen = blake3::hash(&text);
+        if seen == state.applied {
+            state.pending = None;
             return;
         }
-        match read(&self.path) {
-            Ok((table, stamp)) => {
+        if state.pending != Some(seen) {
+            state.pending = Some(seen);
+            return;
+        }
+        match parse(&self.path, &text) {
+            Ok(table) => {
                 tracing::info!(path = %self.path.display(), tokens = table.len(), "tokens file read again");
-                *self.current.write().unwrap_or_else(|p| p.into_inner()) = (Arc::new(table), stamp);
+                *state = Reading { table: Arc::new(table), applied: seen, pending: None, reported: None };
             }
-            Err(error) => {
-                tracing::error!(path = %self.path.display(), %error, "the tokens file changed and does not parse: keeping the tokens read before");
-                // Not again until it changes once more.
-                self.current.write().unwrap_or_else(|p| p.into_inner()).1 = now;
+            Err(error) if state.reported != Some(seen) => {
+                state.reported = Some(seen);
+                tracing::error!(path = %self.path.display(), %error, "the tokens file does not parse: keeping the tokens read before");
             }
+            Err(_) => {}
         }
     }
 
@@ -221,13 +270,16 @@ impl Tokens {
                 "this control plane serves only callers with a bearer token: set STARCKPT_TOKEN or STARCKPT_TOKEN_FILE",
             ));
         };
+        // The scheme is case-insensitive (RFC 7235).
         let token = value
             .to_str()
             .ok()
-            .and_then(|v| v.strip_prefix(token::BEARER))
+            .and_then(|v| v.trim().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case(token::BEARER.trim()))
+            .map(|(_, token)| token.trim())
             .ok_or_else(|| Status::unauthenticated("the authorization header is not `Bearer <token>`"))?;
-        let table = Arc::clone(&self.current.read().unwrap_or_else(|p| p.into_inner()).0);
-        table.caller(token.trim()).cloned().ok_or_else(|| {
+        let table = Arc::clone(&self.state.read().unwrap_or_else(|p| p.into_inner()).table);
+        table.caller(token).cloned().ok_or_else(|| {
             Status::unauthenticated(
                 "the bearer token is not one this control plane knows (revoked, or another cluster's)",
             )
@@ -235,12 +287,9 @@ impl Tokens {
     }
 }
 
-fn read(path: &Path) -> Result<(TokenTable, Stamp), String> {
-    let error = |e: std::io::Error| format!("tokens file {}: {e}", path.display());
-    let before = stamp(path).map_err(error)?;
-    let text = std::fs::read_to_string(path).map_err(error)?;
-    let table = TokenTable::parse(&text).map_err(|e| format!("tokens file {}: {e}", path.display()))?;
-    Ok((table, before))
+fn parse(path: &Path, text: &[u8]) -> Result<TokenTable, String> {
+    let text = std::str::from_utf8(text).map_err(|_| format!("tokens file {}: not UTF-8", path.display()))?;
+    TokenTable::parse(text).map_err(|e| format!("tokens file {}: {e}", path.display()))
 }
 
 #[cfg(test)]
@@ -276,13 +325,32 @@ mod tests {
         basic.insert(token::AUTHORIZATION, MetadataValue::try_from(format!("Basic {admin}")).unwrap());
         assert_eq!(tokens.authenticate(&basic).unwrap_err().code(), tonic::Code::Unauthenticated);
 
-        // Revoked by rewriting the file; a broken rewrite keeps what was read before.
+        let mut lower = MetadataMap::new();
+        lower.insert(token::AUTHORIZATION, MetadataValue::try_from(format!("bearer  {acme} ")).unwrap());
+        assert_eq!(tokens.authenticate(&lower).unwrap(), acme_tenant, "the scheme is case-insensitive");
+
+        // Revoked by rewriting the file, once two checks saw the same contents (a rewrite in
+        // progress is not taken); a broken rewrite keeps what was read before, as does a
+        // missing file.
         std::fs::write(&path, TokenTable::line(&Caller::Operator, &admin)).unwrap();
+        tokens.reload_if_changed();
+        assert!(tokens.authenticate(&with_token(&acme)).is_ok(), "seen once: not yet applied");
         tokens.reload_if_changed();
         assert!(tokens.authenticate(&with_token(&acme)).is_err(), "revoked");
         std::fs::write(&path, "admin nothex\n").unwrap();
         tokens.reload_if_changed();
+        tokens.reload_if_changed();
         assert_eq!(tokens.authenticate(&with_token(&admin)).unwrap(), Caller::Operator);
+        std::fs::remove_file(&path).unwrap();
+        tokens.reload_if_changed();
+        tokens.reload_if_changed();
+        assert_eq!(tokens.authenticate(&with_token(&admin)).unwrap(), Caller::Operator);
+        // The same length and another hash (an in-place edit the file's times may not show).
+        std::fs::write(&path, TokenTable::line(&Caller::Operator, &other)).unwrap();
+        tokens.reload_if_changed();
+        tokens.reload_if_changed();
+        assert!(tokens.authenticate(&with_token(&admin)).is_err());
+        assert_eq!(tokens.authenticate(&with_token(&other)).unwrap(), Caller::Operator);
     }
 
     #[test]
@@ -314,5 +382,12 @@ mod tests {
         assert_eq!(Caller::Operator.job("acme/llama").unwrap().as_str(), "acme/llama");
         assert_eq!(Caller::Operator.shown("acme/llama"), "acme/llama");
         Caller::Operator.must_operate("gc").unwrap();
+        // Without tokens, anyone operates, but starts no job in a tenant's namespace.
+        assert_eq!(Caller::Anyone.new_job("acme/llama").unwrap_err().code(), tonic::Code::InvalidArgument);
+        assert_eq!(Caller::Operator.new_job("acme/llama").unwrap().as_str(), "acme/llama");
+        assert_eq!(Caller::Anyone.job("acme/llama").unwrap().as_str(), "acme/llama");
+        Caller::Anyone.must_operate("gc").unwrap();
+        let told = acme.told(Status::not_found("job acme/llama has no committed checkpoint"));
+        assert_eq!((told.code(), told.message()), (tonic::Code::NotFound, "job llama has no committed checkpoint"));
     }
 }

@@ -77,7 +77,9 @@ pub struct ControlConfig {
     /// `DataCapability`, and its own for GC, re-replication and the tier. None: targets without a
     /// key serve everyone, and clients get an empty capability.
     pub cluster_key: Option<ClusterKey>,
-    /// How long a capability lasts. Default 1 h; clients renew theirs at half that.
+    /// How long a capability lasts. Default 1 h; clients renew theirs at half that. With
+    /// `tokens`, clients' last at most 5 minutes, so a revoked token's holder loses the data
+    /// plane soon after the control plane.
     pub capability_lifetime: Duration,
     /// The bearer tokens callers must present (`--tokens-file`, `auth.rs`), which also decide
     /// whose jobs each reaches. None: every caller is an operator, as on a single-user cluster.
@@ -260,7 +262,7 @@ impl ControlService {
     /// this control plane has no tokens.
     fn caller<T>(&self, request: &Request<T>) -> Result<Caller, Status> {
         match &self.config.tokens {
-            None => Ok(Caller::Operator),
+            None => Ok(Caller::Anyone),
             Some(tokens) => tokens.authenticate(request.metadata()),
         }
     }
@@ -286,6 +288,10 @@ fn minted(config: &ControlConfig, rights: Rights) -> Credentials {
     let lifetime = config.capability_lifetime.min(OWN_CAPABILITY_LIFETIME);
     config.cluster_key.clone().map(|key| Credentials::minted(key, rights, lifetime)).unwrap_or_default()
 }
+
+/// Longest life of a client's capability on a control plane with bearer tokens: what a revoked
+/// token's holder can still do on the data plane (the SDK renews at half of it).
+const TOKEN_CAPABILITY_LIFETIME: Duration = Duration::from_secs(5 * 60);
 
 /// How long the control plane's own capabilities last.
 const OWN_CAPABILITY_LIFETIME: Duration = Duration::from_secs(120);
@@ -467,8 +473,8 @@ impl Control for ControlService {
     ) -> Result<Response<pb::AcquireLeaseResponse>, Status> {
         let caller = self.caller(&request)?;
         let mut request = AcquireLease::try_from(request.into_inner()).map_err(invalid)?;
-        request.job = caller.job(request.job.as_str())?;
-        let grant = self.store.acquire_lease(&request, now_ms()).await.map_err(meta_status)?;
+        request.job = caller.new_job(request.job.as_str())?;
+        let grant = self.store.acquire_lease(&request, now_ms()).await.map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::AcquireLeaseResponse {
             epoch: grant.epoch,
             aborted_checkpoints: grant.aborted_checkpoints,
@@ -481,13 +487,13 @@ impl Control for ControlService {
     ) -> Result<Response<pb::BeginCheckpointResponse>, Status> {
         let caller = self.caller(&request)?;
         let mut request = BeginCheckpoint::try_from(request.into_inner()).map_err(invalid)?;
-        request.job = caller.job(request.job.as_str())?;
+        request.job = caller.new_job(request.job.as_str())?;
         let now = now_ms();
         let placement: Vec<pb::TargetInfo> = self
             .store
             .list_targets()
             .await
-            .map_err(meta_status)?
+            .map_err(|e| caller.told(meta_status(e)))?
             .iter()
             .map(|t| self.target_info(t, now))
             .filter(|t| t.state == pb::TargetState::Alive as i32)
@@ -495,7 +501,7 @@ impl Control for ControlService {
         if placement.is_empty() {
             return Err(Status::failed_precondition("no live storage targets: start one with `starckpt target`"));
         }
-        let wanted = self.store.replication(&request.job).await.map_err(meta_status)?;
+        let wanted = self.store.replication(&request.job).await.map_err(|e| caller.told(meta_status(e)))?;
         let wanted = wanted.unwrap_or(self.config.default_replicas);
         let replicas = wanted.clamp(1, placement.len() as u32);
         if replicas < wanted {
@@ -506,8 +512,8 @@ impl Control for ControlService {
                 "fewer live targets than the job's replication factor: this checkpoint gets {replicas} copies per chunk"
             );
         }
-        let record = self.store.begin_checkpoint(&request, now).await.map_err(meta_status)?;
-        fault("control.begin.reply").map_err(meta_status)?;
+        let record = self.store.begin_checkpoint(&request, now).await.map_err(|e| caller.told(meta_status(e)))?;
+        fault("control.begin.reply").map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::BeginCheckpointResponse { checkpoint_id: record.id, placement, replicas }))
     }
 
@@ -519,8 +525,14 @@ impl Control for ControlService {
         let mut part = CommitPart::try_from(request.into_inner()).map_err(invalid)?;
         part.namespace = caller.namespace();
         // Every replica must name a registered target, or restore could not find the chunk.
-        let known: HashSet<String> =
-            self.store.list_targets().await.map_err(meta_status)?.into_iter().map(|t| t.target_id).collect();
+        let known: HashSet<String> = self
+            .store
+            .list_targets()
+            .await
+            .map_err(|e| caller.told(meta_status(e)))?
+            .into_iter()
+            .map(|t| t.target_id)
+            .collect();
         for file in &part.manifest.files {
             for chunk in &file.chunks {
                 if let Some(unknown) = chunk.replicas.iter().find(|r| !known.contains(*r)) {
@@ -533,9 +545,9 @@ impl Control for ControlService {
         }
         let now = now_ms();
         let begun_after = now.saturating_sub(self.config.pending_timeout.as_millis() as u64);
-        fault("control.commit.record").map_err(meta_status)?;
-        let record = self.store.commit_part(&part, now, begun_after).await.map_err(meta_status)?;
-        fault("control.commit.reply").map_err(meta_status)?;
+        fault("control.commit.record").map_err(|e| caller.told(meta_status(e)))?;
+        let record = self.store.commit_part(&part, now, begun_after).await.map_err(|e| caller.told(meta_status(e)))?;
+        fault("control.commit.reply").map_err(|e| caller.told(meta_status(e)))?;
         if record.state == CheckpointState::Committed && record.parts_committed == record.world_size {
             tracing::info!(job = %record.job, step = record.step, bytes = record.total_bytes, "checkpoint committed");
         }
@@ -549,13 +561,13 @@ impl Control for ControlService {
     async fn latest(&self, request: Request<pb::LatestRequest>) -> Result<Response<pb::LatestResponse>, Status> {
         let caller = self.caller(&request)?;
         let job = caller.job(&request.into_inner().job)?;
-        let record = self.store.latest(&job).await.map_err(meta_status)?;
+        let record = self.store.latest(&job).await.map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::LatestResponse { checkpoint: record.map(|r| checkpoint_info_for(&caller, &r)) }))
     }
 
     async fn list_jobs(&self, request: Request<pb::ListJobsRequest>) -> Result<Response<pb::ListJobsResponse>, Status> {
         let caller = self.caller(&request)?;
-        let jobs = self.store.list_jobs().await.map_err(meta_status)?;
+        let jobs = self.store.list_jobs().await.map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::ListJobsResponse {
             jobs: jobs
                 .into_iter()
@@ -577,7 +589,11 @@ impl Control for ControlService {
         let caller = self.caller(&request)?;
         let request = request.into_inner();
         let job = caller.job(&request.job)?;
-        let records = self.store.list_checkpoints(&job, request.include_inactive).await.map_err(meta_status)?;
+        let records = self
+            .store
+            .list_checkpoints(&job, request.include_inactive)
+            .await
+            .map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::ListCheckpointsResponse {
             checkpoints: records.iter().map(|r| checkpoint_info_for(&caller, r)).collect(),
         }))
@@ -590,7 +606,8 @@ impl Control for ControlService {
         let caller = self.caller(&request)?;
         let request = request.into_inner();
         let job = caller.job(&request.job)?;
-        let (record, parts) = self.store.get_manifest(&job, request.step).await.map_err(meta_status)?;
+        let (record, parts) =
+            self.store.get_manifest(&job, request.step).await.map_err(|e| caller.told(meta_status(e)))?;
         let named: HashSet<&str> = parts
             .iter()
             .flat_map(|(_, m)| m.files.iter())
@@ -598,7 +615,7 @@ impl Control for ControlService {
             .flat_map(|c| c.replicas.iter().map(String::as_str))
             .collect();
         let now = now_ms();
-        let targets = self.store.list_targets().await.map_err(meta_status)?;
+        let targets = self.store.list_targets().await.map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::GetManifestResponse {
             checkpoint: Some(checkpoint_info_for(&caller, &record)),
             parts: parts
@@ -620,7 +637,7 @@ impl Control for ControlService {
         let caller = self.caller(&request)?;
         let request = request.into_inner();
         let job = caller.job(&request.job)?;
-        self.store.delete_checkpoint(&job, request.step, now_ms()).await.map_err(meta_status)?;
+        self.store.delete_checkpoint(&job, request.step, now_ms()).await.map_err(|e| caller.told(meta_status(e)))?;
         tracing::info!(%job, step = request.step, "checkpoint deleted");
         Ok(Response::new(pb::DeleteCheckpointResponse {}))
     }
@@ -634,7 +651,8 @@ impl Control for ControlService {
         let job = caller.job(&request.job)?;
         let policy = request.policy.ok_or_else(|| Status::invalid_argument("policy is required"))?;
         let policy = RetentionPolicy { keep_last: policy.keep_last, keep_every: policy.keep_every };
-        let deleted_steps = self.store.set_retention(&job, policy, now_ms()).await.map_err(meta_status)?;
+        let deleted_steps =
+            self.store.set_retention(&job, policy, now_ms()).await.map_err(|e| caller.told(meta_status(e)))?;
         tracing::info!(%job, ?policy, ?deleted_steps, "retention policy set");
         Ok(Response::new(pb::SetRetentionResponse { deleted_steps }))
     }
@@ -645,7 +663,7 @@ impl Control for ControlService {
     ) -> Result<Response<pb::GetRetentionResponse>, Status> {
         let caller = self.caller(&request)?;
         let job = caller.job(&request.into_inner().job)?;
-        let policy = self.store.get_retention(&job).await.map_err(meta_status)?;
+        let policy = self.store.get_retention(&job).await.map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::GetRetentionResponse {
             policy: Some(pb::RetentionPolicy { keep_last: policy.keep_last, keep_every: policy.keep_every }),
         }))
@@ -658,7 +676,7 @@ impl Control for ControlService {
         let caller = self.caller(&request)?;
         let request = request.into_inner();
         let job = caller.job(&request.job)?;
-        self.store.set_replication(&job, request.replicas, now_ms()).await.map_err(meta_status)?;
+        self.store.set_replication(&job, request.replicas, now_ms()).await.map_err(|e| caller.told(meta_status(e)))?;
         tracing::info!(%job, replicas = request.replicas, "replication factor set");
         Ok(Response::new(pb::SetReplicationResponse {}))
     }
@@ -671,7 +689,10 @@ impl Control for ControlService {
         let request = request.into_inner();
         let job = caller.job(&request.job)?;
         starckpt_proto::model::validate_tag(&request.tag).map_err(invalid)?;
-        self.store.tag_checkpoint(&job, request.step, &request.tag, request.remove).await.map_err(meta_status)?;
+        self.store
+            .tag_checkpoint(&job, request.step, &request.tag, request.remove)
+            .await
+            .map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::TagCheckpointResponse {}))
     }
 
@@ -708,7 +729,11 @@ impl Control for ControlService {
         let Some(key) = &self.config.cluster_key else {
             return Ok(Response::new(pb::DataCapabilityResponse::default()));
         };
-        let lifetime = self.config.capability_lifetime;
+        // With tokens, a revoked token's capability must not outlive it by long.
+        let lifetime = match self.config.tokens {
+            Some(_) => self.config.capability_lifetime.min(TOKEN_CAPABILITY_LIFETIME),
+            None => self.config.capability_lifetime,
+        };
         let expires = std::time::SystemTime::now() + lifetime;
         Ok(Response::new(pb::DataCapabilityResponse {
             capability: key.mint(Rights::CLIENT, expires, None),
@@ -736,16 +761,18 @@ impl Control for ControlService {
             // Not Unavailable: that would read as this control plane being down.
             return Err(Status::resource_exhausted("busy recovering other readers' chunks; try again shortly"));
         };
-        let named = self.checkpoint_chunks(&job, request.step, request.checkpoint_id).await?;
+        let named =
+            self.checkpoint_chunks(&job, request.step, request.checkpoint_id).await.map_err(|e| caller.told(e))?;
         let mut chunks = Vec::with_capacity(request.hashes.len());
         for hash in &request.hashes {
             let hash = ChunkHash::try_from(&hash[..]).map_err(|e| Status::invalid_argument(e.to_string()))?;
             let chunk = named.get(&hash).ok_or_else(|| {
-                Status::invalid_argument(format!("chunk {hash} is not part of {job} step {}", request.step))
+                caller
+                    .told(Status::invalid_argument(format!("chunk {hash} is not part of {job} step {}", request.step)))
             })?;
             chunks.push((hash, chunk.clone()));
         }
-        let recovered = self.collector.recover(&chunks).await.map_err(meta_status)?;
+        let recovered = self.collector.recover(&chunks).await.map_err(|e| caller.told(meta_status(e)))?;
         if recovered.from_tier > 0 {
             tracing::info!(%job, step = request.step, from_tier = recovered.from_tier, "a reader's chunks were read back from the tier");
         }

@@ -152,12 +152,17 @@ class StorageInfo:
 
 
 def parse_checkpoint_id(checkpoint_id: str | os.PathLike) -> tuple[str, int | None]:
-    """``starckpt://<job>/<step>`` (or ``starckpt://<job>`` for the latest) -> (job, step)."""
+    """``starckpt://<job>/<step>`` (or ``starckpt://<job>`` for the latest) -> (job, step). The
+    job may be an operator's name of a tenant's job, ``<tenant>/<name>``: the step is the last
+    part, when it is a number."""
     text = os.fspath(checkpoint_id)
     if not isinstance(text, str) or not text.startswith(SCHEME):
         raise InvalidInputError(f"checkpoint id {text!r} is not {SCHEME}<job>[/<step>]")
-    job, _, step = text[len(SCHEME) :].partition("/")
-    if not job or (step and not step.isdigit()):
+    rest = text[len(SCHEME) :]
+    job, _, step = rest.rpartition("/")
+    if not (job and step.isdigit()):
+        job, step = rest, ""
+    if not job or job.endswith("/"):
         raise InvalidInputError(f"checkpoint id {text!r} is not {SCHEME}<job>[/<step>]")
     return job, int(step) if step else None
 
