@@ -101,6 +101,20 @@ struct JobArg {
     job: String,
 }
 
+/// Where a service serves its Prometheus metrics (`server/src/telemetry.rs`).
+#[derive(clap::Args)]
+struct MetricsArg {
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 0.0.0.0:9100). Default: none.
+    #[arg(long, env = "STARCKPT_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
+}
+
+impl MetricsArg {
+    fn serve(&self) -> anyhow::Result<()> {
+        self.metrics_listen.map(starckpt_server::telemetry::serve).transpose().map(drop)
+    }
+}
+
 /// The secret a cluster's control planes and targets share (`starckpt_proto::capability`).
 #[derive(clap::Args)]
 struct ClusterKeyArg {
@@ -173,6 +187,8 @@ enum Command {
         /// --cluster-key-file. Without it, every caller is an operator.
         #[arg(long, env = "STARCKPT_TOKENS_FILE")]
         tokens_file: Option<PathBuf>,
+        #[command(flatten)]
+        metrics: MetricsArg,
     },
     /// Run a storage target on one device or directory.
     Target {
@@ -240,6 +256,8 @@ enum Command {
         preallocate: u64,
         #[command(flatten)]
         key: ClusterKeyArg,
+        #[command(flatten)]
+        metrics: MetricsArg,
     },
     /// Run a control plane and N targets in one process, data kept in DIR across restarts.
     Dev {
@@ -252,6 +270,8 @@ enum Command {
         /// I/O engine of the targets: uring, std or auto (as `starckpt target --io-engine`).
         #[arg(long, default_value = "auto")]
         io_engine: EngineKind,
+        #[command(flatten)]
+        metrics: MetricsArg,
     },
     /// Save files or directory trees as (a rank's part of) a checkpoint.
     Save {
@@ -474,7 +494,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             tier_mib_per_sec,
             key,
             tokens_file,
+            metrics,
         } => {
+            metrics.serve()?;
             let pending_timeout = pending_timeout_secs.max(1);
             let args = commands::ServerArgs {
                 pending_timeout: Duration::from_secs(pending_timeout),
@@ -520,7 +542,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             free_pool,
             preallocate,
             key,
+            metrics,
         } => {
+            metrics.serve()?;
             let mut config = starckpt_server::target::TargetConfig::new(dir, cli.server.clone());
             config.rdma = rdma.target();
             if no_shm {
@@ -545,7 +569,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             commands::target(config, &listen).await
         }
-        Command::Dev { data, targets, listen, io_engine } => commands::dev(&data, targets, &listen, io_engine).await,
+        Command::Dev { data, targets, listen, io_engine, metrics } => {
+            metrics.serve()?;
+            commands::dev(&data, targets, &listen, io_engine).await
+        }
         Command::Save { job, step, rank, world_size, run_id, chunk_size, compression, paths } => {
             let compression = compression.config()?;
             let chunk_size = chunk_size

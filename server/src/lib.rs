@@ -3,4 +3,5 @@
 pub mod control;
 pub mod dev;
 pub mod target;
+pub mod telemetry;
 pub mod testing;

@@ -155,7 +155,9 @@ impl Collector {
     async fn run(&self) -> Result<GcReport, MetaError> {
         let _one_at_a_time = self.running.lock().await;
         let targets = self.targets(now_ms()).await?;
-        gc::collect(self.store.as_ref(), targets, &self.collecting, &self.config.gc).await
+        let report = gc::collect(self.store.as_ref(), targets, &self.collecting, &self.config.gc).await?;
+        metrics::counter!("starckpt_control_gc_chunks_deleted_total").increment(report.chunks_deleted);
+        Ok(report)
     }
 
     /// One re-replication pass (one at a time, like GC, whose sweeps it must not race for disks).
@@ -175,6 +177,8 @@ impl Collector {
         )
         .await?;
         self.last_repair.record(now_ms(), &report);
+        metrics::counter!("starckpt_control_repair_copies_total").increment(report.copies_made);
+        metrics::gauge!("starckpt_control_under_replicated_chunks").set(report.still_under_replicated as f64);
         Ok(report)
     }
 
@@ -220,7 +224,10 @@ impl Collector {
         let tier = self.the_tier()?;
         let _one_at_a_time = self.tiering.lock().await;
         let targets = self.targets(now_ms()).await?;
-        tier::pass(self.store.as_ref(), tier, targets, &self.copying, &self.config.tier_config, when).await
+        let report =
+            tier::pass(self.store.as_ref(), tier, targets, &self.copying, &self.config.tier_config, when).await?;
+        metrics::counter!("starckpt_control_tier_uploaded_bytes_total").increment(report.bytes_uploaded);
+        Ok(report)
     }
 }
 
@@ -548,8 +555,12 @@ impl Control for ControlService {
         fault("control.commit.record").map_err(|e| caller.told(meta_status(e)))?;
         let record = self.store.commit_part(&part, now, begun_after).await.map_err(|e| caller.told(meta_status(e)))?;
         fault("control.commit.reply").map_err(|e| caller.told(meta_status(e)))?;
-        if record.state == CheckpointState::Committed && record.parts_committed == record.world_size {
+        // The part that committed it (an identical part sent again answers the same, and is not
+        // counted twice: it committed nothing).
+        if record.state == CheckpointState::Committed && record.committed_at_ms == Some(now) {
             tracing::info!(job = %record.job, step = record.step, bytes = record.total_bytes, "checkpoint committed");
+            metrics::counter!("starckpt_control_checkpoints_committed_total").increment(1);
+            metrics::counter!("starckpt_control_committed_bytes_total").increment(record.total_bytes);
         }
         Ok(Response::new(pb::CommitPartResponse {
             state: state_pb(record.state) as i32,
@@ -773,6 +784,8 @@ impl Control for ControlService {
             chunks.push((hash, chunk.clone()));
         }
         let recovered = self.collector.recover(&chunks).await.map_err(|e| caller.told(meta_status(e)))?;
+        metrics::counter!("starckpt_control_recovered_chunks_total")
+            .increment(recovered.chunks.iter().filter(|r| **r).count() as u64);
         if recovered.from_tier > 0 {
             tracing::info!(%job, step = request.step, from_tier = recovered.from_tier, "a reader's chunks were read back from the tier");
         }
@@ -947,6 +960,7 @@ pub async fn run(
     tracing::info!(address = %listener.local_addr()?, "control plane serving");
     let served = tonic::transport::Server::builder()
         .concurrency_limit_per_connection(256)
+        .layer(tower::layer::layer_fn(crate::telemetry::Metered))
         .add_service(service)
         .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
         .await;

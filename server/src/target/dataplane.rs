@@ -1169,8 +1169,10 @@ fn check_auth(served: &Served, auth: &Option<data::Auth>, needs: Rights) -> Resu
     check_target(&served.store, auth)?;
     let Some(key) = &served.cluster_key else { return Ok(()) };
     let capability = auth.as_ref().map_or(&[][..], |a| &a.capability[..]);
-    key.verify(capability, needs, served.store.target_id(), std::time::SystemTime::now())
-        .map_err(|refused| error_response(ErrorCode::Unauthorized, refused.to_string()))
+    key.verify(capability, needs, served.store.target_id(), std::time::SystemTime::now()).map_err(|refused| {
+        metrics::counter!("starckpt_target_refused_total", "target" => served.store.target_id().unwrap_or_default().to_owned(), "reason" => "unauthorized").increment(1);
+        error_response(ErrorCode::Unauthorized, refused.to_string())
+    })
 }
 
 /// Refuses a request meant for another target (see `Auth.target_id` in dataplane.proto).

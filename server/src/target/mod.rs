@@ -386,6 +386,7 @@ async fn heartbeat_loop(
     let mut unreachable_logged = false;
     loop {
         let stats = store.stats();
+        crate::telemetry::publish_target(&target_id, &stats, store.scrub_stats());
         let (server, client) = &mut clients[current];
         let outcome = if registered {
             client

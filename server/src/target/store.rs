@@ -135,6 +135,8 @@ pub struct StoreStats {
     /// Chunks written to the device straight from a client's memory
     /// ([`ChunkStore::placed_write`]), since start.
     pub placed_writes: u64,
+    /// Chunk files written (made visible; not puts of chunks already present), since start.
+    pub chunk_writes: u64,
 }
 
 /// What [`ChunkStore::check_copy`] found.
@@ -300,6 +302,8 @@ pub struct ChunkStore {
     placed_reads: AtomicU64,
     /// [`StoreStats::placed_writes`].
     placed_writes: AtomicU64,
+    /// [`StoreStats::chunk_writes`].
+    chunk_writes: AtomicU64,
     use_locks: Arc<UseLocks>,
     clock: Arc<UseClock>,
     /// Free bytes the store never writes into (see [`ChunkStore::set_reserve`]).
@@ -353,6 +357,7 @@ impl ChunkStore {
             chunk_reads: AtomicU64::new(0),
             placed_reads: AtomicU64::new(0),
             placed_writes: AtomicU64::new(0),
+            chunk_writes: AtomicU64::new(0),
             use_locks: Arc::new(UseLocks::new()),
             clock: Arc::new(UseClock::new()),
             reserve_bytes: AtomicU64::new(0),
@@ -694,6 +699,7 @@ impl ChunkStore {
                 self.used_bytes.fetch_sub(old_bytes.min(self.used_bytes.load(Ordering::Relaxed)), Ordering::Relaxed);
             }
         }
+        self.chunk_writes.fetch_add(1, Ordering::Relaxed);
         Ok(PutOutcome::Stored)
     }
 
@@ -1072,6 +1078,7 @@ impl ChunkStore {
             chunk_reads: self.chunk_reads.load(Ordering::Relaxed),
             placed_reads: self.placed_reads.load(Ordering::Relaxed),
             placed_writes: self.placed_writes.load(Ordering::Relaxed),
+            chunk_writes: self.chunk_writes.load(Ordering::Relaxed),
         }
     }
 }
