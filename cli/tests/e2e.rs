@@ -416,21 +416,9 @@ fn garbage_on_the_data_port_is_rejected_and_the_target_keeps_serving() {
 
 #[test]
 fn a_cluster_key_keeps_peers_without_a_capability_off_the_targets() {
-    use prost::Message;
-    use starckpt_proto::frame::{FrameHeader, Opcode};
-
     // The harness gives the control plane and targets one key file.
     let mut cluster = Cluster::start(2);
-    let mut peer = TcpStream::connect(&cluster.targets[0].address).unwrap();
-    let stat = starckpt_proto::data::StatRequest::default().encode_to_vec();
-    let header = FrameHeader { opcode: Opcode::Stat, request_id: 7, header_len: stat.len() as u32, payload_len: 0 };
-    peer.write_all(&header.encode()).unwrap();
-    peer.write_all(&stat).unwrap();
-    let mut fixed = [0u8; 24];
-    peer.read_exact(&mut fixed).unwrap();
-    let mut body = vec![0u8; FrameHeader::decode(&fixed).unwrap().header_len as usize];
-    peer.read_exact(&mut body).unwrap();
-    let answer = starckpt_proto::data::Response::decode(&body[..]).unwrap();
+    let answer = common::stat_without_capability(&cluster.targets[0].address);
     assert_eq!(answer.code, starckpt_proto::data::ErrorCode::Unauthorized as i32, "{answer:?}");
     assert!(answer.message.contains("no capability"), "{answer:?}");
 

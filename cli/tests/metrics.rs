@@ -62,17 +62,8 @@ fn control_plane_and_targets_serve_prometheus_metrics() {
     std::fs::write(&file, common::random_bytes(9 << 20, 3)).unwrap();
     cluster.ok(&["save", "--job", "metered", "--step", "1", file.to_str().unwrap()]);
     cluster.fails(&["show", "metered", "99"]);
-    let mut peer = TcpStream::connect(&cluster.targets[1].address).unwrap();
-    {
-        use prost::Message;
-        use starckpt_proto::frame::{FrameHeader, Opcode};
-        let stat = starckpt_proto::data::StatRequest::default().encode_to_vec();
-        let header = FrameHeader { opcode: Opcode::Stat, request_id: 1, header_len: stat.len() as u32, payload_len: 0 };
-        peer.write_all(&header.encode()).unwrap();
-        peer.write_all(&stat).unwrap();
-        let mut fixed = [0u8; 24];
-        peer.read_exact(&mut fixed).unwrap();
-    }
+    let refused = common::stat_without_capability(&cluster.targets[1].address);
+    assert_eq!(refused.code, starckpt_proto::data::ErrorCode::Unauthorized as i32);
 
     let control = scrape(&control_metrics);
     assert_eq!(value(&control, "starckpt_control_checkpoints_committed_total "), Some(1.0), "{control}");

@@ -346,6 +346,24 @@ pub fn new_token(tokens_file: &Path, args: &[&str]) -> String {
     String::from_utf8(output.stdout).unwrap().trim().to_owned()
 }
 
+/// Sends a data-plane STAT carrying no capability to the target at `address`, as a peer without
+/// the cluster key would, and returns the answer.
+pub fn stat_without_capability(address: &str) -> starckpt_proto::data::Response {
+    use prost::Message;
+    use starckpt_proto::frame::{FrameHeader, Opcode};
+    use std::io::{Read, Write};
+    let mut peer = std::net::TcpStream::connect(address).unwrap();
+    let stat = starckpt_proto::data::StatRequest::default().encode_to_vec();
+    let header = FrameHeader { opcode: Opcode::Stat, request_id: 7, header_len: stat.len() as u32, payload_len: 0 };
+    peer.write_all(&header.encode()).unwrap();
+    peer.write_all(&stat).unwrap();
+    let mut fixed = [0u8; 24];
+    peer.read_exact(&mut fixed).unwrap();
+    let mut body = vec![0u8; FrameHeader::decode(&fixed).unwrap().header_len as usize];
+    peer.read_exact(&mut body).unwrap();
+    starckpt_proto::data::Response::decode(&body[..]).unwrap()
+}
+
 /// Starts a control plane on the cluster's database (`meta.db` in `dir`) with extra flags.
 pub fn start_server_with(dir: &Path, extra: &[&str]) -> Proc {
     start_server_on(dir, dir.join("meta.db").to_str().unwrap(), extra)
