@@ -90,6 +90,21 @@ fn control_plane_and_targets_serve_prometheus_metrics() {
         target.lines().any(|l| l.starts_with("starckpt_target_refused_total{") && l.contains("unauthorized")),
         "{target}"
     );
+    // Every data-plane request answered is counted by operation and code, and timed.
+    let puts = labelled(&target, "starckpt_target_requests_total{", &["op=\"put\"", "code=\"OK\""]);
+    assert!(puts.is_some_and(|v| v >= 3.0), "a PUT per chunk: {target}");
+    let refused = labelled(&target, "starckpt_target_requests_total{", &["op=\"stat\"", "code=\"UNAUTHORIZED\""]);
+    assert_eq!(refused, Some(1.0), "the STAT without a capability: {target}");
+    let timed = labelled(&target, "starckpt_target_request_seconds_count{", &["op=\"put\""]);
+    assert_eq!(timed, puts, "every PUT answered is timed: {target}");
+}
+
+/// The value of the series named `prefix` (up to its labels' `{`) whose line has every one of
+/// `labels`.
+fn labelled(text: &str, prefix: &str, labels: &[&str]) -> Option<f64> {
+    text.lines()
+        .find(|line| line.starts_with(prefix) && labels.iter().all(|label| line.contains(label)))
+        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
 }
 
 /// The value of a target series (it has a `target` label, whatever the id).

@@ -107,6 +107,20 @@ impl Opcode {
         self.to_u8() & RESPONSE_BIT != 0
     }
 
+    /// The operation's name, a request's and its response's alike (`put`, `get`, …), as metrics
+    /// label it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Opcode::Put | Opcode::PutResponse => "put",
+            Opcode::Get | Opcode::GetResponse => "get",
+            Opcode::Has | Opcode::HasResponse => "has",
+            Opcode::Delete | Opcode::DeleteResponse => "delete",
+            Opcode::Stat | Opcode::StatResponse => "stat",
+            Opcode::List | Opcode::ListResponse => "list",
+            Opcode::Connect | Opcode::ConnectResponse => "connect",
+        }
+    }
+
     /// The response opcode answering this request opcode (identity for responses).
     pub fn response(self) -> Opcode {
         Opcode::from_u8(self.to_u8() | RESPONSE_BIT).unwrap_or(self)

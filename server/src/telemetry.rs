@@ -20,6 +20,8 @@
 //! | `starckpt_target_chunk_writes_total`, `_chunk_reads_total` | counters | chunks written (new) and read from the device |
 //! | `starckpt_target_placed_writes_total`, `_placed_reads_total` | counters | of those, straight from/into a same-host client's memory |
 //! | `starckpt_target_scrub_verified_chunks_total`, `_scrub_corrupt_removed_total` | counters | the scrubber |
+//! | `starckpt_target_requests_total{op,code}` | counter | data-plane requests answered, by operation (`put`, `get`, `has`, …) and response code |
+//! | `starckpt_target_request_seconds{op}` | histogram | their latency, from the request's header to its response written |
 //! | `starckpt_target_refused_total{reason}` | counter | data-plane requests refused for their capability (`unauthorized`) |
 //!
 //! Target series are published with every heartbeat (each second), from the store's own
@@ -86,6 +88,17 @@ where
             answer
         })
     }
+}
+
+/// Records a data-plane request whose response was written: counted by operation and response
+/// code, timed from its header to its response on the socket.
+pub fn answered(target: &str, opcode: starckpt_proto::frame::Opcode, code: i32, started: Instant) {
+    let code = starckpt_proto::data::ErrorCode::try_from(code).map_or("UNKNOWN", |code| code.as_str_name());
+    let op = opcode.name();
+    metrics::counter!("starckpt_target_requests_total", "target" => target.to_owned(), "op" => op, "code" => code)
+        .increment(1);
+    metrics::histogram!("starckpt_target_request_seconds", "target" => target.to_owned(), "op" => op)
+        .record(started.elapsed().as_secs_f64());
 }
 
 /// Publishes a target's counters (`target_id`'s store and scrubber) as its series.

@@ -23,7 +23,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
@@ -101,6 +101,10 @@ struct Outgoing {
     payload: Option<Bytes>,
     /// In-flight bytes charged for the payload, released once it is written.
     charge: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// When the request's header was read, and the response's code: what its metrics record
+    /// once the response is written.
+    started: Instant,
+    code: i32,
 }
 
 /// A Unix socket on which same-host clients attach shared memory ([`starckpt_proto::shm`]).
@@ -511,7 +515,8 @@ where
     let limits = &served.limits;
     let (responses, outgoing) = mpsc::channel::<Outgoing>(limits.max_requests_per_connection);
     let writer_failed = CancellationToken::new();
-    let writer_task = tokio::spawn(write_loop(writer, outgoing, limits.frame_timeout, writer_failed.clone()));
+    let writer_task =
+        tokio::spawn(write_loop(writer, outgoing, limits.frame_timeout, writer_failed.clone(), Arc::clone(&served)));
     let requests = Arc::new(Semaphore::new(limits.max_requests_per_connection));
     // Set up by OP_CONNECT; lives as long as the connection.
     let mut rdma: Option<Arc<QpDriver>> = None;
@@ -544,6 +549,8 @@ where
             Ok(Err(ReadFrameError::Io(error))) => break Err(format!("read: {error}")),
             Err(_) => break Err(format!("frame header not received within {:?}", limits.frame_timeout)),
         };
+        // From here on the request is served; its latency ends when its response is written.
+        let started = Instant::now();
         if header.opcode.is_response() {
             break Err(format!("protocol error: client sent response opcode {:?}", header.opcode));
         }
@@ -566,7 +573,7 @@ where
                         Err(response) => (response, None),
                     },
                 };
-                let _ = responses.send(reply(header, response, payload)).await;
+                let _ = responses.send(reply(header, started, response, payload)).await;
                 drop(permit);
             });
             continue;
@@ -580,7 +587,7 @@ where
             if driver.is_some() {
                 rdma = driver;
             }
-            if responses.send(reply(header, response, None)).await.is_err() {
+            if responses.send(reply(header, started, response, None)).await.is_err() {
                 break Ok(());
             }
             continue;
@@ -602,7 +609,7 @@ where
                         Ok(Err(error)) => break Err(format!("read payload: {error}")),
                         Err(_) => break Err(format!("payload not received within {:?}", limits.frame_timeout)),
                     }
-                    let _ = responses.send(reply(header, refused, None)).await;
+                    let _ = responses.send(reply(header, started, refused, None)).await;
                     drop(permit);
                     continue;
                 }
@@ -666,7 +673,7 @@ where
                     Err(response) => response,
                 };
                 drop(bytes_permit);
-                let _ = responses.send(reply(header, response, None)).await;
+                let _ = responses.send(reply(header, started, response, None)).await;
                 drop(permit);
             });
         } else {
@@ -679,7 +686,7 @@ where
                     && slots.placed_reads
                     && let Some(response) = get_placed(&served, slots, &request).await
                 {
-                    let _ = responses.send(reply(header, response, None)).await;
+                    let _ = responses.send(reply(header, started, response, None)).await;
                     drop(permit);
                     return;
                 }
@@ -745,7 +752,7 @@ where
                         },
                     }
                 }
-                let mut message = reply(header, response, payload);
+                let mut message = reply(header, started, response, payload);
                 message.charge = charge;
                 let _ = responses.send(message).await;
                 drop(permit);
@@ -1050,6 +1057,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     mut outgoing: mpsc::Receiver<Outgoing>,
     timeout: Duration,
     failed: CancellationToken,
+    served: Arc<Served>,
 ) {
     // A client that stops reading must not pin buffers and in-flight bytes forever.
     let mut writer = writer.with_timeout(timeout);
@@ -1066,7 +1074,10 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         let written = writer.write_frame(message.opcode, message.request_id, &message.header, &payload).await;
         drop(message.charge);
         match written {
-            Ok(()) => {}
+            Ok(()) => {
+                let target = served.store.target_id().unwrap_or_default();
+                crate::telemetry::answered(target, message.opcode, message.code, message.started);
+            }
             Err(error) if error.kind() == std::io::ErrorKind::TimedOut => {
                 info!("client did not read a response within {timeout:?}; closing the connection");
                 break false;
@@ -1093,13 +1104,15 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     while outgoing.recv().await.is_some() {}
 }
 
-fn reply(header: FrameHeader, response: data::Response, payload: Option<Bytes>) -> Outgoing {
+fn reply(header: FrameHeader, started: Instant, response: data::Response, payload: Option<Bytes>) -> Outgoing {
     Outgoing {
         opcode: header.opcode.response(),
         request_id: header.request_id,
         header: response.encode_to_vec(),
         payload,
         charge: None,
+        started,
+        code: response.code,
     }
 }
 
