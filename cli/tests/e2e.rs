@@ -421,6 +421,23 @@ fn a_cluster_key_keeps_peers_without_a_capability_off_the_targets() {
     let answer = common::stat_without_capability(&cluster.targets[0].address);
     assert_eq!(answer.code, starckpt_proto::data::ErrorCode::Unauthorized as i32, "{answer:?}");
     assert!(answer.message.contains("no capability"), "{answer:?}");
+    // Nor does a local process get a shared-memory region mapped (out of the target's budget for
+    // them) without one, or with one signed by another key; with the cluster's, it does.
+    use starckpt_proto::capability::{ClusterKey, Rights};
+    use starckpt_proto::shm::{ATTACH_OK, ATTACH_UNAUTHORIZED};
+    let socket = cluster.target_dir(0).join("shm.sock");
+    let expires = std::time::SystemTime::now() + Duration::from_secs(600);
+    let forged =
+        ClusterKey::from_secret(b"a guess at the cluster's secret").unwrap().mint(Rights::CLIENT, expires, None);
+    assert_eq!(common::shm_attach_answer(&socket, &[]).as_ref(), Some(ATTACH_UNAUTHORIZED));
+    assert_eq!(common::shm_attach_answer(&socket, &forged).as_ref(), Some(ATTACH_UNAUTHORIZED));
+    let key = ClusterKey::from_file(&common::cluster_key_file(cluster.dir.path())).unwrap();
+    let write_only = key.mint(Rights::WRITE, expires, None);
+    assert_eq!(common::shm_attach_answer(&socket, &write_only).as_ref(), Some(ATTACH_UNAUTHORIZED));
+    let granted = key.mint(Rights::READ, expires, None);
+    assert_eq!(common::shm_attach_answer(&socket, &granted).as_ref(), Some(ATTACH_OK));
+    let log = std::fs::read_to_string(cluster.dir.path().join("target-0.log")).unwrap();
+    assert!(log.contains("an attach without a capability it accepts"), "{log}");
 
     // A target set up with another cluster's key cannot join this one (it cannot prove it holds
     // this cluster's key), so it is never sent this cluster's capabilities or chunks.

@@ -591,7 +591,9 @@ async fn a_bad_shared_memory_attach_is_refused() {
     // A region smaller than the geometry it claims; garbage instead of an attach.
     let small = Region::create("small", 4096).unwrap();
     let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
-    shm::send_attach(&stream, Attach { slots: 4, slot_bytes: 4096, staging_bytes: 0 }, small.fd(), None).await.unwrap();
+    shm::send_attach(&stream, Attach { slots: 4, slot_bytes: 4096, staging_bytes: 0 }, &[], small.fd(), None)
+        .await
+        .unwrap();
     let mut answer = [0u8; 8];
     assert!(stream.read_exact(&mut answer).await.is_err(), "an undersized region was accepted");
     let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
@@ -601,7 +603,7 @@ async fn a_bad_shared_memory_attach_is_refused() {
     // is a BAD_REQUEST, and the connection goes on serving.
     let region = Region::create("good", 2 * 4096).unwrap();
     let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
-    shm::send_attach(&stream, Attach { slots: 2, slot_bytes: 4096, staging_bytes: 0 }, region.fd(), None)
+    shm::send_attach(&stream, Attach { slots: 2, slot_bytes: 4096, staging_bytes: 0 }, &[], region.fd(), None)
         .await
         .unwrap();
     stream.read_exact(&mut answer).await.unwrap();
@@ -643,7 +645,7 @@ async fn a_bad_shared_memory_attach_is_refused() {
         [("undersized", small.fd()), ("unsealed", unsealed.as_fd()), ("writable by the target", writable.fd())]
     {
         let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
-        shm::send_attach(&stream, attach, slots.fd(), Some(staging_fd)).await.unwrap();
+        shm::send_attach(&stream, attach, &[], slots.fd(), Some(staging_fd)).await.unwrap();
         assert!(stream.read_exact(&mut answer).await.is_err(), "a staging region {why} was accepted");
     }
     let raw_attach = |message: Vec<u8>, fds: Vec<std::os::fd::RawFd>| {
@@ -673,16 +675,16 @@ async fn a_bad_shared_memory_attach_is_refused() {
     use std::os::fd::AsRawFd;
     let (slots_fd, staging_fd) = (slots.fd().as_raw_fd(), staging.fd().as_raw_fd());
     let slots_only = Attach { staging_bytes: 0, ..attach };
-    assert!(raw_attach(attach.encode(), vec![slots_fd, staging_fd]).await, "a proper version-2 attach");
-    assert!(!raw_attach(attach.encode(), vec![slots_fd]).await, "a staging region without its descriptor");
-    assert!(!raw_attach(slots_only.encode(), vec![slots_fd, staging_fd]).await, "an extra descriptor");
-    assert!(!raw_attach(attach.encode(), vec![slots_fd; 5]).await, "five descriptors");
-    assert!(raw_attach(slots_only.encode(), vec![slots_fd]).await, "a version-1 attach");
+    assert!(raw_attach(attach.encode(&[]), vec![slots_fd, staging_fd]).await, "a proper version-2 attach");
+    assert!(!raw_attach(attach.encode(&[]), vec![slots_fd]).await, "a staging region without its descriptor");
+    assert!(!raw_attach(slots_only.encode(&[]), vec![slots_fd, staging_fd]).await, "an extra descriptor");
+    assert!(!raw_attach(attach.encode(&[]), vec![slots_fd; 5]).await, "five descriptors");
+    assert!(raw_attach(slots_only.encode(&[]), vec![slots_fd]).await, "a version-1 attach");
 
     // With a staging region: a PUT names a range of it; one outside it, one that also names a
     // slot, or bytes that do not match the hash are refused, and the connection goes on serving.
     let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
-    shm::send_attach(&stream, attach, slots.fd(), Some(staging.fd())).await.unwrap();
+    shm::send_attach(&stream, attach, &[], slots.fd(), Some(staging.fd())).await.unwrap();
     stream.read_exact(&mut answer).await.unwrap();
     assert_eq!(&answer, shm::ATTACH_OK);
     let (hash, data) = chunk(5000, 2);

@@ -7,7 +7,8 @@
 //! requests carry ones bound to the target they go to: READ+WRITE for re-replication, the tier
 //! and recoveries, and ADMIN too for garbage collection. A target with the key serves a request
 //! only if its `Auth.capability` is signed with that key, unexpired, bound to no target or to
-//! this one, and grants the request's right: GET, HAS, STAT and CONNECT need READ; PUT needs
+//! this one, and grants the request's right: GET, HAS, STAT, CONNECT and a shared-memory attach
+//! (`shm.rs`) need READ; PUT needs
 //! WRITE; DELETE and LIST (which enumerates every chunk it holds) need ADMIN. Targets prove they
 //! hold the key when they register and heartbeat (a capability with the TARGET right bound to
 //! their own id), so a process that is not one cannot pose as a target and collect the control

@@ -5,13 +5,20 @@
 //! ## Attach handshake (on a fresh Unix-socket connection, before any frame)
 //!
 //! ```text
-//!  client ──► 24 bytes: "SCKSHM02" | slots u32 LE | slot bytes u32 LE | staging bytes u64 LE,
-//!             with the slot memfd and, when staging bytes > 0, the staging memfd (SCM_RIGHTS)
-//!  target ──► 8 bytes: "SCKSHMOK" (then frames as on TCP), or it closes the connection
+//!  client ──► "SCKSHM03" | slots u32 LE | slot bytes u32 LE | staging bytes u64 LE | capability
+//!             (the rest of the message, at most 256 bytes), with the slot memfd and, when
+//!             staging bytes > 0, the staging memfd (SCM_RIGHTS)
+//!  target ──► 8 bytes: "SCKSHMOK" (then frames as on TCP), "SCKSHMBZ" (no room now), "SCKSHMNO"
+//!             (the capability does not let it in), or it closes the connection
 //! ```
 //!
-//! (A version-1 client sends 16 bytes, "SCKSHM01" | slots | slot bytes, and one memfd: no staging
-//! region. Targets accept both.)
+//! A client without a capability (its cluster has no key) sends the older messages, which
+//! targets without a key accept too: version 2, 24 bytes ("SCKSHM02" | slots | slot bytes |
+//! staging bytes), or, without a staging region, version 1, 16 bytes ("SCKSHM01" | slots | slot
+//! bytes, one memfd). A target whose cluster has a key admits an attach only with a capability
+//! granting READ (as for CONNECT, `capability.rs`): the regions it maps count against its
+//! `max_shm_region_bytes`, which a local process without one must not be able to use up. The
+//! frames that follow carry their own capabilities, checked as on TCP.
 //!
 //! The slot region is `slots × slot bytes`, split into slots of `slot bytes` each (a multiple of
 //! 4096). A frame names a slot (1-based; 0 means "payload inline, as on TCP") and a length: a
@@ -55,6 +62,9 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
+/// An attach with a capability (version 3).
+pub const ATTACH_MAGIC_V3: &[u8; 8] = b"SCKSHM03";
+/// An attach without one, with a staging region (version 2).
 pub const ATTACH_MAGIC: &[u8; 8] = b"SCKSHM02";
 /// The first version's magic: slots only, no staging region.
 pub const ATTACH_MAGIC_V1: &[u8; 8] = b"SCKSHM01";
@@ -62,7 +72,13 @@ pub const ATTACH_OK: &[u8; 8] = b"SCKSHMOK";
 /// The target's answer to an attach it has no room for now (it shares as much memory as it
 /// allows): the client goes over TCP meanwhile and asks again later.
 pub const ATTACH_BUSY: &[u8; 8] = b"SCKSHMBZ";
+/// The target's answer to an attach whose capability it does not accept (missing, forged,
+/// expired, for another target): the client renews its capability and goes over TCP meanwhile.
+pub const ATTACH_UNAUTHORIZED: &[u8; 8] = b"SCKSHMNO";
+/// An attach message without its capability (version 2 or 3).
 pub const ATTACH_BYTES: usize = 24;
+/// Longest capability an attach may carry.
+pub const MAX_ATTACH_CAPABILITY_BYTES: usize = 256;
 const ATTACH_BYTES_V1: usize = 16;
 /// Most slots one connection may share.
 pub const MAX_SLOTS: u32 = 256;
@@ -86,23 +102,45 @@ impl Attach {
         self.slots as usize * self.slot_bytes as usize
     }
 
-    /// The attach message: version 1 (16 bytes) without a staging region, so a target that
-    /// predates staging regions still attaches the slots; version 2 (24 bytes) with one.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(ATTACH_BYTES);
-        out.extend_from_slice(if self.staging_bytes > 0 { ATTACH_MAGIC } else { ATTACH_MAGIC_V1 });
+    /// The attach message carrying `capability`: version 3 with one; without one (a cluster
+    /// without a key), version 1 (16 bytes) without a staging region, so a target that predates
+    /// staging regions still attaches the slots, and version 2 (24 bytes) with one.
+    pub fn encode(&self, capability: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(ATTACH_BYTES + capability.len());
+        out.extend_from_slice(match (capability.is_empty(), self.staging_bytes > 0) {
+            (false, _) => ATTACH_MAGIC_V3,
+            (true, true) => ATTACH_MAGIC,
+            (true, false) => ATTACH_MAGIC_V1,
+        });
         out.extend_from_slice(&self.slots.to_le_bytes());
         out.extend_from_slice(&self.slot_bytes.to_le_bytes());
-        if self.staging_bytes > 0 {
+        if self.staging_bytes > 0 || !capability.is_empty() {
             out.extend_from_slice(&self.staging_bytes.to_le_bytes());
         }
+        out.extend_from_slice(capability);
         out
     }
 
-    /// Checks the magic and the geometry's bounds; takes a version-1 (16-byte) message too.
-    pub fn decode(bytes: &[u8]) -> Result<Attach, String> {
+    /// Checks the magic and the geometry's bounds; returns the geometry and the capability
+    /// (empty for a version-1 or version-2 message).
+    pub fn decode(bytes: &[u8]) -> Result<(Attach, &[u8]), String> {
         let word = |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+        let mut capability = &[][..];
         let attach = match bytes.len() {
+            len if len > ATTACH_BYTES && &bytes[..8] == ATTACH_MAGIC_V3 => {
+                capability = &bytes[ATTACH_BYTES..];
+                if capability.len() > MAX_ATTACH_CAPABILITY_BYTES {
+                    return Err(format!(
+                        "a capability of {} bytes is over {MAX_ATTACH_CAPABILITY_BYTES}",
+                        capability.len()
+                    ));
+                }
+                Attach {
+                    slots: word(8),
+                    slot_bytes: word(12),
+                    staging_bytes: u64::from(word(16)) | (u64::from(word(20)) << 32),
+                }
+            }
             ATTACH_BYTES if &bytes[..8] == ATTACH_MAGIC => Attach {
                 slots: word(8),
                 slot_bytes: word(12),
@@ -129,7 +167,7 @@ impl Attach {
         if attach.region_bytes() > MAX_REGION_BYTES {
             return Err(format!("{} bytes exceed the region limit of {MAX_REGION_BYTES}", attach.region_bytes()));
         }
-        Ok(attach)
+        Ok((attach, capability))
     }
 }
 
@@ -411,18 +449,19 @@ impl Drop for Region {
     }
 }
 
-/// Sends the attach message with the slot region's descriptor and, when `attach.staging_bytes`
-/// is not 0, the staging region's.
+/// Sends the attach message, with `capability` (empty: none), the slot region's descriptor and,
+/// when `attach.staging_bytes` is not 0, the staging region's.
 pub async fn send_attach(
     stream: &UnixStream,
     attach: Attach,
+    capability: &[u8],
     fd: BorrowedFd<'_>,
     staging: Option<BorrowedFd<'_>>,
 ) -> io::Result<()> {
     if staging.is_some() != (attach.staging_bytes > 0) {
         return Err(io::Error::other("a staging region needs both its size and its descriptor"));
     }
-    let message = attach.encode();
+    let message = attach.encode(capability);
     let fds: Vec<_> = std::iter::once(fd).chain(staging).map(|fd| fd.as_raw_fd()).collect();
     let message = &message[..];
     let sent = stream
@@ -442,13 +481,15 @@ pub async fn send_attach(
 #[derive(Debug)]
 pub struct Attached {
     pub attach: Attach,
+    /// Empty where the client sent none.
+    pub capability: Vec<u8>,
     pub slots: OwnedFd,
     pub staging: Option<OwnedFd>,
 }
 
 /// Receives an attach message and the descriptors that came with it.
 pub async fn recv_attach(stream: &UnixStream) -> io::Result<Attached> {
-    let mut message = [0u8; ATTACH_BYTES];
+    let mut message = [0u8; ATTACH_BYTES + MAX_ATTACH_CAPABILITY_BYTES];
     let (received, fds) = stream
         .async_io(Interest::READABLE, || {
             // Room for the most descriptors one message can carry (SCM_MAX_FD): the control data
@@ -468,13 +509,14 @@ pub async fn recv_attach(stream: &UnixStream) -> io::Result<Attached> {
             Ok((msg.bytes, fds))
         })
         .await?;
-    let attach = Attach::decode(&message[..received]).map_err(io::Error::other)?;
+    let (attach, capability) = Attach::decode(&message[..received]).map_err(io::Error::other)?;
+    let capability = capability.to_vec();
     let wanted = 1 + usize::from(attach.staging_bytes > 0);
     if fds.len() != wanted {
         return Err(io::Error::other(format!("attach with {} descriptors, not {wanted}", fds.len())));
     }
     let mut fds = fds.into_iter();
-    Ok(Attached { attach, slots: fds.next().expect("counted"), staging: fds.next() })
+    Ok(Attached { attach, capability, slots: fds.next().expect("counted"), staging: fds.next() })
 }
 
 /// This host's identity for deciding whether a target is local: the kernel's boot id (processes
@@ -505,7 +547,8 @@ mod tests {
     #[test]
     fn attach_geometry_is_bounded() {
         let good = Attach { slots: 8, slot_bytes: 4 << 20, staging_bytes: 3 << 40 >> 2 };
-        assert_eq!(Attach::decode(&good.encode()), Ok(good));
+        let none: &[u8] = &[];
+        assert_eq!(Attach::decode(&good.encode(none)), Ok((good, none)));
         let geometry = |slots, slot_bytes| Attach { slots, slot_bytes, staging_bytes: 0 };
         for bad in [
             geometry(0, 4096),
@@ -517,22 +560,40 @@ mod tests {
             Attach { staging_bytes: 4097, ..good },
             Attach { staging_bytes: MAX_STAGING_BYTES + 4096, ..good },
         ] {
-            assert!(Attach::decode(&bad.encode()).is_err(), "{bad:?}");
+            assert!(Attach::decode(&bad.encode(none)).is_err(), "{bad:?}");
+            assert!(Attach::decode(&bad.encode(b"cap")).is_err(), "{bad:?} with a capability");
         }
-        let mut wrong = good.encode();
+        let mut wrong = good.encode(none);
         wrong[0] = b'X';
         assert!(Attach::decode(&wrong).is_err());
-        assert!(Attach::decode(&good.encode()[..20]).is_err(), "truncated");
+        assert!(Attach::decode(&good.encode(none)[..20]).is_err(), "truncated");
         // Without a staging region the message is version 1 (16 bytes), which older targets take.
         let slots_only = Attach { staging_bytes: 0, ..good };
-        let mut v1 = slots_only.encode();
+        let mut v1 = slots_only.encode(none);
         assert_eq!((v1.len(), &v1[..8]), (16, &ATTACH_MAGIC_V1[..]));
-        assert_eq!(Attach::decode(&v1), Ok(slots_only));
+        assert_eq!(Attach::decode(&v1), Ok((slots_only, none)));
         v1[..8].copy_from_slice(ATTACH_MAGIC);
         assert!(Attach::decode(&v1).is_err(), "a 16-byte message with the version-2 magic");
-        let mut v2_without_staging = good.encode();
+        let mut v2_without_staging = good.encode(none);
         v2_without_staging[16..].fill(0);
-        assert_eq!(Attach::decode(&v2_without_staging), Ok(slots_only));
+        assert_eq!(Attach::decode(&v2_without_staging), Ok((slots_only, none)));
+
+        // With a capability, version 3 whether or not there is a staging region; bounded.
+        let capability = [9u8; 43];
+        for attach in [good, slots_only] {
+            let v3 = attach.encode(&capability);
+            assert_eq!((v3.len(), &v3[..8]), (ATTACH_BYTES + 43, &ATTACH_MAGIC_V3[..]));
+            assert_eq!(Attach::decode(&v3), Ok((attach, &capability[..])));
+        }
+        let mut empty_v3 = good.encode(none);
+        empty_v3[..8].copy_from_slice(ATTACH_MAGIC_V3);
+        assert!(Attach::decode(&empty_v3).is_err(), "version 3 without its capability");
+        let longest = [1u8; MAX_ATTACH_CAPABILITY_BYTES];
+        assert!(Attach::decode(&good.encode(&longest)).is_ok());
+        assert!(Attach::decode(&good.encode(&[1u8; MAX_ATTACH_CAPABILITY_BYTES + 1])).is_err());
+        let mut v2_with_more = good.encode(none);
+        v2_with_more.extend_from_slice(&capability);
+        assert!(Attach::decode(&v2_with_more).is_err(), "a capability after a version-2 magic");
     }
 
     #[test]

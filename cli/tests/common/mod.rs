@@ -279,9 +279,12 @@ impl Cluster {
     }
 
     /// Waits until every running target process is registered, alive, at its current address.
+    /// A bound for a hung target, not a timing: a target run with `--queue-depth auto` registers
+    /// only after it has measured its device (1.5 GiB each way), which on a 2-core CI machine busy
+    /// with other tests has taken over 20 s.
     pub fn wait_alive(&self, count: usize) {
         assert_eq!(count, self.targets.len());
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let output = self.cli(&["status", "--json"]);
             if output.status.success() {
@@ -362,6 +365,22 @@ pub fn stat_without_capability(address: &str) -> starckpt_proto::data::Response 
     let mut body = vec![0u8; FrameHeader::decode(&fixed).unwrap().header_len as usize];
     peer.read_exact(&mut body).unwrap();
     starckpt_proto::data::Response::decode(&body[..]).unwrap()
+}
+
+/// The target's answer to a shared-memory attach (one 4 KiB slot) on `socket` carrying
+/// `capability` (empty: none, the older message); None if it closed the connection instead.
+pub fn shm_attach_answer(socket: &Path, capability: &[u8]) -> Option<[u8; 8]> {
+    use starckpt_proto::shm::{self, Attach, Region};
+    use tokio::io::AsyncReadExt;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let region = Region::create("test-slots", 4096).unwrap();
+        let mut stream = tokio::net::UnixStream::connect(socket).await.unwrap();
+        let attach = Attach { slots: 1, slot_bytes: 4096, staging_bytes: 0 };
+        shm::send_attach(&stream, attach, capability, region.fd(), None).await.unwrap();
+        let mut answer = [0u8; 8];
+        stream.read_exact(&mut answer).await.ok().map(|_| answer)
+    })
 }
 
 /// Starts a control plane on the cluster's database (`meta.db` in `dir`) with extra flags.

@@ -93,7 +93,7 @@ impl ShmTransport {
         let slot_bytes = u32::try_from(slot_bytes.div_ceil(4096) * 4096)
             .map_err(|_| TransportError::Connect(format!("slot of {slot_bytes} bytes")))?;
         let attach = Attach { slots, slot_bytes, staging_bytes: 0 };
-        Attach::decode(&attach.encode()).map_err(TransportError::Connect)?;
+        Attach::decode(&attach.encode(&[])).map_err(TransportError::Connect)?;
         // Staging memory larger than a target takes is not shared (PUTs go through slots).
         let staging = staging.filter(|region| region.len() as u64 <= shm::MAX_STAGING_BYTES);
         let transport = ShmTransport {
@@ -154,6 +154,9 @@ enum Attached {
     Refused,
     /// The target shares as much memory as it allows now.
     Busy,
+    /// The target did not accept the capability sent (its cluster's key changed since it was
+    /// asked for, or it expired).
+    Unauthorized,
     Failed(TransportError),
 }
 
@@ -162,6 +165,9 @@ impl Attached {
         match self {
             Attached::Refused => TransportError::Connect("the target refused the shared-memory region".into()),
             Attached::Busy => TransportError::Connect("the target has no room for another shared-memory region".into()),
+            Attached::Unauthorized => {
+                TransportError::Connect("the target did not accept the capability sent with the shared memory".into())
+            }
             Attached::Failed(error) => error,
         }
     }
@@ -175,11 +181,18 @@ impl ShmTransport {
         let mut stream = UnixStream::connect(&self.socket).await.map_err(connect)?;
         let region = Region::create("starckpt-slots", self.attach.region_bytes()).map_err(connect)?;
         let attach = Attach { staging_bytes: staging.map_or(0, |r| r.len() as u64), ..self.attach };
-        shm::send_attach(&stream, attach, region.fd(), staging.map(|r| r.fd())).await.map_err(connect)?;
+        let sent = std::time::Instant::now();
+        let capability = self.config.credentials.fresh(self.target_id.as_deref()).await;
+        shm::send_attach(&stream, attach, &capability, region.fd(), staging.map(|r| r.fd())).await.map_err(connect)?;
         let mut answer = [0u8; 8];
         match stream.read_exact(&mut answer).await {
             Ok(_) if &answer == shm::ATTACH_OK => {}
             Ok(_) if &answer == shm::ATTACH_BUSY => return Err(Attached::Busy),
+            Ok(_) if &answer == shm::ATTACH_UNAUTHORIZED => {
+                // The next attach asks for a fresh one.
+                self.config.credentials.invalidate(sent);
+                return Err(Attached::Unauthorized);
+            }
             Ok(_) => return Err(Attached::Refused),
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(Attached::Refused),
             Err(e) => return Err(connect(e)),

@@ -411,6 +411,12 @@ async fn attach(stream: &tokio::net::UnixStream, served: &Served) -> std::io::Re
     let (placed_reads, placed_writes) = (served.placed_reads, served.placed_writes);
     let attached = shm::recv_attach(stream).await?;
     let attach = attached.attach;
+    // Before anything is mapped or counted against the shared budget.
+    if let Err(refused) = check_capability(served, &attached.capability, Rights::READ) {
+        // Best effort, as for busy: a closed connection is a refusal too.
+        let _ = write_all_unix(stream, shm::ATTACH_UNAUTHORIZED).await;
+        return Err(std::io::Error::other(format!("an attach without a capability it accepts: {refused}")));
+    }
     if attach.region_bytes() as u64 > served.limits.max_shm_region_bytes {
         // Never room for it: refused (the connection closed), not busy.
         return Err(std::io::Error::other(format!(
@@ -1180,11 +1186,17 @@ fn decode_for<M: Addressed>(served: &Served, prost_header: Bytes) -> Result<M, d
 /// capability does not grant `needs`.
 fn check_auth(served: &Served, auth: &Option<data::Auth>, needs: Rights) -> Result<(), data::Response> {
     check_target(&served.store, auth)?;
-    let Some(key) = &served.cluster_key else { return Ok(()) };
     let capability = auth.as_ref().map_or(&[][..], |a| &a.capability[..]);
+    check_capability(served, capability, needs).map_err(|refused| error_response(ErrorCode::Unauthorized, refused))
+}
+
+/// Where the cluster has a key, refuses a `capability` that does not grant `needs` on this
+/// target (counted), saying why.
+fn check_capability(served: &Served, capability: &[u8], needs: Rights) -> Result<(), String> {
+    let Some(key) = &served.cluster_key else { return Ok(()) };
     key.verify(capability, needs, served.store.target_id(), std::time::SystemTime::now()).map_err(|refused| {
         metrics::counter!("starckpt_target_refused_total", "target" => served.store.target_id().unwrap_or_default().to_owned(), "reason" => "unauthorized").increment(1);
-        error_response(ErrorCode::Unauthorized, refused.to_string())
+        refused.to_string()
     })
 }
 
