@@ -63,6 +63,7 @@ pub struct ServerArgs {
     pub tier_bytes_per_sec: u64,
     pub cluster_key: Option<starckpt_proto::capability::ClusterKey>,
     pub tokens: Option<std::sync::Arc<starckpt_server::control::auth::Tokens>>,
+    pub tls: Option<std::sync::Arc<starckpt_server::control::tls::ServerTls>>,
 }
 
 pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<()> {
@@ -89,6 +90,7 @@ pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<
         tier_interval: args.tier_interval,
         cluster_key: args.cluster_key,
         tokens: args.tokens,
+        tls: args.tls,
         ..Default::default()
     };
     starckpt_server::control::run(listener, store, config, shutdown).await
@@ -136,17 +138,32 @@ pub struct SaveArgs {
     pub paths: Vec<PathBuf>,
 }
 
-async fn connect(server: &str, chunk_size: Option<usize>) -> anyhow::Result<Client> {
+/// The control plane(s) a command talks to, and what it trusts on their TLS ports.
+pub struct Remote {
+    /// `--server`: `host:port`, a URL, or a comma-separated list of them.
+    pub server: String,
+    /// `--tls-ca` (`ClientConfig::tls_ca`).
+    pub tls_ca: Option<PathBuf>,
+}
+
+impl std::fmt::Display for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.server)
+    }
+}
+
+async fn connect(server: &Remote, chunk_size: Option<usize>) -> anyhow::Result<Client> {
     connect_as(server, chunk_size, None, None).await
 }
 
 async fn connect_as(
-    server: &str,
+    server: &Remote,
     chunk_size: Option<usize>,
     run_id: Option<String>,
     compression: Option<starckpt_proto::codec::CompressConfig>,
 ) -> anyhow::Result<Client> {
-    let mut config = ClientConfig::new(server);
+    let mut config = ClientConfig::new(&server.server);
+    config.tls_ca = server.tls_ca.clone();
     config.compression = compression;
     if run_id.is_some() {
         config.run_id = run_id;
@@ -157,7 +174,7 @@ async fn connect_as(
     Ok(Client::connect(config).await?)
 }
 
-pub async fn save(server: &str, args: SaveArgs, out: &Output) -> anyhow::Result<()> {
+pub async fn save(server: &Remote, args: SaveArgs, out: &Output) -> anyhow::Result<()> {
     let client = connect_as(server, args.chunk_size, args.run_id, args.compression).await?;
     let items = starckpt_client::items_from_paths(&args.paths)?;
     let part = SavePart::new(&args.job, args.step).items(items).rank(args.rank, args.world_size);
@@ -225,7 +242,7 @@ fn checkpoint_json(c: &CheckpointInfo) -> serde_json::Value {
 }
 
 pub async fn ls(
-    server: &str,
+    server: &Remote,
     job: Option<String>,
     all: bool,
     from_tier: Option<&str>,
@@ -309,14 +326,14 @@ fn print_checkpoints(checkpoints: &[CheckpointInfo], out: &Output) {
     }
 }
 
-pub async fn cat(server: &str, job: &str, step: u64, path: &str) -> anyhow::Result<()> {
+pub async fn cat(server: &Remote, job: &str, step: u64, path: &str) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     let manifest = client.manifest(job, Some(step)).await?;
     client.copy_file_to(&manifest, path, &mut tokio::io::stdout()).await?;
     Ok(())
 }
 
-pub async fn show(server: &str, job: &str, step: u64, out: &Output) -> anyhow::Result<()> {
+pub async fn show(server: &Remote, job: &str, step: u64, out: &Output) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     let manifest = client.manifest(job, Some(step)).await?;
     if out.json {
@@ -355,7 +372,7 @@ pub async fn show(server: &str, job: &str, step: u64, out: &Output) -> anyhow::R
 }
 
 pub async fn restore(
-    server: &str,
+    server: &Remote,
     job: &str,
     step: Option<u64>,
     to: &Path,
@@ -375,7 +392,7 @@ pub async fn restore(
             let tier = starckpt_server::control::tier::Tier::open_existing(url).await?;
             let manifest = CheckpointManifest::from_response(tier.manifest(&name, step).await?)?;
             // As many chunks in flight as a restore from the cluster.
-            let concurrency = ClientConfig::new(server).restore_concurrency;
+            let concurrency = ClientConfig::new(&server.server).restore_concurrency;
             restore_from(&tier, &manifest, to, force, concurrency, out).await
         }
     }
@@ -432,7 +449,7 @@ async fn restore_from(
     Ok(())
 }
 
-pub async fn rm(server: &str, job: &str, step: u64) -> anyhow::Result<()> {
+pub async fn rm(server: &Remote, job: &str, step: u64) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     client.delete(job, step).await?;
     println!("deleted {job} step {step}");
@@ -453,7 +470,7 @@ fn describe_retention(policy: &RetentionPolicy) -> String {
     format!("keep {}, tagged checkpoints and the latest", rules.join(", "))
 }
 
-pub async fn tier(server: &str, out: &Output) -> anyhow::Result<()> {
+pub async fn tier(server: &Remote, out: &Output) -> anyhow::Result<()> {
     let report = connect(server, None).await?.tier().await?;
     if out.json {
         out.json(json!({
@@ -487,7 +504,7 @@ pub async fn tier(server: &str, out: &Output) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn import_tier(server: &str, job: Option<&str>, out: &Output) -> anyhow::Result<()> {
+pub async fn import_tier(server: &Remote, job: Option<&str>, out: &Output) -> anyhow::Result<()> {
     let report = connect(server, None).await?.import_tier(job).await?;
     if out.json {
         out.json(json!({
@@ -513,7 +530,7 @@ pub async fn import_tier(server: &str, job: Option<&str>, out: &Output) -> anyho
     Ok(())
 }
 
-pub async fn repair(server: &str, out: &Output) -> anyhow::Result<()> {
+pub async fn repair(server: &Remote, out: &Output) -> anyhow::Result<()> {
     let report = connect(server, None).await?.rereplicate().await?;
     if out.json {
         out.json(json!({
@@ -541,14 +558,14 @@ pub async fn repair(server: &str, out: &Output) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn replication(server: &str, job: &str, replicas: u32) -> anyhow::Result<()> {
+pub async fn replication(server: &Remote, job: &str, replicas: u32) -> anyhow::Result<()> {
     connect(server, None).await?.set_replication(job, replicas).await?;
     println!("{job}: {replicas} replicas per chunk for saves from now on");
     Ok(())
 }
 
 pub async fn retention(
-    server: &str,
+    server: &Remote,
     job: &str,
     keep_last: Option<u32>,
     keep_every: Option<u64>,
@@ -578,7 +595,7 @@ pub async fn retention(
     Ok(())
 }
 
-pub async fn tag(server: &str, job: &str, step: u64, tag: &str, remove: bool) -> anyhow::Result<()> {
+pub async fn tag(server: &Remote, job: &str, step: u64, tag: &str, remove: bool) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     client.tag(job, step, tag, remove).await?;
     println!(
@@ -589,7 +606,7 @@ pub async fn tag(server: &str, job: &str, step: u64, tag: &str, remove: bool) ->
     Ok(())
 }
 
-pub async fn gc(server: &str, out: &Output) -> anyhow::Result<()> {
+pub async fn gc(server: &Remote, out: &Output) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     let report = client.collect_garbage().await?;
     if out.json {
@@ -617,7 +634,7 @@ pub async fn gc(server: &str, out: &Output) -> anyhow::Result<()> {
 }
 
 pub async fn mount(
-    server: &str,
+    server: &Remote,
     mountpoint: &Path,
     threads: usize,
     config: starckpt_fuse::MountConfig,
@@ -652,7 +669,7 @@ fn target_state(state: i32) -> &'static str {
     }
 }
 
-pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
+pub async fn status(server: &Remote, out: &Output) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     let status = client.cluster_status().await?;
     let targets = status.targets;
@@ -670,7 +687,7 @@ pub async fn status(server: &str, out: &Output) -> anyhow::Result<()> {
     .await;
     if out.json {
         out.json(json!({
-            "server": server,
+            "server": server.server,
             "under_replicated_chunks": status.under_replicated_chunks,
             "repair_pass_age_ms": status.repair_pass_age_ms,
             "targets": targets.iter().zip(&transports).map(|(t, transport)| json!({

@@ -21,6 +21,11 @@ struct Cli {
     /// Control-plane address.
     #[arg(long, global = true, env = "STARCKPT_SERVER", default_value = "127.0.0.1:7070")]
     server: String,
+    /// PEM file of the CA the control planes' TLS certificates chain to (`starckpt server
+    /// --tls-cert`): addresses without a scheme are then dialled over TLS, trusting this CA alone.
+    /// Without it, plaintext unless an address says https:// (checked against the system's CAs).
+    #[arg(long, global = true, env = "STARCKPT_TLS_CA")]
+    tls_ca: Option<PathBuf>,
     /// Machine-readable output (listing commands).
     #[arg(long, global = true)]
     json: bool,
@@ -187,6 +192,14 @@ enum Command {
         /// --cluster-key-file. Without it, every caller is an operator.
         #[arg(long, env = "STARCKPT_TOKENS_FILE")]
         tokens_file: Option<PathBuf>,
+        /// Serve gRPC over TLS only, with the certificate chain in this PEM file (the server's
+        /// certificate first; it must name the address clients dial). Read again within seconds
+        /// of a change, so a renewed certificate needs no restart. Needs --tls-key.
+        #[arg(long, env = "STARCKPT_TLS_CERT", requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
+        #[arg(long, env = "STARCKPT_TLS_KEY", requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
         #[command(flatten)]
         metrics: MetricsArg,
     },
@@ -479,6 +492,7 @@ fn describe(error: &anyhow::Error) -> String {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let out = output::Output { json: cli.json };
+    let remote = commands::Remote { server: cli.server.clone(), tls_ca: cli.tls_ca.clone() };
     match cli.command {
         Command::Server {
             listen,
@@ -494,6 +508,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             tier_mib_per_sec,
             key,
             tokens_file,
+            tls_cert,
+            tls_key,
             metrics,
         } => {
             metrics.serve()?;
@@ -520,6 +536,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .transpose()
                     .map_err(anyhow::Error::msg)?
                     .map(std::sync::Arc::new),
+                tls: match (tls_cert, tls_key) {
+                    (Some(cert), Some(key)) => Some(
+                        starckpt_server::control::tls::ServerTls::load(starckpt_server::control::tls::TlsFiles {
+                            cert,
+                            key,
+                        })
+                        .map_err(anyhow::Error::msg)?,
+                    ),
+                    _ => None,
+                },
             };
             commands::server(&listen, &db, args).await
         }
@@ -546,6 +572,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             metrics.serve()?;
             let mut config = starckpt_server::target::TargetConfig::new(dir, cli.server.clone());
+            config.control_tls = starckpt_proto::tls::ControlTls::from_optional_file(cli.tls_ca.as_deref())
+                .map_err(anyhow::Error::msg)?;
             config.rdma = rdma.target();
             if no_shm {
                 config.shm_socket = None;
@@ -581,29 +609,29 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .map_err(|_| anyhow::anyhow!("--chunk-size is too large"))?;
             let args =
                 commands::SaveArgs { job: job.job, step, rank, world_size, run_id, chunk_size, compression, paths };
-            commands::save(&cli.server, args, &out).await
+            commands::save(&remote, args, &out).await
         }
-        Command::Ls { job, all, from_tier } => commands::ls(&cli.server, job, all, from_tier.as_deref(), &out).await,
-        Command::Show { job, step } => commands::show(&cli.server, &job, step, &out).await,
-        Command::Cat { job, step, path } => commands::cat(&cli.server, &job, step, &path).await,
+        Command::Ls { job, all, from_tier } => commands::ls(&remote, job, all, from_tier.as_deref(), &out).await,
+        Command::Show { job, step } => commands::show(&remote, &job, step, &out).await,
+        Command::Cat { job, step, path } => commands::cat(&remote, &job, step, &path).await,
         Command::Restore { job, latest: _, step, to, force, from_tier } => {
-            commands::restore(&cli.server, &job.job, step, &to, force, from_tier.as_deref(), &out).await
+            commands::restore(&remote, &job.job, step, &to, force, from_tier.as_deref(), &out).await
         }
-        Command::Rm { job, step } => commands::rm(&cli.server, &job, step).await,
+        Command::Rm { job, step } => commands::rm(&remote, &job, step).await,
         Command::Retention { job, keep_last, keep_every } => {
-            commands::retention(&cli.server, &job, keep_last, keep_every, &out).await
+            commands::retention(&remote, &job, keep_last, keep_every, &out).await
         }
-        Command::Replication { job, replicas } => commands::replication(&cli.server, &job, replicas).await,
-        Command::Tag { job, step, tag, remove } => commands::tag(&cli.server, &job, step, &tag, remove).await,
-        Command::Gc => commands::gc(&cli.server, &out).await,
-        Command::Repair => commands::repair(&cli.server, &out).await,
-        Command::Tier { import: false, .. } => commands::tier(&cli.server, &out).await,
-        Command::Tier { import: true, job } => commands::import_tier(&cli.server, job.as_deref(), &out).await,
+        Command::Replication { job, replicas } => commands::replication(&remote, &job, replicas).await,
+        Command::Tag { job, step, tag, remove } => commands::tag(&remote, &job, step, &tag, remove).await,
+        Command::Gc => commands::gc(&remote, &out).await,
+        Command::Repair => commands::repair(&remote, &out).await,
+        Command::Tier { import: false, .. } => commands::tier(&remote, &out).await,
+        Command::Tier { import: true, job } => commands::import_tier(&remote, job.as_deref(), &out).await,
         Command::Mount { mountpoint, threads, read_ahead_chunks, read_ahead_budget } => {
             let config = starckpt_fuse::MountConfig { read_ahead_chunks, read_ahead_budget, ..Default::default() };
-            commands::mount(&cli.server, &mountpoint, threads, config).await
+            commands::mount(&remote, &mountpoint, threads, config).await
         }
-        Command::Status => commands::status(&cli.server, &out).await,
+        Command::Status => commands::status(&remote, &out).await,
         Command::Token { action: TokenAction::New { tenant, admin: _, tokens_file } } => {
             commands::new_token(tenant.as_deref(), tokens_file.as_deref(), &out)
         }

@@ -1,6 +1,7 @@
 //! Bearer tokens and tenants (`server/src/control/auth.rs`), with real processes: tokens made by
 //! `starckpt token new`, a control plane started with `--tokens-file`, and every call made
-//! through the CLI or raw gRPC the way a peer would.
+//! through the CLI or raw gRPC the way a peer would. Also TLS on the control plane's port
+//! (`server/src/control/tls.rs`), which keeps those tokens off the wire.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -8,7 +9,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{BIN, Cluster, cli_with_env};
+use common::{BIN, Cluster, TestCertificate, cli_with_env};
 
 /// `starckpt token new`, its token checked.
 fn new_token(tokens_file: &Path, args: &[&str]) -> String {
@@ -229,4 +230,98 @@ fn a_control_plane_refuses_tokens_it_cannot_use() {
         assert!(!output.status.success(), "{args:?}");
     }
     assert_eq!(std::fs::read_to_string(dir.path().join("broken")).unwrap(), "admin 1234\n");
+}
+
+/// The CLI against `cluster`'s control plane, as `address` (None: as the harness dials it), with
+/// `env` alone.
+fn tls_client(cluster: &Cluster, address: Option<&str>, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    cli_with_env(address.unwrap_or(&cluster.server.address), args, env)
+}
+
+#[test]
+fn a_control_plane_with_a_certificate_serves_tls_only() {
+    let certs = tempfile::tempdir().unwrap();
+    let first = TestCertificate::make(certs.path(), "first");
+    // The targets register and heartbeat over TLS (the harness waits for them), and a save and a
+    // restore go through it.
+    let cluster = Cluster::start_with_tls(2, &first);
+    let source = cluster.dir.path().join("state.bin");
+    std::fs::write(&source, common::random_bytes(3 << 20, 7)).unwrap();
+    cluster.ok(&["save", "--job", "tls", "--step", "1", source.to_str().unwrap()]);
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "tls", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("state.bin")).unwrap(), std::fs::read(&source).unwrap());
+    let ca = first.ca.to_str().unwrap();
+    // The CA as a flag, and an https:// address with it.
+    let https = format!("https://{}", cluster.server.address);
+    for (address, args) in [(None, &["--tls-ca", ca, "ls"][..]), (Some(https.as_str()), &["--tls-ca", ca, "ls"])] {
+        let output = tls_client(&cluster, address, args, &[]);
+        assert!(output.status.success(), "{address:?}: {}", String::from_utf8_lossy(&output.stderr));
+        assert!(String::from_utf8_lossy(&output.stdout).contains("tls"));
+    }
+
+    // A client in plaintext fails (and the control plane says what probably happened); so does
+    // one that checks the certificate against CAs that did not sign it: the system's, or another.
+    let plain = tls_client(&cluster, None, &["ls"], &[]);
+    assert!(String::from_utf8_lossy(&plain.stderr).contains("serve TLS?"), "{plain:?}");
+    let log = std::fs::read_to_string(cluster.dir.path().join("server.log")).unwrap();
+    assert!(log.contains("TLS handshake failed (a client dialling without TLS?"), "{log}");
+    let unknown = tls_client(&cluster, Some(&https), &["ls"], &[]);
+    let other = TestCertificate::make(certs.path(), "other");
+    let wrong_ca = tls_client(&cluster, None, &["ls"], &[("STARCKPT_TLS_CA", other.ca.to_str().unwrap())]);
+    for refused in [unknown, wrong_ca] {
+        assert!(!refused.status.success());
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(stderr.contains("certificate"), "{stderr}");
+    }
+    // A CA file that holds no certificate is refused before anything is dialled.
+    let broken = certs.path().join("broken.pem");
+    std::fs::write(&broken, "not a certificate").unwrap();
+    let refused = tls_client(&cluster, None, &["ls"], &[("STARCKPT_TLS_CA", broken.to_str().unwrap())]);
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("broken.pem"), "{refused:?}");
+
+    // A renewed certificate (from another CA, to tell them apart) is served without a restart:
+    // the key file first, then the certificate, each by a rename.
+    let install = |from: &Path, to: &Path| {
+        let staged = to.with_extension("new");
+        std::fs::copy(from, &staged).unwrap();
+        std::fs::rename(&staged, to).unwrap();
+    };
+    install(&other.key, &first.key);
+    install(&other.cert, &first.cert);
+    let renewed = [("STARCKPT_TLS_CA", other.ca.to_str().unwrap())];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !tls_client(&cluster, None, &["ls"], &renewed).status.success() {
+        assert!(Instant::now() < deadline, "the renewed certificate is not served");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(!tls_client(&cluster, None, &["ls"], &[("STARCKPT_TLS_CA", ca)]).status.success());
+    let log = std::fs::read_to_string(cluster.dir.path().join("server.log")).unwrap();
+    assert!(log.contains("serving the control plane's renewed TLS certificate"), "{log}");
+}
+
+#[test]
+fn a_control_plane_refuses_a_certificate_it_cannot_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let made = TestCertificate::make(dir.path(), "made");
+    let other = TestCertificate::make(dir.path(), "other");
+    let db = dir.path().join("meta.db");
+    let server = |extra: &[&str]| {
+        let mut command = std::process::Command::new(BIN);
+        command.args(["server", "--listen", "127.0.0.1:0", "--db", db.to_str().unwrap()]).args(extra);
+        command.env_remove("STARCKPT_TLS_CERT").env_remove("STARCKPT_TLS_KEY");
+        let output = command.output().unwrap();
+        assert!(!output.status.success(), "{extra:?} started");
+        String::from_utf8(output.stderr).unwrap()
+    };
+    let (cert, key) = (made.cert.to_str().unwrap(), made.key.to_str().unwrap());
+    let refused = server(&["--tls-cert", cert]);
+    assert!(refused.contains("--tls-key"), "{refused}");
+    let refused = server(&["--tls-cert", cert, "--tls-key", other.key.to_str().unwrap()]);
+    assert!(refused.contains("does not hold the key of the certificate"), "{refused}");
+    let missing = dir.path().join("missing-cert.pem");
+    let refused = server(&["--tls-cert", missing.to_str().unwrap(), "--tls-key", key]);
+    assert!(refused.contains("missing"), "{refused}");
+    let refused = server(&["--tls-cert", key, "--tls-key", key]);
+    assert!(refused.contains("holds no PEM certificate"), "{refused}");
 }

@@ -96,14 +96,17 @@ impl ControlPlanes {
     /// Connects to the first of `config.server`'s control planes that accepts a connection.
     pub(crate) async fn connect(config: &ClientConfig) -> Result<ControlPlanes> {
         let bearer = Bearer::from_config(config)?;
-        let urls = starckpt_proto::control_urls(&config.server);
+        let tls = starckpt_proto::tls::ControlTls::from_optional_file(config.tls_ca.as_deref())
+            .map_err(Error::InvalidInput)?;
+        let urls = tls.urls(&config.server);
         if urls.is_empty() {
             return Err(Error::InvalidInput(format!("no control-plane address in {:?}", config.server)));
         }
         let mut endpoints = Vec::with_capacity(urls.len());
         for url in urls {
-            let endpoint = Endpoint::from_shared(url.clone())
-                .map_err(|e| Error::InvalidInput(format!("bad control-plane address {url:?}: {e}")))?
+            let endpoint = tls
+                .endpoint(&url)
+                .map_err(Error::InvalidInput)?
                 .connect_timeout(Duration::from_secs(5))
                 .timeout(config.rpc_timeout);
             endpoints.push((url, endpoint));
@@ -167,12 +170,12 @@ impl ControlPlanes {
                 Err(status) => status,
             };
             if !resendable(&status, resend) {
-                return Err(status);
+                return Err(hint_tls(status, &self.endpoints[index].0));
             }
             let now = Instant::now();
             let deadline = *deadline.get_or_insert(now + self.failover_timeout);
             if now >= deadline {
-                return Err(status);
+                return Err(hint_tls(status, &self.endpoints[index].0));
             }
             failed += 1;
             let next = self.fail_over(index);
@@ -206,6 +209,20 @@ fn client(channel: Channel, bearer: &Bearer) -> Control {
     ControlClient::with_interceptor(channel, bearer.clone())
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// `status` of a call to `url`, with a hint where it is what a control plane serving TLS answers
+/// a client dialling in plaintext (its first frame is no TLS handshake: the HTTP/2 connection is
+/// torn down).
+fn hint_tls(status: Status, url: &str) -> Status {
+    if url.starts_with("http://") && status.message().starts_with("h2 protocol error") {
+        let message = format!(
+            "{} (does the control plane at {url} serve TLS? then give its CA: --tls-ca or STARCKPT_TLS_CA)",
+            status.message()
+        );
+        return Status::new(status.code(), message);
+    }
+    status
 }
 
 /// Whether a call that failed with `status` may be sent again under `resend`.

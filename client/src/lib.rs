@@ -123,6 +123,11 @@ pub struct ClientConfig {
     /// when `token` is None: keeps the token out of the environment and the process list.
     /// Default: `$STARCKPT_TOKEN_FILE`.
     pub token_file: Option<std::path::PathBuf>,
+    /// A PEM file of the CA that the control planes' TLS certificates chain to (`starckpt server
+    /// --tls-cert`): addresses without a scheme are then dialled over TLS, trusting that CA
+    /// alone (`starckpt_proto::tls`). Default: `$STARCKPT_TLS_CA`. None: plaintext, unless an
+    /// address says `https://` (verified against the system's trust store).
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl ClientConfig {
@@ -145,6 +150,7 @@ impl ClientConfig {
             rdma: RdmaConfig::default(),
             token: std::env::var("STARCKPT_TOKEN").ok().filter(|t| !t.is_empty()),
             token_file: std::env::var_os("STARCKPT_TOKEN_FILE").filter(|p| !p.is_empty()).map(Into::into),
+            tls_ca: std::env::var_os("STARCKPT_TLS_CA").filter(|p| !p.is_empty()).map(Into::into),
         }
     }
 }

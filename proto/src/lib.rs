@@ -10,6 +10,7 @@
 //! - [`rdma`]: the RDMA fields of frames (queue-pair endpoints, client buffers), checked.
 //! - [`shm`]: same-host shared memory for the data plane (sealed memfd regions, the attach
 //!   handshake over a Unix socket).
+//! - [`tls`]: TLS on the control plane's gRPC port, as its clients dial it.
 //! - [`token`]: bearer tokens, how callers of the control plane say who they are.
 //! - [`zerocopy`]: the frame writer both ends use, sending large payloads over TCP zero-copy
 //!   (io_uring SEND_ZC) where that pays.
@@ -31,6 +32,7 @@ pub mod frame;
 pub mod model;
 pub mod rdma;
 pub mod shm;
+pub mod tls;
 pub mod token;
 pub mod zerocopy;
 
@@ -45,19 +47,3 @@ pub mod data {
 }
 
 pub use model::{ChunkHash, JobName, ModelError, RelPath, TenantName};
-
-/// The URL tonic should dial for a control-plane address given as `host:port` or as a URL.
-pub fn control_url(address: &str) -> String {
-    if address.starts_with("http://") || address.starts_with("https://") {
-        address.to_owned()
-    } else {
-        format!("http://{address}")
-    }
-}
-
-/// The URLs of a comma-separated list of control-plane addresses (control planes sharing one
-/// PostgreSQL database: any of them serves the cluster), in the order given; empty entries are
-/// dropped.
-pub fn control_urls(addresses: &str) -> Vec<String> {
-    addresses.split(',').map(str::trim).filter(|a| !a.is_empty()).map(control_url).collect()
-}

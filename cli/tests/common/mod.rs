@@ -88,6 +88,44 @@ pub struct Cluster {
     /// Environment of [`Cluster::cli`]'s commands (an admin's bearer token, where the control
     /// plane requires one: [`Cluster::start_with_tokens`]).
     pub cli_env: Vec<(String, String)>,
+    /// Environment of every target process (the CA of a control plane serving TLS:
+    /// [`Cluster::start_with_tls`]).
+    pub target_env: Vec<(String, String)>,
+}
+
+/// A CA, and a certificate for 127.0.0.1 and localhost that it signed, as PEM files in a
+/// directory: what a control plane serves TLS with, and what its clients trust.
+pub struct TestCertificate {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl TestCertificate {
+    /// Makes a new CA and certificate, written to `dir`/`name`-{ca,cert,key}.pem.
+    pub fn make(dir: &Path, name: &str) -> TestCertificate {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(DnType::CommonName, format!("starckpt test CA {name}"));
+        let ca = ca_params.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca_params, ca_key);
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        let made = TestCertificate {
+            ca: dir.join(format!("{name}-ca.pem")),
+            cert: dir.join(format!("{name}-cert.pem")),
+            key: dir.join(format!("{name}-key.pem")),
+        };
+        std::fs::write(&made.ca, ca.pem()).unwrap();
+        std::fs::write(&made.cert, cert.pem()).unwrap();
+        std::fs::write(&made.key, key.serialize_pem()).unwrap();
+        made
+    }
 }
 
 impl Cluster {
@@ -115,6 +153,16 @@ impl Cluster {
         let mut flags = vec!["--tokens-file", tokens_file.to_str().unwrap()];
         flags.extend_from_slice(server_flags);
         let cli_env = vec![("STARCKPT_TOKEN".to_owned(), admin_token.to_owned())];
+        Cluster::start_on(dir, db, 1, targets, &flags, &[], cli_env)
+    }
+
+    /// A cluster whose control plane serves TLS only, with `certificate`; its targets and the
+    /// harness's own commands (and [`Cluster::cli`]) trust its CA (`STARCKPT_TLS_CA`).
+    pub fn start_with_tls(targets: usize, certificate: &TestCertificate) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("meta.db").to_str().unwrap().to_owned();
+        let flags = ["--tls-cert", certificate.cert.to_str().unwrap(), "--tls-key", certificate.key.to_str().unwrap()];
+        let cli_env = vec![("STARCKPT_TLS_CA".to_owned(), certificate.ca.to_str().unwrap().to_owned())];
         Cluster::start_on(dir, db, 1, targets, &flags, &[], cli_env)
     }
 
@@ -150,7 +198,9 @@ impl Cluster {
         let server = start(server_env);
         let peers = (1..control_planes).map(|_| start(&[])).collect();
         let server_flags = server_flags.iter().map(|f| f.to_string()).collect();
-        let mut cluster = Cluster { dir, server, targets: Vec::new(), server_flags, db, peers, cli_env };
+        // Targets trust what the harness's commands trust.
+        let target_env = cli_env.iter().filter(|(key, _)| key == "STARCKPT_TLS_CA").cloned().collect();
+        let mut cluster = Cluster { dir, server, targets: Vec::new(), server_flags, db, peers, cli_env, target_env };
         for index in 0..targets {
             let target = cluster.start_target(index);
             cluster.targets.push(target);
@@ -203,7 +253,9 @@ impl Cluster {
             args.extend(["--queue-depth", "8"]);
         }
         args.extend_from_slice(extra);
-        Proc::start_configured(&args, &self.dir.path().join(format!("target-{index}.log")), env, configure)
+        let mut all_env: Vec<(&str, &str)> = self.target_env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        all_env.extend_from_slice(env);
+        Proc::start_configured(&args, &self.dir.path().join(format!("target-{index}.log")), &all_env, configure)
     }
 
     /// SIGKILLs the control plane and starts it again on the same address and database (the
@@ -414,7 +466,7 @@ pub fn cli_with_server(server: &str, args: &[&str]) -> Output {
 pub fn cli_with_env(server: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(BIN);
     command.args(args).env("STARCKPT_SERVER", server).env_remove("STARCKPT_JOB");
-    command.env_remove("STARCKPT_TOKEN").env_remove("STARCKPT_TOKEN_FILE");
+    command.env_remove("STARCKPT_TOKEN").env_remove("STARCKPT_TOKEN_FILE").env_remove("STARCKPT_TLS_CA");
     command.envs(env.iter().copied()).output().unwrap()
 }
 

@@ -327,7 +327,9 @@ impl NativeClient {
 #[pymethods]
 impl NativeClient {
     #[new]
-    #[pyo3(signature = (server, *, staging_bytes=None, chunk_size_bytes=None, run_id=None, compress_level=None, token=None))]
+    #[pyo3(signature = (server, *, staging_bytes=None, chunk_size_bytes=None, run_id=None, compress_level=None, token=None, tls_ca=None))]
+    // Python's keyword arguments: the constructor's API.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         server: String,
@@ -336,10 +338,14 @@ impl NativeClient {
         run_id: Option<String>,
         compress_level: Option<i32>,
         token: Option<String>,
+        tls_ca: Option<std::path::PathBuf>,
     ) -> PyResult<NativeClient> {
         let mut config = sdk::ClientConfig::new(server);
         if token.is_some() {
             config.token = token;
+        }
+        if tls_ca.is_some() {
+            config.tls_ca = tls_ca;
         }
         config.compression = compress_config(compress_level)?;
         if let Some(bytes) = staging_bytes {

@@ -56,24 +56,38 @@ class Proc:
 
 class Cluster:
     """A control plane and `targets` targets. With `tokens_file`, the control plane serves only
-    its bearer tokens, and the harness's own commands carry `admin_token`."""
+    its bearer tokens, and the harness's own commands carry `admin_token`. With `tls` (a CA file,
+    a certificate it signed for 127.0.0.1 and its key: `tls_certificate`), the control plane
+    serves TLS only, and the targets and the harness's commands trust that CA."""
 
-    def __init__(self, root: Path, targets: int = 2, tokens_file: Path | None = None, admin_token: str | None = None):
+    def __init__(
+        self,
+        root: Path,
+        targets: int = 2,
+        tokens_file: Path | None = None,
+        admin_token: str | None = None,
+        tls: tuple[Path, Path, Path] | None = None,
+    ):
         self.root = root
         self.cli_env = {"STARCKPT_TOKEN": admin_token} if admin_token else {}
+        serve_tls = ["--tls-cert", str(tls[1]), "--tls-key", str(tls[2])] if tls else []
+        trust = ["--tls-ca", str(tls[0])] if tls else []
+        if tls:
+            self.cli_env["STARCKPT_TLS_CA"] = str(tls[0])
         # One key for the control plane and the targets: clients' requests carry capabilities.
         key = root / "cluster.key"
         key.write_bytes(os.urandom(32))
         keyed = ["--cluster-key-file", str(key)]
         tokens = ["--tokens-file", str(tokens_file)] if tokens_file else []
         self.server = Proc(
-            ["server", "--listen", "127.0.0.1:0", "--db", str(root / "meta.db"), *keyed, *tokens], root / "server.log"
+            ["server", "--listen", "127.0.0.1:0", "--db", str(root / "meta.db"), *keyed, *tokens, *serve_tls],
+            root / "server.log",
         )
         self.targets = [
             Proc(
                 # A fixed queue depth: measuring the device (`auto`) writes 1.5 GiB per target.
                 ["target", "--dir", str(root / f"target-{i}"), "--listen", "127.0.0.1:0", "--server", self.server.address,
-                 "--queue-depth", "8", *keyed],
+                 "--queue-depth", "8", *keyed, *trust],
                 root / f"target-{i}.log",
             )
             for i in range(targets)
@@ -106,6 +120,22 @@ class Cluster:
     def stop(self) -> None:
         for proc in [*self.targets, self.server]:
             proc.kill()
+
+
+def tls_certificate(root: Path) -> tuple[Path, Path, Path]:
+    """A CA (ca.pem) and a certificate it signed for 127.0.0.1 (cert.pem, key.pem) in `root`,
+    made with openssl as an operator would."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=root)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=starckpt test CA")
+    openssl("req", *ec, "-keyout", "key.pem", "-out", "cert.csr", "-subj", "/CN=127.0.0.1")
+    (root / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "cert.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "cert.pem", "-days", "2", "-extfile", "san.ext")
+    return root / "ca.pem", root / "cert.pem", root / "key.pem"
 
 
 @pytest.fixture(scope="module")

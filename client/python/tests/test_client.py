@@ -642,3 +642,27 @@ def test_a_save_while_the_previous_one_uploads_can_be_skipped(cluster, job):
     assert uploading.wait().committed
     assert c.latest() == 2
     assert c.save(4, {"w": np.zeros(4)}, skip_if_busy=True).wait().committed
+
+
+def test_a_client_trusts_the_ca_of_a_control_plane_serving_tls(tmp_path, monkeypatch):
+    from conftest import Cluster, tls_certificate
+
+    (tmp_path / "certs").mkdir()
+    ca, cert, key = tls_certificate(tmp_path / "certs")
+    (tmp_path / "cluster").mkdir()
+    tls = Cluster(tmp_path / "cluster", targets=1, tls=(ca, cert, key))
+    monkeypatch.delenv("STARCKPT_TLS_CA", raising=False)
+    try:
+        weights = np.arange(1000, dtype=np.float32)
+        starckpt.Client(tls.address, "tls", tls_ca=ca).save(1, {"w": weights}).wait()
+        # The CA from the environment, and an https:// address with it.
+        monkeypatch.setenv("STARCKPT_TLS_CA", str(ca))
+        state, _ = starckpt.Client(tls.address, "tls").load()
+        assert same_array(state["w"], weights)
+        assert starckpt.Client(f"https://{tls.address}", "tls").latest() == 1
+        # Without it the client dials in plaintext, and is told what is probably wrong.
+        monkeypatch.delenv("STARCKPT_TLS_CA")
+        with pytest.raises(starckpt.StarckptError, match="serve TLS"):
+            starckpt.Client(tls.address, "tls").latest()
+    finally:
+        tls.stop()

@@ -8,5 +8,6 @@ pub mod service;
 pub mod sql;
 pub mod store;
 pub mod tier;
+pub mod tls;
 
 pub use service::{ControlConfig, open_store, run};

@@ -25,6 +25,7 @@ use super::store::{
     TargetRecord, fault, now_ms,
 };
 use super::tier::{self, Tier, TierConfig, TierReport};
+use super::tls::ServerTls;
 
 /// Largest gRPC message either way. A rank's manifest is ~100 bytes per 4 MiB chunk, so 64 MiB
 /// describes ~2.5 PB in one part: generous, but still a bound.
@@ -85,6 +86,9 @@ pub struct ControlConfig {
     /// whose jobs each reaches. None: every caller is an operator, as on a single-user cluster.
     /// Requires `cluster_key` (`run` refuses tokens without one).
     pub tokens: Option<Arc<Tokens>>,
+    /// The certificate and key the gRPC port serves TLS with (`--tls-cert`, `--tls-key`;
+    /// `tls.rs`), reloaded when they change. None: plaintext.
+    pub tls: Option<Arc<ServerTls>>,
 }
 
 impl Default for ControlConfig {
@@ -106,6 +110,7 @@ impl Default for ControlConfig {
             cluster_key: None,
             capability_lifetime: Duration::from_secs(60 * 60),
             tokens: None,
+            tls: None,
         }
     }
 }
@@ -891,7 +896,11 @@ pub async fn run(
         listener: listening,
         pending_timeout_ms: config.pending_timeout.as_millis() as u64,
         gc_grace_ms: config.gc.grace.as_millis() as u64,
-        security: ControlPlaneMember::security_of(config.cluster_key.as_ref(), config.tokens.is_some()),
+        security: ControlPlaneMember::security_of(
+            config.cluster_key.as_ref(),
+            config.tokens.is_some(),
+            config.tls.is_some(),
+        ),
     };
     // Where control planes may share the database (PostgreSQL), they must agree on settings and
     // on the time. SQLite is one host's: a control plane restarted with other settings (or on
@@ -921,19 +930,22 @@ pub async fn run(
     let gc_interval = config.gc_interval;
     let repair_interval = config.repair_interval;
     let tier_interval = config.tier.as_ref().and(config.tier_interval);
-    let tokens = every(config.tokens.as_ref().map(|_| super::auth::RELOAD_EVERY), "tokens file", {
-        let tokens = config.tokens.clone();
-        move || {
-            let tokens = tokens.clone();
-            async move {
-                if let Some(tokens) = tokens {
-                    // A small file, but a read all the same: off the reactor's threads.
-                    let _ = tokio::task::spawn_blocking(move || tokens.reload_if_changed()).await;
-                }
-                Ok(())
-            }
-        }
+    // Small files, but reads all the same: off the reactor's threads.
+    let tokens = config.tokens.clone();
+    let tokens = every_blocking(tokens.as_ref().map(|_| super::auth::RELOAD_EVERY), "tokens file", move || {
+        tokens.iter().for_each(|tokens| tokens.reload_if_changed())
     });
+    let tls = config.tls.clone();
+    let tls_reload = every_blocking(tls.as_ref().map(|_| super::tls::RELOAD_EVERY), "TLS certificate", {
+        let tls = tls.clone();
+        move || tls.iter().for_each(|tls| tls.reload_if_changed())
+    });
+    if tls.is_none() && config.tokens.is_some() && !listener.local_addr()?.ip().is_loopback() {
+        tracing::warn!(
+            "bearer tokens travel in plaintext to this control plane: give it --tls-cert and --tls-key \
+             unless the network is trusted"
+        );
+    }
     let service = ControlService::new(Arc::clone(&store), config);
     let collector = Arc::clone(&service.collector);
     let periodic_repair = every(repair_interval, "re-replication", {
@@ -957,14 +969,18 @@ pub async fn run(
     let service = ControlServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    tracing::info!(address = %listener.local_addr()?, "control plane serving");
-    let served = tonic::transport::Server::builder()
+    tracing::info!(address = %listener.local_addr()?, tls = tls.is_some(), "control plane serving");
+    let router = tonic::transport::Server::builder()
         .concurrency_limit_per_connection(256)
         .layer(tower::layer::layer_fn(crate::telemetry::Metered))
-        .add_service(service)
-        .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
-        .await;
-    drop((membership, reaper, periodic_gc, periodic_repair, periodic_tier, tokens));
+        .add_service(service);
+    let served = match tls {
+        Some(tls) => router.serve_with_incoming_shutdown(tls.incoming(listener), shutdown).await,
+        None => {
+            router.serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown).await
+        }
+    };
+    drop((membership, reaper, periodic_gc, periodic_repair, periodic_tier, tokens, tls_reload));
     if shared && let Err(error) = store.leave_control_planes(&member.id).await {
         tracing::warn!(%error, "could not remove this control plane from the database's list");
     }
@@ -1055,6 +1071,22 @@ where
             }
         }
     }))
+}
+
+/// [`every`] for a pass that blocks (reads a file), run on the blocking pool.
+fn every_blocking(
+    interval: Option<Duration>,
+    what: &'static str,
+    pass: impl Fn() + Send + Sync + 'static,
+) -> tokio_util::task::AbortOnDropHandle<()> {
+    let pass = Arc::new(pass);
+    every(interval, what, move || {
+        let pass = Arc::clone(&pass);
+        async move {
+            let _ = tokio::task::spawn_blocking(move || pass()).await;
+            Ok(())
+        }
+    })
 }
 
 /// Aborts checkpoints whose ranks never all committed within `timeout`, checking ten times per

@@ -1073,7 +1073,7 @@ impl MetaStore for SqlStore {
                 }
                 if !security.is_empty() && !member.security.is_empty() && security != member.security {
                     differences.push(format!(
-                        "it runs with {security}, this one with {} (--cluster-key-file, --tokens-file)",
+                        "it runs with {security}, this one with {} (--cluster-key-file, --tokens-file, --tls-cert)",
                         member.security
                     ));
                 }
@@ -1374,7 +1374,7 @@ mod tests {
                 listener: "new".into(),
                 pending_timeout_ms: 1,
                 gc_grace_ms: 2,
-                security: ControlPlaneMember::security_of(None, true),
+                security: ControlPlaneMember::security_of(None, true, false),
             };
             assert_eq!(store.join_control_planes(&member, 10, 0, true).await.unwrap(), None, "from version {version}");
             drop(store);

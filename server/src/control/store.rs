@@ -295,11 +295,13 @@ pub struct ControlPlaneMember {
 
 impl ControlPlaneMember {
     /// `security` for a control plane with `key` (by fingerprint) that requires bearer tokens
-    /// or not.
-    pub fn security_of(key: Option<&starckpt_proto::capability::ClusterKey>, tokens: bool) -> String {
+    /// or not, and serves TLS or not. (Without TLS, the text is what builds before TLS wrote,
+    /// so upgrading them one by one finds no conflict.)
+    pub fn security_of(key: Option<&starckpt_proto::capability::ClusterKey>, tokens: bool, tls: bool) -> String {
         let key = key.map_or("no cluster key".to_owned(), |key| format!("cluster key {}", key.fingerprint()));
         let tokens = if tokens { "bearer tokens required" } else { "no bearer tokens" };
-        format!("{key}, {tokens}")
+        let tls = if tls { ", TLS" } else { "" };
+        format!("{key}, {tokens}{tls}")
     }
 }
 
@@ -761,7 +763,7 @@ pub(crate) mod conformance {
             listener: id.split('/').next().unwrap_or_default().into(),
             pending_timeout_ms,
             gc_grace_ms,
-            security: ControlPlaneMember::security_of(None, false),
+            security: ControlPlaneMember::security_of(None, false, false),
         };
         let join = |m: ControlPlaneMember, now, live_since, refuse| async move {
             store.join_control_planes(&m, now, live_since, refuse).await.unwrap()
@@ -806,7 +808,7 @@ pub(crate) mod conformance {
         // did not record its security (an older build) binds nobody, and is bound by nobody.
         let key = starckpt_proto::capability::ClusterKey::from_secret(b"0123456789abcdef").unwrap();
         let keyed = |id: &str, tokens| ControlPlaneMember {
-            security: ControlPlaneMember::security_of(Some(&key), tokens),
+            security: ControlPlaneMember::security_of(Some(&key), tokens, false),
             ..member(id, 300_000, 600_000)
         };
         let refused = join(keyed("i:1/1", false), 204_000, 0, true).await.expect("another key");
@@ -818,6 +820,13 @@ pub(crate) mod conformance {
         let unknown = ControlPlaneMember { security: String::new(), ..member("k:1/1", 300_000, 600_000) };
         assert_eq!(join(unknown, 205_000, 0, true).await, None);
         assert_eq!(join(keyed("j:1/1", false), 205_000, 0, true).await, None, "k binds nobody");
+        // TLS where the others serve plaintext (clients listing them all would reach one only).
+        let tls = ControlPlaneMember {
+            security: ControlPlaneMember::security_of(Some(&key), false, true),
+            ..member("l:1/1", 300_000, 600_000)
+        };
+        let refused = join(tls, 205_000, 0, true).await.expect("TLS where j serves plaintext");
+        assert!(refused.contains("no bearer tokens, TLS") && refused.contains("--tls-cert"), "{refused}");
     }
 
     pub async fn importing(store: &dyn MetaStore) {

@@ -37,6 +37,9 @@ pub struct TargetConfig {
     /// sharing one PostgreSQL database: the target registers with the first that answers and moves
     /// to the next when it stops answering.
     pub server: String,
+    /// What the target trusts on the control planes' TLS ports (`--tls-ca`, `starckpt_proto::tls`).
+    /// Default: no CA file (plaintext, unless `server` says `https://`).
+    pub control_tls: starckpt_proto::tls::ControlTls,
     /// Address clients should dial; default: the listener's address.
     pub advertise: Option<SocketAddr>,
     /// I/O engine. Default io_uring; `std` where io_uring is blocked (Docker's default seccomp);
@@ -148,6 +151,7 @@ impl TargetConfig {
     pub fn new(dir: PathBuf, server: String) -> TargetConfig {
         TargetConfig {
             server,
+            control_tls: Default::default(),
             advertise: None,
             engine: EngineKind::Uring,
             queue_depth: QueueDepth::Fixed(8),
@@ -292,6 +296,7 @@ pub async fn run(
         failure_domain: config.failure_domain.clone(),
         rdma_device: rdma_device.as_ref().map(|device| device.name()).unwrap_or_default(),
         cluster_key: config.cluster_key.clone(),
+        control_tls: config.control_tls.clone(),
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut heartbeat_stop = stop_rx.clone();
@@ -341,6 +346,7 @@ struct Registration {
     rdma_device: String,
     /// Signs the proof that this is a target of the cluster (`starckpt_proto::capability`).
     cluster_key: Option<ClusterKey>,
+    control_tls: starckpt_proto::tls::ControlTls,
 }
 
 /// How long a registration's or heartbeat's proof is good for.
@@ -356,8 +362,8 @@ async fn heartbeat_loop(
 ) {
     tokio::pin!(shutdown);
     let mut clients = Vec::new();
-    for url in starckpt_proto::control_urls(&server) {
-        match tonic::transport::Endpoint::from_shared(url.clone()) {
+    for url in registration.control_tls.urls(&server) {
+        match registration.control_tls.endpoint(&url) {
             Ok(endpoint) => {
                 let endpoint = endpoint.connect_timeout(Duration::from_secs(3)).timeout(Duration::from_secs(10));
                 clients.push((url, ControlClient::new(endpoint.connect_lazy())));
@@ -369,7 +375,7 @@ async fn heartbeat_loop(
         warn!(%server, "no valid control-plane address; target will not register");
         return;
     }
-    let Registration { target_id, advertise, failure_domain, rdma_device, cluster_key } = registration;
+    let Registration { target_id, advertise, failure_domain, rdma_device, cluster_key, .. } = registration;
     // A registration's proof covers the address too: one seen on the wire cannot register the
     // target elsewhere. A heartbeat changes nothing but liveness.
     let registration_scope = starckpt_proto::capability::registration_scope(&target_id, &advertise.to_string());

@@ -59,7 +59,7 @@ _META_USER = "starckpt.python.metadata"
 _META_FORMAT = "starckpt.python.format"
 
 _shared_lock = threading.Lock()
-_shared: dict[tuple[int, str, int | None, str | None], _native.NativeClient] = {}
+_shared: dict[tuple[int, str, int | None, str | None, str | None], _native.NativeClient] = {}
 
 
 def _bearer_token(token: str | None) -> str | None:
@@ -79,18 +79,21 @@ def _bearer_token(token: str | None) -> str | None:
     return None
 
 
-def _native_client(server: str, compress: int | None = None, token: str | None = None) -> _native.NativeClient:
-    """The process's one native client for `server`, compression level and bearer token (a forked
-    child gets its own)."""
-    key = (os.getpid(), server, compress, token)
+def _native_client(
+    server: str, compress: int | None = None, token: str | None = None, tls_ca: str | None = None
+) -> _native.NativeClient:
+    """The process's one native client for `server`, compression level, bearer token and TLS CA
+    file (a forked child gets its own)."""
+    tls_ca = tls_ca or os.environ.get("STARCKPT_TLS_CA") or None
+    key = (os.getpid(), server, compress, token, tls_ca)
     with _shared_lock:
         client = _shared.get(key)
         if client is None:
             # A second native client (another compression level) must write as the same run, or
             # taking the job's lease would fence this process's other saves.
-            sibling = next((c for (pid, srv, _, _), c in _shared.items() if pid == key[0] and srv == server), None)
+            sibling = next((c for (pid, srv, *_), c in _shared.items() if pid == key[0] and srv == server), None)
             run_id = sibling.run_id if sibling is not None else None
-            client = _native.NativeClient(server, compress_level=compress, run_id=run_id, token=token)
+            client = _native.NativeClient(server, compress_level=compress, run_id=run_id, token=token, tls_ca=tls_ca)
             _shared[key] = client
         return client
 
@@ -216,7 +219,10 @@ class Client:
     ``$STARCKPT_JOB``. ``token`` is the bearer token of a cluster that requires one (``starckpt
     server --tokens-file``); it defaults to ``$STARCKPT_TOKEN``, else the contents of the file
     ``$STARCKPT_TOKEN_FILE`` names, and decides whose jobs the client reaches (a tenant's token:
-    that tenant's alone, by their short names). ``rank``/``world_size`` default to torchrun's ``RANK``/``WORLD_SIZE``
+    that tenant's alone, by their short names). ``tls_ca`` (default ``$STARCKPT_TLS_CA``) is the
+    PEM file of the CA a control plane's TLS certificate chains to (``starckpt server
+    --tls-cert``): addresses without a scheme are then dialled over TLS, trusting that CA alone
+    (``https://`` addresses without it are checked against the system's CAs). ``rank``/``world_size`` default to torchrun's ``RANK``/``WORLD_SIZE``
     (else 0/1): with several ranks each saves its own part of the step and the checkpoint is
     complete once all parts are in. ``compress`` (a zstd level, e.g. 1) compresses chunks before
     they travel — float tensors split into exponent and mantissa byte planes — where a chunk
@@ -236,6 +242,7 @@ class Client:
         world_size: int | None = None,
         compress: int | None = None,
         warm: int | None = None,
+        tls_ca: str | os.PathLike | None = None,
     ):
         self.server = server or os.environ.get("STARCKPT_SERVER") or DEFAULT_SERVER
         self.job = job or os.environ.get("STARCKPT_JOB") or None
@@ -243,7 +250,9 @@ class Client:
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
         if not (0 <= self.rank < self.world_size):
             raise InvalidInputError(f"rank {self.rank} is outside world size {self.world_size}")
-        self._native = _native_client(self.server, compress, _bearer_token(token))
+        self._native = _native_client(
+            self.server, compress, _bearer_token(token), os.fspath(tls_ca) if tls_ca is not None else None
+        )
         self._closed = False
         self._in_flight: list[SaveHandle] = []
         if warm:

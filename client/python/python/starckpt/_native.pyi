@@ -18,6 +18,7 @@ class NativeClient:
         run_id: str | None = None,
         compress_level: int | None = None,
         token: str | None = None,
+        tls_ca: str | None = None,
     ) -> None: ...
     @property
     def run_id(self) -> str: ...
