@@ -4,36 +4,9 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::Cluster;
-
-/// A loopback address with a port free a moment ago (the exporter binds it itself).
-fn free_address() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().to_string()
-}
-
-/// `GET /metrics` at `address`: the exposition text.
-fn scrape(address: &str) -> String {
-    let mut stream = TcpStream::connect(address).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    stream
-        .write_all(format!("GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n").as_bytes())
-        .unwrap();
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).unwrap();
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    answer
-}
-
-/// The value of the series whose line starts with `series` (name and labels, in the order the
-/// exporter writes them), if present.
-fn value(text: &str, series: &str) -> Option<f64> {
-    text.lines().find(|line| line.starts_with(series)).and_then(|line| line.rsplit(' ').next()?.parse().ok())
-}
+use common::{Cluster, free_address, scrape, value};
 
 /// Scrapes until `ready` holds (series published on a period), at most 20 s.
 fn scrape_until(address: &str, ready: impl Fn(&str) -> bool) -> String {

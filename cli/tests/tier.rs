@@ -34,7 +34,12 @@ fn lose_every_copy(cluster: &mut Cluster) {
 }
 
 /// Saves, tiers, loses every copy on the targets, restores from the tier, deletes, sweeps.
-fn lose_every_target_copy_and_restore_from_the_tier(mut cluster: Cluster, store: Arc<dyn ObjectStore>) {
+/// With `metrics`, the control plane's metrics address: the recoveries are checked to be batched.
+fn lose_every_target_copy_and_restore_from_the_tier(
+    mut cluster: Cluster,
+    store: Arc<dyn ObjectStore>,
+    metrics: Option<&str>,
+) {
     let source = cluster.dir.path().join("source");
     for (index, len) in [(9 << 20) + 5, 3 << 20, 1000].into_iter().enumerate() {
         std::fs::create_dir_all(source.join("model")).unwrap();
@@ -69,6 +74,21 @@ fn lose_every_target_copy_and_restore_from_the_tier(mut cluster: Cluster, store:
     cluster.ok(&["restore", "--job", "llm", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(tree(&source), tree(&restored));
     assert!(cluster.total_chunks() as u64 >= chunks, "the recovered chunks are on the targets again");
+    if let Some(metrics) = metrics {
+        // The readers that found no copy queued their chunks for the control plane together
+        // (`client/src/recovery.rs`): fewer calls than chunks.
+        let text = common::scrape(metrics);
+        let recovered = common::value(&text, "starckpt_control_recovered_chunks_total").unwrap_or(0.0);
+        let calls: f64 = text
+            .lines()
+            .filter(|l| l.starts_with("starckpt_control_requests_total{") && l.contains("method=\"RecoverChunks\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert!(
+            recovered >= chunks as f64 && calls >= 1.0 && calls < recovered,
+            "{calls} calls for {recovered} chunks"
+        );
+    }
     // Every copy on the targets rots: present is not readable, so the recovery verifies what it
     // finds, reads the tier's copy, and rewrites the bad ones.
     for index in 0..cluster.targets.len() {
@@ -109,11 +129,13 @@ fn a_directory_tier_restores_what_every_target_lost() {
     let tier = tempfile::tempdir().unwrap();
     let url = format!("file://{}", tier.path().display());
     // No background re-replication: the restore's own recovery is what brings chunks back.
-    let flags = ["--tier", &url, "--tier-interval-secs", "0", "--repair-interval-secs", "0"];
+    let metrics = common::free_address();
+    let flags =
+        ["--tier", &url, "--tier-interval-secs", "0", "--repair-interval-secs", "0", "--metrics-listen", &metrics];
     let cluster = Cluster::start_with(2, &flags);
     let store: Arc<dyn ObjectStore> =
         Arc::new(object_store::local::LocalFileSystem::new_with_prefix(tier.path()).unwrap());
-    lose_every_target_copy_and_restore_from_the_tier(cluster, store);
+    lose_every_target_copy_and_restore_from_the_tier(cluster, store, Some(&metrics));
 }
 
 /// What the control plane and the CLI need to reach the tests' S3 server.
@@ -150,7 +172,7 @@ fn an_s3_tier_restores_what_every_target_lost() {
         .build()
         .unwrap();
     let store: Arc<dyn ObjectStore> = Arc::new(object_store::prefix::PrefixStore::new(s3, "cluster"));
-    lose_every_target_copy_and_restore_from_the_tier(cluster, store);
+    lose_every_target_copy_and_restore_from_the_tier(cluster, store, None);
 }
 
 /// Runs the CLI with extra environment variables (a tier's credentials).

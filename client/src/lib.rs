@@ -28,6 +28,7 @@ mod error;
 pub mod faults;
 mod manager;
 pub mod placement;
+mod recovery;
 mod restore;
 mod save;
 mod stream;
@@ -277,6 +278,8 @@ struct Inner {
     /// Read repairs queued or running in the background (see `read_chunk`), and those running.
     repairs: Arc<tokio::sync::Semaphore>,
     repairs_running: Arc<tokio::sync::Semaphore>,
+    /// Chunks no target had, queued for the control plane to recover (`recovery.rs`).
+    recoveries: recovery::Recoveries,
 }
 
 /// Most read repairs a client holds at once, queued or running (each holds one chunk in memory);
@@ -339,6 +342,7 @@ impl Client {
                 targets: Targets { by_id: Default::default(), rdma, staging: shared_staging },
                 repairs: Arc::new(tokio::sync::Semaphore::new(REPAIRS_IN_FLIGHT)),
                 repairs_running: Arc::new(tokio::sync::Semaphore::new(REPAIRS_RUNNING)),
+                recoveries: Default::default(),
             }),
         })
     }

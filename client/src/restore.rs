@@ -254,23 +254,13 @@ impl Client {
             Err(error @ (Error::ChunkUnavailable { .. } | Error::Target { .. } | Error::Checksum { .. })) => error,
             done => return done,
         };
-        // A control plane busy recovering others' chunks says so: asked again a few times.
-        let mut recovering = self.recover_chunks(manifest, &[chunk.hash]).await;
-        for _ in 0..RECOVERY_RETRIES {
-            match &recovering {
-                Err(Error::Control { status, .. }) if status.code() == tonic::Code::ResourceExhausted => {
-                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                    recovering = self.recover_chunks(manifest, &[chunk.hash]).await;
-                }
-                _ => break,
-            }
-        }
-        match recovering {
-            Ok(recovered) if recovered.first() == Some(&true) => {
+        // Batched with other readers' chunks of this checkpoint (`recovery.rs`).
+        match self.recover_chunk(manifest, chunk.hash).await {
+            Ok(true) => {
                 tracing::info!(chunk = %chunk.hash, "the control plane recovered a chunk no target had; reading it again");
                 self.fetch_listed(manifest, chunk, dest).await
             }
-            Ok(_) => Err(error),
+            Ok(false) => Err(error),
             Err(recovering) => {
                 tracing::warn!(chunk = %chunk.hash, error = %recovering, "the control plane could not recover a chunk");
                 Err(error)
@@ -282,10 +272,22 @@ impl Client {
     /// on live targets, from a copy on another live target or from the object-store tier. Returns,
     /// per hash, whether a live target holds a verified copy now.
     pub async fn recover_chunks(&self, manifest: &CheckpointManifest, hashes: &[ChunkHash]) -> Result<Vec<bool>> {
+        let info = &manifest.info;
+        self.recover_chunks_of(&info.job, info.step, info.checkpoint_id, hashes).await
+    }
+
+    /// [`Client::recover_chunks`] for the checkpoint (`job`, `step`, `checkpoint_id`).
+    pub(crate) async fn recover_chunks_of(
+        &self,
+        job: &str,
+        step: u64,
+        checkpoint_id: u64,
+        hashes: &[ChunkHash],
+    ) -> Result<Vec<bool>> {
         let request = pb::RecoverChunksRequest {
-            job: manifest.info.job.clone(),
-            step: manifest.info.step,
-            checkpoint_id: manifest.info.checkpoint_id,
+            job: job.to_owned(),
+            step,
+            checkpoint_id,
             hashes: hashes.iter().map(|hash| hash.to_bytes()).collect(),
         };
         let response =
@@ -583,9 +585,6 @@ impl Client {
         restore_from(self, manifest, to, options, &progress, self.inner.config.restore_concurrency).await
     }
 }
-
-/// Times a chunk's recovery is asked again of a control plane that was busy with others.
-const RECOVERY_RETRIES: usize = 3;
 
 /// Where a restore reads a checkpoint's chunks: the cluster's targets ([`Client`]), or the
 /// object-store tier when the cluster is gone (`starckpt restore --from-tier`).

@@ -39,6 +39,9 @@ pub mod zerocopy;
 /// Control-plane gRPC messages and service.
 pub mod control {
     tonic::include_proto!("starckpt.control.v1");
+
+    /// Most chunks one `RecoverChunks` call may name.
+    pub const MAX_RECOVER_CHUNKS: usize = 64;
 }
 
 /// Data-plane frame headers.

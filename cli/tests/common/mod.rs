@@ -518,3 +518,29 @@ pub fn tree(root: &Path) -> Vec<(String, Option<(u64, String)>)> {
     out.sort();
     out
 }
+
+/// A loopback address with a port free a moment ago (the exporter binds it itself).
+pub fn free_address() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+/// `GET /metrics` at `address`: the exposition text.
+pub fn scrape(address: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream
+        .write_all(format!("GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n").as_bytes())
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    answer
+}
+
+/// The value of the series whose line starts with `series` (name and labels, in the order the
+/// exporter writes them), if present.
+pub fn value(text: &str, series: &str) -> Option<f64> {
+    text.lines().find(|line| line.starts_with(series)).and_then(|line| line.rsplit(' ').next()?.parse().ok())
+}

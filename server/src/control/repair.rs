@@ -11,7 +11,9 @@
 //!    chunk's rendezvous order, which is where passes put them).
 //! 3. For a chunk short of copies, reads one verified copy from a live target and puts it on the
 //!    next live targets in rendezvous order that lack it, preferring failure domains without a
-//!    copy, until it has enough (or no target is left), at most `copies_per_second`.
+//!    copy, until it has enough (or no target is left), at most `copies_per_second`. It works on
+//!    [`RepairConfig::chunks_at_once`] chunks at once: one chunk is a few round trips and a
+//!    tier read (tens of ms from S3), so one at a time held a 1 TB recovery to hours.
 //!
 //! A chunk no live target can provide is read from the object-store tier, when the control plane
 //! has one and the chunk is there (`tier.rs`), and its copies made from that.
@@ -26,8 +28,10 @@
 use std::collections::{BTreeSet, HashSet};
 
 use bytes::Bytes;
+use futures::StreamExt;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use starckpt_client::placement::rank_targets;
@@ -44,11 +48,15 @@ pub struct RepairConfig {
     pub lost_after: Duration,
     /// New copies per second, over all targets (they compete with saves for disks).
     pub copies_per_second: u32,
+    /// Chunks a pass (or one reader's recovery) works on at once. Default 8: enough to keep
+    /// `copies_per_second` busy through per-chunk round trips and tier reads, and at most 8
+    /// chunks' bytes (as stored and decoded, ~64 MiB of 4 MiB chunks) held at once.
+    pub chunks_at_once: usize,
 }
 
 impl Default for RepairConfig {
     fn default() -> Self {
-        RepairConfig { lost_after: Duration::from_secs(300), copies_per_second: 200 }
+        RepairConfig { lost_after: Duration::from_secs(300), copies_per_second: 200, chunks_at_once: 8 }
     }
 }
 
@@ -172,29 +180,33 @@ pub async fn rereplicate(
             }
         }
     }
-    let mut throttle = Pace::new(u64::from(config.copies_per_second));
-    let mut unreachable: HashSet<usize> = HashSet::new();
-    for (hash, chunk) in &chunks {
-        // Copies that count: listed on a target neither lost nor forgotten, and there.
-        let listed: BTreeSet<&str> = chunk
-            .replicas
-            .iter()
-            .map(String::as_str)
-            .filter(|r| known.contains(r) && !lost.contains(*r) && !missing.contains(&(*r, *hash)))
-            .collect();
-        if listed.len() as u32 >= chunk.wanted {
-            continue;
-        }
-        report.under_replicated += 1;
-        let mut pass = Pass {
-            live: &live,
-            live_ids: &live_ids,
-            unreachable: &mut unreachable,
-            throttle: &mut throttle,
-            tier,
-            from_tier: &mut report.from_tier,
-        };
-        match restore_copies(*hash, chunk, &listed, &mut pass, false).await {
+    // Chunks short of copies: listed on a target neither lost nor forgotten, and there.
+    let short: Vec<(ChunkHash, &CommittedChunk, BTreeSet<&str>)> = chunks
+        .iter()
+        .filter_map(|(hash, chunk)| {
+            let listed: BTreeSet<&str> = chunk
+                .replicas
+                .iter()
+                .map(String::as_str)
+                .filter(|r| known.contains(r) && !lost.contains(*r) && !missing.contains(&(*r, *hash)))
+                .collect();
+            (listed.len() < chunk.wanted as usize).then_some((*hash, chunk, listed))
+        })
+        .collect();
+    report.under_replicated = short.len() as u64;
+    let pass = Pass::new(&live, &live_ids, config, tier);
+    // By index: a closure taking a reference into `short` fails rustc's higher-ranked lifetime
+    // check where the pass's future must be Send (the control plane spawns it).
+    let outcomes: Vec<Outcome> = futures::stream::iter(0..short.len())
+        .map(|index| {
+            let (hash, chunk, listed) = &short[index];
+            restore_copies(*hash, chunk, listed, &pass, false)
+        })
+        .buffer_unordered(config.chunks_at_once.max(1))
+        .collect()
+        .await;
+    for outcome in outcomes {
+        match outcome {
             Outcome::Complete => {}
             Outcome::Short { .. } => report.still_under_replicated += 1,
             Outcome::Unreadable => {
@@ -203,8 +215,9 @@ pub async fn rereplicate(
             }
         }
     }
-    report.copies_made = throttle.spent;
-    for index in unreachable {
+    report.copies_made = pass.copies_made.load(Ordering::Relaxed);
+    report.from_tier = pass.from_tier.load(Ordering::Relaxed);
+    for index in pass.unreachable() {
         report.errors.push(format!("{}: unreachable, skipped for the rest of the pass", live[index].id));
     }
     report.duration = started.elapsed();
@@ -236,25 +249,23 @@ pub(crate) async fn recover(
     skip: &HashSet<String>,
 ) -> Recovered {
     let live_ids: Vec<&str> = live.iter().map(|l| l.id.as_str()).collect();
-    let mut unreachable: HashSet<usize> = (0..live.len()).filter(|&i| skip.contains(&live[i].id)).collect();
-    let mut from_tier = 0;
-    let mut throttle = Pace::new(u64::from(config.copies_per_second));
-    let mut recovered = Vec::with_capacity(chunks.len());
-    for (hash, chunk) in chunks {
-        let mut pass = Pass {
-            live,
-            live_ids: &live_ids,
-            unreachable: &mut unreachable,
-            throttle: &mut throttle,
-            tier,
-            from_tier: &mut from_tier,
-        };
-        // Not trusting the manifest's list: the reader found none of those copies.
-        let outcome = restore_copies(*hash, chunk, &BTreeSet::new(), &mut pass, true).await;
-        recovered.push(matches!(outcome, Outcome::Complete | Outcome::Short { holders: 1.. }));
-    }
-    let unreachable = unreachable.into_iter().map(|i| live[i].id.clone()).filter(|id| !skip.contains(id)).collect();
-    Recovered { chunks: recovered, from_tier, unreachable }
+    let pass = Pass::new(live, &live_ids, config, tier);
+    pass.unreachable
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .extend((0..live.len()).filter(|&i| skip.contains(&live[i].id)));
+    // Not trusting the manifest's list: the reader found none of those copies. In the order
+    // asked: the answer is per chunk.
+    let empty = BTreeSet::new();
+    let recovered: Vec<bool> = futures::stream::iter(0..chunks.len())
+        .map(|index| restore_copies(chunks[index].0, &chunks[index].1, &empty, &pass, true))
+        .buffered(config.chunks_at_once.max(1))
+        .map(|outcome| matches!(outcome, Outcome::Complete | Outcome::Short { holders: 1.. }))
+        .collect()
+        .await;
+    let unreachable =
+        pass.unreachable().into_iter().map(|i| live[i].id.clone()).filter(|id| !skip.contains(id)).collect();
+    Recovered { chunks: recovered, from_tier: pass.from_tier.load(Ordering::Relaxed), unreachable }
 }
 
 enum Outcome {
@@ -289,16 +300,53 @@ impl Pace {
     }
 }
 
-/// What a pass carries from chunk to chunk.
+/// What a pass shares between the chunks it works on (several at once).
 struct Pass<'a> {
     live: &'a [Live],
     live_ids: &'a [&'a str],
-    /// Live targets that failed to answer: skipped for the rest of the pass.
-    unreachable: &'a mut HashSet<usize>,
-    throttle: &'a mut Pace,
+    /// Live targets that failed to answer: skipped for the rest of the pass. (Never held across
+    /// an await.)
+    unreachable: Mutex<HashSet<usize>>,
+    /// Paces new copies over every chunk at once: a copy is counted when admitted.
+    throttle: tokio::sync::Mutex<Pace>,
     tier: Option<&'a Tier>,
+    /// New copies written (not counting targets that turned out to have one).
+    copies_made: AtomicU64,
     /// Chunks read back from the tier.
-    from_tier: &'a mut u64,
+    from_tier: AtomicU64,
+}
+
+impl<'a> Pass<'a> {
+    fn new(live: &'a [Live], live_ids: &'a [&'a str], config: &RepairConfig, tier: Option<&'a Tier>) -> Pass<'a> {
+        Pass {
+            live,
+            live_ids,
+            unreachable: Mutex::new(HashSet::new()),
+            throttle: tokio::sync::Mutex::new(Pace::new(u64::from(config.copies_per_second))),
+            tier,
+            copies_made: AtomicU64::new(0),
+            from_tier: AtomicU64::new(0),
+        }
+    }
+
+    fn unreachable(&self) -> HashSet<usize> {
+        self.unreachable.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn is_unreachable(&self, index: usize) -> bool {
+        self.unreachable.lock().unwrap_or_else(|p| p.into_inner()).contains(&index)
+    }
+
+    fn mark_unreachable(&self, index: usize) {
+        self.unreachable.lock().unwrap_or_else(|p| p.into_inner()).insert(index);
+    }
+
+    /// Waits for the next copy's turn under `copies_per_second`, and counts it.
+    async fn admit_copy(&self) {
+        let mut throttle = self.throttle.lock().await;
+        throttle.admit().await;
+        throttle.spent += 1;
+    }
 }
 
 /// Gives `hash` the copies it should have (module docs). With `verify`, the copies found are not
@@ -308,14 +356,13 @@ async fn restore_copies(
     hash: ChunkHash,
     chunk: &CommittedChunk,
     listed: &BTreeSet<&str>,
-    pass: &mut Pass<'_>,
+    pass: &Pass<'_>,
     verify: bool,
 ) -> Outcome {
-    let Pass { live, live_ids, unreachable, throttle, tier, from_tier } = pass;
-    let (live, tier) = (*live, *tier);
+    let (live, tier) = (pass.live, pass.tier);
     let wanted = chunk.wanted as usize;
     let order: Vec<usize> =
-        rank_targets(&hash, live_ids).into_iter().filter(|index| !unreachable.contains(index)).collect();
+        rank_targets(&hash, pass.live_ids).into_iter().filter(|&index| !pass.is_unreachable(index)).collect();
     // Live targets holding it: listed ones, then ones an earlier pass copied it to (in rendezvous
     // order, where passes put them), until there are enough.
     let mut holders: Vec<usize> = order.iter().copied().filter(|&i| listed.contains(live[i].id.as_str())).collect();
@@ -335,14 +382,14 @@ async fn restore_copies(
             Err(error) => {
                 // Skipped for the rest of the pass rather than stalling every chunk on it.
                 tracing::warn!(target = %live[index].id, %error, "target unreachable; skipped this pass");
-                unreachable.insert(index);
+                pass.mark_unreachable(index);
             }
         }
     }
     if holders.len() >= wanted && !verify {
         return Outcome::Complete;
     }
-    let candidates = order.iter().filter(|&&i| !holders.contains(&i) && !unreachable.contains(&i)).count();
+    let candidates = order.iter().filter(|&&i| !holders.contains(&i) && !pass.is_unreachable(i)).count();
     if candidates == 0 && !verify {
         return Outcome::Short { holders: holders.len() };
     }
@@ -369,7 +416,7 @@ async fn restore_copies(
             Ok(Some(bytes)) => {
                 tracing::info!(chunk = %hash, "no target has a copy; restoring it from the object-store tier");
                 data = Some(Payload::raw(bytes));
-                **from_tier += 1;
+                pass.from_tier.fetch_add(1, Ordering::Relaxed);
             }
             Ok(None) => {}
             Err(error) => tracing::warn!(chunk = %hash, %error, "the object-store tier could not provide it"),
@@ -391,10 +438,10 @@ async fn restore_copies(
             }
             let target = &live[index];
             let new_domain = !holders.iter().any(|&h| live[h].domain == target.domain);
-            if holders.contains(&index) || unreachable.contains(&index) || (prefer_new_domain && !new_domain) {
+            if holders.contains(&index) || pass.is_unreachable(index) || (prefer_new_domain && !new_domain) {
                 continue;
             }
-            throttle.admit().await;
+            pass.admit_copy().await;
             let put = match starckpt_client::faults::point("control.repair.copy") {
                 Ok(()) => target.transport.put(hash, data.clone()).await,
                 Err(injected) => Err(TransportError::Connection(injected.to_string())),
@@ -402,7 +449,7 @@ async fn restore_copies(
             match put {
                 Ok(already_present) => {
                     if !already_present {
-                        throttle.spent += 1;
+                        pass.copies_made.fetch_add(1, Ordering::Relaxed);
                     }
                     holders.push(index);
                 }

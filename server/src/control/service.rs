@@ -31,8 +31,7 @@ use super::tls::ServerTls;
 /// describes ~2.5 PB in one part: generous, but still a bound.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
-/// Most chunks one `RecoverChunks` may name.
-pub const MAX_RECOVER_CHUNKS: usize = 64;
+pub use starckpt_proto::control::MAX_RECOVER_CHUNKS;
 
 #[derive(Clone, Debug)]
 pub struct ControlConfig {
