@@ -65,7 +65,8 @@ pub struct ControlConfig {
     /// Period of the background tier pass (with a tier); None runs it only on request
     /// (`starckpt tier`). Default 1 min.
     pub tier_interval: Option<Duration>,
-    /// Readers' `RecoverChunks` served at once (each reads a chunk and writes its copies), and
+    /// Readers' `RecoverChunks` served at once (each works on up to `repair.chunks_at_once` of
+    /// its chunks at a time, reading each and writing its copies: at most 4 × 8 chunks held), and
     /// how long one waits for its turn before it is answered ResourceExhausted (the reader asks
     /// again a few times; re-replication recovers the chunk anyway). Default 4 and 20 s (under
     /// the SDK's 30 s RPC timeout).
