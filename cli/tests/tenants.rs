@@ -120,32 +120,54 @@ fn tenants_reach_only_their_own_jobs_and_operators_reach_all() {
     assert_eq!(jobs(&cluster, &beta), ["llama"], "the other tokens still work");
 }
 
+/// A tokens file in `dir` with an admin's token and tenants acme's and beta's: (file, admin,
+/// acme, beta).
+fn tokens_of_two_tenants(dir: &Path) -> (std::path::PathBuf, String, String, String) {
+    let tokens = dir.join("tokens");
+    let admin = new_token(&tokens, &["--admin"]);
+    let acme = new_token(&tokens, &["--tenant", "acme"]);
+    let beta = new_token(&tokens, &["--tenant", "beta"]);
+    (tokens, admin, acme, beta)
+}
+
+/// A gRPC channel to the cluster's control plane.
+async fn channel(cluster: &Cluster) -> tonic::transport::Channel {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.server.address)).unwrap();
+    endpoint.connect().await.unwrap()
+}
+
+/// Adds a bearer token to every call.
+#[derive(Clone)]
+struct Bearer(tonic::metadata::MetadataValue<tonic::metadata::Ascii>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        request.metadata_mut().insert("authorization", self.0.clone());
+        Ok(request)
+    }
+}
+
+type Holder = starckpt_proto::control::control_client::ControlClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>,
+>;
+
+/// A raw gRPC client of the control plane, as the holder of `token`.
+fn holder(channel: &tonic::transport::Channel, token: &str) -> Holder {
+    let bearer = Bearer(format!("Bearer {token}").try_into().unwrap());
+    starckpt_proto::control::control_client::ControlClient::with_interceptor(channel.clone(), bearer)
+}
+
 #[tokio::test]
 async fn a_tenant_cannot_commit_into_another_tenants_checkpoint() {
     use starckpt_proto::control::control_client::ControlClient;
     use starckpt_proto::control::*;
-    use tonic::metadata::MetadataValue;
 
     let secrets = tempfile::tempdir().unwrap();
-    let tokens = secrets.path().join("tokens");
-    let admin = new_token(&tokens, &["--admin"]);
-    let acme = new_token(&tokens, &["--tenant", "acme"]);
-    let beta = new_token(&tokens, &["--tenant", "beta"]);
+    let (tokens, admin, acme, beta) = tokens_of_two_tenants(secrets.path());
     let cluster =
         tokio::task::spawn_blocking(move || Cluster::start_with_tokens(1, &tokens, &admin, &[])).await.unwrap();
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.server.address))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let holder = |token: &str| {
-        let value = MetadataValue::try_from(format!("Bearer {token}")).unwrap();
-        ControlClient::with_interceptor(channel.clone(), move |mut request: tonic::Request<()>| {
-            request.metadata_mut().insert("authorization", value.clone());
-            Ok(request)
-        })
-    };
-    let (mut acme, mut beta) = (holder(&acme), holder(&beta));
+    let channel = channel(&cluster).await;
+    let (mut acme, mut beta) = (holder(&channel, &acme), holder(&channel, &beta));
 
     let epoch = acme
         .acquire_lease(AcquireLeaseRequest { job: "j".into(), run_id: "r".into() })
@@ -175,10 +197,18 @@ async fn a_tenant_cannot_commit_into_another_tenants_checkpoint() {
                     replicas: vec![target],
                 }],
             }],
+            chunk_tenant: begun.chunk_tenant.clone(),
             ..Default::default()
         }),
         written_bytes: 0,
     };
+    // A tenant's chunks are addressed with its key, handed out with the checkpoint.
+    assert_eq!((begun.chunk_tenant.as_str(), begun.chunk_key.len()), ("acme", 32));
+    let mut unkeyed = part.clone();
+    unkeyed.manifest.as_mut().unwrap().chunk_tenant = String::new();
+    let refused = acme.commit_part(unkeyed).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert!(refused.message().contains("acme's key"), "{refused:?}");
     let refused = beta.commit_part(part.clone()).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::NotFound, "{refused:?}");
     let state = beta.latest(LatestRequest { job: "j".into() }).await.unwrap().into_inner();
@@ -324,4 +354,73 @@ fn a_control_plane_refuses_a_certificate_it_cannot_serve() {
     assert!(refused.contains("missing"), "{refused}");
     let refused = server(&["--tls-cert", key, "--tls-key", key]);
     assert!(refused.contains("holds no PEM certificate"), "{refused}");
+}
+
+/// Deduplication never crosses tenants (starckpt_proto::address): the same bytes saved by two
+/// tenants and an operator's job outside every tenant are three sets of chunks, each addressed
+/// differently, each restored and verified; within a tenant, saving them again deduplicates.
+#[tokio::test]
+async fn tenants_never_deduplicate_against_each_other() {
+    use starckpt_proto::control::*;
+
+    let secrets = tempfile::tempdir().unwrap();
+    let (tokens, admin, acme, beta) = tokens_of_two_tenants(secrets.path());
+    let cluster = {
+        let (tokens, admin) = (tokens.clone(), admin.clone());
+        tokio::task::spawn_blocking(move || Cluster::start_with_tokens(2, &tokens, &admin, &[])).await.unwrap()
+    };
+    let data = tempfile::tempdir().unwrap();
+    let weights = data.path().join("weights");
+    let bytes = common::random_bytes((9 << 20) + 5, 11);
+    std::fs::write(&weights, &bytes).unwrap();
+    let save = |token: &str, job: &str, step: &str| -> serde_json::Value {
+        let args = ["save", "--job", job, "--step", step, "--json", weights.to_str().unwrap()];
+        serde_json::from_str(&ok(&cluster, token, &args)).unwrap()
+    };
+    let first = save(&acme, "llama", "1");
+    assert_eq!(first["deduplicated_chunks"], 0, "{first}");
+    let chunks = first["chunks"].as_u64().unwrap();
+    assert!(chunks >= 3, "{first}");
+    for (token, job) in [(&beta, "llama"), (&admin, "shared")] {
+        let saved = save(token, job, "1");
+        assert_eq!(saved["deduplicated_chunks"], 0, "{job} deduplicated against another tenant's chunks: {saved}");
+        assert_eq!(saved["uploaded_bytes"].as_u64(), Some(bytes.len() as u64), "{saved}");
+    }
+    let again = save(&acme, "llama", "2");
+    assert_eq!(again["deduplicated_chunks"].as_u64(), Some(chunks), "within a tenant: {again}");
+
+    // The manifests: three sets of addresses; the operator's job's are plain BLAKE3.
+    let channel = channel(&cluster).await;
+    let addresses = |token: &str, job: &str| {
+        let mut client = holder(&channel, token);
+        let job = job.to_owned();
+        async move {
+            let got = client.get_manifest(GetManifestRequest { job, step: Some(1) }).await.unwrap().into_inner();
+            let manifest = got.parts[0].manifest.clone().unwrap();
+            let hashes: Vec<Vec<u8>> = manifest.files[0].chunks.iter().map(|c| c.hash.to_vec()).collect();
+            (manifest.chunk_tenant, got.chunk_key.len(), hashes, manifest.files[0].chunks[0].length_bytes)
+        }
+    };
+    let (acme_tenant, acme_key, acme_chunks, _) = addresses(&acme, "llama").await;
+    let (beta_tenant, beta_key, beta_chunks, _) = addresses(&beta, "llama").await;
+    let (plain_tenant, plain_key, plain_chunks, first_length) = addresses(&admin, "shared").await;
+    assert_eq!((acme_tenant.as_str(), acme_key, beta_tenant.as_str(), beta_key), ("acme", 32, "beta", 32));
+    assert_eq!((plain_tenant.as_str(), plain_key), ("", 0));
+    let first = &bytes[..first_length as usize];
+    assert_eq!(plain_chunks[0], blake3::hash(first).as_bytes().to_vec(), "outside every tenant: plain BLAKE3");
+    for (index, plain) in plain_chunks.iter().enumerate() {
+        assert_ne!(&acme_chunks[index], plain);
+        assert_ne!(&beta_chunks[index], plain);
+        assert_ne!(&acme_chunks[index], &beta_chunks[index]);
+    }
+    // The operator reading acme's job gets acme's addressing.
+    let (as_operator, key, chunks_seen, _) = addresses(&admin, "acme/llama").await;
+    assert_eq!((as_operator.as_str(), key, &chunks_seen), ("acme", 32, &acme_chunks));
+
+    // Each restores, verified under its own addressing.
+    for (token, job, to) in [(&acme, "llama", "acme"), (&beta, "llama", "beta"), (&admin, "shared", "plain")] {
+        let to = data.path().join(to);
+        ok(&cluster, token, &["restore", "--job", job, "--step", "1", "--to", to.to_str().unwrap()]);
+        assert_eq!(std::fs::read(to.join("weights")).unwrap(), bytes, "{job}");
+    }
 }

@@ -308,17 +308,33 @@ fn a_new_cluster_adopts_the_checkpoints_of_a_tier() {
             source
         })
         .collect();
-    // A tenant's job (tenants.rs), saved here by the operator under its stored name.
+    // A tenant's job (tenants.rs), saved here by the operator under its stored name. Its chunk
+    // addresses are keyed with a key derived from the cluster's (starckpt_proto::address).
     old.json(&["save", "--job", "acme/llm", "--step", "9", trees[0].to_str().unwrap()]);
     assert_eq!(old.json(&["tier"])["checkpoints_tiered"], 3);
+    let secret = old.secret();
     drop(old);
     let listed = cli_env(&["--server", "127.0.0.1:1", "ls", "acme/llm", "--from-tier", &url, "--json"], &[]);
     assert!(listed.status.success(), "{}", String::from_utf8_lossy(&listed.stderr));
     let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
     assert_eq!((listed[0]["job"].as_str(), listed[0]["step"].as_u64()), (Some("acme/llm"), Some(9)), "{listed}");
+    // Restored from the tier alone, the tenant's chunks verify only with the cluster's key.
+    let to = kept.path().join("acme-from-tier");
+    let restore = ["--server", "127.0.0.1:1", "restore", "--job", "acme/llm", "--latest", "--from-tier", &url];
+    let restore: Vec<&str> = restore.iter().copied().chain(["--to", to.to_str().unwrap()]).collect();
+    let output = cli_env(&restore, &[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("--cluster-key-file"), "{stderr}");
+    assert!(!to.exists());
+    let key_file = kept.path().join("cluster.key");
+    std::fs::write(&key_file, &secret).unwrap();
+    let output = cli_env(&restore, &[("STARCKPT_CLUSTER_KEY_FILE", key_file.to_str().unwrap())]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(tree(&trees[0]), tree(&to));
 
-    // A new cluster on the same tier: a new database, empty targets.
-    let new = Cluster::start_with(2, &flags);
+    // A new cluster on the same tier: a new database, empty targets, the same key (without it,
+    // the tenant's chunks would not verify).
+    let new = Cluster::start_with_key(2, &flags, &secret);
     assert!(new.json(&["ls"]).as_array().unwrap().is_empty());
     let report = new.json(&["tier", "--import"]);
     let mut imported: Vec<_> = report["imported"]
@@ -344,6 +360,9 @@ fn a_new_cluster_adopts_the_checkpoints_of_a_tier() {
         new.ok(&["restore", "--job", "llm", "--step", &(step + 1).to_string(), "--to", to.to_str().unwrap()]);
         assert_eq!(tree(source), tree(&to));
     }
+    let to = kept.path().join("restored-acme");
+    new.ok(&["restore", "--job", "acme/llm", "--step", "9", "--to", to.to_str().unwrap()]);
+    assert_eq!(tree(&trees[0]), tree(&to));
     // The next pass records them under their new ids (their chunks are there already), and
     // sweeps the old ids' manifests and records.
     let pass = new.json(&["tier"]);

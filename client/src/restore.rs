@@ -19,7 +19,7 @@ use futures::StreamExt;
 use starckpt_proto::ChunkHash;
 use starckpt_proto::control::{self as pb};
 use starckpt_proto::model::{ChunkRef, FileEntry, Manifest};
-use starckpt_proto::{JobName, RelPath};
+use starckpt_proto::{Addressing, ChunkName, JobName, RelPath};
 
 use crate::transport::{ChunkTransport, Fetched, Payload, TransportError};
 use crate::{CheckpointInfo, Client, Error, Result, TargetInfo};
@@ -27,9 +27,13 @@ use starckpt_proto::data::ErrorCode;
 
 /// Decodes a fetched copy of `chunk` and checks it against the manifest, off the runtime: the
 /// chunk's bytes, or `Err(what was wrong)`. The outer error is only a cancelled task.
-async fn verify(chunk: &ChunkRef, payload: Payload) -> Result<std::result::Result<Bytes, String>> {
-    let (hash, length) = (chunk.hash, chunk.length_bytes);
-    tokio::task::spawn_blocking(move || payload.verified(hash, length))
+async fn verify(
+    addressing: &Addressing,
+    chunk: &ChunkRef,
+    payload: Payload,
+) -> Result<std::result::Result<Bytes, String>> {
+    let (hash, length, addressing) = (chunk.hash, chunk.length_bytes, addressing.clone());
+    tokio::task::spawn_blocking(move || payload.verified(&addressing, hash, length).map(|(data, _)| data))
         .await
         .map_err(|e| Error::Cancelled(e.to_string()))
 }
@@ -67,6 +71,8 @@ pub struct CheckpointManifest {
     /// Each rank's user metadata, by rank.
     pub metadata: Vec<(u32, std::collections::BTreeMap<String, String>)>,
     pub targets: HashMap<String, TargetInfo>,
+    /// How the chunks are addressed: plain BLAKE3, or the job's tenant's keyed addresses.
+    pub addressing: Addressing,
     /// Index into `files` by path (a checkpoint may hold tens of thousands of tensors).
     by_path: HashMap<String, usize>,
 }
@@ -101,6 +107,7 @@ impl CheckpointManifest {
             .collect::<Result<Vec<_>>>()?;
         starckpt_proto::model::check_disjoint(parts.iter().map(|(rank, manifest)| (*rank, manifest)))
             .map_err(|e| Error::InvalidInput(format!("{} step {}: {e}", info.job, info.step)))?;
+        let addressing = Self::addressing(&info, &parts, &response.chunk_key)?;
         let mut files = Vec::new();
         let mut directories = Vec::new();
         let mut metadata = Vec::new();
@@ -111,7 +118,29 @@ impl CheckpointManifest {
         }
         let targets = response.targets.into_iter().map(|t| (t.target_id.clone(), t)).collect();
         let by_path = files.iter().enumerate().map(|(index, f)| (f.path.to_string(), index)).collect();
-        Ok(CheckpointManifest { info, files, directories, metadata, targets, by_path })
+        Ok(CheckpointManifest { info, files, directories, metadata, targets, addressing, by_path })
+    }
+
+    /// How the parts' chunks are addressed: all parts must agree (the control plane commits a
+    /// tenant's parts only with the tenant's addressing), and a tenant's need its key.
+    fn addressing(info: &CheckpointInfo, parts: &[(u32, Manifest)], key: &[u8]) -> Result<Addressing> {
+        let mut tenants = parts.iter().map(|(_, manifest)| manifest.chunk_tenant.as_ref());
+        let first = tenants.next().flatten();
+        if tenants.any(|tenant| tenant != first) {
+            return Err(Error::InvalidInput(format!(
+                "{} step {}: its parts address their chunks with different keys",
+                info.job, info.step
+            )));
+        }
+        let Some(tenant) = first else { return Ok(Addressing::plain()) };
+        if key.is_empty() {
+            return Err(Error::InvalidInput(format!(
+                "{} step {}: its chunks are addressed with tenant {tenant}'s key, and none was given",
+                info.job, info.step
+            )));
+        }
+        Addressing::from_wire(tenant.as_str(), key)
+            .map_err(|e| Error::InvalidInput(format!("{} step {}: {e}", info.job, info.step)))
     }
 }
 
@@ -333,10 +362,12 @@ impl Client {
                 })?;
                 // Bytes placed in `dest` were hashed as the transport copied them there.
                 let checked = match fetched {
-                    Fetched::Payload(payload) => verify(chunk, payload).await?.map(Some),
+                    Fetched::Payload(payload) => verify(&manifest.addressing, chunk, payload).await?.map(Some),
                     Fetched::Placed(hash) if dest.is_none() => Err(format!("placed in no buffer ({hash})")),
-                    Fetched::Placed(hash) if hash == chunk.hash => Ok(None),
-                    Fetched::Placed(hash) => Err(format!("got {hash}")),
+                    Fetched::Placed(hash) => match manifest.addressing.address(&hash) {
+                        address if address == chunk.hash => Ok(None),
+                        address => Err(format!("got {address}")),
+                    },
                 };
                 checked.map_err(|found| Error::Checksum {
                     hash: chunk.hash,
@@ -352,7 +383,7 @@ impl Client {
                         let good =
                             data.clone().unwrap_or_else(|| Bytes::copy_from_slice(dest.as_deref().unwrap_or(&[])));
                         for target in damaged {
-                            self.repair_copy(target, chunk.hash, good.clone());
+                            self.repair_copy(target, &manifest.addressing, chunk.hash, good.clone());
                         }
                     }
                     return Ok(data);
@@ -378,9 +409,9 @@ impl Client {
         }
         // None of the listed copies: the control plane's re-replication puts lost copies on other
         // live targets, in the chunk's rendezvous order; look there.
-        if let Some(data) = self.read_elsewhere(chunk).await {
+        if let Some(data) = self.read_elsewhere(manifest, chunk).await {
             for target in damaged {
-                self.repair_copy(target, chunk.hash, data.clone());
+                self.repair_copy(target, &manifest.addressing, chunk.hash, data.clone());
             }
             return Ok(settle_chunk(Some(data), dest));
         }
@@ -395,7 +426,7 @@ impl Client {
 
     /// A verified copy of `chunk` from a live target its manifest does not list, trying them in
     /// the chunk's rendezvous order (where re-replication puts new copies). None if none has one.
-    async fn read_elsewhere(&self, chunk: &ChunkRef) -> Option<Bytes> {
+    async fn read_elsewhere(&self, manifest: &CheckpointManifest, chunk: &ChunkRef) -> Option<Bytes> {
         let live: Vec<TargetInfo> = match self.targets().await {
             Ok(targets) => targets
                 .into_iter()
@@ -411,7 +442,7 @@ impl Client {
             let target = &live[index];
             let Ok(transport) = self.transport(&target.target_id, &target.data_address) else { continue };
             let Ok(payload) = transport.get(chunk.hash, 0, 0).await else { continue };
-            if let Ok(Ok(data)) = verify(chunk, payload).await {
+            if let Ok(Ok(data)) = verify(&manifest.addressing, chunk, payload).await {
                 tracing::info!(chunk = %chunk.hash, target = %target.target_id, "read a copy the manifest does not list");
                 return Some(data);
             }
@@ -422,7 +453,7 @@ impl Client {
     /// Read repair, in the background: sends `data` (verified) to a target whose copy of `hash`
     /// was bad or missing; it replaces its copy unless that verifies now. Bounded: when
     /// [`crate::REPAIRS_IN_FLIGHT`] repairs are queued or running, this one is skipped (logged).
-    fn repair_copy(&self, target: &TargetInfo, hash: ChunkHash, data: Bytes) {
+    fn repair_copy(&self, target: &TargetInfo, addressing: &Addressing, hash: ChunkHash, data: Bytes) {
         let Ok(permit) = Arc::clone(&self.inner.repairs).try_acquire_owned() else {
             tracing::warn!(chunk = %hash, target = %target.target_id, "read repair skipped: too many in flight");
             return;
@@ -433,10 +464,23 @@ impl Client {
         };
         let target_id = target.target_id.clone();
         let running = Arc::clone(&self.inner.repairs_running);
+        let addressing = addressing.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let Ok(_running) = running.acquire_owned().await else { return };
-            match transport.repair(hash, Payload::raw(data)).await {
+            // Verified already; a tenant's chunk is hashed again for the content hash it is
+            // named by.
+            let name = match addressing.tenant_name() {
+                None => ChunkName::plain(hash),
+                Some(_) => {
+                    let hashed = data.clone();
+                    let Ok(content) = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed)).await else {
+                        return;
+                    };
+                    addressing.name(content)
+                }
+            };
+            match transport.put_named(&name, Payload::raw(data), true).await {
                 Ok(false) => tracing::info!(chunk = %hash, target = %target_id, "read repair rewrote a bad copy"),
                 Ok(true) => tracing::info!(chunk = %hash, target = %target_id, "read repair: the copy verifies now"),
                 Err(error) => tracing::warn!(%error, chunk = %hash, target = %target_id, "read repair failed"),

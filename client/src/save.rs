@@ -30,7 +30,7 @@ use futures::StreamExt;
 use starckpt_proto::codec::{self, CompressConfig};
 use starckpt_proto::control as pb;
 use starckpt_proto::model::{ChunkRef, Codec, FileEntry, Manifest};
-use starckpt_proto::{ChunkHash, JobName, RelPath};
+use starckpt_proto::{Addressing, ChunkHash, ChunkName, JobName, RelPath, TenantName};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -327,6 +327,8 @@ pub(crate) struct Placement {
     pub(crate) domains: Vec<String>,
     /// Copies of each chunk to make (at most the number of targets).
     pub(crate) replicas: usize,
+    /// How the job's chunks are addressed (`starckpt_proto::address`).
+    pub(crate) addressing: Addressing,
 }
 
 impl Client {
@@ -347,6 +349,18 @@ impl Client {
             })
             .await?;
         Ok((epoch, begun))
+    }
+
+    /// How the chunks of the job named `job` are addressed, as its control plane says (for
+    /// writers that upload before they begin a checkpoint).
+    pub(crate) async fn chunk_addressing(&self, job: &JobName) -> Result<Addressing> {
+        let request = pb::ChunkAddressingRequest { job: job.to_string() };
+        let response = self
+            .rpc("chunk addressing", crate::Resend::Idempotent, request, |mut c, r| async move {
+                c.chunk_addressing(r).await
+            })
+            .await?;
+        addressing_from(&response.chunk_tenant, &response.chunk_key)
     }
 
     /// Sends one rank's manifest; says whether that completed the checkpoint.
@@ -373,8 +387,14 @@ impl Client {
         })
     }
 
-    pub(crate) fn placement(&self, targets: &[pb::TargetInfo], replicas: u32) -> Result<Placement> {
+    pub(crate) fn placement(
+        &self,
+        targets: &[pb::TargetInfo],
+        replicas: u32,
+        addressing: Addressing,
+    ) -> Result<Placement> {
         let mut placement = Placement {
+            addressing,
             ids: vec![],
             transports: vec![],
             addresses: vec![],
@@ -466,7 +486,9 @@ impl Client {
             return Err(Error::InvalidInput(format!("rank {} is outside world size {}", part.rank, part.world_size)));
         }
         let (epoch, begin) = self.begin(&job, part.step, part.world_size).await?;
-        let placement = self.placement(&begin.placement, begin.replicas)?;
+        let addressing = addressing_from(&begin.chunk_tenant, &begin.chunk_key)?;
+        let placement = self.placement(&begin.placement, begin.replicas, addressing)?;
+        let chunk_tenant = placement.addressing.tenant_name().map(TenantName::try_from).transpose()?;
 
         let progress = Arc::new(SaveProgress::default());
         // Every message holds a staging buffer or a slice of a shared one, so the pool bounds the
@@ -509,7 +531,7 @@ impl Client {
             // Held until the part is committed (or failed): the next save waits for, or skips on, it.
             let _slot = slot;
             let mut chunk_refs = uploads.await.map_err(|e| Error::Cancelled(e.to_string()))??;
-            let mut manifest = Manifest { metadata: part.metadata.clone(), ..Default::default() };
+            let mut manifest = Manifest { metadata: part.metadata.clone(), chunk_tenant, ..Default::default() };
             for (file_index, file) in files.into_iter().enumerate() {
                 match file.kind {
                     StagedKind::Directory => manifest.directories.push(file.path),
@@ -959,9 +981,11 @@ pub(crate) async fn upload_one(
 ) -> Result<ChunkRef> {
     let length = data.len() as u64;
     let hashed = data.clone();
-    let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed))
+    let content = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed))
         .await
         .map_err(|e| Error::Cancelled(e.to_string()))?;
+    let name = placement.addressing.name(content);
+    let hash = name.address;
     let chunk = ChunkBytes { data, compression: client.config().compression, payload: tokio::sync::OnceCell::new() };
     progress.chunks.fetch_add(1, Ordering::Relaxed);
     let ids: Vec<&str> = placement.ids.iter().map(String::as_str).collect();
@@ -997,7 +1021,7 @@ pub(crate) async fn upload_one(
         }
         let attempts = batch.iter().map(|&index| {
             tried[index] = true;
-            store_on(client, placement, index, hash, &chunk)
+            store_on(client, placement, index, &name, &chunk)
         });
         for (index, outcome) in batch.iter().zip(futures::future::join_all(attempts).await) {
             match outcome {
@@ -1088,15 +1112,15 @@ async fn store_on(
     client: &Client,
     placement: &Placement,
     index: usize,
-    hash: ChunkHash,
+    name: &ChunkName,
     chunk: &ChunkBytes,
 ) -> Result<bool> {
     let store = |transport: Arc<dyn ChunkTransport>| async move {
         crate::faults::point("client.put").map_err(|e| TransportError::Connection(e.to_string()))?;
-        if transport.has(&[hash]).await?.first() == Some(&true) {
+        if transport.has(&[name.address]).await?.first() == Some(&true) {
             return Ok::<bool, TransportError>(true);
         }
-        transport.put(hash, chunk.payload().await?).await
+        transport.put_named(name, chunk.payload().await?, false).await
     };
     let mut address = placement.addresses[index].clone();
     let mut outcome = store(Arc::clone(&placement.transports[index])).await;
@@ -1108,4 +1132,10 @@ async fn store_on(
         outcome = store(transport).await;
     }
     outcome.map_err(|source| Error::Target { target_id: placement.ids[index].clone(), address, source })
+}
+
+/// The addressing a control plane's answer describes (`chunk_tenant`, `chunk_key`).
+pub(crate) fn addressing_from(tenant: &str, key: &[u8]) -> Result<Addressing> {
+    Addressing::from_wire(tenant, key)
+        .map_err(|e| Error::InvalidInput(format!("the control plane's chunk addressing: {e}")))
 }

@@ -30,7 +30,7 @@ use starckpt_proto::buf::PooledBuf;
 use starckpt_proto::control as pb;
 use starckpt_proto::frame::MAX_BATCH_HASHES;
 use starckpt_proto::model::{ChunkRef, FileEntry, Manifest};
-use starckpt_proto::{ChunkHash, JobName, RelPath};
+use starckpt_proto::{Addressing, ChunkHash, JobName, RelPath, TenantName};
 use tokio::task::JoinHandle;
 
 use crate::save::{Placement, SaveOutcome, SaveProgress, upload_one};
@@ -61,13 +61,16 @@ pub struct StreamedFile {
     pub chunks: Vec<ChunkRef>,
     /// Bytes actually uploaded (the rest deduplicated against stored chunks).
     pub written_bytes: u64,
+    /// How its chunks are addressed: its job's way ([`Client::streaming_file`]).
+    pub addressing: Addressing,
 }
 
 impl Client {
-    /// A new streaming file, placing its chunks on the targets live now, each on
-    /// [`crate::ClientConfig::stream_replicas`] of them (the job is not known yet, so its own
-    /// replication factor does not apply).
-    pub async fn streaming_file(&self) -> Result<StreamingFile> {
+    /// A new streaming file of job `job`, placing its chunks on the targets live now, each on
+    /// [`crate::ClientConfig::stream_replicas`] of them (no checkpoint is begun yet, so the job's
+    /// own replication factor does not apply), addressed as the job's chunks are.
+    pub async fn streaming_file(&self, job: &str) -> Result<StreamingFile> {
+        let addressing = self.chunk_addressing(&JobName::try_from(job)?).await?;
         let live: Vec<pb::TargetInfo> =
             self.targets().await?.into_iter().filter(|t| t.state == TargetState::Alive as i32).collect();
         if live.is_empty() {
@@ -75,7 +78,7 @@ impl Client {
         }
         Ok(StreamingFile {
             client: self.clone(),
-            placement: Arc::new(self.placement(&live, self.config().stream_replicas)?),
+            placement: Arc::new(self.placement(&live, self.config().stream_replicas, addressing)?),
             progress: Arc::new(SaveProgress::default()),
             current: None,
             filled: 0,
@@ -112,6 +115,14 @@ impl Client {
             }
             return Err(error);
         }
+        let addressing = crate::save::addressing_from(&begin.chunk_tenant, &begin.chunk_key)?;
+        if let Some(file) = files.iter().find(|f| f.addressing != addressing) {
+            return Err(Error::InvalidInput(format!(
+                "{} was streamed for another job's chunk addresses ({:?}) than {job}'s ({addressing:?})",
+                file.path, file.addressing
+            )));
+        }
+        let chunk_tenant = addressing.tenant_name().map(TenantName::try_from).transpose()?;
         let written_bytes = files.iter().map(|f| f.written_bytes).sum();
         let total_bytes = files.iter().map(|f| f.size).sum();
         let chunks = files.iter().map(|f| f.chunks.len() as u64).sum();
@@ -122,6 +133,7 @@ impl Client {
                 .collect(),
             directories,
             metadata,
+            chunk_tenant,
         };
         let state = self.commit_manifest(begin.checkpoint_id, 0, &manifest, written_bytes).await?;
         Ok(SaveOutcome {
@@ -227,7 +239,8 @@ impl StreamingFile {
             return Err(Error::Cancelled(format!("{path}: {} of {} chunks uploaded", chunks.len(), self.next_index)));
         }
         let written_bytes = self.progress.uploaded_bytes.load(Ordering::Relaxed);
-        Ok(StreamedFile { path, size: self.size, mode, chunks, written_bytes })
+        let addressing = self.placement.addressing.clone();
+        Ok(StreamedFile { path, size: self.size, mode, chunks, written_bytes, addressing })
     }
 
     fn check(&self) -> Result<()> {

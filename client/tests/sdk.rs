@@ -478,7 +478,7 @@ async fn streamed_files_commit_together_and_a_collected_chunk_fails_the_commit()
     })
     .await;
     let data = random(1_000_000, 9);
-    let mut stream = client.streaming_file().await.unwrap();
+    let mut stream = client.streaming_file("streamed").await.unwrap();
     for piece in data.chunks(7_777) {
         stream.write(piece).await.unwrap();
     }
@@ -488,7 +488,7 @@ async fn streamed_files_commit_together_and_a_collected_chunk_fails_the_commit()
     let first = stream.finish("a/big.bin".try_into().unwrap(), 0o600).await.unwrap();
     // sync cut a partial chunk: 15 full chunks, the 16th up to the sync, then "tail".
     assert_eq!(first.chunks.len(), 17);
-    let empty = client.streaming_file().await.unwrap().finish("empty".try_into().unwrap(), 0).await.unwrap();
+    let empty = client.streaming_file("streamed").await.unwrap().finish("empty".try_into().unwrap(), 0).await.unwrap();
     let outcome = client
         .commit_streamed("streamed", 3, vec![first.clone(), empty], vec!["dir".try_into().unwrap()], Default::default())
         .await
@@ -502,7 +502,7 @@ async fn streamed_files_commit_together_and_a_collected_chunk_fails_the_commit()
     assert_eq!(manifest.file("empty").unwrap().size_bytes, 0);
 
     // A chunk that vanished from its target (collected) fails the commit; nothing is committed.
-    let mut stream = client.streaming_file().await.unwrap();
+    let mut stream = client.streaming_file("streamed").await.unwrap();
     stream.write(&random(100_000, 10)).await.unwrap();
     let lost = stream.finish("lost.bin".try_into().unwrap(), 0).await.unwrap();
     let chunk = &lost.chunks[0];

@@ -12,10 +12,10 @@ use starckpt_client::transport::{
     AutoTransport, ChunkPage, ChunkTransport, Fetched, Payload, RdmaClient, RdmaTransport, ShmConfig, ShmTransport,
     TcpConfig, TcpTransport, TransportError, ZeroCopyCounts, ZeroCopySend,
 };
-use starckpt_proto::ChunkHash;
 use starckpt_proto::codec::{self, Codec, CompressConfig};
 use starckpt_proto::data::ErrorCode;
 use starckpt_proto::frame::Opcode;
+use starckpt_proto::{Addressing, ChunkHash, ChunkName, TenantName};
 use starckpt_server::target::dataplane::{self, DataPlaneLimits, ShmListener, Transports};
 use starckpt_server::target::engine::{EngineKind, open_engine};
 use starckpt_server::target::store::ChunkStore;
@@ -122,6 +122,52 @@ async fn operations(transport: &dyn ChunkTransport) {
     assert_eq!(transport.has(&[hash]).await.unwrap(), vec![false]);
     assert_eq!(transport.list(None, 10).await.unwrap(), ChunkPage { chunks: vec![], complete: true });
     compressed(transport).await;
+    tenant_chunks(transport).await;
+}
+
+/// A tenant's chunks (starckpt_proto::address) through the data plane: a PUT names the tenant and
+/// the content hash; the target refuses an address that is not the tenant's keyed hash of that
+/// content, and bytes that are not that content; a reader verifies with the tenant's addressing.
+async fn tenant_chunks(transport: &dyn ChunkTransport) {
+    let acme = Addressing::tenant(None, &TenantName::try_from("acme").unwrap());
+    let beta = Addressing::tenant(None, &TenantName::try_from("beta").unwrap());
+    let (content, data) = chunk(70_001, 9);
+    let name = acme.name(content);
+    let mismatch = |result: Result<bool, TransportError>| {
+        assert!(matches!(result, Err(TransportError::Remote { code: ErrorCode::HashMismatch, .. })), "{result:?}")
+    };
+    // An address that is not acme's for this content: a forged one, beta's, the plain one.
+    for address in [ChunkHash::of(b"elsewhere"), beta.address(&content), content] {
+        mismatch(transport.put_named(&ChunkName { address, ..name.clone() }, Payload::raw(data.clone()), false).await);
+    }
+    // Bytes that are not the content named.
+    mismatch(transport.put_named(&name, Payload::raw(chunk(70_001, 10).1), false).await);
+    assert_eq!(transport.has(&[name.address]).await.unwrap(), vec![false]);
+
+    assert!(!transport.put_named(&name, Payload::raw(data.clone()), false).await.unwrap());
+    // Not deduplicated against the plain chunk of the same bytes, nor another tenant's.
+    assert_eq!(
+        transport.has(&[name.address, content, beta.address(&content)]).await.unwrap(),
+        vec![true, false, false]
+    );
+    let got = transport.get(name.address, 0, 0).await.unwrap();
+    let (bytes, verified) = got.clone().verified(&acme, name.address, data.len() as u64).unwrap();
+    assert_eq!((bytes, &verified), (data.clone(), &name));
+    assert!(got.clone().verified(&beta, name.address, data.len() as u64).is_err());
+    assert!(got.verified(&Addressing::plain(), name.address, data.len() as u64).is_err());
+    assert!(transport.put_named(&name, Payload::raw(data.clone()), true).await.unwrap(), "read repair: it verifies");
+
+    // Compressed: the target decodes it and checks the content hash.
+    let (content, floats) = float_chunk(100_000);
+    let packed = codec::compress(&floats, &CompressConfig::default()).expect("compresses");
+    let payload = Payload { bytes: Bytes::from(packed.bytes), codec: packed.codec, length: floats.len() as u64 };
+    let packed_name = acme.name(content);
+    let wrong = ChunkName { content: ChunkHash::of(b"else"), ..packed_name.clone() };
+    mismatch(transport.put_named(&wrong, payload.clone(), false).await);
+    assert!(!transport.put_named(&packed_name, payload, false).await.unwrap());
+    let got = transport.get(packed_name.address, 0, 0).await.unwrap();
+    assert_eq!(got.verified(&acme, packed_name.address, floats.len() as u64).unwrap().0, floats);
+    assert_eq!(transport.delete(&[name.address, packed_name.address], None).await.unwrap(), 2);
 }
 
 /// bf16-like values: the exponent plane compresses.
@@ -142,7 +188,7 @@ async fn compressed(transport: &dyn ChunkTransport) {
     assert!(!transport.put(hash, payload.clone()).await.unwrap());
     let whole = transport.get(hash, 0, 0).await.unwrap();
     assert_eq!(whole, payload, "a whole chunk comes back as stored");
-    assert_eq!(whole.verified(hash, data.len() as u64).unwrap(), data);
+    assert_eq!(whole.verified(&Addressing::plain(), hash, data.len() as u64).unwrap().0, data);
     let range = transport.get(hash, 1001, 7000).await.unwrap();
     assert_eq!(range, Payload::raw(data.slice(1001..8001)), "a range comes back decoded");
     assert!(transport.put(hash, Payload::raw(data.clone())).await.unwrap(), "present under another codec");
@@ -397,7 +443,7 @@ async fn tcp_gets_land_in_the_callers_buffer() {
             tokio::spawn(async move {
                 if i % 3 == 0 {
                     let got = transport.get(packed_hash, 0, 0).await.unwrap();
-                    assert_eq!(got.verified(packed_hash, floats.len() as u64).unwrap(), floats);
+                    assert_eq!(got.verified(&Addressing::plain(), packed_hash, floats.len() as u64).unwrap().0, floats);
                 } else {
                     let mut dest = vec![0u8; data.len()];
                     let fetched = transport.get_into(hash, &mut dest).await.unwrap();

@@ -484,7 +484,7 @@ impl CkptFs {
     }
 
     fn new_draft_file(&self, job: &str, draft: Option<u64>, path: String, mode: u32) -> Result<Arc<DraftFile>, Errno> {
-        let writer = self.block_on(self.client.streaming_file()).map_err(|e| errno("create", &path, &e))?;
+        let writer = self.block_on(self.client.streaming_file(job)).map_err(|e| errno("create", &path, &e))?;
         Ok(Arc::new(DraftFile {
             job: job.to_owned(),
             draft,

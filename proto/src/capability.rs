@@ -126,6 +126,12 @@ impl ClusterKey {
         hex::encode(&blake3::keyed_hash(&self.0, b"starckpt cluster key fingerprint").as_bytes()[..8])
     }
 
+    /// What tenants' chunk keys are derived from (`crate::address`): this key, which only
+    /// holders of the cluster's secret can compute.
+    pub(crate) fn chunk_key_material(&self) -> &[u8] {
+        &self.0
+    }
+
     /// The key in the secret file at `path`.
     pub fn from_file(path: &std::path::Path) -> Result<ClusterKey, String> {
         let secret = std::fs::read(path).map_err(|e| format!("reading cluster key {}: {e}", path.display()))?;
@@ -295,6 +301,14 @@ impl std::fmt::Debug for Credentials {
 }
 
 impl Credentials {
+    /// The cluster key these credentials are minted with; None for asked-for ones and none.
+    pub fn cluster_key(&self) -> Option<&ClusterKey> {
+        match self.0.as_deref() {
+            Some(Source::Minted { key, .. }) => Some(key),
+            _ => None,
+        }
+    }
+
     /// Credentials minting their own capabilities with `key`, each bound to the target it is
     /// sent to and valid for `lifetime`.
     pub fn minted(key: ClusterKey, rights: Rights, lifetime: Duration) -> Credentials {

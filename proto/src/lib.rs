@@ -2,6 +2,8 @@
 //!
 //! - [`control`]: the control-plane gRPC service (tonic), generated from `proto/control.proto`.
 //! - [`data`]: the prost headers of data-plane frames, generated from `proto/dataplane.proto`.
+//! - [`address`]: chunk addresses: plain BLAKE3, or keyed per tenant so deduplication never
+//!   crosses tenants.
 //! - [`capability`]: data-plane capabilities the control plane signs and targets check, and the
 //!   proof of the cluster key targets register with.
 //! - [`codec`]: chunk codecs (zstd, zstd over float byte planes) and their stored formats.
@@ -25,6 +27,7 @@
 //! assert_eq!(FrameHeader::decode(&bytes).unwrap(), header);
 //! ```
 
+pub mod address;
 pub mod buf;
 pub mod capability;
 pub mod codec;
@@ -49,4 +52,5 @@ pub mod data {
     tonic::include_proto!("starckpt.data.v1");
 }
 
+pub use address::{Addressing, ChunkName};
 pub use model::{ChunkHash, JobName, ModelError, RelPath, TenantName};

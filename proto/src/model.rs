@@ -45,11 +45,12 @@ pub enum ModelError {
     File { path: String, reason: String },
 }
 
-fn field(field: &'static str, reason: impl Into<String>) -> ModelError {
+pub(crate) fn field(field: &'static str, reason: impl Into<String>) -> ModelError {
     ModelError::Field { field, reason: reason.into() }
 }
 
-/// The BLAKE3 hash of a chunk's uncompressed bytes: its address.
+/// A chunk's address: the BLAKE3 hash of its uncompressed bytes, or for a tenant's chunk a keyed
+/// hash of that ([`crate::address`]).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ChunkHash(pub [u8; 32]);
 
@@ -392,6 +393,9 @@ pub struct Manifest {
     pub files: Vec<FileEntry>,
     pub directories: Vec<RelPath>,
     pub metadata: BTreeMap<String, String>,
+    /// Whose key addresses the chunks ([`crate::address`]): the job's tenant, or None for plain
+    /// BLAKE3.
+    pub chunk_tenant: Option<TenantName>,
 }
 
 impl Manifest {
@@ -442,7 +446,11 @@ impl TryFrom<pb::Manifest> for Manifest {
                 return Err(ModelError::File { path: dir.0.clone(), reason: "is both a file and a directory".into() });
             }
         }
-        Ok(Manifest { files, directories, metadata: manifest.metadata.into_iter().collect() })
+        let chunk_tenant = match manifest.chunk_tenant.as_str() {
+            "" => None,
+            tenant => Some(TenantName::try_from(tenant)?),
+        };
+        Ok(Manifest { files, directories, metadata: manifest.metadata.into_iter().collect(), chunk_tenant })
     }
 }
 
@@ -501,6 +509,7 @@ impl From<&Manifest> for pb::Manifest {
                 .collect(),
             directories: manifest.directories.iter().map(|d| d.0.clone()).collect(),
             metadata: manifest.metadata.clone().into_iter().collect(),
+            chunk_tenant: manifest.chunk_tenant.as_ref().map(|t| t.0.clone()).unwrap_or_default(),
         }
     }
 }
@@ -732,10 +741,16 @@ mod tests {
             files: vec![file("a/b", &[10, 5]), file("empty", &[])],
             directories: vec!["d".into()],
             metadata: Default::default(),
+            chunk_tenant: "acme".into(),
         };
         let manifest = Manifest::try_from(ok.clone()).unwrap();
         assert_eq!(manifest.total_bytes(), 15);
+        assert_eq!(manifest.chunk_tenant.as_ref().map(|t| t.as_str()), Some("acme"));
         assert_eq!(pb::Manifest::from(&manifest), ok);
+        let plain = pb::Manifest { chunk_tenant: String::new(), ..ok.clone() };
+        assert_eq!(Manifest::try_from(plain).unwrap().chunk_tenant, None);
+        let bad = pb::Manifest { chunk_tenant: "no/slash".into(), ..ok.clone() };
+        assert!(Manifest::try_from(bad).is_err());
 
         let mut bad = ok.clone();
         bad.files[0].size_bytes = 16;
@@ -766,7 +781,7 @@ mod tests {
             Manifest::try_from(pb::Manifest {
                 files: files.iter().map(|path| file(path, &[1])).collect(),
                 directories: dirs.iter().map(|d| d.to_string()).collect(),
-                metadata: Default::default(),
+                ..Default::default()
             })
             .unwrap()
         };
@@ -854,6 +869,7 @@ mod robustness {
             }],
             directories: vec!["d".into()],
             metadata: Default::default(),
+            chunk_tenant: "acme".into(),
         }
         .encode_to_vec();
         let mut state = 0x2545_F491_4F6C_DD1Du64;

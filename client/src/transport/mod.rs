@@ -22,13 +22,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use prost::Message;
-use starckpt_proto::ChunkHash;
 pub use starckpt_proto::capability::Credentials;
 use starckpt_proto::codec::Codec;
 use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{self, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, Opcode, ReadFrameError};
 use starckpt_proto::rdma::RemoteBuffer;
 pub use starckpt_proto::zerocopy::{FrameWriter, ZeroCopyCounts, ZeroCopySend, ZeroCopyStats};
+use starckpt_proto::{Addressing, ChunkHash, ChunkName};
 use thiserror::Error;
 
 mod rdma;
@@ -129,34 +129,43 @@ impl Payload {
         Payload { length: bytes.len() as u64, bytes, codec: Codec::None }
     }
 
-    /// The chunk's bytes, decoded if compressed and checked against the chunk's `hash` and
-    /// `length`; `Err` says what was wrong. CPU-bound: call off the runtime.
-    pub fn verified(self, hash: ChunkHash, length: u64) -> Result<Bytes, String> {
+    /// The chunk's bytes, decoded if compressed and checked against the chunk's address `hash`
+    /// under `addressing` and its `length`, with the name to store them under elsewhere; `Err`
+    /// says what was wrong. CPU-bound: call off the runtime.
+    pub fn verified(self, addressing: &Addressing, hash: ChunkHash, length: u64) -> Result<(Bytes, ChunkName), String> {
         let data = match self.codec {
             Codec::None => self.bytes,
             codec => starckpt_proto::codec::decompress(codec, &self.bytes, self.length as usize)
                 .map(Bytes::from)
                 .map_err(|e| format!("a {codec} copy does not decode: {e}"))?,
         };
-        let actual = ChunkHash::of(&data);
-        if actual != hash {
-            return Err(format!("got {actual}"));
+        let name = addressing.name(ChunkHash::of(&data));
+        if name.address != hash {
+            return Err(format!("got {}", name.address));
         }
         if data.len() as u64 != length {
             return Err(format!("{} bytes, expected {length}", data.len()));
         }
-        Ok(data)
+        Ok((data, name))
     }
 }
 
 /// One target's chunk operations, whatever carries them.
 #[async_trait]
 pub trait ChunkTransport: Send + Sync + 'static {
-    /// Stores a chunk; true if the target already had it (under whatever codec).
-    async fn put(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError>;
+    /// Stores a chunk named by its plain BLAKE3; true if the target already had it (under
+    /// whatever codec).
+    async fn put(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError> {
+        self.put_named(&ChunkName::plain(hash), payload, false).await
+    }
     /// Read repair: stores a chunk unless the target holds a copy that verifies (a copy that
     /// fails is replaced); true if the stored copy was good.
-    async fn repair(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError>;
+    async fn repair(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError> {
+        self.put_named(&ChunkName::plain(hash), payload, true).await
+    }
+    /// [`ChunkTransport::put`] (or with `repair`, [`ChunkTransport::repair`]) of a chunk by its
+    /// full name: a tenant's chunk carries its tenant and content hash (`starckpt_proto::address`).
+    async fn put_named(&self, name: &ChunkName, payload: Payload, repair: bool) -> Result<bool, TransportError>;
     /// Reads `length` bytes at `offset` of a chunk (`length` 0: to the end). A whole chunk comes
     /// as stored (maybe compressed); a range comes decoded.
     async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError>;
@@ -738,7 +747,7 @@ pub trait FrameTransport: Send + Sync + 'static {
         payload: Option<Bytes>,
     ) -> Result<(data::Response, Bytes), TransportError>;
     /// PUT (`repair`: read repair's PUT); true if the chunk was there already.
-    async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError>;
+    async fn put_chunk(&self, name: &ChunkName, payload: Payload, repair: bool) -> Result<bool, TransportError>;
     async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError>;
     /// [`ChunkTransport::get_into`]; by default the chunk comes as a payload.
     async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
@@ -769,8 +778,8 @@ impl FrameTransport for TcpTransport {
         .await
     }
 
-    async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
-        let header = put_header(self, hash, &payload, repair, Place::Inline).await;
+    async fn put_chunk(&self, name: &ChunkName, payload: Payload, repair: bool) -> Result<bool, TransportError> {
+        let header = put_header(self, name, &payload, repair, Place::Inline).await;
         Ok(self.call(Opcode::Put, header, Some(payload.bytes)).await?.0.already_present)
     }
 
@@ -826,7 +835,7 @@ pub(crate) enum Place {
 /// A PUT request's header, its payload at `place`.
 pub(crate) async fn put_header<F: FrameTransport + ?Sized>(
     frames: &F,
-    hash: ChunkHash,
+    name: &ChunkName,
     payload: &Payload,
     repair: bool,
     place: Place,
@@ -837,7 +846,12 @@ pub(crate) async fn put_header<F: FrameTransport + ?Sized>(
     };
     data::PutRequest {
         auth: frames.auth().await,
-        hash: hash.to_bytes(),
+        hash: name.address.to_bytes(),
+        tenant: name.tenant.as_deref().unwrap_or_default().to_owned(),
+        content_hash: match name.tenant {
+            Some(_) => name.content.to_bytes(),
+            None => Default::default(),
+        },
         repair,
         codec: payload.codec.to_wire(),
         length_bytes: payload.length,
@@ -1011,12 +1025,8 @@ async fn stat_frames<F: FrameTransport + ?Sized>(frames: &F) -> Result<TargetSta
 
 #[async_trait]
 impl<T: FrameTransport> ChunkTransport for T {
-    async fn put(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError> {
-        self.put_chunk(hash, payload, false).await
-    }
-
-    async fn repair(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError> {
-        self.put_chunk(hash, payload, true).await
+    async fn put_named(&self, name: &ChunkName, payload: Payload, repair: bool) -> Result<bool, TransportError> {
+        self.put_chunk(name, payload, repair).await
     }
 
     async fn get(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {

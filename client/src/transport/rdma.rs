@@ -206,7 +206,7 @@ impl RdmaTransport {
         Ok(())
     }
 
-    async fn put_once(&self, hash: ChunkHash, payload: &Payload, repair: bool) -> Result<bool, TransportError> {
+    async fn put_once(&self, name: &ChunkName, payload: &Payload, repair: bool) -> Result<bool, TransportError> {
         let connection = self.connection().await?;
         let bytes = payload.bytes.clone();
         let fits = !bytes.is_empty() && bytes.len() <= frame::MAX_PAYLOAD_BYTES as usize;
@@ -215,12 +215,12 @@ impl RdmaTransport {
         let registered =
             if fits { unsafe { self.client.memory.register(bytes.as_ptr(), bytes.len()) }.ok() } else { None };
         let Some(registered) = registered else {
-            let header = put_header(self, hash, payload, repair, Place::Inline).await;
+            let header = put_header(self, name, payload, repair, Place::Inline).await;
             return Ok(self.call_on(&connection, Opcode::Put, header, Some(bytes)).await?.0.already_present);
         };
         let remote =
             RemoteBuffer { addr: bytes.as_ptr() as u64, rkey: registered.region().rkey(), len: bytes.len() as u32 };
-        let header = put_header(self, hash, payload, repair, Place::Rdma(remote)).await;
+        let header = put_header(self, name, payload, repair, Place::Rdma(remote)).await;
         let (response, _) = self.call_on(&connection, Opcode::Put, header, None).await?;
         drop(registered);
         Ok(response.already_present)
@@ -343,8 +343,8 @@ impl FrameTransport for RdmaTransport {
         self.call_frame(opcode, header, payload).await
     }
 
-    async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
-        once_more(|| self.put_once(hash, &payload, repair)).await
+    async fn put_chunk(&self, name: &ChunkName, payload: Payload, repair: bool) -> Result<bool, TransportError> {
+        once_more(|| self.put_once(name, &payload, repair)).await
     }
 
     async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {

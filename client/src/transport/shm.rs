@@ -111,7 +111,7 @@ impl ShmTransport {
         Ok(transport)
     }
 
-    async fn put_request(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
+    async fn put_request(&self, name: &ChunkName, payload: Payload, repair: bool) -> Result<bool, TransportError> {
         let (response, _) = once_more(|| async {
             let connection = self.connection().await?;
             // Staged: named where it lies. The request holds its staging buffer until the target
@@ -122,14 +122,14 @@ impl ShmTransport {
             let staged = connection.region.staging.as_ref();
             let staged = staged.and_then(|r| r.offset_of(payload.bytes.as_ptr(), payload.bytes.len()));
             if let Some(offset) = staged.filter(|_| !payload.bytes.is_empty()) {
-                let header = put_header(self, hash, &payload, repair, Place::Staging(offset as u64)).await;
+                let header = put_header(self, name, &payload, repair, Place::Staging(offset as u64)).await;
                 let timeout = self.timeouts().request_timeout;
                 let memory = payload.bytes.clone();
                 let (response, bytes) = connection.frames.call_holding(Opcode::Put, header, memory, timeout).await?;
                 return checked(response, bytes);
             }
             if payload.bytes.len() > connection.slots.slot_bytes() {
-                let header = put_header(self, hash, &payload, repair, Place::Inline).await;
+                let header = put_header(self, name, &payload, repair, Place::Inline).await;
                 return self.call_on(&connection, Opcode::Put, header, Some(payload.bytes.clone())).await;
             }
             let mut slot = Slot::lend(&connection).await?;
@@ -138,7 +138,7 @@ impl ShmTransport {
                 .slots
                 .write_at(slot.offset(), &payload.bytes)
                 .map_err(|e| TransportError::Protocol(e.to_string()))?;
-            let header = put_header(self, hash, &payload, repair, Place::Slot(slot.number())).await;
+            let header = put_header(self, name, &payload, repair, Place::Slot(slot.number())).await;
             let result = self.call_on(&connection, Opcode::Put, header, None).await;
             slot.settle(&result);
             result
@@ -269,8 +269,8 @@ impl FrameTransport for ShmTransport {
         self.call_frame(opcode, header, payload).await
     }
 
-    async fn put_chunk(&self, hash: ChunkHash, payload: Payload, repair: bool) -> Result<bool, TransportError> {
-        self.put_request(hash, payload, repair).await
+    async fn put_chunk(&self, name: &ChunkName, payload: Payload, repair: bool) -> Result<bool, TransportError> {
+        self.put_request(name, payload, repair).await
     }
 
     async fn get_chunk(&self, hash: ChunkHash, offset: u64, length: u64) -> Result<Payload, TransportError> {
@@ -522,18 +522,10 @@ impl AutoTransport {
 
 #[async_trait]
 impl ChunkTransport for AutoTransport {
-    async fn put(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError> {
+    async fn put_named(&self, name: &ChunkName, payload: Payload, repair: bool) -> Result<bool, TransportError> {
         self.run(|t| {
             let payload = payload.clone();
-            async move { t.put(hash, payload).await }
-        })
-        .await
-    }
-
-    async fn repair(&self, hash: ChunkHash, payload: Payload) -> Result<bool, TransportError> {
-        self.run(|t| {
-            let payload = payload.clone();
-            async move { t.repair(hash, payload).await }
+            async move { t.put_named(name, payload, repair).await }
         })
         .await
     }

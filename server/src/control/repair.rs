@@ -36,8 +36,9 @@ use std::time::{Duration, Instant};
 
 use starckpt_client::placement::rank_targets;
 use starckpt_client::transport::{ChunkTransport, Credentials, Payload, TcpConfig, TcpTransport, TransportError};
-use starckpt_proto::ChunkHash;
+use starckpt_proto::capability::ClusterKey;
 use starckpt_proto::frame::MAX_BATCH_HASHES;
+use starckpt_proto::{Addressing, ChunkHash, ChunkName};
 
 use super::store::{CommittedChunk, MetaResult, MetaStore, TargetRecord};
 use super::tier::Tier;
@@ -130,11 +131,16 @@ pub(crate) enum CopyError {
 
 /// `hash`'s copy on `target`, verified: as stored (to pass on: a compressed copy stays
 /// compressed) and decoded.
-pub(crate) async fn read_verified(target: &Live, hash: ChunkHash, length: u64) -> Result<(Payload, Bytes), CopyError> {
+pub(crate) async fn read_verified(
+    target: &Live,
+    addressing: &Addressing,
+    hash: ChunkHash,
+    length: u64,
+) -> Result<(Payload, Bytes, ChunkName), CopyError> {
     let payload = target.transport.get(hash, 0, 0).await.map_err(|e| CopyError::Unreadable(e.to_string()))?;
-    let checked = payload.clone();
-    match tokio::task::spawn_blocking(move || checked.verified(hash, length)).await {
-        Ok(Ok(data)) => Ok((payload, data)),
+    let (checked, addressing) = (payload.clone(), addressing.clone());
+    match tokio::task::spawn_blocking(move || checked.verified(&addressing, hash, length)).await {
+        Ok(Ok((data, name))) => Ok((payload, data, name)),
         Ok(Err(found)) => Err(CopyError::Corrupt(found)),
         Err(join) => Err(CopyError::Unreadable(join.to_string())),
     }
@@ -194,7 +200,7 @@ pub async fn rereplicate(
         })
         .collect();
     report.under_replicated = short.len() as u64;
-    let pass = Pass::new(&live, &live_ids, config, tier);
+    let pass = Pass::new(&live, &live_ids, config, tier, credentials.cluster_key());
     // By index: a closure taking a reference into `short` fails rustc's higher-ranked lifetime
     // check where the pass's future must be Send (the control plane spawns it).
     let outcomes: Vec<Outcome> = futures::stream::iter(0..short.len())
@@ -247,9 +253,10 @@ pub(crate) async fn recover(
     tier: Option<&Tier>,
     config: &RepairConfig,
     skip: &HashSet<String>,
+    cluster_key: Option<&ClusterKey>,
 ) -> Recovered {
     let live_ids: Vec<&str> = live.iter().map(|l| l.id.as_str()).collect();
-    let pass = Pass::new(live, &live_ids, config, tier);
+    let pass = Pass::new(live, &live_ids, config, tier, cluster_key);
     pass.unreachable
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -314,11 +321,20 @@ struct Pass<'a> {
     copies_made: AtomicU64,
     /// Chunks read back from the tier.
     from_tier: AtomicU64,
+    /// What tenants' chunk keys derive from (`starckpt_proto::address`).
+    cluster_key: Option<&'a ClusterKey>,
 }
 
 impl<'a> Pass<'a> {
-    fn new(live: &'a [Live], live_ids: &'a [&'a str], config: &RepairConfig, tier: Option<&'a Tier>) -> Pass<'a> {
+    fn new(
+        live: &'a [Live],
+        live_ids: &'a [&'a str],
+        config: &RepairConfig,
+        tier: Option<&'a Tier>,
+        cluster_key: Option<&'a ClusterKey>,
+    ) -> Pass<'a> {
         Pass {
+            cluster_key,
             live,
             live_ids,
             unreachable: Mutex::new(HashSet::new()),
@@ -361,6 +377,10 @@ async fn restore_copies(
 ) -> Outcome {
     let (live, tier) = (pass.live, pass.tier);
     let wanted = chunk.wanted as usize;
+    let addressing = match &chunk.tenant {
+        Some(tenant) => Addressing::tenant(pass.cluster_key, tenant),
+        None => Addressing::plain(),
+    };
     let order: Vec<usize> =
         rank_targets(&hash, pass.live_ids).into_iter().filter(|&index| !pass.is_unreachable(index)).collect();
     // Live targets holding it: listed ones, then ones an earlier pass copied it to (in rendezvous
@@ -397,9 +417,9 @@ async fn restore_copies(
     let mut data = None;
     let mut bad_holders = Vec::new();
     for &index in &holders {
-        match read_verified(&live[index], hash, chunk.length).await {
-            Ok((payload, _)) => {
-                data = Some(payload);
+        match read_verified(&live[index], &addressing, hash, chunk.length).await {
+            Ok((payload, _, name)) => {
+                data = Some((payload, name));
                 break;
             }
             Err(CopyError::Corrupt(_)) => bad_holders.push(index),
@@ -412,21 +432,21 @@ async fn restore_copies(
     if data.is_none()
         && let Some(tier) = tier
     {
-        match tier.get_chunk(hash, chunk.length).await {
-            Ok(Some(bytes)) => {
+        match tier.get_chunk(&addressing, hash, chunk.length).await {
+            Ok(Some((bytes, name))) => {
                 tracing::info!(chunk = %hash, "no target has a copy; restoring it from the object-store tier");
-                data = Some(Payload::raw(bytes));
+                data = Some((Payload::raw(bytes), name));
                 pass.from_tier.fetch_add(1, Ordering::Relaxed);
             }
             Ok(None) => {}
             Err(error) => tracing::warn!(chunk = %hash, %error, "the object-store tier could not provide it"),
         }
     }
-    let Some(data) = data else { return Outcome::Unreadable };
+    let Some((data, name)) = data else { return Outcome::Unreadable };
     for &index in &bad_holders {
         tracing::warn!(chunk = %hash, target = %live[index].id, "a copy failed verification; repairing it");
         holders.retain(|&h| h != index);
-        if live[index].transport.repair(hash, data.clone()).await.is_ok() {
+        if live[index].transport.put_named(&name, data.clone(), true).await.is_ok() {
             holders.push(index);
         }
     }
@@ -443,7 +463,7 @@ async fn restore_copies(
             }
             pass.admit_copy().await;
             let put = match starckpt_client::faults::point("control.repair.copy") {
-                Ok(()) => target.transport.put(hash, data.clone()).await,
+                Ok(()) => target.transport.put_named(&name, data.clone(), false).await,
                 Err(injected) => Err(TransportError::Connection(injected.to_string())),
             };
             match put {

@@ -13,7 +13,7 @@ use starckpt_proto::control::{self as pb};
 use starckpt_proto::model::{
     AcquireLease, BeginCheckpoint, CommitPart, ModelError, TargetRegistration, validate_target_id,
 };
-use starckpt_proto::{ChunkHash, JobName};
+use starckpt_proto::{Addressing, ChunkHash, JobName};
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
@@ -216,7 +216,9 @@ impl Collector {
             silent.retain(|_, since| since.elapsed() < UNREACHABLE_SKIPPED_FOR);
             silent.keys().cloned().collect()
         };
-        let recovered = repair::recover(chunks, &live, self.config.tier.as_deref(), &self.config.repair, &skip).await;
+        let tier = self.config.tier.as_deref();
+        let key = self.config.cluster_key.as_ref();
+        let recovered = repair::recover(chunks, &live, tier, &self.config.repair, &skip, key).await;
         let mut silent = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
         for id in &recovered.unreachable {
             silent.insert(id.clone(), std::time::Instant::now());
@@ -341,11 +343,14 @@ impl ControlService {
         }
         let wanted = self.store.replication(job).await.map_err(meta_status)?.unwrap_or(self.config.default_replicas);
         let mut index = ChunkIndex::new();
-        for chunk in parts.iter().flat_map(|(_, m)| m.files.iter()).flat_map(|f| f.chunks.iter()) {
+        for (manifest, chunk) in
+            parts.iter().flat_map(|(_, m)| m.files.iter().flat_map(move |f| f.chunks.iter().map(move |c| (m, c))))
+        {
             let entry = index.entry(chunk.hash).or_insert_with(|| CommittedChunk {
                 length: chunk.length_bytes,
                 replicas: Default::default(),
                 wanted,
+                tenant: manifest.chunk_tenant.clone(),
             });
             entry.replicas.extend(chunk.replicas.iter().cloned());
         }
@@ -355,6 +360,12 @@ impl ControlService {
         }
         cached.push(((job.to_string(), step, id), std::time::Instant::now(), Arc::clone(&index)));
         Ok(index)
+    }
+
+    /// How the chunks of `job` are addressed: with its tenant's key, derived from the cluster
+    /// key (starckpt_proto::address).
+    fn addressing(&self, job: &JobName) -> Addressing {
+        Addressing::of_job(self.config.cluster_key.as_ref(), job)
     }
 
     fn target_info(&self, record: &TargetRecord, now: u64) -> pb::TargetInfo {
@@ -526,7 +537,14 @@ impl Control for ControlService {
         }
         let record = self.store.begin_checkpoint(&request, now).await.map_err(|e| caller.told(meta_status(e)))?;
         fault("control.begin.reply").map_err(|e| caller.told(meta_status(e)))?;
-        Ok(Response::new(pb::BeginCheckpointResponse { checkpoint_id: record.id, placement, replicas }))
+        let addressing = self.addressing(&request.job);
+        Ok(Response::new(pb::BeginCheckpointResponse {
+            checkpoint_id: record.id,
+            placement,
+            replicas,
+            chunk_tenant: addressing.tenant_name().unwrap_or_default().to_owned(),
+            chunk_key: addressing.key_bytes().to_vec().into(),
+        }))
     }
 
     async fn commit_part(
@@ -633,6 +651,7 @@ impl Control for ControlService {
         let now = now_ms();
         let targets = self.store.list_targets().await.map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::GetManifestResponse {
+            chunk_key: self.addressing(&job).key_bytes().to_vec().into(),
             checkpoint: Some(checkpoint_info_for(&caller, &record)),
             parts: parts
                 .iter()
@@ -735,6 +754,19 @@ impl Control for ControlService {
     ) -> Result<Response<pb::RereplicateResponse>, Status> {
         self.caller(&request)?.must_operate("re-replication")?;
         Ok(Response::new(self.rereplicate_now().await?))
+    }
+
+    async fn chunk_addressing(
+        &self,
+        request: Request<pb::ChunkAddressingRequest>,
+    ) -> Result<Response<pb::ChunkAddressingResponse>, Status> {
+        let caller = self.caller(&request)?;
+        let job = caller.new_job(&request.into_inner().job)?;
+        let addressing = self.addressing(&job);
+        Ok(Response::new(pb::ChunkAddressingResponse {
+            chunk_tenant: addressing.tenant_name().unwrap_or_default().to_owned(),
+            chunk_key: addressing.key_bytes().to_vec().into(),
+        }))
     }
 
     async fn data_capability(

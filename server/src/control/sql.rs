@@ -626,6 +626,24 @@ impl MetaStore for SqlStore {
                 part.rank, record.id
             )));
         }
+        // A tenant's chunks are addressed with its key, or they would deduplicate against
+        // other tenants' (starckpt_proto::address).
+        let job_tenant = JobName::try_from(record.job.as_str()).ok().and_then(|job| job.tenant().map(str::to_owned));
+        let chunk_tenant = part.manifest.chunk_tenant.as_ref().map(|t| t.as_str().to_owned());
+        if chunk_tenant != job_tenant {
+            let addressed = |tenant: &Option<String>| match tenant {
+                Some(tenant) => format!("with tenant {tenant}'s key"),
+                None => "by plain BLAKE3".to_owned(),
+            };
+            return Err(MetaError::InvalidArgument(format!(
+                "rank {}'s manifest addresses its chunks {}, and job {}'s chunks are addressed {} \
+                 (a client older than the control plane? upgrade it)",
+                part.rank,
+                addressed(&chunk_tenant),
+                record.job,
+                addressed(&job_tenant)
+            )));
+        }
         check_epoch(&mut tx, &record.job, record.epoch).await?;
         if record.state != CheckpointState::Pending {
             return Err(MetaError::FailedPrecondition(format!(
@@ -943,11 +961,13 @@ impl MetaStore for SqlStore {
             let replicas: Option<i64> = row.try_get("replicas")?;
             let wanted = replicas.map_or(default_replicas, |r| u32::try_from(r).unwrap_or(default_replicas));
             let blob: Vec<u8> = row.try_get("manifest")?;
-            for chunk in decode_manifest(&blob, id, rank)?.files.iter().flat_map(|f| f.chunks.iter()) {
+            let manifest = decode_manifest(&blob, id, rank)?;
+            for chunk in manifest.files.iter().flat_map(|f| f.chunks.iter()) {
                 let entry = chunks.entry(chunk.hash).or_insert_with(|| CommittedChunk {
                     length: chunk.length_bytes,
                     replicas: Default::default(),
                     wanted,
+                    tenant: manifest.chunk_tenant.clone(),
                 });
                 entry.replicas.extend(chunk.replicas.iter().cloned());
                 entry.wanted = entry.wanted.max(wanted);

@@ -112,6 +112,8 @@ pub struct CommittedChunk {
     pub replicas: std::collections::BTreeSet<String>,
     /// Copies it should have.
     pub wanted: u32,
+    /// The tenant whose key addresses it (`starckpt_proto::address`); None: plain BLAKE3.
+    pub tenant: Option<starckpt_proto::TenantName>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -370,6 +372,7 @@ pub(crate) mod conformance {
             files: vec![pb::FileEntry { path: path.into(), size_bytes: size, mode: 0o644, chunks }],
             directories: vec![],
             metadata: [("rank".to_string(), rank.to_string())].into_iter().collect(),
+            chunk_tenant: String::new(),
         };
         let manifest = Manifest::try_from(manifest).unwrap();
         // As if half of each part had deduplicated.
@@ -468,13 +471,25 @@ pub(crate) mod conformance {
         let theirs = store.begin_checkpoint(&begin("other/llama", 1, 1, other_epoch), 1).await.unwrap();
         assert_ne!(ours.id, theirs.id, "one name in two tenants is two jobs");
 
-        let as_other = CommitPart { namespace: Some(other.clone()), ..part(ours.id, 0, "f", 1) };
+        // A tenant's chunks are addressed with its key (starckpt_proto::address).
+        let keyed = |mut part: CommitPart, tenant: &starckpt_proto::TenantName| {
+            part.manifest.chunk_tenant = Some(tenant.clone());
+            part
+        };
+        let as_other = CommitPart { namespace: Some(other.clone()), ..keyed(part(ours.id, 0, "f", 1), &acme) };
         assert!(matches!(store.commit_part(&as_other, 2, 0).await, Err(MetaError::NotFound(_))));
-        let as_acme = CommitPart { namespace: Some(acme.clone()), ..part(ours.id, 0, "f", 1) };
+        // Chunks addressed by plain BLAKE3, or with another tenant's key, would deduplicate
+        // across tenants.
+        for unkeyed in [part(ours.id, 0, "f", 1), keyed(part(ours.id, 0, "f", 1), &other)] {
+            let unkeyed = CommitPart { namespace: Some(acme.clone()), ..unkeyed };
+            let refused = store.commit_part(&unkeyed, 2, 0).await;
+            assert!(matches!(&refused, Err(MetaError::InvalidArgument(m)) if m.contains("acme's key")), "{refused:?}");
+        }
+        let as_acme = CommitPart { namespace: Some(acme.clone()), ..keyed(part(ours.id, 0, "f", 1), &acme) };
         assert_eq!(store.commit_part(&as_acme, 2, 0).await.unwrap().state, CheckpointState::Committed);
-        // An operator (no namespace) commits anywhere.
+        // An operator (no namespace) commits anywhere, addressed as the job's chunks are.
         assert_eq!(
-            store.commit_part(&part(theirs.id, 0, "g", 2), 3, 0).await.unwrap().state,
+            store.commit_part(&keyed(part(theirs.id, 0, "g", 2), &other), 3, 0).await.unwrap().state,
             CheckpointState::Committed
         );
 

@@ -73,9 +73,10 @@ use object_store::{ObjectStore, PutPayload};
 use prost::Message;
 use starckpt_client::placement::rank_targets;
 use starckpt_client::transport::Credentials;
+use starckpt_proto::capability::ClusterKey;
 use starckpt_proto::control as pb;
 use starckpt_proto::model::{ChunkRef, Manifest};
-use starckpt_proto::{ChunkHash, JobName};
+use starckpt_proto::{Addressing, ChunkHash, ChunkName, JobName};
 
 use super::repair::{CopyError, Live, Pace, live_targets, read_verified};
 use super::store::{
@@ -213,8 +214,15 @@ impl Tier {
 
     /// The manifest of `job`'s checkpoint at `step` (None: the highest step) read from the tier
     /// alone, as the control plane would answer it (with no targets: the chunks are read from
-    /// the tier). Only checkpoints whose record is in the tier count (module docs).
-    pub async fn manifest(&self, job: &JobName, step: Option<u64>) -> anyhow::Result<pb::GetManifestResponse> {
+    /// the tier). Only checkpoints whose record is in the tier count (module docs). A tenant's
+    /// chunks are verified with the key derived from `cluster_key` (the cluster's, when it has
+    /// one: `starckpt_proto::address`).
+    pub async fn manifest(
+        &self,
+        job: &JobName,
+        step: Option<u64>,
+        cluster_key: Option<&ClusterKey>,
+    ) -> anyhow::Result<pb::GetManifestResponse> {
         // A step saved again after a delete the sweep has not caught up with yet: the later
         // attempt (higher id).
         let found =
@@ -235,7 +243,8 @@ impl Tier {
             budget -= size;
             parts.push(pb::RankManifest { rank, manifest: Some(manifest) });
         }
-        Ok(pb::GetManifestResponse { checkpoint: Some(info), parts, targets: vec![] })
+        let chunk_key = Addressing::of_job(cluster_key, job).key_bytes().to_vec().into();
+        Ok(pb::GetManifestResponse { checkpoint: Some(info), parts, targets: vec![], chunk_key })
     }
 
     /// The jobs with checkpoints in the tier (names that are not valid job names are skipped).
@@ -336,7 +345,12 @@ impl Tier {
 
     /// The tier's copy of chunk `hash`, verified (BLAKE3 and length); None if the tier has none.
     /// A copy that fails verification is an error (and stays: the sweep is not the place to judge).
-    pub async fn get_chunk(&self, hash: ChunkHash, length: u64) -> Result<Option<Bytes>, String> {
+    pub async fn get_chunk(
+        &self,
+        addressing: &Addressing,
+        hash: ChunkHash,
+        length: u64,
+    ) -> Result<Option<(Bytes, ChunkName)>, String> {
         let bytes = match self.store.get(&Tier::chunk_path(hash)).await {
             // Not read into memory when its size already says it is not the chunk.
             Ok(result) if result.meta.size != length => {
@@ -347,11 +361,12 @@ impl Tier {
             Err(error) => return Err(error.to_string()),
         };
         let checked = bytes.clone();
-        let actual = tokio::task::spawn_blocking(move || ChunkHash::of(&checked)).await.map_err(|e| e.to_string())?;
-        if actual != hash || bytes.len() as u64 != length {
-            return Err(format!("the tier's copy of {hash} is {} bytes hashing to {actual}", bytes.len()));
+        let content = tokio::task::spawn_blocking(move || ChunkHash::of(&checked)).await.map_err(|e| e.to_string())?;
+        let name = addressing.name(content);
+        if name.address != hash || bytes.len() as u64 != length {
+            return Err(format!("the tier's copy of {hash} is {} bytes addressed {}", bytes.len(), name.address));
         }
-        Ok(Some(bytes))
+        Ok(Some((bytes, name)))
     }
 }
 
@@ -396,7 +411,8 @@ pub async fn import(store: &dyn MetaStore, tier: &Tier, job: Option<JobName>) ->
             }
         };
         for step in steps {
-            let parts = match tier.manifest(&job, Some(step)).await {
+            // Manifests only: no chunk is read, so no key is needed.
+            let parts = match tier.manifest(&job, Some(step), None).await {
                 Ok(response) => response,
                 Err(error) => {
                     report.errors.push(error.to_string());
@@ -407,6 +423,18 @@ pub async fn import(store: &dyn MetaStore, tier: &Tier, job: Option<JobName>) ->
             let manifests: Result<Vec<Manifest>, _> =
                 parts.parts.into_iter().map(|p| Manifest::try_from(p.manifest.unwrap_or_default())).collect();
             let manifests = match manifests {
+                // A tenant's chunks are addressed with its key (`starckpt_proto::address`), or
+                // by plain BLAKE3 in manifests written before they were.
+                Ok(manifests)
+                    if manifests
+                        .iter()
+                        .any(|m| m.chunk_tenant.as_ref().is_some_and(|t| Some(t.as_str()) != job.tenant())) =>
+                {
+                    report
+                        .errors
+                        .push(format!("{job} step {step}: its chunks are addressed with another tenant's key"));
+                    continue;
+                }
                 Ok(manifests) => manifests,
                 Err(error) => {
                     report.errors.push(format!("{job} step {step}: {error}"));
@@ -441,7 +469,7 @@ pub async fn import(store: &dyn MetaStore, tier: &Tier, job: Option<JobName>) ->
 impl starckpt_client::ChunkSource for Tier {
     async fn read_chunk(
         &self,
-        _manifest: &starckpt_client::CheckpointManifest,
+        manifest: &starckpt_client::CheckpointManifest,
         chunk: &ChunkRef,
     ) -> starckpt_client::Result<Bytes> {
         let failed = |message: String| starckpt_client::Error::Source {
@@ -449,8 +477,8 @@ impl starckpt_client::ChunkSource for Tier {
             from: format!("the object-store tier {}", self.url),
             message,
         };
-        match self.get_chunk(chunk.hash, chunk.length_bytes).await {
-            Ok(Some(bytes)) => Ok(bytes),
+        match self.get_chunk(&manifest.addressing, chunk.hash, chunk.length_bytes).await {
+            Ok(Some((bytes, _))) => Ok(bytes),
             Ok(None) => Err(failed("not there".into())),
             Err(message) => Err(failed(message)),
         }
@@ -478,6 +506,7 @@ pub async fn pass(
     let mut upload = Upload {
         tier,
         live: &live,
+        cluster_key: credentials.cluster_key(),
         pace: tokio::sync::Mutex::new(Pace::new(config.bytes_per_second)),
         present: HashSet::new(),
     };
@@ -533,6 +562,8 @@ pub async fn pass(
 struct Upload<'a> {
     tier: &'a Tier,
     live: &'a [Live],
+    /// What tenants' chunk keys derive from (`starckpt_proto::address`).
+    cluster_key: Option<&'a ClusterKey>,
     /// Bytes uploaded, paced.
     pace: tokio::sync::Mutex<Pace>,
     /// Chunks known to be in the tier, this pass.
@@ -555,18 +586,23 @@ impl Upload<'_> {
             Err(error) => return Err(error.to_string()),
         };
         let mut seen = HashSet::new();
-        let chunks: Vec<ChunkRef> = parts
+        let chunks: Vec<(Addressing, ChunkRef)> = parts
             .iter()
-            .flat_map(|(_, m)| m.files.iter())
-            .flat_map(|f| f.chunks.iter())
-            .filter(|c| !self.present.contains(&c.hash) && seen.insert(c.hash))
-            .cloned()
+            .flat_map(|(_, m)| {
+                let addressing = match &m.chunk_tenant {
+                    Some(tenant) => Addressing::tenant(self.cluster_key, tenant),
+                    None => Addressing::plain(),
+                };
+                m.files.iter().flat_map(|f| f.chunks.iter()).map(move |c| (addressing.clone(), c))
+            })
+            .filter(|(_, c)| !self.present.contains(&c.hash) && seen.insert(c.hash))
+            .map(|(addressing, c)| (addressing, c.clone()))
             .collect();
         // A few chunks in flight: an object store's latency, not its bandwidth, bounds one PUT at
         // a time. Memory: at most UPLOADS chunks.
         let this = &*self;
         let mut outcomes = futures::stream::iter(chunks)
-            .map(|chunk| async move { this.chunk(&chunk).await })
+            .map(|(addressing, chunk)| async move { this.chunk(&addressing, &chunk).await })
             .buffer_unordered(UPLOADS);
         while let Some(outcome) = outcomes.next().await {
             match outcome? {
@@ -600,12 +636,12 @@ impl Upload<'_> {
     }
 
     /// Puts `chunk` in the tier unless it is there: its length if it was uploaded.
-    async fn chunk(&self, chunk: &ChunkRef) -> Result<Option<u64>, String> {
+    async fn chunk(&self, addressing: &Addressing, chunk: &ChunkRef) -> Result<Option<u64>, String> {
         let present = self.tier.has_chunk(chunk.hash, chunk.length_bytes).await;
         if present.map_err(|e| format!("chunk {}: {e}", chunk.hash))? {
             return Ok(None);
         }
-        let data = self.read(chunk.hash, chunk.length_bytes, &chunk.replicas).await?;
+        let data = self.read(addressing, chunk.hash, chunk.length_bytes, &chunk.replicas).await?;
         let length = data.len() as u64;
         {
             let mut pace = self.pace.lock().await;
@@ -622,14 +658,20 @@ impl Upload<'_> {
 
     /// A verified copy of the chunk, decoded: from the targets its manifest lists, then from the
     /// others in its rendezvous order (where re-replication puts copies).
-    async fn read(&self, hash: ChunkHash, length: u64, listed: &[String]) -> Result<Bytes, String> {
+    async fn read(
+        &self,
+        addressing: &Addressing,
+        hash: ChunkHash,
+        length: u64,
+        listed: &[String],
+    ) -> Result<Bytes, String> {
         let ids: Vec<&str> = self.live.iter().map(|l| l.id.as_str()).collect();
         let mut order: Vec<usize> = (0..self.live.len()).filter(|&i| listed.contains(&self.live[i].id)).collect();
         order.extend(rank_targets(&hash, &ids).into_iter().filter(|i| !listed.contains(&self.live[*i].id)));
         let mut failures = Vec::new();
         for index in order {
-            match read_verified(&self.live[index], hash, length).await {
-                Ok((_, data)) => return Ok(data),
+            match read_verified(&self.live[index], addressing, hash, length).await {
+                Ok((_, data, _)) => return Ok(data),
                 Err(CopyError::Unreadable(e) | CopyError::Corrupt(e)) => {
                     failures.push(format!("{}: {e}", self.live[index].id))
                 }

@@ -27,7 +27,6 @@ use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
-use starckpt_proto::ChunkHash;
 use starckpt_proto::buf::ALIGN;
 use starckpt_proto::capability::{ClusterKey, Rights};
 use starckpt_proto::codec::Codec;
@@ -38,6 +37,7 @@ use starckpt_proto::frame::{
 use starckpt_proto::rdma::{RemoteBuffer, endpoint_from_wire, endpoint_to_wire};
 use starckpt_proto::shm::{self, Attach, Region, StagingFile};
 use starckpt_proto::zerocopy::{FrameWriter, ZeroCopySend, ZeroCopyStats};
+use starckpt_proto::{ChunkHash, ChunkName};
 use starckpt_rdma::{Access, MemoryMap, Op, QpDriver, Verbs, WorkRequest};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
@@ -662,7 +662,7 @@ where
             tokio::spawn(async move {
                 let response = match fetch(&served, source, slots.clone(), rdma.as_deref(), chunk).await {
                     Ok(chunk) => {
-                        let response = put(&served.store, request, chunk).await;
+                        let response = put(&served.store, served.cluster_key.as_ref(), request, chunk).await;
                         if is_placed
                             && response.code == ErrorCode::Internal as i32
                             && let Some(slots) = &slots
@@ -1224,10 +1224,21 @@ fn parse_hashes(hashes: &[Bytes]) -> Result<Vec<ChunkHash>, data::Response> {
         .collect()
 }
 
-async fn put(store: &ChunkStore, request: data::PutRequest, mut chunk: super::store::ChunkWrite) -> data::Response {
+async fn put(
+    store: &ChunkStore,
+    cluster_key: Option<&ClusterKey>,
+    request: data::PutRequest,
+    mut chunk: super::store::ChunkWrite,
+) -> data::Response {
     let hash = match ChunkHash::try_from(&request.hash[..]) {
         Ok(hash) => hash,
         Err(error) => return error_response(ErrorCode::BadRequest, error.to_string()),
+    };
+    // A tenant's address must be its key's hash of the content hash; the payload is then checked
+    // against the content hash (starckpt_proto::address).
+    let name = match ChunkName::checked(hash, &request.tenant, &request.content_hash, cluster_key) {
+        Ok(name) => name,
+        Err(reason) => return error_response(ErrorCode::HashMismatch, reason),
     };
     if chunk.is_empty() {
         return error_response(ErrorCode::BadRequest, "empty chunk".into());
@@ -1237,7 +1248,8 @@ async fn put(store: &ChunkStore, request: data::PutRequest, mut chunk: super::st
         Ok(codec) => chunk.set_codec(codec, request.length_bytes),
         Err(error) => return error_response(ErrorCode::BadRequest, error.to_string()),
     }
-    let stored = if request.repair { store.repair(hash, chunk).await } else { store.put(hash, chunk).await };
+    let stored =
+        if request.repair { store.repair_named(&name, chunk).await } else { store.put_named(&name, chunk).await };
     if let (Ok(_), Err(injected)) = (&stored, starckpt_client::faults::point("target.put.ack")) {
         return error_response(ErrorCode::Internal, injected.to_string());
     }

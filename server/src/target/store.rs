@@ -28,7 +28,9 @@
 //! bytes of BLAKE3(bytes 0..64) in every version, so any build can tell a header it does not
 //! understand (valid sum, unknown version: left alone) from a rotten one (removed). Version 1:
 //! codec none. Version 2 (a compressed chunk) adds the BLAKE3 of the stored bytes at 72..104 and,
-//! at 104..112, the first 8 bytes of BLAKE3(bytes 72..104). A torn or rotted header is detected
+//! at 104..112, the first 8 bytes of BLAKE3(bytes 72..104). Version 3 (a tenant's chunk, whose
+//! address is a keyed hash: `starckpt_proto::address`) is laid out as version 2 with any codec,
+//! so the stored bytes' hash checks it without the tenant's key. A torn or rotted header is detected
 //! before its lengths are trusted. The file is self-describing: a scrub or a recovery tool needs
 //! nothing but the file.
 //!
@@ -37,6 +39,8 @@
 //! 1. The payload's BLAKE3 is checked against the hash it was sent under (reject on mismatch). A
 //!    compressed payload is decoded first and the decoded bytes are checked: the content address
 //!    stays honest whatever a client sends, so a chunk deduplicated against it is the real one.
+//!    A tenant's chunk is checked against the content hash its PUT names, after the data plane
+//!    checked that its address is the tenant's keyed hash of that.
 //! 2. The header block and payload are written with O_DIRECT to `tmp/<hash>.<uuid>`, then
 //!    fdatasync'd (the engine does both). When the free pool holds a file of exactly the chunk
 //!    file's size, that file is overwritten in place instead (its fdatasync commits no metadata;
@@ -71,9 +75,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use starckpt_proto::ChunkHash;
 use starckpt_proto::buf::{ALIGN, AlignedBuf, BoxedBuf, BufPool, boxed_to_bytes, round_up};
 use starckpt_proto::codec::{self, Codec};
+use starckpt_proto::{ChunkHash, ChunkName};
 use thiserror::Error;
 
 use super::engine::{ExternalBuf, IoEngine};
@@ -85,6 +89,10 @@ const MAGIC: &[u8; 8] = b"SCKCHUNK";
 const FORMAT_VERSION: u16 = 1;
 /// Compressed chunks: the header also holds the BLAKE3 of the stored bytes.
 const FORMAT_VERSION_STORED_HASH: u16 = 2;
+/// A tenant's chunks (`starckpt_proto::address`), compressed or not: laid out as version 2, but
+/// the address is a keyed hash, so only the stored bytes' hash can check them.
+const FORMAT_VERSION_KEYED: u16 = 3;
+const FORMAT_VERSIONS: [u16; 3] = [FORMAT_VERSION, FORMAT_VERSION_STORED_HASH, FORMAT_VERSION_KEYED];
 
 #[derive(Debug, Error)]
 pub enum ChunkStoreError {
@@ -493,8 +501,14 @@ impl ChunkStore {
 
     /// Verifies and durably stores a chunk. Acknowledge the client only after this returns Ok.
     pub async fn put(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
-        let (chunk, stored_hash) = self.verify(hash, chunk).await?;
-        self.store_copy(hash, chunk, stored_hash, None).await
+        self.put_named(&ChunkName::plain(hash), chunk).await
+    }
+
+    /// Stores a chunk under `name.address`, its payload checked against `name.content` (the
+    /// caller checked that the address binds the content: [`ChunkName::checked`]).
+    pub async fn put_named(&self, name: &ChunkName, chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
+        let (chunk, stored_hash) = self.verify(name.content, chunk).await?;
+        self.store_copy(name, chunk, stored_hash, None).await
     }
 
     /// Checks a payload against the chunk hash it was sent under ([`verify_payload`]), off the
@@ -547,11 +561,12 @@ impl ChunkStore {
     /// chunk's path if it is still that inode (a copy found bad): the path never lacks a copy.
     async fn store_copy(
         &self,
-        hash: ChunkHash,
+        name: &ChunkName,
         mut chunk: ChunkWrite,
         stored_hash: ChunkHash,
         replacing: Option<u64>,
     ) -> Result<PutOutcome, ChunkStoreError> {
+        let hash = name.address;
         let final_path = self.chunk_path(&hash);
         if replacing.is_none() && self.mark_used(vec![hash]).await? == [true] {
             // A concurrent put may have renamed it in but not yet made the rename durable.
@@ -562,7 +577,7 @@ impl ChunkStore {
         let (codec, length) = (chunk.codec, chunk.length);
         encode_header(
             &mut chunk.buf.aligned_mut().full_mut()[..HEADER_BYTES],
-            &StoredHeader { codec, stored_len: data_len as u64, length, stored_hash },
+            &StoredHeader { codec, stored_len: data_len as u64, length, stored_hash, keyed: name.content != hash },
             &hash,
         );
         let held = chunk.held_len();
@@ -603,7 +618,7 @@ impl ChunkStore {
         };
         let failed = match written {
             Ok(None) => None,
-            Ok(Some((head, rehash))) => match verify_placed(hash, head, held, rehash).await {
+            Ok(Some((head, rehash))) => match verify_placed(name.content, head, held, rehash).await {
                 Ok(()) => {
                     self.placed_writes.fetch_add(1, Ordering::Relaxed);
                     None
@@ -750,10 +765,7 @@ impl ChunkStore {
             let mut bytes = Vec::with_capacity(meta.len() as usize);
             file.read_to_end(&mut bytes).map_err(io_error("read", &path))?;
             let version = u16::from_le_bytes([bytes[8], bytes[9]]);
-            if bytes[0..8] == MAGIC[..]
-                && bytes[64..72] == header_sum(&bytes)
-                && ![FORMAT_VERSION, FORMAT_VERSION_STORED_HASH].contains(&version)
-            {
+            if bytes[0..8] == MAGIC[..] && bytes[64..72] == header_sum(&bytes) && !FORMAT_VERSIONS.contains(&version) {
                 return Err(ChunkStoreError::Io {
                     op: "verify",
                     path,
@@ -820,7 +832,13 @@ impl ChunkStore {
     /// that fails (bit rot, a torn or truncated file) is replaced in one rename, so the path is
     /// never without a copy and a good copy someone else wrote meanwhile is kept.
     pub async fn repair(&self, hash: ChunkHash, chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
-        let (chunk, stored_hash) = self.verify(hash, chunk).await?;
+        self.repair_named(&ChunkName::plain(hash), chunk).await
+    }
+
+    /// [`ChunkStore::repair`] of a chunk named as [`ChunkStore::put_named`]'s.
+    pub async fn repair_named(&self, name: &ChunkName, chunk: ChunkWrite) -> Result<PutOutcome, ChunkStoreError> {
+        let hash = name.address;
+        let (chunk, stored_hash) = self.verify(name.content, chunk).await?;
         match self.check_copy(hash).await {
             Ok(Copy::Good { .. }) => {
                 self.mark_used(vec![hash]).await?;
@@ -829,9 +847,9 @@ impl ChunkStore {
             }
             Ok(Copy::Bad { inode, reason }) => {
                 tracing::warn!(chunk = %hash, %reason, "replacing a corrupt copy (read repair)");
-                self.store_copy(hash, chunk, stored_hash, Some(inode)).await
+                self.store_copy(name, chunk, stored_hash, Some(inode)).await
             }
-            Err(ChunkStoreError::NotFound { .. }) => self.store_copy(hash, chunk, stored_hash, None).await,
+            Err(ChunkStoreError::NotFound { .. }) => self.store_copy(name, chunk, stored_hash, None).await,
             Err(other) => Err(other),
         }
     }
@@ -1209,6 +1227,8 @@ struct StoredHeader {
     length: u64,
     /// BLAKE3 of the stored bytes (the content hash for an uncompressed chunk).
     stored_hash: ChunkHash,
+    /// The chunk is a tenant's: its address is not its content hash.
+    keyed: bool,
 }
 
 impl StoredHeader {
@@ -1296,7 +1316,11 @@ fn verify_payload(hash: ChunkHash, chunk: &ChunkWrite) -> Result<ChunkHash, Chun
 }
 
 fn encode_header(header: &mut [u8], fields: &StoredHeader, hash: &ChunkHash) {
-    let version = if fields.codec == Codec::None { FORMAT_VERSION } else { FORMAT_VERSION_STORED_HASH };
+    let version = match (fields.keyed, fields.codec) {
+        (true, _) => FORMAT_VERSION_KEYED,
+        (false, Codec::None) => FORMAT_VERSION,
+        (false, _) => FORMAT_VERSION_STORED_HASH,
+    };
     header.fill(0);
     header[0..8].copy_from_slice(MAGIC);
     header[8..10].copy_from_slice(&version.to_le_bytes());
@@ -1304,7 +1328,7 @@ fn encode_header(header: &mut [u8], fields: &StoredHeader, hash: &ChunkHash) {
     header[16..24].copy_from_slice(&fields.stored_len.to_le_bytes());
     header[24..32].copy_from_slice(&fields.length.to_le_bytes());
     header[32..64].copy_from_slice(&hash.0);
-    if version == FORMAT_VERSION_STORED_HASH {
+    if version != FORMAT_VERSION {
         header[72..104].copy_from_slice(&fields.stored_hash.0);
         let extension = sum8(&header[72..104]);
         header[104..112].copy_from_slice(&extension);
@@ -1326,11 +1350,11 @@ fn decode_header(file: &[u8], hash: &ChunkHash) -> Result<StoredHeader, ChunkSto
     if file[64..72] != header_sum(file) {
         return corrupt("header checksum mismatch");
     }
-    if version == FORMAT_VERSION_STORED_HASH && file[104..112] != sum8(&file[72..104]) {
-        return corrupt("header extension checksum mismatch");
-    }
-    if ![FORMAT_VERSION, FORMAT_VERSION_STORED_HASH].contains(&version) {
+    if !FORMAT_VERSIONS.contains(&version) {
         return corrupt("unknown format version");
+    }
+    if version != FORMAT_VERSION && file[104..112] != sum8(&file[72..104]) {
+        return corrupt("header extension checksum mismatch");
     }
     if file[32..64] != hash.0 {
         return corrupt("header names a different chunk");
@@ -1338,7 +1362,7 @@ fn decode_header(file: &[u8], hash: &ChunkHash) -> Result<StoredHeader, ChunkSto
     let word = |at: usize| u64::from_le_bytes(file[at..at + 8].try_into().expect("8 bytes"));
     let (stored_len, length) = (word(16), word(24));
     let codec = match Codec::from_wire(i32::from(file[10])) {
-        Ok(codec) if (codec == Codec::None) == (version == FORMAT_VERSION) => codec,
+        Ok(codec) if version == FORMAT_VERSION_KEYED || (codec == Codec::None) == (version == FORMAT_VERSION) => codec,
         _ => return corrupt("codec does not match the format version"),
     };
     if codec == Codec::None && stored_len != length {
@@ -1353,7 +1377,7 @@ fn decode_header(file: &[u8], hash: &ChunkHash) -> Result<StoredHeader, ChunkSto
         ChunkHash::try_from(&file[72..104])
             .map_err(|e| ChunkStoreError::Corrupt { hash: *hash, reason: e.to_string() })?
     };
-    Ok(StoredHeader { codec, stored_len, length, stored_hash })
+    Ok(StoredHeader { codec, stored_len, length, stored_hash, keyed: version == FORMAT_VERSION_KEYED })
 }
 
 #[cfg(test)]

@@ -91,8 +91,13 @@ async fn detects_corruption_and_survives_restart(kind: EngineKind) {
     assert!(matches!(store.get(hash, 0, 0).await, Err(ChunkStoreError::Corrupt { .. })));
     // A well-formed header (valid checksum) claiming an absurd length is an error, not a panic.
     let mut crafted = vec![0u8; HEADER_BYTES + 4096];
-    let absurd =
-        StoredHeader { codec: Codec::None, stored_len: u64::MAX - 10, length: u64::MAX - 10, stored_hash: hash };
+    let absurd = StoredHeader {
+        codec: Codec::None,
+        stored_len: u64::MAX - 10,
+        length: u64::MAX - 10,
+        stored_hash: hash,
+        keyed: false,
+    };
     encode_header(&mut crafted[..HEADER_BYTES], &absurd, &hash);
     std::fs::write(&path, &crafted).unwrap();
     assert!(matches!(store.get(hash, 0, 0).await, Err(ChunkStoreError::Corrupt { .. })));
@@ -437,6 +442,83 @@ async fn placed_writes(kind: EngineKind) {
     assert!(ChunkStore::placed_write(16_383, placed_dest(&memory, at), none()).is_err(), "more than the chunk");
 }
 
+/// A tenant's chunks (`starckpt_proto::address`): stored under their keyed address, checked
+/// against the content hash their name carries (held, compressed and placed writes alike), kept as
+/// format version 3 with the stored bytes' hash, so the scrub checks them without the tenant's
+/// key; the same bytes' plain chunk is another chunk.
+async fn tenant_chunks(kind: EngineKind) {
+    use starckpt_proto::{Addressing, ChunkName, TenantName};
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    let acme = Addressing::tenant(None, &TenantName::try_from("acme").unwrap());
+    let data = random(70_000, 80);
+    let name = acme.name(ChunkHash::of(&data));
+    let held = |bytes: &[u8]| {
+        let bytes = bytes.to_vec();
+        let store = &store;
+        async move {
+            let mut write = store.write_buffer(bytes.len()).await;
+            write.data_mut().copy_from_slice(&bytes);
+            write
+        }
+    };
+    // Bytes that are not the named content: refused, nothing stored.
+    let refused = store.put_named(&name, held(&random(70_000, 81)).await).await;
+    assert!(matches!(refused, Err(ChunkStoreError::HashMismatch { .. })), "{refused:?}");
+    assert!(store.chunk_path(&name.address).metadata().is_err());
+    assert_eq!(store.put_named(&name, held(&data).await).await.unwrap(), PutOutcome::Stored);
+    let path = store.chunk_path(&name.address);
+    let file = std::fs::read(&path).unwrap();
+    assert_eq!(u16::from_le_bytes([file[8], file[9]]), FORMAT_VERSION_KEYED);
+    assert_eq!(&store.get(name.address, 0, 0).await.unwrap().bytes[..], &data[..]);
+    assert_eq!(store.check_copy(name.address).await.unwrap(), Copy::Good { length: data.len() as u64 });
+    assert_eq!(store.has(vec![name.address, name.content]).await.unwrap(), vec![true, false]);
+    assert_eq!(store.put_named(&name, held(&data).await).await.unwrap(), PutOutcome::AlreadyPresent);
+    assert_eq!(store.repair_named(&name, held(&data).await).await.unwrap(), PutOutcome::AlreadyPresent);
+    // Rot is found by the stored hash, and read repair replaces the copy.
+    let mut rotten = file.clone();
+    rotten[HEADER_BYTES + 7] ^= 0x40;
+    std::fs::write(&path, &rotten).unwrap();
+    assert!(matches!(store.check_copy(name.address).await.unwrap(), Copy::Bad { .. }));
+    assert_eq!(store.repair_named(&name, held(&data).await).await.unwrap(), PutOutcome::Stored);
+    assert_eq!(std::fs::read(&path).unwrap(), file);
+    drop(store);
+    let store = self::store(kind, dir.path()).await;
+    assert_eq!(&store.get(name.address, 0, 0).await.unwrap().bytes[..], &data[..], "survives a restart");
+    // The plain chunk of the same bytes is another chunk, in format version 1.
+    let (plain, _) = put(&store, &data).await;
+    let file = std::fs::read(store.chunk_path(&plain)).unwrap();
+    assert_eq!(u16::from_le_bytes([file[8], file[9]]), FORMAT_VERSION);
+
+    // Compressed: decoded and checked against the content hash, kept encoded.
+    let floats: Vec<u8> =
+        (0..150_000u32).flat_map(|i| (((i % 512) as f32 * 1e-4).to_bits() >> 16).to_le_bytes()[..2].to_vec()).collect();
+    let packed = codec::compress(&floats, &codec::CompressConfig::default()).expect("compresses");
+    let name = acme.name(ChunkHash::of(&floats));
+    let wrong = ChunkName { content: ChunkHash::of(&floats[1..]), ..name.clone() };
+    let refused = store.put_named(&wrong, packed_write(&store, &packed, floats.len()).await).await;
+    assert!(matches!(refused, Err(ChunkStoreError::HashMismatch { .. })), "{refused:?}");
+    let stored = store.put_named(&name, packed_write(&store, &packed, floats.len()).await).await;
+    assert_eq!(stored.unwrap(), PutOutcome::Stored);
+    let file = std::fs::read(store.chunk_path(&name.address)).unwrap();
+    assert_eq!(u16::from_le_bytes([file[8], file[9]]), FORMAT_VERSION_KEYED);
+    let whole = store.get(name.address, 0, 0).await.unwrap();
+    assert_eq!((whole.codec, &whole.bytes[..]), (packed.codec, &packed.bytes[..]));
+    assert_eq!(&store.get(name.address, 5, 100).await.unwrap().bytes[..], &floats[5..105]);
+    assert_eq!(store.check_copy(name.address).await.unwrap(), Copy::Good { length: packed.bytes.len() as u64 });
+
+    // Placed: checked against the content hash once the device wrote it.
+    let data = random(300_000, 82);
+    let name = acme.name(ChunkHash::of(&data));
+    let wrong = ChunkName { content: ChunkHash::of(b"else"), ..name.clone() };
+    let refused = store.put_named(&wrong, placed_chunk(&data, |_| {})).await;
+    assert!(matches!(refused, Err(ChunkStoreError::HashMismatch { .. })), "{refused:?}");
+    assert!(store.chunk_path(&name.address).metadata().is_err());
+    assert_eq!(store.put_named(&name, placed_chunk(&data, |_| {})).await.unwrap(), PutOutcome::Stored);
+    assert_eq!(&store.get(name.address, 0, 0).await.unwrap().bytes[..], &data[..]);
+    assert_eq!(store.check_copy(name.address).await.unwrap(), Copy::Good { length: data.len() as u64 });
+}
+
 fn inode(path: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path).unwrap().ino()
@@ -567,6 +649,10 @@ macro_rules! suite {
             #[tokio::test]
             async fn compressed() {
                 compressed_chunks($kind).await
+            }
+            #[tokio::test]
+            async fn tenants() {
+                tenant_chunks($kind).await
             }
             #[tokio::test]
             async fn reuse_deleted_files() {
