@@ -371,20 +371,13 @@ pub async fn show(server: &Remote, job: &str, step: u64, out: &Output) -> anyhow
     Ok(())
 }
 
-/// Where `restore --from-tier` reads: the tier's URL, and the cluster key a tenant's chunk
-/// addresses are keyed with (`starckpt_proto::address`).
-pub struct FromTier<'a> {
-    pub url: &'a str,
-    pub cluster_key: Option<starckpt_proto::capability::ClusterKey>,
-}
-
 pub async fn restore(
     server: &Remote,
     job: &str,
     step: Option<u64>,
     to: &Path,
     force: bool,
-    from_tier: Option<FromTier<'_>>,
+    from_tier: Option<&str>,
     out: &Output,
 ) -> anyhow::Result<()> {
     match from_tier {
@@ -394,16 +387,10 @@ pub async fn restore(
             let concurrency = client.config().restore_concurrency;
             restore_from(&client, &manifest, to, force, concurrency, out).await
         }
-        Some(FromTier { url, cluster_key }) => {
+        Some(url) => {
             let name = starckpt_proto::JobName::try_from(job)?;
             let tier = starckpt_server::control::tier::Tier::open_existing(url).await?;
-            let manifest = CheckpointManifest::from_response(tier.manifest(&name, step, cluster_key.as_ref()).await?)?;
-            if manifest.addressing.tenant_name().is_some() && cluster_key.is_none() {
-                eprintln!(
-                    "note: {job} is a tenant's job: its chunks verify only with its cluster's \
-                     --cluster-key-file (none given: they verify only if the cluster had no key)"
-                );
-            }
+            let manifest = CheckpointManifest::from_response(tier.manifest(&name, step).await?)?;
             // As many chunks in flight as a restore from the cluster.
             let concurrency = ClientConfig::new(&server.server).restore_concurrency;
             restore_from(&tier, &manifest, to, force, concurrency, out).await

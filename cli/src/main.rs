@@ -340,12 +340,9 @@ enum Command {
         force: bool,
         /// Read the checkpoint from this object-store tier (`s3://BUCKET/PREFIX`, `file:///DIR`:
         /// the server's `--tier`) alone, with no control plane or target: for when the cluster
-        /// is gone. Only checkpoints a tier pass completed are there. A tenant's job in a cluster
-        /// with a key needs --cluster-key-file too: its chunk addresses are keyed with it.
+        /// is gone. Only checkpoints a tier pass completed are there.
         #[arg(long, value_name = "URL")]
         from_tier: Option<String>,
-        #[command(flatten)]
-        key: ClusterKeyArg,
     },
     /// Delete a checkpoint (its chunks are freed by the next garbage collection).
     Rm { job: String, step: u64 },
@@ -617,12 +614,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Ls { job, all, from_tier } => commands::ls(&remote, job, all, from_tier.as_deref(), &out).await,
         Command::Show { job, step } => commands::show(&remote, &job, step, &out).await,
         Command::Cat { job, step, path } => commands::cat(&remote, &job, step, &path).await,
-        Command::Restore { job, latest: _, step, to, force, from_tier, key } => {
-            let from_tier = match from_tier.as_deref() {
-                Some(url) => Some(commands::FromTier { url, cluster_key: key.load()? }),
-                None => None,
-            };
-            commands::restore(&remote, &job.job, step, &to, force, from_tier, &out).await
+        Command::Restore { job, latest: _, step, to, force, from_tier } => {
+            commands::restore(&remote, &job.job, step, &to, force, from_tier.as_deref(), &out).await
         }
         Command::Rm { job, step } => commands::rm(&remote, &job, step).await,
         Command::Retention { job, keep_last, keep_every } => {

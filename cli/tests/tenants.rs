@@ -197,18 +197,21 @@ async fn a_tenant_cannot_commit_into_another_tenants_checkpoint() {
                     replicas: vec![target],
                 }],
             }],
-            chunk_tenant: begun.chunk_tenant.clone(),
+            chunk_key: begun.chunk_key.clone(),
             ..Default::default()
         }),
         written_bytes: 0,
     };
-    // A tenant's chunks are addressed with its key, handed out with the checkpoint.
-    assert_eq!((begun.chunk_tenant.as_str(), begun.chunk_key.len()), ("acme", 32));
-    let mut unkeyed = part.clone();
-    unkeyed.manifest.as_mut().unwrap().chunk_tenant = String::new();
-    let refused = acme.commit_part(unkeyed).await.unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
-    assert!(refused.message().contains("acme's key"), "{refused:?}");
+    // A tenant's chunks are addressed with its key, handed out with the checkpoint: a manifest
+    // addressed by plain BLAKE3, or with a key of its own choosing, is refused.
+    assert_eq!(begun.chunk_key.len(), 32);
+    for chunk_key in [Vec::new(), vec![5u8; 32]] {
+        let mut unkeyed = part.clone();
+        unkeyed.manifest.as_mut().unwrap().chunk_key = chunk_key.into();
+        let refused = acme.commit_part(unkeyed).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(refused.message().contains("tenant acme's"), "{refused:?}");
+    }
     let refused = beta.commit_part(part.clone()).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::NotFound, "{refused:?}");
     let state = beta.latest(LatestRequest { job: "j".into() }).await.unwrap().into_inner();
@@ -398,24 +401,27 @@ async fn tenants_never_deduplicate_against_each_other() {
             let got = client.get_manifest(GetManifestRequest { job, step: Some(1) }).await.unwrap().into_inner();
             let manifest = got.parts[0].manifest.clone().unwrap();
             let hashes: Vec<Vec<u8>> = manifest.files[0].chunks.iter().map(|c| c.hash.to_vec()).collect();
-            (manifest.chunk_tenant, got.chunk_key.len(), hashes, manifest.files[0].chunks[0].length_bytes)
+            (manifest.chunk_key.to_vec(), hashes, manifest.files[0].chunks[0].length_bytes)
         }
     };
-    let (acme_tenant, acme_key, acme_chunks, _) = addresses(&acme, "llama").await;
-    let (beta_tenant, beta_key, beta_chunks, _) = addresses(&beta, "llama").await;
-    let (plain_tenant, plain_key, plain_chunks, first_length) = addresses(&admin, "shared").await;
-    assert_eq!((acme_tenant.as_str(), acme_key, beta_tenant.as_str(), beta_key), ("acme", 32, "beta", 32));
-    assert_eq!((plain_tenant.as_str(), plain_key), ("", 0));
-    let first = &bytes[..first_length as usize];
-    assert_eq!(plain_chunks[0], blake3::hash(first).as_bytes().to_vec(), "outside every tenant: plain BLAKE3");
+    let (acme_key, acme_chunks, _) = addresses(&acme, "llama").await;
+    let (beta_key, beta_chunks, _) = addresses(&beta, "llama").await;
+    let (plain_key, plain_chunks, first_length) = addresses(&admin, "shared").await;
+    assert_eq!((acme_key.len(), beta_key.len(), plain_key.len()), (32, 32, 0));
+    assert_ne!(acme_key, beta_key);
+    // The first chunk's address: plain BLAKE3 outside every tenant, the key's hash of that within.
+    let plain = blake3::hash(&bytes[..first_length as usize]);
+    assert_eq!(plain_chunks[0], plain.as_bytes().to_vec(), "outside every tenant: plain BLAKE3");
+    let keyed = blake3::keyed_hash(&acme_key.clone().try_into().unwrap(), plain.as_bytes());
+    assert_eq!(acme_chunks[0], keyed.as_bytes().to_vec(), "acme's: its key's hash of the plain one");
     for (index, plain) in plain_chunks.iter().enumerate() {
         assert_ne!(&acme_chunks[index], plain);
         assert_ne!(&beta_chunks[index], plain);
         assert_ne!(&acme_chunks[index], &beta_chunks[index]);
     }
-    // The operator reading acme's job gets acme's addressing.
-    let (as_operator, key, chunks_seen, _) = addresses(&admin, "acme/llama").await;
-    assert_eq!((as_operator.as_str(), key, &chunks_seen), ("acme", 32, &acme_chunks));
+    // The operator reading acme's job reads acme's addressing.
+    let (key, chunks_seen, _) = addresses(&admin, "acme/llama").await;
+    assert_eq!((&key, &chunks_seen), (&acme_key, &acme_chunks));
 
     // Each restores, verified under its own addressing.
     for (token, job, to) in [(&acme, "llama", "acme"), (&beta, "llama", "beta"), (&admin, "shared", "plain")] {

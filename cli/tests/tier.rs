@@ -308,33 +308,27 @@ fn a_new_cluster_adopts_the_checkpoints_of_a_tier() {
             source
         })
         .collect();
-    // A tenant's job (tenants.rs), saved here by the operator under its stored name. Its chunk
-    // addresses are keyed with a key derived from the cluster's (starckpt_proto::address).
+    // A tenant's job (tenants.rs), saved here by the operator under its stored name. Its chunks
+    // are addressed with a key derived from this cluster's (starckpt_proto::address), which its
+    // manifest records.
     old.json(&["save", "--job", "acme/llm", "--step", "9", trees[0].to_str().unwrap()]);
     assert_eq!(old.json(&["tier"])["checkpoints_tiered"], 3);
-    let secret = old.secret();
     drop(old);
     let listed = cli_env(&["--server", "127.0.0.1:1", "ls", "acme/llm", "--from-tier", &url, "--json"], &[]);
     assert!(listed.status.success(), "{}", String::from_utf8_lossy(&listed.stderr));
     let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
     assert_eq!((listed[0]["job"].as_str(), listed[0]["step"].as_u64()), (Some("acme/llm"), Some(9)), "{listed}");
-    // Restored from the tier alone, the tenant's chunks verify only with the cluster's key.
+    // Restored from the tier alone, the tenant's chunks verify with the key their manifest records.
     let to = kept.path().join("acme-from-tier");
     let restore = ["--server", "127.0.0.1:1", "restore", "--job", "acme/llm", "--latest", "--from-tier", &url];
     let restore: Vec<&str> = restore.iter().copied().chain(["--to", to.to_str().unwrap()]).collect();
     let output = cli_env(&restore, &[]);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success() && stderr.contains("--cluster-key-file"), "{stderr}");
-    assert!(!to.exists());
-    let key_file = kept.path().join("cluster.key");
-    std::fs::write(&key_file, &secret).unwrap();
-    let output = cli_env(&restore, &[("STARCKPT_CLUSTER_KEY_FILE", key_file.to_str().unwrap())]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     assert_eq!(tree(&trees[0]), tree(&to));
 
-    // A new cluster on the same tier: a new database, empty targets, the same key (without it,
-    // the tenant's chunks would not verify).
-    let new = Cluster::start_with_key(2, &flags, &secret);
+    // A new cluster on the same tier: a new database, empty targets, another cluster key (the
+    // tenant's old chunks keep the key their manifests record).
+    let new = Cluster::start_with_tokens(2, &tokens, &admin, &flags);
     assert!(new.json(&["ls"]).as_array().unwrap().is_empty());
     let report = new.json(&["tier", "--import"]);
     let mut imported: Vec<_> = report["imported"]
@@ -370,6 +364,15 @@ fn a_new_cluster_adopts_the_checkpoints_of_a_tier() {
     assert_eq!(pass["manifests_deleted"], 3, "{pass}");
     let records = walk(tier.path()).into_iter().filter(|p| p.ends_with("checkpoint.info")).count();
     assert_eq!(records, 3);
+    // New checkpoints of the tenant's job are addressed with the new cluster's key: the same
+    // bytes are stored once more, and both steps read back.
+    let saved = new.json(&["save", "--job", "acme/llm", "--step", "10", trees[0].to_str().unwrap()]);
+    assert_eq!(saved["deduplicated_chunks"], 0, "{saved}");
+    for step in ["9", "10"] {
+        let to = kept.path().join(format!("acme-{step}"));
+        new.ok(&["restore", "--job", "acme/llm", "--step", step, "--to", to.to_str().unwrap()]);
+        assert_eq!(tree(&trees[0]), tree(&to));
+    }
 }
 
 /// Every file under `dir`.

@@ -32,7 +32,7 @@ async fn verify(
     chunk: &ChunkRef,
     payload: Payload,
 ) -> Result<std::result::Result<Bytes, String>> {
-    let (hash, length, addressing) = (chunk.hash, chunk.length_bytes, addressing.clone());
+    let (hash, length, addressing) = (chunk.hash, chunk.length_bytes, *addressing);
     tokio::task::spawn_blocking(move || payload.verified(&addressing, hash, length).map(|(data, _)| data))
         .await
         .map_err(|e| Error::Cancelled(e.to_string()))
@@ -107,7 +107,7 @@ impl CheckpointManifest {
             .collect::<Result<Vec<_>>>()?;
         starckpt_proto::model::check_disjoint(parts.iter().map(|(rank, manifest)| (*rank, manifest)))
             .map_err(|e| Error::InvalidInput(format!("{} step {}: {e}", info.job, info.step)))?;
-        let addressing = Self::addressing(&info, &parts, &response.chunk_key)?;
+        let addressing = Self::addressing(&info, &parts)?;
         let mut files = Vec::new();
         let mut directories = Vec::new();
         let mut metadata = Vec::new();
@@ -122,25 +122,17 @@ impl CheckpointManifest {
     }
 
     /// How the parts' chunks are addressed: all parts must agree (the control plane commits a
-    /// tenant's parts only with the tenant's addressing), and a tenant's need its key.
-    fn addressing(info: &CheckpointInfo, parts: &[(u32, Manifest)], key: &[u8]) -> Result<Addressing> {
-        let mut tenants = parts.iter().map(|(_, manifest)| manifest.chunk_tenant.as_ref());
-        let first = tenants.next().flatten();
-        if tenants.any(|tenant| tenant != first) {
+    /// tenant's parts only with the tenant's current key).
+    fn addressing(info: &CheckpointInfo, parts: &[(u32, Manifest)]) -> Result<Addressing> {
+        let mut keys = parts.iter().map(|(_, manifest)| manifest.addressing);
+        let first = keys.next().unwrap_or_default();
+        if keys.any(|addressing| addressing != first) {
             return Err(Error::InvalidInput(format!(
                 "{} step {}: its parts address their chunks with different keys",
                 info.job, info.step
             )));
         }
-        let Some(tenant) = first else { return Ok(Addressing::plain()) };
-        if key.is_empty() {
-            return Err(Error::InvalidInput(format!(
-                "{} step {}: its chunks are addressed with tenant {tenant}'s key, and none was given",
-                info.job, info.step
-            )));
-        }
-        Addressing::from_wire(tenant.as_str(), key)
-            .map_err(|e| Error::InvalidInput(format!("{} step {}: {e}", info.job, info.step)))
+        Ok(first)
     }
 }
 
@@ -464,15 +456,15 @@ impl Client {
         };
         let target_id = target.target_id.clone();
         let running = Arc::clone(&self.inner.repairs_running);
-        let addressing = addressing.clone();
+        let addressing = *addressing;
         tokio::spawn(async move {
             let _permit = permit;
             let Ok(_running) = running.acquire_owned().await else { return };
             // Verified already; a tenant's chunk is hashed again for the content hash it is
             // named by.
-            let name = match addressing.tenant_name() {
-                None => ChunkName::plain(hash),
-                Some(_) => {
+            let name = match addressing.is_keyed() {
+                false => ChunkName::plain(hash),
+                true => {
                     let hashed = data.clone();
                     let Ok(content) = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed)).await else {
                         return;

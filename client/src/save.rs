@@ -30,7 +30,7 @@ use futures::StreamExt;
 use starckpt_proto::codec::{self, CompressConfig};
 use starckpt_proto::control as pb;
 use starckpt_proto::model::{ChunkRef, Codec, FileEntry, Manifest};
-use starckpt_proto::{Addressing, ChunkHash, ChunkName, JobName, RelPath, TenantName};
+use starckpt_proto::{Addressing, ChunkHash, ChunkName, JobName, RelPath};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -360,7 +360,7 @@ impl Client {
                 c.chunk_addressing(r).await
             })
             .await?;
-        addressing_from(&response.chunk_tenant, &response.chunk_key)
+        addressing_from(&response.chunk_key)
     }
 
     /// Sends one rank's manifest; says whether that completed the checkpoint.
@@ -486,9 +486,8 @@ impl Client {
             return Err(Error::InvalidInput(format!("rank {} is outside world size {}", part.rank, part.world_size)));
         }
         let (epoch, begin) = self.begin(&job, part.step, part.world_size).await?;
-        let addressing = addressing_from(&begin.chunk_tenant, &begin.chunk_key)?;
+        let addressing = addressing_from(&begin.chunk_key)?;
         let placement = self.placement(&begin.placement, begin.replicas, addressing)?;
-        let chunk_tenant = placement.addressing.tenant_name().map(TenantName::try_from).transpose()?;
 
         let progress = Arc::new(SaveProgress::default());
         // Every message holds a staging buffer or a slice of a shared one, so the pool bounds the
@@ -531,7 +530,7 @@ impl Client {
             // Held until the part is committed (or failed): the next save waits for, or skips on, it.
             let _slot = slot;
             let mut chunk_refs = uploads.await.map_err(|e| Error::Cancelled(e.to_string()))??;
-            let mut manifest = Manifest { metadata: part.metadata.clone(), chunk_tenant, ..Default::default() };
+            let mut manifest = Manifest { metadata: part.metadata.clone(), addressing, ..Default::default() };
             for (file_index, file) in files.into_iter().enumerate() {
                 match file.kind {
                     StagedKind::Directory => manifest.directories.push(file.path),
@@ -1134,8 +1133,7 @@ async fn store_on(
     outcome.map_err(|source| Error::Target { target_id: placement.ids[index].clone(), address, source })
 }
 
-/// The addressing a control plane's answer describes (`chunk_tenant`, `chunk_key`).
-pub(crate) fn addressing_from(tenant: &str, key: &[u8]) -> Result<Addressing> {
-    Addressing::from_wire(tenant, key)
-        .map_err(|e| Error::InvalidInput(format!("the control plane's chunk addressing: {e}")))
+/// The addressing a control plane's answer describes (its `chunk_key`).
+pub(crate) fn addressing_from(key: &[u8]) -> Result<Addressing> {
+    Addressing::from_wire(key).map_err(|e| Error::InvalidInput(format!("the control plane's chunk addressing: {e}")))
 }

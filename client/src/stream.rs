@@ -30,7 +30,7 @@ use starckpt_proto::buf::PooledBuf;
 use starckpt_proto::control as pb;
 use starckpt_proto::frame::MAX_BATCH_HASHES;
 use starckpt_proto::model::{ChunkRef, FileEntry, Manifest};
-use starckpt_proto::{Addressing, ChunkHash, JobName, RelPath, TenantName};
+use starckpt_proto::{Addressing, ChunkHash, JobName, RelPath};
 use tokio::task::JoinHandle;
 
 use crate::save::{Placement, SaveOutcome, SaveProgress, upload_one};
@@ -115,14 +115,13 @@ impl Client {
             }
             return Err(error);
         }
-        let addressing = crate::save::addressing_from(&begin.chunk_tenant, &begin.chunk_key)?;
+        let addressing = crate::save::addressing_from(&begin.chunk_key)?;
         if let Some(file) = files.iter().find(|f| f.addressing != addressing) {
             return Err(Error::InvalidInput(format!(
                 "{} was streamed for another job's chunk addresses ({:?}) than {job}'s ({addressing:?})",
                 file.path, file.addressing
             )));
         }
-        let chunk_tenant = addressing.tenant_name().map(TenantName::try_from).transpose()?;
         let written_bytes = files.iter().map(|f| f.written_bytes).sum();
         let total_bytes = files.iter().map(|f| f.size).sum();
         let chunks = files.iter().map(|f| f.chunks.len() as u64).sum();
@@ -133,7 +132,7 @@ impl Client {
                 .collect(),
             directories,
             metadata,
-            chunk_tenant,
+            addressing,
         };
         let state = self.commit_manifest(begin.checkpoint_id, 0, &manifest, written_bytes).await?;
         Ok(SaveOutcome {
@@ -239,7 +238,7 @@ impl StreamingFile {
             return Err(Error::Cancelled(format!("{path}: {} of {} chunks uploaded", chunks.len(), self.next_index)));
         }
         let written_bytes = self.progress.uploaded_bytes.load(Ordering::Relaxed);
-        let addressing = self.placement.addressing.clone();
+        let addressing = self.placement.addressing;
         Ok(StreamedFile { path, size: self.size, mode, chunks, written_bytes, addressing })
     }
 

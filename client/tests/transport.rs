@@ -138,7 +138,7 @@ async fn tenant_chunks(transport: &dyn ChunkTransport) {
     };
     // An address that is not acme's for this content: a forged one, beta's, the plain one.
     for address in [ChunkHash::of(b"elsewhere"), beta.address(&content), content] {
-        mismatch(transport.put_named(&ChunkName { address, ..name.clone() }, Payload::raw(data.clone()), false).await);
+        mismatch(transport.put_named(&ChunkName { address, ..name }, Payload::raw(data.clone()), false).await);
     }
     // Bytes that are not the content named.
     mismatch(transport.put_named(&name, Payload::raw(chunk(70_001, 10).1), false).await);
@@ -162,7 +162,7 @@ async fn tenant_chunks(transport: &dyn ChunkTransport) {
     let packed = codec::compress(&floats, &CompressConfig::default()).expect("compresses");
     let payload = Payload { bytes: Bytes::from(packed.bytes), codec: packed.codec, length: floats.len() as u64 };
     let packed_name = acme.name(content);
-    let wrong = ChunkName { content: ChunkHash::of(b"else"), ..packed_name.clone() };
+    let wrong = ChunkName { content: ChunkHash::of(b"else"), ..packed_name };
     mismatch(transport.put_named(&wrong, payload.clone(), false).await);
     assert!(!transport.put_named(&packed_name, payload, false).await.unwrap());
     let got = transport.get(packed_name.address, 0, 0).await.unwrap();

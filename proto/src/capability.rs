@@ -97,7 +97,7 @@ pub enum CapabilityError {
 }
 
 /// The secret a cluster's control planes and targets share.
-#[derive(Clone)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct ClusterKey([u8; blake3::KEY_LEN]);
 
 impl std::fmt::Debug for ClusterKey {
@@ -301,14 +301,6 @@ impl std::fmt::Debug for Credentials {
 }
 
 impl Credentials {
-    /// The cluster key these credentials are minted with; None for asked-for ones and none.
-    pub fn cluster_key(&self) -> Option<&ClusterKey> {
-        match self.0.as_deref() {
-            Some(Source::Minted { key, .. }) => Some(key),
-            _ => None,
-        }
-    }
-
     /// Credentials minting their own capabilities with `key`, each bound to the target it is
     /// sent to and valid for `lifetime`.
     pub fn minted(key: ClusterKey, rights: Rights, lifetime: Duration) -> Credentials {

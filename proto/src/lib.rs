@@ -52,5 +52,5 @@ pub mod data {
     tonic::include_proto!("starckpt.data.v1");
 }
 
-pub use address::{Addressing, ChunkName};
+pub use address::{Addressing, ChunkKey, ChunkName};
 pub use model::{ChunkHash, JobName, ModelError, RelPath, TenantName};

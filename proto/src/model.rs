@@ -393,9 +393,8 @@ pub struct Manifest {
     pub files: Vec<FileEntry>,
     pub directories: Vec<RelPath>,
     pub metadata: BTreeMap<String, String>,
-    /// Whose key addresses the chunks ([`crate::address`]): the job's tenant, or None for plain
-    /// BLAKE3.
-    pub chunk_tenant: Option<TenantName>,
+    /// How the chunks are addressed ([`crate::address`]): the key they were written with.
+    pub addressing: crate::Addressing,
 }
 
 impl Manifest {
@@ -446,11 +445,8 @@ impl TryFrom<pb::Manifest> for Manifest {
                 return Err(ModelError::File { path: dir.0.clone(), reason: "is both a file and a directory".into() });
             }
         }
-        let chunk_tenant = match manifest.chunk_tenant.as_str() {
-            "" => None,
-            tenant => Some(TenantName::try_from(tenant)?),
-        };
-        Ok(Manifest { files, directories, metadata: manifest.metadata.into_iter().collect(), chunk_tenant })
+        let addressing = crate::Addressing::from_wire(&manifest.chunk_key)?;
+        Ok(Manifest { files, directories, metadata: manifest.metadata.into_iter().collect(), addressing })
     }
 }
 
@@ -509,7 +505,7 @@ impl From<&Manifest> for pb::Manifest {
                 .collect(),
             directories: manifest.directories.iter().map(|d| d.0.clone()).collect(),
             metadata: manifest.metadata.clone().into_iter().collect(),
-            chunk_tenant: manifest.chunk_tenant.as_ref().map(|t| t.0.clone()).unwrap_or_default(),
+            chunk_key: manifest.addressing.to_wire(),
         }
     }
 }
@@ -573,6 +569,9 @@ pub struct CommitPart {
     /// from the request): the checkpoint must be one of that tenant's jobs, or the part is refused
     /// as if the checkpoint did not exist. None: an operator's, or a cluster without tokens.
     pub namespace: Option<TenantName>,
+    /// The cluster's key, set by the control plane (never from the request): a tenant's job's
+    /// part must address its chunks with the tenant's key derived from it ([`crate::address`]).
+    pub cluster_key: Option<crate::capability::ClusterKey>,
 }
 
 impl TryFrom<pb::CommitPartRequest> for CommitPart {
@@ -595,6 +594,7 @@ impl TryFrom<pb::CommitPartRequest> for CommitPart {
             manifest,
             written_bytes: request.written_bytes,
             namespace: None,
+            cluster_key: None,
         })
     }
 }
@@ -741,15 +741,15 @@ mod tests {
             files: vec![file("a/b", &[10, 5]), file("empty", &[])],
             directories: vec!["d".into()],
             metadata: Default::default(),
-            chunk_tenant: "acme".into(),
+            chunk_key: vec![9u8; 32].into(),
         };
         let manifest = Manifest::try_from(ok.clone()).unwrap();
         assert_eq!(manifest.total_bytes(), 15);
-        assert_eq!(manifest.chunk_tenant.as_ref().map(|t| t.as_str()), Some("acme"));
+        assert!(manifest.addressing.is_keyed());
         assert_eq!(pb::Manifest::from(&manifest), ok);
-        let plain = pb::Manifest { chunk_tenant: String::new(), ..ok.clone() };
-        assert_eq!(Manifest::try_from(plain).unwrap().chunk_tenant, None);
-        let bad = pb::Manifest { chunk_tenant: "no/slash".into(), ..ok.clone() };
+        let plain = pb::Manifest { chunk_key: Default::default(), ..ok.clone() };
+        assert_eq!(Manifest::try_from(plain).unwrap().addressing, crate::Addressing::plain());
+        let bad = pb::Manifest { chunk_key: vec![9u8; 31].into(), ..ok.clone() };
         assert!(Manifest::try_from(bad).is_err());
 
         let mut bad = ok.clone();
@@ -869,7 +869,7 @@ mod robustness {
             }],
             directories: vec!["d".into()],
             metadata: Default::default(),
-            chunk_tenant: "acme".into(),
+            chunk_key: vec![3u8; 32].into(),
         }
         .encode_to_vec();
         let mut state = 0x2545_F491_4F6C_DD1Du64;

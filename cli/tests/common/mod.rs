@@ -138,20 +138,6 @@ impl Cluster {
         Cluster::start_with_env(targets, server_flags, &[])
     }
 
-    /// A cluster with the cluster key made from `secret` (another cluster's: [`Cluster::secret`]),
-    /// whose control plane gets extra flags.
-    pub fn start_with_key(targets: usize, server_flags: &[&str], secret: &[u8]) -> Cluster {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(cluster_key_file(dir.path()), secret).unwrap();
-        let db = dir.path().join("meta.db").to_str().unwrap().to_owned();
-        Cluster::start_on(dir, db, 1, targets, server_flags, &[], Vec::new())
-    }
-
-    /// The secret of this cluster's key.
-    pub fn secret(&self) -> Vec<u8> {
-        std::fs::read(cluster_key_file(self.dir.path())).unwrap()
-    }
-
     /// A cluster whose control plane gets extra flags and environment variables.
     pub fn start_with_env(targets: usize, server_flags: &[&str], server_env: &[(&str, &str)]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();

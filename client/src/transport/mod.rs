@@ -164,7 +164,7 @@ pub trait ChunkTransport: Send + Sync + 'static {
         self.put_named(&ChunkName::plain(hash), payload, true).await
     }
     /// [`ChunkTransport::put`] (or with `repair`, [`ChunkTransport::repair`]) of a chunk by its
-    /// full name: a tenant's chunk carries its tenant and content hash (`starckpt_proto::address`).
+    /// full name: a tenant's chunk carries its key and content hash (`starckpt_proto::address`).
     async fn put_named(&self, name: &ChunkName, payload: Payload, repair: bool) -> Result<bool, TransportError>;
     /// Reads `length` bytes at `offset` of a chunk (`length` 0: to the end). A whole chunk comes
     /// as stored (maybe compressed); a range comes decoded.
@@ -847,10 +847,10 @@ pub(crate) async fn put_header<F: FrameTransport + ?Sized>(
     data::PutRequest {
         auth: frames.auth().await,
         hash: name.address.to_bytes(),
-        tenant: name.tenant.as_deref().unwrap_or_default().to_owned(),
-        content_hash: match name.tenant {
-            Some(_) => name.content.to_bytes(),
-            None => Default::default(),
+        chunk_key: name.addressing.to_wire(),
+        content_hash: match name.addressing.is_keyed() {
+            true => name.content.to_bytes(),
+            false => Default::default(),
         },
         repair,
         codec: payload.codec.to_wire(),

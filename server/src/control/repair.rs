@@ -36,7 +36,6 @@ use std::time::{Duration, Instant};
 
 use starckpt_client::placement::rank_targets;
 use starckpt_client::transport::{ChunkTransport, Credentials, Payload, TcpConfig, TcpTransport, TransportError};
-use starckpt_proto::capability::ClusterKey;
 use starckpt_proto::frame::MAX_BATCH_HASHES;
 use starckpt_proto::{Addressing, ChunkHash, ChunkName};
 
@@ -138,7 +137,7 @@ pub(crate) async fn read_verified(
     length: u64,
 ) -> Result<(Payload, Bytes, ChunkName), CopyError> {
     let payload = target.transport.get(hash, 0, 0).await.map_err(|e| CopyError::Unreadable(e.to_string()))?;
-    let (checked, addressing) = (payload.clone(), addressing.clone());
+    let (checked, addressing) = (payload.clone(), *addressing);
     match tokio::task::spawn_blocking(move || checked.verified(&addressing, hash, length)).await {
         Ok(Ok((data, name))) => Ok((payload, data, name)),
         Ok(Err(found)) => Err(CopyError::Corrupt(found)),
@@ -200,7 +199,7 @@ pub async fn rereplicate(
         })
         .collect();
     report.under_replicated = short.len() as u64;
-    let pass = Pass::new(&live, &live_ids, config, tier, credentials.cluster_key());
+    let pass = Pass::new(&live, &live_ids, config, tier);
     // By index: a closure taking a reference into `short` fails rustc's higher-ranked lifetime
     // check where the pass's future must be Send (the control plane spawns it).
     let outcomes: Vec<Outcome> = futures::stream::iter(0..short.len())
@@ -253,10 +252,9 @@ pub(crate) async fn recover(
     tier: Option<&Tier>,
     config: &RepairConfig,
     skip: &HashSet<String>,
-    cluster_key: Option<&ClusterKey>,
 ) -> Recovered {
     let live_ids: Vec<&str> = live.iter().map(|l| l.id.as_str()).collect();
-    let pass = Pass::new(live, &live_ids, config, tier, cluster_key);
+    let pass = Pass::new(live, &live_ids, config, tier);
     pass.unreachable
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -321,20 +319,11 @@ struct Pass<'a> {
     copies_made: AtomicU64,
     /// Chunks read back from the tier.
     from_tier: AtomicU64,
-    /// What tenants' chunk keys derive from (`starckpt_proto::address`).
-    cluster_key: Option<&'a ClusterKey>,
 }
 
 impl<'a> Pass<'a> {
-    fn new(
-        live: &'a [Live],
-        live_ids: &'a [&'a str],
-        config: &RepairConfig,
-        tier: Option<&'a Tier>,
-        cluster_key: Option<&'a ClusterKey>,
-    ) -> Pass<'a> {
+    fn new(live: &'a [Live], live_ids: &'a [&'a str], config: &RepairConfig, tier: Option<&'a Tier>) -> Pass<'a> {
         Pass {
-            cluster_key,
             live,
             live_ids,
             unreachable: Mutex::new(HashSet::new()),
@@ -377,10 +366,7 @@ async fn restore_copies(
 ) -> Outcome {
     let (live, tier) = (pass.live, pass.tier);
     let wanted = chunk.wanted as usize;
-    let addressing = match &chunk.tenant {
-        Some(tenant) => Addressing::tenant(pass.cluster_key, tenant),
-        None => Addressing::plain(),
-    };
+    let addressing = chunk.addressing;
     let order: Vec<usize> =
         rank_targets(&hash, pass.live_ids).into_iter().filter(|&index| !pass.is_unreachable(index)).collect();
     // Live targets holding it: listed ones, then ones an earlier pass copied it to (in rendezvous

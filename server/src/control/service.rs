@@ -216,9 +216,7 @@ impl Collector {
             silent.retain(|_, since| since.elapsed() < UNREACHABLE_SKIPPED_FOR);
             silent.keys().cloned().collect()
         };
-        let tier = self.config.tier.as_deref();
-        let key = self.config.cluster_key.as_ref();
-        let recovered = repair::recover(chunks, &live, tier, &self.config.repair, &skip, key).await;
+        let recovered = repair::recover(chunks, &live, self.config.tier.as_deref(), &self.config.repair, &skip).await;
         let mut silent = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
         for id in &recovered.unreachable {
             silent.insert(id.clone(), std::time::Instant::now());
@@ -350,7 +348,7 @@ impl ControlService {
                 length: chunk.length_bytes,
                 replicas: Default::default(),
                 wanted,
-                tenant: manifest.chunk_tenant.clone(),
+                addressing: manifest.addressing,
             });
             entry.replicas.extend(chunk.replicas.iter().cloned());
         }
@@ -537,13 +535,11 @@ impl Control for ControlService {
         }
         let record = self.store.begin_checkpoint(&request, now).await.map_err(|e| caller.told(meta_status(e)))?;
         fault("control.begin.reply").map_err(|e| caller.told(meta_status(e)))?;
-        let addressing = self.addressing(&request.job);
         Ok(Response::new(pb::BeginCheckpointResponse {
             checkpoint_id: record.id,
             placement,
             replicas,
-            chunk_tenant: addressing.tenant_name().unwrap_or_default().to_owned(),
-            chunk_key: addressing.key_bytes().to_vec().into(),
+            chunk_key: self.addressing(&request.job).to_wire(),
         }))
     }
 
@@ -554,6 +550,7 @@ impl Control for ControlService {
         let caller = self.caller(&request)?;
         let mut part = CommitPart::try_from(request.into_inner()).map_err(invalid)?;
         part.namespace = caller.namespace();
+        part.cluster_key = self.config.cluster_key.clone();
         // Every replica must name a registered target, or restore could not find the chunk.
         let known: HashSet<String> = self
             .store
@@ -651,7 +648,6 @@ impl Control for ControlService {
         let now = now_ms();
         let targets = self.store.list_targets().await.map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::GetManifestResponse {
-            chunk_key: self.addressing(&job).key_bytes().to_vec().into(),
             checkpoint: Some(checkpoint_info_for(&caller, &record)),
             parts: parts
                 .iter()
@@ -762,11 +758,7 @@ impl Control for ControlService {
     ) -> Result<Response<pb::ChunkAddressingResponse>, Status> {
         let caller = self.caller(&request)?;
         let job = caller.new_job(&request.into_inner().job)?;
-        let addressing = self.addressing(&job);
-        Ok(Response::new(pb::ChunkAddressingResponse {
-            chunk_tenant: addressing.tenant_name().unwrap_or_default().to_owned(),
-            chunk_key: addressing.key_bytes().to_vec().into(),
-        }))
+        Ok(Response::new(pb::ChunkAddressingResponse { chunk_key: self.addressing(&job).to_wire() }))
     }
 
     async fn data_capability(

@@ -33,7 +33,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
 use sqlx::{Any, AnyPool, ConnectOptions, Connection, Row, Transaction};
 use starckpt_proto::control as pb;
 use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest, TargetRegistration, check_disjoint};
-use starckpt_proto::{ChunkHash, JobName};
+use starckpt_proto::{Addressing, ChunkHash, JobName};
 
 use super::store::{
     CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, ImportedCheckpoint, JobRecord, Leadership,
@@ -626,22 +626,28 @@ impl MetaStore for SqlStore {
                 part.rank, record.id
             )));
         }
-        // A tenant's chunks are addressed with its key, or they would deduplicate against
-        // other tenants' (starckpt_proto::address).
-        let job_tenant = JobName::try_from(record.job.as_str()).ok().and_then(|job| job.tenant().map(str::to_owned));
-        let chunk_tenant = part.manifest.chunk_tenant.as_ref().map(|t| t.as_str().to_owned());
-        if chunk_tenant != job_tenant {
-            let addressed = |tenant: &Option<String>| match tenant {
-                Some(tenant) => format!("with tenant {tenant}'s key"),
-                None => "by plain BLAKE3".to_owned(),
+        // A tenant's chunks are addressed with its current key, or they could deduplicate
+        // against other tenants' (starckpt_proto::address).
+        let job = JobName::try_from(record.job.as_str()).map_err(|e| MetaError::Corrupt(e.to_string()))?;
+        let wanted = Addressing::of_job(part.cluster_key.as_ref(), &job);
+        if part.manifest.addressing != wanted {
+            let addressed = |addressing: &Addressing| match addressing.is_keyed() {
+                true => "with a tenant's key",
+                false => "by plain BLAKE3",
+            };
+            let which = match (wanted.is_keyed(), job.tenant()) {
+                (true, Some(tenant)) if part.manifest.addressing.is_keyed() => {
+                    format!("with tenant {tenant}'s current key, not another")
+                }
+                (true, Some(tenant)) => format!("with tenant {tenant}'s key"),
+                _ => addressed(&wanted).to_owned(),
             };
             return Err(MetaError::InvalidArgument(format!(
-                "rank {}'s manifest addresses its chunks {}, and job {}'s chunks are addressed {} \
+                "rank {}'s manifest addresses its chunks {}, and job {}'s are addressed {which} \
                  (a client older than the control plane? upgrade it)",
                 part.rank,
-                addressed(&chunk_tenant),
+                addressed(&part.manifest.addressing),
                 record.job,
-                addressed(&job_tenant)
             )));
         }
         check_epoch(&mut tx, &record.job, record.epoch).await?;
@@ -967,7 +973,7 @@ impl MetaStore for SqlStore {
                     length: chunk.length_bytes,
                     replicas: Default::default(),
                     wanted,
-                    tenant: manifest.chunk_tenant.clone(),
+                    addressing: manifest.addressing,
                 });
                 entry.replicas.extend(chunk.replicas.iter().cloned());
                 entry.wanted = entry.wanted.max(wanted);

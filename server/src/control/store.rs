@@ -112,8 +112,8 @@ pub struct CommittedChunk {
     pub replicas: std::collections::BTreeSet<String>,
     /// Copies it should have.
     pub wanted: u32,
-    /// The tenant whose key addresses it (`starckpt_proto::address`); None: plain BLAKE3.
-    pub tenant: Option<starckpt_proto::TenantName>,
+    /// How it is addressed (`starckpt_proto::address`): the key of the manifest naming it.
+    pub addressing: starckpt_proto::Addressing,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -372,11 +372,12 @@ pub(crate) mod conformance {
             files: vec![pb::FileEntry { path: path.into(), size_bytes: size, mode: 0o644, chunks }],
             directories: vec![],
             metadata: [("rank".to_string(), rank.to_string())].into_iter().collect(),
-            chunk_tenant: String::new(),
+            chunk_key: Default::default(),
         };
         let manifest = Manifest::try_from(manifest).unwrap();
         // As if half of each part had deduplicated.
-        CommitPart { checkpoint_id, rank, written_bytes: manifest.total_bytes() / 2, manifest, namespace: None }
+        let written_bytes = manifest.total_bytes() / 2;
+        CommitPart { checkpoint_id, rank, written_bytes, manifest, namespace: None, cluster_key: None }
     }
 
     fn job(name: &str) -> JobName {
@@ -471,19 +472,25 @@ pub(crate) mod conformance {
         let theirs = store.begin_checkpoint(&begin("other/llama", 1, 1, other_epoch), 1).await.unwrap();
         assert_ne!(ours.id, theirs.id, "one name in two tenants is two jobs");
 
-        // A tenant's chunks are addressed with its key (starckpt_proto::address).
+        // A tenant's chunks are addressed with its key (starckpt_proto::address), derived from
+        // the cluster key the control plane sets.
+        let key = starckpt_proto::capability::ClusterKey::from_secret(b"conformance cluster key").unwrap();
         let keyed = |mut part: CommitPart, tenant: &starckpt_proto::TenantName| {
-            part.manifest.chunk_tenant = Some(tenant.clone());
+            part.manifest.addressing = starckpt_proto::Addressing::tenant(Some(&key), tenant);
+            part.cluster_key = Some(key.clone());
             part
         };
         let as_other = CommitPart { namespace: Some(other.clone()), ..keyed(part(ours.id, 0, "f", 1), &acme) };
         assert!(matches!(store.commit_part(&as_other, 2, 0).await, Err(MetaError::NotFound(_))));
-        // Chunks addressed by plain BLAKE3, or with another tenant's key, would deduplicate
-        // across tenants.
-        for unkeyed in [part(ours.id, 0, "f", 1), keyed(part(ours.id, 0, "f", 1), &other)] {
+        // Chunks addressed by plain BLAKE3, with another tenant's key, or with a key of another
+        // cluster key would deduplicate across tenants, or be a key no one hands out now.
+        let other_cluster = starckpt_proto::capability::ClusterKey::from_secret(b"another cluster's key").unwrap();
+        let stale = CommitPart { cluster_key: Some(other_cluster), ..keyed(part(ours.id, 0, "f", 1), &acme) };
+        let plain = CommitPart { cluster_key: Some(key.clone()), ..part(ours.id, 0, "f", 1) };
+        for unkeyed in [plain, keyed(part(ours.id, 0, "f", 1), &other), stale] {
             let unkeyed = CommitPart { namespace: Some(acme.clone()), ..unkeyed };
             let refused = store.commit_part(&unkeyed, 2, 0).await;
-            assert!(matches!(&refused, Err(MetaError::InvalidArgument(m)) if m.contains("acme's key")), "{refused:?}");
+            assert!(matches!(&refused, Err(MetaError::InvalidArgument(m)) if m.contains("acme's")), "{refused:?}");
         }
         let as_acme = CommitPart { namespace: Some(acme.clone()), ..keyed(part(ours.id, 0, "f", 1), &acme) };
         assert_eq!(store.commit_part(&as_acme, 2, 0).await.unwrap().state, CheckpointState::Committed);

@@ -73,7 +73,6 @@ use object_store::{ObjectStore, PutPayload};
 use prost::Message;
 use starckpt_client::placement::rank_targets;
 use starckpt_client::transport::Credentials;
-use starckpt_proto::capability::ClusterKey;
 use starckpt_proto::control as pb;
 use starckpt_proto::model::{ChunkRef, Manifest};
 use starckpt_proto::{Addressing, ChunkHash, ChunkName, JobName};
@@ -214,15 +213,8 @@ impl Tier {
 
     /// The manifest of `job`'s checkpoint at `step` (None: the highest step) read from the tier
     /// alone, as the control plane would answer it (with no targets: the chunks are read from
-    /// the tier). Only checkpoints whose record is in the tier count (module docs). A tenant's
-    /// chunks are verified with the key derived from `cluster_key` (the cluster's, when it has
-    /// one: `starckpt_proto::address`).
-    pub async fn manifest(
-        &self,
-        job: &JobName,
-        step: Option<u64>,
-        cluster_key: Option<&ClusterKey>,
-    ) -> anyhow::Result<pb::GetManifestResponse> {
+    /// the tier). Only checkpoints whose record is in the tier count (module docs).
+    pub async fn manifest(&self, job: &JobName, step: Option<u64>) -> anyhow::Result<pb::GetManifestResponse> {
         // A step saved again after a delete the sweep has not caught up with yet: the later
         // attempt (higher id).
         let found =
@@ -243,8 +235,7 @@ impl Tier {
             budget -= size;
             parts.push(pb::RankManifest { rank, manifest: Some(manifest) });
         }
-        let chunk_key = Addressing::of_job(cluster_key, job).key_bytes().to_vec().into();
-        Ok(pb::GetManifestResponse { checkpoint: Some(info), parts, targets: vec![], chunk_key })
+        Ok(pb::GetManifestResponse { checkpoint: Some(info), parts, targets: vec![] })
     }
 
     /// The jobs with checkpoints in the tier (names that are not valid job names are skipped).
@@ -411,8 +402,7 @@ pub async fn import(store: &dyn MetaStore, tier: &Tier, job: Option<JobName>) ->
             }
         };
         for step in steps {
-            // Manifests only: no chunk is read, so no key is needed.
-            let parts = match tier.manifest(&job, Some(step), None).await {
+            let parts = match tier.manifest(&job, Some(step)).await {
                 Ok(response) => response,
                 Err(error) => {
                     report.errors.push(error.to_string());
@@ -423,16 +413,9 @@ pub async fn import(store: &dyn MetaStore, tier: &Tier, job: Option<JobName>) ->
             let manifests: Result<Vec<Manifest>, _> =
                 parts.parts.into_iter().map(|p| Manifest::try_from(p.manifest.unwrap_or_default())).collect();
             let manifests = match manifests {
-                // A tenant's chunks are addressed with its key (`starckpt_proto::address`), or
-                // by plain BLAKE3 in manifests written before they were.
-                Ok(manifests)
-                    if manifests
-                        .iter()
-                        .any(|m| m.chunk_tenant.as_ref().is_some_and(|t| Some(t.as_str()) != job.tenant())) =>
-                {
-                    report
-                        .errors
-                        .push(format!("{job} step {step}: its chunks are addressed with another tenant's key"));
+                // Only a tenant's chunks are addressed with a key (`starckpt_proto::address`).
+                Ok(manifests) if job.tenant().is_none() && manifests.iter().any(|m| m.addressing.is_keyed()) => {
+                    report.errors.push(format!("{job} step {step}: a job outside every tenant's with keyed chunks"));
                     continue;
                 }
                 Ok(manifests) => manifests,
@@ -506,7 +489,6 @@ pub async fn pass(
     let mut upload = Upload {
         tier,
         live: &live,
-        cluster_key: credentials.cluster_key(),
         pace: tokio::sync::Mutex::new(Pace::new(config.bytes_per_second)),
         present: HashSet::new(),
     };
@@ -562,8 +544,6 @@ pub async fn pass(
 struct Upload<'a> {
     tier: &'a Tier,
     live: &'a [Live],
-    /// What tenants' chunk keys derive from (`starckpt_proto::address`).
-    cluster_key: Option<&'a ClusterKey>,
     /// Bytes uploaded, paced.
     pace: tokio::sync::Mutex<Pace>,
     /// Chunks known to be in the tier, this pass.
@@ -588,13 +568,7 @@ impl Upload<'_> {
         let mut seen = HashSet::new();
         let chunks: Vec<(Addressing, ChunkRef)> = parts
             .iter()
-            .flat_map(|(_, m)| {
-                let addressing = match &m.chunk_tenant {
-                    Some(tenant) => Addressing::tenant(self.cluster_key, tenant),
-                    None => Addressing::plain(),
-                };
-                m.files.iter().flat_map(|f| f.chunks.iter()).map(move |c| (addressing.clone(), c))
-            })
+            .flat_map(|(_, m)| m.files.iter().flat_map(|f| f.chunks.iter()).map(|c| (m.addressing, c)))
             .filter(|(_, c)| !self.present.contains(&c.hash) && seen.insert(c.hash))
             .map(|(addressing, c)| (addressing, c.clone()))
             .collect();

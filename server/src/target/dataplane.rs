@@ -662,7 +662,7 @@ where
             tokio::spawn(async move {
                 let response = match fetch(&served, source, slots.clone(), rdma.as_deref(), chunk).await {
                     Ok(chunk) => {
-                        let response = put(&served.store, served.cluster_key.as_ref(), request, chunk).await;
+                        let response = put(&served.store, request, chunk).await;
                         if is_placed
                             && response.code == ErrorCode::Internal as i32
                             && let Some(slots) = &slots
@@ -1224,19 +1224,14 @@ fn parse_hashes(hashes: &[Bytes]) -> Result<Vec<ChunkHash>, data::Response> {
         .collect()
 }
 
-async fn put(
-    store: &ChunkStore,
-    cluster_key: Option<&ClusterKey>,
-    request: data::PutRequest,
-    mut chunk: super::store::ChunkWrite,
-) -> data::Response {
+async fn put(store: &ChunkStore, request: data::PutRequest, mut chunk: super::store::ChunkWrite) -> data::Response {
     let hash = match ChunkHash::try_from(&request.hash[..]) {
         Ok(hash) => hash,
         Err(error) => return error_response(ErrorCode::BadRequest, error.to_string()),
     };
     // A tenant's address must be its key's hash of the content hash; the payload is then checked
     // against the content hash (starckpt_proto::address).
-    let name = match ChunkName::checked(hash, &request.tenant, &request.content_hash, cluster_key) {
+    let name = match ChunkName::checked(hash, &request.chunk_key, &request.content_hash) {
         Ok(name) => name,
         Err(reason) => return error_response(ErrorCode::HashMismatch, reason),
     };

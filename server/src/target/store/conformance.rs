@@ -495,7 +495,7 @@ async fn tenant_chunks(kind: EngineKind) {
         (0..150_000u32).flat_map(|i| (((i % 512) as f32 * 1e-4).to_bits() >> 16).to_le_bytes()[..2].to_vec()).collect();
     let packed = codec::compress(&floats, &codec::CompressConfig::default()).expect("compresses");
     let name = acme.name(ChunkHash::of(&floats));
-    let wrong = ChunkName { content: ChunkHash::of(&floats[1..]), ..name.clone() };
+    let wrong = ChunkName { content: ChunkHash::of(&floats[1..]), ..name };
     let refused = store.put_named(&wrong, packed_write(&store, &packed, floats.len()).await).await;
     assert!(matches!(refused, Err(ChunkStoreError::HashMismatch { .. })), "{refused:?}");
     let stored = store.put_named(&name, packed_write(&store, &packed, floats.len()).await).await;
@@ -510,7 +510,7 @@ async fn tenant_chunks(kind: EngineKind) {
     // Placed: checked against the content hash once the device wrote it.
     let data = random(300_000, 82);
     let name = acme.name(ChunkHash::of(&data));
-    let wrong = ChunkName { content: ChunkHash::of(b"else"), ..name.clone() };
+    let wrong = ChunkName { content: ChunkHash::of(b"else"), ..name };
     let refused = store.put_named(&wrong, placed_chunk(&data, |_| {})).await;
     assert!(matches!(refused, Err(ChunkStoreError::HashMismatch { .. })), "{refused:?}");
     assert!(store.chunk_path(&name.address).metadata().is_err());
