@@ -1,7 +1,8 @@
 //! Micro-benchmarks of the data path's parts, each reported as throughput so it reads against the
 //! machine's limits (../shared/MACHINE.md: BLAKE3 ~2.7 GB/s per core, O_DIRECT write ~1.5 GB/s):
 //!
-//! - `hash`: a chunk's BLAKE3 at several chunk sizes;
+//! - `hash`: a chunk's BLAKE3 at several chunk sizes, and a tenant's chunk address (the keyed
+//!   hash of that) of a 4 MiB chunk;
 //! - `chunk_and_hash`: a 64 MiB staged buffer cut into 4 MiB chunks and hashed, on one thread and
 //!   on two (the client hashes chunks concurrently);
 //! - `compress` / `decompress`: the chunk codec on 4 MiB chunks of bf16 weights, fp32 Adam state
@@ -23,8 +24,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use rand::{RngCore, SeedableRng};
-use starckpt_proto::ChunkHash;
 use starckpt_proto::frame::{FIXED_HEADER_BYTES, FrameHeader, Opcode, read_frame_head, write_frame};
+use starckpt_proto::{Addressing, ChunkHash, TenantName};
 use starckpt_server::target::EngineKind;
 use starckpt_server::target::engine::{FIXED_BUFFERS, IoEngine, UringEngine, open_engine};
 use starckpt_server::target::freepool::FreePoolConfig;
@@ -48,6 +49,13 @@ fn hash(c: &mut Criterion) {
             b.iter(|| ChunkHash::of(black_box(data)));
         });
     }
+    // A tenant's chunk address (starckpt_proto::address): the plain hash, then the tenant key's
+    // hash of it; against `hash/4194304`, the cost of keeping deduplication within tenants.
+    let data = random(CHUNK, 1);
+    let acme = Addressing::tenant(None, &TenantName::try_from("acme").unwrap());
+    group.bench_with_input(BenchmarkId::new("tenant", CHUNK), &data, |b, data| {
+        b.iter(|| acme.address(&ChunkHash::of(black_box(data))));
+    });
     group.finish();
 }
 
