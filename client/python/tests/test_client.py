@@ -616,6 +616,15 @@ def test_a_tenants_token_reaches_its_own_jobs_alone(tmp_path, monkeypatch):
             starckpt.Client(tenants.address, "llama", token="stk_" + "0" * 64).latest()
         listed = json.loads(tenants.cli("ls", "--json").stdout)
         assert sorted(j["job"] for j in listed) == ["acme/llama", "beta/llama"]
+        # Deduplication never crosses tenants: beta's copy of acme's array is stored again, and
+        # acme's second save of it deduplicates against acme's own.
+        same = {"w": np.arange(1 << 20, dtype=np.float32)}
+        first = starckpt.Client(tenants.address, "llama", token=acme).save(10, same).wait()
+        assert first.deduplicated_chunks == 0
+        theirs = starckpt.Client(tenants.address, "llama", token=beta).save(10, same).wait()
+        assert (theirs.chunks, theirs.deduplicated_chunks) == (first.chunks, 0)
+        again = starckpt.Client(tenants.address, "llama", token=acme).save(11, same).wait()
+        assert again.deduplicated_chunks == first.chunks > 0
     finally:
         tenants.stop()
 
