@@ -130,6 +130,18 @@ fn tokens_of_two_tenants(dir: &Path) -> (std::path::PathBuf, String, String, Str
     (tokens, admin, acme, beta)
 }
 
+/// A cluster of `targets` targets whose control plane serves the tokens of
+/// [`tokens_of_two_tenants`], started off the runtime's threads: (the tokens file's directory,
+/// the cluster, admin's token, acme's, beta's).
+async fn cluster_of_two_tenants(targets: usize) -> (tempfile::TempDir, Cluster, String, String, String) {
+    let secrets = tempfile::tempdir().unwrap();
+    let (tokens, admin, acme, beta) = tokens_of_two_tenants(secrets.path());
+    let started = admin.clone();
+    let cluster =
+        tokio::task::spawn_blocking(move || Cluster::start_with_tokens(targets, &tokens, &started, &[])).await.unwrap();
+    (secrets, cluster, admin, acme, beta)
+}
+
 /// A gRPC channel to the cluster's control plane.
 async fn channel(cluster: &Cluster) -> tonic::transport::Channel {
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.server.address)).unwrap();
@@ -162,10 +174,7 @@ async fn a_tenant_cannot_commit_into_another_tenants_checkpoint() {
     use starckpt_proto::control::control_client::ControlClient;
     use starckpt_proto::control::*;
 
-    let secrets = tempfile::tempdir().unwrap();
-    let (tokens, admin, acme, beta) = tokens_of_two_tenants(secrets.path());
-    let cluster =
-        tokio::task::spawn_blocking(move || Cluster::start_with_tokens(1, &tokens, &admin, &[])).await.unwrap();
+    let (_secrets, cluster, _, acme, beta) = cluster_of_two_tenants(1).await;
     let channel = channel(&cluster).await;
     let (mut acme, mut beta) = (holder(&channel, &acme), holder(&channel, &beta));
 
@@ -366,12 +375,7 @@ fn a_control_plane_refuses_a_certificate_it_cannot_serve() {
 async fn tenants_never_deduplicate_against_each_other() {
     use starckpt_proto::control::*;
 
-    let secrets = tempfile::tempdir().unwrap();
-    let (tokens, admin, acme, beta) = tokens_of_two_tenants(secrets.path());
-    let cluster = {
-        let (tokens, admin) = (tokens.clone(), admin.clone());
-        tokio::task::spawn_blocking(move || Cluster::start_with_tokens(2, &tokens, &admin, &[])).await.unwrap()
-    };
+    let (_secrets, cluster, admin, acme, beta) = cluster_of_two_tenants(2).await;
     let data = tempfile::tempdir().unwrap();
     let weights = data.path().join("weights");
     let bytes = common::random_bytes((9 << 20) + 5, 11);
@@ -429,4 +433,30 @@ async fn tenants_never_deduplicate_against_each_other() {
         ok(&cluster, token, &["restore", "--job", job, "--step", "1", "--to", to.to_str().unwrap()]);
         assert_eq!(std::fs::read(to.join("weights")).unwrap(), bytes, "{job}");
     }
+}
+
+/// A file streamed for one job's chunk addresses (the mount's way: chunks uploaded before a
+/// checkpoint begins) commits only into a job addressed the same way: into a job outside every
+/// tenant it is refused, and the checkpoint it began is not left pending.
+#[tokio::test]
+async fn a_file_streamed_for_a_tenants_job_commits_only_there() {
+    let (_secrets, cluster, admin, _, _) = cluster_of_two_tenants(1).await;
+    let mut config = starckpt_client::ClientConfig::new(&cluster.server.address);
+    config.token = Some(admin.clone());
+    let client = starckpt_client::Client::connect(config).await.unwrap();
+    let data = common::random_bytes(3 << 20, 21);
+    let mut stream = client.streaming_file("acme/llama").await.unwrap();
+    stream.write(&data).await.unwrap();
+    let file = stream.finish("weights.bin".try_into().unwrap(), 0o644).await.unwrap();
+
+    let refused = client.commit_streamed("shared", 1, vec![file.clone()], vec![], Default::default()).await;
+    let message = refused.unwrap_err().to_string();
+    assert!(message.contains("streamed with other chunk addresses"), "{message}");
+    assert!(client.list_checkpoints("shared", false).await.unwrap().is_empty(), "nothing left pending");
+
+    let committed = client.commit_streamed("acme/llama", 1, vec![file], vec![], Default::default()).await.unwrap();
+    assert!(committed.committed());
+    let manifest = client.manifest("acme/llama", Some(1)).await.unwrap();
+    assert!(manifest.addressing.is_keyed());
+    assert_eq!(&client.read_file(&manifest, "weights.bin").await.unwrap()[..], &data[..]);
 }

@@ -103,7 +103,18 @@ impl Client {
     ) -> Result<SaveOutcome> {
         let job = JobName::try_from(job)?;
         let (epoch, begin) = self.begin(&job, step, 1).await?;
-        if let Err(error) = self.recheck_chunks(&files).await {
+        // Streamed under the addressing the job's chunks have now (a re-key since makes them
+        // another tenant key's), and still stored.
+        let addressing = crate::save::addressing_from(&begin.chunk_key)?;
+        let checked = match files.iter().find(|f| f.addressing != addressing) {
+            Some(file) => Err(Error::InvalidInput(format!(
+                "{} was streamed with other chunk addresses ({:?}) than {job}'s now ({addressing:?}): \
+                 streamed for another job, or the cluster key changed since; write it again",
+                file.path, file.addressing
+            ))),
+            None => self.recheck_chunks(&files).await,
+        };
+        if let Err(error) = checked {
             // Abort the checkpoint now rather than leave it pending until the timeout; only if it
             // is still this one and still pending (never someone's committed step).
             let ours_pending = self.list_checkpoints(job.as_str(), false).await.is_ok_and(|list| {
@@ -114,13 +125,6 @@ impl Client {
                 let _ = self.delete(job.as_str(), step).await;
             }
             return Err(error);
-        }
-        let addressing = crate::save::addressing_from(&begin.chunk_key)?;
-        if let Some(file) = files.iter().find(|f| f.addressing != addressing) {
-            return Err(Error::InvalidInput(format!(
-                "{} was streamed for another job's chunk addresses ({:?}) than {job}'s ({addressing:?})",
-                file.path, file.addressing
-            )));
         }
         let written_bytes = files.iter().map(|f| f.written_bytes).sum();
         let total_bytes = files.iter().map(|f| f.size).sum();
