@@ -40,7 +40,7 @@
 //!    compressed payload is decoded first and the decoded bytes are checked: the content address
 //!    stays honest whatever a client sends, so a chunk deduplicated against it is the real one.
 //!    A tenant's chunk is checked against the content hash its PUT names, after the data plane
-//!    checked that its address is the tenant's keyed hash of that.
+//!    checked that its address is the hash of that under the key the PUT carries.
 //! 2. The header block and payload are written with O_DIRECT to `tmp/<hash>.<uuid>`, then
 //!    fdatasync'd (the engine does both). When the free pool holds a file of exactly the chunk
 //!    file's size, that file is overwritten in place instead (its fdatasync commits no metadata;
