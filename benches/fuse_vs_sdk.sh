@@ -13,19 +13,14 @@
 # The mount's request size is capped by /proc/sys/fs/fuse/max_pages_limit (256 pages = 1 MiB by
 # default); the script raises it to 4096 (16 MiB requests) for the run and restores it after.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 size=${1:-1024}
 rounds=${2:-2}
-bin=${STARCKPT_BIN:-target/release/starckpt}
-[ -x "$bin" ] || cargo build --release -q -p starckpt
-work=$(mktemp -d)
+source "$(dirname "$0")/common.sh"
 limit_file=/proc/sys/fs/fuse/max_pages_limit
 old_limit=$(cat "$limit_file" 2>/dev/null || echo "")
-pids=()
 cleanup() {
     umount -l "$work/ckpt" 2>/dev/null || true
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
+    stop_started
     [ -n "$old_limit" ] && echo "$old_limit" > "$limit_file" 2>/dev/null || true
     rm -rf "$work"
 }

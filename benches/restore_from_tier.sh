@@ -11,16 +11,11 @@
 # chunk from the tier onto the targets as the reader asks (`RecoverChunks`: client/src/recovery.rs,
 # server/src/control/repair.rs). Prints one line per round and one JSON line with the medians.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 size=${1:-256}
 rounds=${2:-3}
-bin=${STARCKPT_BIN:-target/release/starckpt}
-[ -x "$bin" ] || cargo build --release -q -p starckpt
-work=$(mktemp -d)
-pids=()
+source "$(dirname "$0")/common.sh"
 cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
+    stop_started
     rm -rf "$work"
 }
 trap cleanup EXIT
