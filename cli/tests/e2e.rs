@@ -320,26 +320,11 @@ fn a_flipped_byte_fails_restore_naming_chunk_and_target() {
     std::fs::create_dir_all(&other).unwrap();
     std::fs::write(other.join("twice.bin"), random_bytes(1 << 20, 4)).unwrap();
     cluster.ok(&["save", "--job", "rot2", "--step", "1", other.to_str().unwrap()]);
-    let shown = cluster.json(&["show", "rot2", "1"]);
-    let chunk = &shown["files"][0]["chunk_refs"][0];
-    let first = chunk["replicas"][0].as_str().unwrap();
-    let index = (0..3)
-        .find(|i| std::fs::read_to_string(cluster.target_dir(*i).join("target.id")).unwrap().trim() == first)
-        .unwrap();
-    let hash = chunk["hash"].as_str().unwrap();
-    let path = cluster.target_dir(index).join("chunks").join(&hash[..2]).join(hash);
-    let good = std::fs::read(&path).unwrap();
-    let mut bad = good.clone();
-    bad[4096 + 1000] ^= 0x01;
-    std::fs::write(&path, &bad).unwrap();
+    let (path, good) = cluster.rot_first_copy("rot2", "1");
     let restored = cluster.dir.path().join("restored-2");
     cluster.ok(&["restore", "--job", "rot2", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(std::fs::read(restored.join("twice.bin")).unwrap(), random_bytes(1 << 20, 4));
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while std::fs::read(&path).unwrap_or_default() != good {
-        assert!(std::time::Instant::now() < deadline, "the bad copy was not repaired");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::wait_repaired(&path, &good);
 }
 
 fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {

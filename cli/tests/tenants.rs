@@ -433,6 +433,14 @@ async fn tenants_never_deduplicate_against_each_other() {
         ok(&cluster, token, &["restore", "--job", job, "--step", "1", "--to", to.to_str().unwrap()]);
         assert_eq!(std::fs::read(to.join("weights")).unwrap(), bytes, "{job}");
     }
+
+    // Read repair of a tenant's chunk: its first copy rots; the restore reads around it and the
+    // copy is rewritten from the good one, under its keyed address.
+    let (path, good) = cluster.rot_first_copy("acme/llama", "1");
+    let to = data.path().join("acme-repaired");
+    ok(&cluster, &acme, &["restore", "--job", "llama", "--step", "1", "--to", to.to_str().unwrap()]);
+    assert_eq!(std::fs::read(to.join("weights")).unwrap(), bytes);
+    tokio::task::spawn_blocking(move || common::wait_repaired(&path, &good)).await.unwrap();
 }
 
 /// A file streamed for one job's chunk addresses (the mount's way: chunks uploaded before a

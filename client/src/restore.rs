@@ -26,14 +26,15 @@ use crate::{CheckpointInfo, Client, Error, Result, TargetInfo};
 use starckpt_proto::data::ErrorCode;
 
 /// Decodes a fetched copy of `chunk` and checks it against the manifest, off the runtime: the
-/// chunk's bytes, or `Err(what was wrong)`. The outer error is only a cancelled task.
+/// chunk's bytes and its name (what read repair stores them under), or `Err(what was wrong)`.
+/// The outer error is only a cancelled task.
 async fn verify(
     addressing: &Addressing,
     chunk: &ChunkRef,
     payload: Payload,
-) -> Result<std::result::Result<Bytes, String>> {
+) -> Result<std::result::Result<(Bytes, ChunkName), String>> {
     let (hash, length, addressing) = (chunk.hash, chunk.length_bytes, *addressing);
-    tokio::task::spawn_blocking(move || payload.verified(&addressing, hash, length).map(|(data, _)| data))
+    tokio::task::spawn_blocking(move || payload.verified(&addressing, hash, length))
         .await
         .map_err(|e| Error::Cancelled(e.to_string()))
 }
@@ -354,11 +355,13 @@ impl Client {
                 })?;
                 // Bytes placed in `dest` were hashed as the transport copied them there.
                 let checked = match fetched {
-                    Fetched::Payload(payload) => verify(&manifest.addressing, chunk, payload).await?.map(Some),
+                    Fetched::Payload(payload) => {
+                        verify(&manifest.addressing, chunk, payload).await?.map(|(data, name)| (Some(data), name))
+                    }
                     Fetched::Placed(hash) if dest.is_none() => Err(format!("placed in no buffer ({hash})")),
-                    Fetched::Placed(hash) => match manifest.addressing.address(&hash) {
-                        address if address == chunk.hash => Ok(None),
-                        address => Err(format!("got {address}")),
+                    Fetched::Placed(hash) => match manifest.addressing.name(hash) {
+                        name if name.address == chunk.hash => Ok((None, name)),
+                        name => Err(format!("got {}", name.address)),
                     },
                 };
                 checked.map_err(|found| Error::Checksum {
@@ -369,13 +372,13 @@ impl Client {
                 })
             };
             match attempt.await {
-                Ok(data) => {
+                Ok((data, name)) => {
                     let data = settle_chunk(data, dest.as_deref_mut());
                     if !damaged.is_empty() {
                         let good =
                             data.clone().unwrap_or_else(|| Bytes::copy_from_slice(dest.as_deref().unwrap_or(&[])));
                         for target in damaged {
-                            self.repair_copy(target, &manifest.addressing, chunk.hash, good.clone());
+                            self.repair_copy(target, name, good.clone());
                         }
                     }
                     return Ok(data);
@@ -401,9 +404,9 @@ impl Client {
         }
         // None of the listed copies: the control plane's re-replication puts lost copies on other
         // live targets, in the chunk's rendezvous order; look there.
-        if let Some(data) = self.read_elsewhere(manifest, chunk).await {
+        if let Some((data, name)) = self.read_elsewhere(manifest, chunk).await {
             for target in damaged {
-                self.repair_copy(target, &manifest.addressing, chunk.hash, data.clone());
+                self.repair_copy(target, name, data.clone());
             }
             return Ok(settle_chunk(Some(data), dest));
         }
@@ -418,7 +421,7 @@ impl Client {
 
     /// A verified copy of `chunk` from a live target its manifest does not list, trying them in
     /// the chunk's rendezvous order (where re-replication puts new copies). None if none has one.
-    async fn read_elsewhere(&self, manifest: &CheckpointManifest, chunk: &ChunkRef) -> Option<Bytes> {
+    async fn read_elsewhere(&self, manifest: &CheckpointManifest, chunk: &ChunkRef) -> Option<(Bytes, ChunkName)> {
         let live: Vec<TargetInfo> = match self.targets().await {
             Ok(targets) => targets
                 .into_iter()
@@ -434,18 +437,19 @@ impl Client {
             let target = &live[index];
             let Ok(transport) = self.transport(&target.target_id, &target.data_address) else { continue };
             let Ok(payload) = transport.get(chunk.hash, 0, 0).await else { continue };
-            if let Ok(Ok(data)) = verify(&manifest.addressing, chunk, payload).await {
+            if let Ok(Ok(verified)) = verify(&manifest.addressing, chunk, payload).await {
                 tracing::info!(chunk = %chunk.hash, target = %target.target_id, "read a copy the manifest does not list");
-                return Some(data);
+                return Some(verified);
             }
         }
         None
     }
 
-    /// Read repair, in the background: sends `data` (verified) to a target whose copy of `hash`
-    /// was bad or missing; it replaces its copy unless that verifies now. Bounded: when
+    /// Read repair, in the background: sends `data` (verified as the chunk `name`) to a target
+    /// whose copy was bad or missing; it replaces its copy unless that verifies now. Bounded: when
     /// [`crate::REPAIRS_IN_FLIGHT`] repairs are queued or running, this one is skipped (logged).
-    fn repair_copy(&self, target: &TargetInfo, addressing: &Addressing, hash: ChunkHash, data: Bytes) {
+    fn repair_copy(&self, target: &TargetInfo, name: ChunkName, data: Bytes) {
+        let hash = name.address;
         let Ok(permit) = Arc::clone(&self.inner.repairs).try_acquire_owned() else {
             tracing::warn!(chunk = %hash, target = %target.target_id, "read repair skipped: too many in flight");
             return;
@@ -456,22 +460,9 @@ impl Client {
         };
         let target_id = target.target_id.clone();
         let running = Arc::clone(&self.inner.repairs_running);
-        let addressing = *addressing;
         tokio::spawn(async move {
             let _permit = permit;
             let Ok(_running) = running.acquire_owned().await else { return };
-            // Verified already; a tenant's chunk is hashed again for the content hash it is
-            // named by.
-            let name = match addressing.is_keyed() {
-                false => ChunkName::plain(hash),
-                true => {
-                    let hashed = data.clone();
-                    let Ok(content) = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed)).await else {
-                        return;
-                    };
-                    addressing.name(content)
-                }
-            };
             match transport.put_named(&name, Payload::raw(data), true).await {
                 Ok(false) => tracing::info!(chunk = %hash, target = %target_id, "read repair rewrote a bad copy"),
                 Ok(true) => tracing::info!(chunk = %hash, target = %target_id, "read repair: the copy verifies now"),

@@ -379,6 +379,25 @@ impl Cluster {
         }
     }
 
+    /// Rots the copy a restore of `job` at `step` reads first: the first chunk of its first file,
+    /// on the target its manifest lists first (one payload byte flipped). Returns the chunk file
+    /// and its good bytes ([`wait_repaired`]).
+    pub fn rot_first_copy(&self, job: &str, step: &str) -> (PathBuf, Vec<u8>) {
+        let shown = self.json(&["show", job, step]);
+        let chunk = &shown["files"][0]["chunk_refs"][0];
+        let first = chunk["replicas"][0].as_str().unwrap();
+        let index = (0..self.targets.len())
+            .find(|i| std::fs::read_to_string(self.target_dir(*i).join("target.id")).unwrap().trim() == first)
+            .unwrap();
+        let hash = chunk["hash"].as_str().unwrap();
+        let path = self.target_dir(index).join("chunks").join(&hash[..2]).join(hash);
+        let good = std::fs::read(&path).unwrap();
+        let mut bad = good.clone();
+        bad[4096 + 1000] ^= 0x01;
+        std::fs::write(&path, &bad).unwrap();
+        (path, good)
+    }
+
     /// Chunk files stored by target `index`.
     pub fn chunk_files(&self, index: usize) -> Vec<PathBuf> {
         let mut out = Vec::new();
@@ -389,6 +408,15 @@ impl Cluster {
             }
         }
         out
+    }
+}
+
+/// Waits (10 s at most) for read repair to rewrite the chunk file `path` as `good`.
+pub fn wait_repaired(path: &Path, good: &[u8]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::read(path).unwrap_or_default() != good {
+        assert!(Instant::now() < deadline, "the bad copy {} was not repaired", path.display());
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
