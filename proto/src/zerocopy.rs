@@ -6,7 +6,8 @@
 //! straight from user memory. It completes twice: once when the bytes are queued on the socket
 //! (the send), and once when the kernel no longer references the pages (the notification, after
 //! the peer acknowledged them). The payload is held until the second, so staging memory is never
-//! reused under a possible retransmission.
+//! reused under a possible retransmission; a writer dropped before then leaves its payloads to a
+//! thread that waits for the kernel ([`RETIRE_WAIT`]), so they are released, not leaked.
 //!
 //! It pays for large sends through a NIC. It does not on loopback, nor through a device without
 //! scatter-gather and checksum offload: there the kernel copies anyway (a "deferred copy"), after
@@ -53,6 +54,10 @@ pub const RING_ENTRIES: u32 = 8;
 
 /// Set in the user data of a send's linked timeout (sends' ids stay below it).
 const LINKED_TIMEOUT: u64 = 1 << 63;
+
+/// How long a dropped writer's payloads wait for the kernel to let go of them ([`ZeroCopy::retire`])
+/// before they are abandoned to it: past TCP's own give-up on an unresponsive peer.
+pub const RETIRE_WAIT: Duration = Duration::from_secs(600);
 
 /// Buffered bytes before the frame writer writes through.
 const BUFFER_BYTES: usize = 64 * 1024;
@@ -106,6 +111,7 @@ pub struct ZeroCopyStats {
     notified: AtomicU64,
     held: AtomicU64,
     refused: AtomicU64,
+    abandoned: AtomicU64,
 }
 
 /// [`ZeroCopyStats`] at one moment.
@@ -122,6 +128,9 @@ pub struct ZeroCopyCounts {
     pub held: u64,
     /// Sends refused over the locked-memory limit (each turned zero-copy off on its connection).
     pub refused: u64,
+    /// Payloads never released: the kernel had not let go of them [`RETIRE_WAIT`] after their
+    /// connection's writer was dropped, so their memory was left to it rather than reused.
+    pub abandoned: u64,
 }
 
 impl ZeroCopyStats {
@@ -133,6 +142,7 @@ impl ZeroCopyStats {
             copied: self.copied.load(Ordering::Relaxed),
             held: self.held.load(Ordering::Relaxed),
             refused: self.refused.load(Ordering::Relaxed),
+            abandoned: self.abandoned.load(Ordering::Relaxed),
         }
     }
 }
@@ -145,6 +155,16 @@ pub struct FrameWriter<W> {
     zero_copy: Option<ZeroCopy>,
     /// Longest a write may make no progress ([`FrameWriter::with_timeout`]).
     timeout: Option<Duration>,
+}
+
+impl<W> Drop for FrameWriter<W> {
+    /// Runs before the socket's half (`writer`) is dropped, so the descriptor the ring's
+    /// operations name is still this connection's.
+    fn drop(&mut self) {
+        if let Some(zero_copy) = self.zero_copy.take() {
+            zero_copy.retire();
+        }
+    }
 }
 
 impl<W: AsyncWrite + Unpin> FrameWriter<W> {
@@ -274,9 +294,14 @@ struct ZeroCopy {
     /// A send has succeeded here, so a later EINVAL is an error, not a kernel without SEND_ZC.
     worked: bool,
     next_id: u64,
-    /// Payloads of completed sends, by send id, until their notifications. Dropped with the
-    /// connection, they free nothing the kernel reads: it holds the pages of a send it has not
-    /// notified on its own (a retransmission of reused memory would fail the peer's hash check).
+    /// Payloads of sends submitted and not yet completed, by send id. Owned here rather than by
+    /// the sending future, so that a send abandoned midway (its future dropped) still holds its
+    /// payload until the kernel is done with it.
+    sending: HashMap<u64, Bytes>,
+    /// Payloads of completed sends, by send id, until their notifications. The kernel holds the
+    /// pages of a send it has not notified, but not the memory's contents: reused early, a
+    /// retransmission would carry other bytes. A dropped writer leaves both maps to
+    /// [`ZeroCopy::retire`].
     held: HashMap<u64, Bytes>,
     /// Results and flags of operations whose completion arrived, by id (one at a time in flight).
     completed: HashMap<u64, (i32, u32)>,
@@ -284,18 +309,6 @@ struct ZeroCopy {
     /// went into `held`): over loopback the kernel copies during the send and notifies at once.
     notified_early: HashSet<u64>,
     stats: Arc<ZeroCopyStats>,
-}
-
-/// A payload the kernel is reading for a send not yet completed. If the send's future is dropped
-/// (its connection's task cancelled), the memory is leaked rather than freed under the kernel.
-struct InFlight(Option<Bytes>);
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        if let Some(bytes) = self.0.take() {
-            std::mem::forget(bytes);
-        }
-    }
 }
 
 impl ZeroCopy {
@@ -310,6 +323,7 @@ impl ZeroCopy {
             timeout: None,
             worked: false,
             next_id: 1,
+            sending: HashMap::new(),
             held: HashMap::new(),
             completed: HashMap::new(),
             notified_early: HashSet::new(),
@@ -330,35 +344,30 @@ impl ZeroCopy {
                 .zc_flags(SEND_ZC_REPORT_USAGE)
                 .build()
                 .user_data(id);
-            let mut in_flight = InFlight(Some(piece.clone()));
             let timeout_id = id | LINKED_TIMEOUT;
-            // SAFETY: the send's memory is `piece`'s, kept alive by `in_flight` until the send
-            // completes (or forever, if this future is dropped first) and then by `held` until
-            // the kernel's notification says it no longer reads it; the descriptor is the
-            // socket's, open while its writer lives (`FrameWriter::tcp`); the timeout's timespec
-            // is read when it is submitted, here.
+            // SAFETY: the send's memory is `piece`'s, kept alive by `sending` until the send
+            // completes and then by `held` until the kernel's notification says it no longer
+            // reads it (`reap`), or by `retire` if this writer is dropped first; the descriptor
+            // is the socket's, open while its writer lives (`FrameWriter::tcp`); the timeout's
+            // timespec is read when it is submitted, here.
             let timespec = self.timeout.map(types::Timespec::from);
-            unsafe {
+            self.sending.insert(id, piece.clone());
+            let pushed = unsafe {
                 match &timespec {
-                    None => self.push(&send)?,
+                    None => self.push(&send),
                     Some(timespec) => {
                         let timeout = opcode::LinkTimeout::new(timespec).build().user_data(timeout_id);
-                        self.push(&send.flags(io_uring::squeue::Flags::IO_LINK))?;
-                        self.push(&timeout)?;
+                        self.push(&send.flags(io_uring::squeue::Flags::IO_LINK)).and_then(|()| self.push(&timeout))
                     }
                 }
+            };
+            if let Err(error) = pushed.and_then(|()| self.ring.get_ref().submit().map(drop)) {
+                // Entries pushed but not submitted are dropped with the ring, never run.
+                self.sending.remove(&id);
+                return Err(error);
             }
-            self.ring.get_ref().submit()?;
-            let (result, flags) = self.completion(id).await?;
-            let bytes = in_flight.0.take();
-            // Its notification may have come in the same batch as this completion, or before it.
-            if cqueue::more(flags)
-                && !self.notified_early.remove(&id)
-                && let Some(bytes) = bytes
-            {
-                self.held.insert(id, bytes);
-                self.stats.held.fetch_add(1, Ordering::Relaxed);
-            }
+            // `reap` moves the payload from `sending` to `held` as the completion arrives.
+            let (result, _) = self.completion(id).await?;
             // A linked timeout always completes: -ETIME if it cancelled the send.
             if let Some(timeout) = self.timeout
                 && self.completion(timeout_id).await?.0 == -libc::ETIME
@@ -421,7 +430,10 @@ impl ZeroCopy {
         if result < 0 { Err(io::Error::from_raw_os_error(-result)) } else { Ok(()) }
     }
 
+    /// The id of the next operation. One runs at a time, so a completion still unclaimed belongs
+    /// to an operation abandoned midway (a dropped future, a timed-out poll): forgotten here.
     fn next_id(&mut self) -> u64 {
+        self.completed.clear();
         let id = self.next_id;
         self.next_id += 1;
         id
@@ -462,7 +474,7 @@ impl ZeroCopy {
 
     /// Takes the completions that arrived: notifications release their payloads (and, in
     /// [`ZeroCopySend::Auto`], one that reports a copy turns zero-copy off here); other results
-    /// wait for [`ZeroCopy::submit`].
+    /// wait for [`ZeroCopy::completion`].
     fn reap(&mut self) {
         let mut arrived: Vec<(u64, i32, u32)> =
             self.ring.get_mut().completion().map(|c| (c.user_data(), c.result(), c.flags())).collect();
@@ -473,6 +485,15 @@ impl ZeroCopy {
         }
         for (id, result, flags) in arrived {
             if !cqueue::notif(flags) {
+                // A send completed: its payload waits for the notification, unless that came
+                // first (in the same batch, or before it) or none follows.
+                if let Some(bytes) = self.sending.remove(&id)
+                    && cqueue::more(flags)
+                    && !self.notified_early.remove(&id)
+                {
+                    self.held.insert(id, bytes);
+                    self.stats.held.fetch_add(1, Ordering::Relaxed);
+                }
                 self.completed.insert(id, (result, flags));
                 continue;
             }
@@ -492,8 +513,160 @@ impl ZeroCopy {
     }
 }
 
+impl ZeroCopy {
+    /// Lets go of this connection's ring once the kernel no longer reads any payload it was
+    /// given. With none in its hands, at once. Otherwise a thread waits for the kernel
+    /// ([`ZeroCopy::drain`]): notifications come as the peer acknowledges the bytes, or as the
+    /// connection is torn down. A send abandoned midway (its future dropped) left a frame cut
+    /// short on the connection, which is of no use to the peer any more: the send is cancelled and
+    /// the socket set to reset on close, discarding what it still queues rather than waiting for
+    /// a peer that may never read it.
+    fn retire(mut self) {
+        self.reap();
+        if self.sending.is_empty() && self.held.is_empty() {
+            return;
+        }
+        if !self.sending.is_empty() {
+            let ids: Vec<u64> = self.sending.keys().copied().collect();
+            for id in ids {
+                let cancel = opcode::AsyncCancel::new(id).build().user_data(self.next_id());
+                // SAFETY: a cancellation references no memory.
+                if unsafe { self.push(&cancel) }.is_err() {
+                    break;
+                }
+            }
+            let _ = self.ring.get_ref().submit();
+            let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+            // SAFETY: the descriptor is the connection's socket, open while its writer lives (the
+            // caller, `FrameWriter`'s drop, runs before the writer's fields are dropped); the
+            // option's value is a `linger`, of the length given.
+            unsafe {
+                libc::setsockopt(
+                    self.fd,
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&raw const linger).cast(),
+                    std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                );
+            }
+        }
+        // Should the thread not start, the payloads are dropped with `self`, which abandons them.
+        let _ = std::thread::Builder::new().name("zero-copy-retire".into()).spawn(move || self.drain(RETIRE_WAIT));
+    }
+
+    /// Takes completions (on this thread, blocking) until no payload is in the kernel's hands, or
+    /// `wait` has passed.
+    fn drain(mut self, wait: Duration) {
+        let deadline = std::time::Instant::now() + wait;
+        let tick = types::Timespec::new().sec(1);
+        loop {
+            self.reap();
+            if (self.sending.is_empty() && self.held.is_empty()) || std::time::Instant::now() >= deadline {
+                return;
+            }
+            let args = types::SubmitArgs::new().timespec(&tick);
+            match self.ring.get_ref().submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(error) if matches!(error.raw_os_error(), Some(libc::ETIME | libc::EINTR | libc::EBUSY)) => {}
+                // A kernel without timed waits (before 5.11): poll instead.
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+}
+
 impl Drop for ZeroCopy {
+    /// Payloads still in the kernel's hands (a ring dropped before [`ZeroCopy::drain`] saw them
+    /// released) are left to it, never freed: their memory could otherwise be reused while the
+    /// kernel still sends from it.
     fn drop(&mut self) {
         self.stats.held.fetch_sub(self.held.len() as u64, Ordering::Relaxed);
+        let abandoned = self.sending.len() + self.held.len();
+        if abandoned > 0 {
+            tracing::warn!(
+                payloads = abandoned,
+                "the kernel still held zero-copy payloads of a closed connection; leaving their memory to it"
+            );
+            self.stats.abandoned.fetch_add(abandoned as u64, Ordering::Relaxed);
+            for (_, bytes) in self.sending.drain().chain(self.held.drain()) {
+                std::mem::forget(bytes);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
+    use super::*;
+    use std::sync::Weak;
+    use tokio::io::AsyncReadExt;
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// Bytes, and a handle that shows whether they were released (their last reference dropped).
+    fn tracked(len: usize) -> (Bytes, Weak<[u8]>) {
+        let memory: Arc<[u8]> = Arc::from(vec![7u8; len]);
+        let handle = Arc::downgrade(&memory);
+        (Bytes::from_owner(memory), handle)
+    }
+
+    async fn released(memory: &Weak<[u8]>) -> bool {
+        for _ in 0..1000 {
+            if memory.strong_count() == 0 {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    }
+
+    /// A loopback connection: a zero-copy frame writer on one end, the other end's stream.
+    async fn connection(
+        stats: &Arc<ZeroCopyStats>,
+    ) -> (FrameWriter<OwnedWriteHalf>, tokio::net::tcp::OwnedReadHalf, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (near, far) = tokio::join!(TcpStream::connect(listener.local_addr().unwrap()), listener.accept());
+        let (reader, writer) = near.unwrap().into_split();
+        let frames = FrameWriter::tcp(writer, ZeroCopySend::Always, Arc::clone(stats));
+        assert!(frames.zero_copy.is_some(), "no io_uring ring for zero-copy sends here");
+        (frames, reader, far.unwrap().0)
+    }
+
+    /// A send abandoned midway (its future dropped while the kernel still reads the payload, as
+    /// when a connection's task is cancelled) keeps the payload until the kernel lets go of it,
+    /// and then releases it: neither freed under the kernel nor leaked. So does a send that
+    /// completed but whose notification had not come when the writer was dropped.
+    #[tokio::test]
+    async fn payloads_of_a_dropped_writer_are_released_once_the_kernel_is_done() {
+        let stats = Arc::new(ZeroCopyStats::default());
+        let (mut frames, reader, far) = connection(&stats).await;
+        // Far larger than loopback's socket buffers, and the peer reads nothing: the send blocks.
+        let (payload, freed) = tracked(64 << 20);
+        let write = frames.write_frame(Opcode::Put, 1, &[], std::slice::from_ref(&payload));
+        assert!(tokio::time::timeout(Duration::from_millis(300), write).await.is_err(), "a 64 MiB send completed");
+        drop(payload);
+        assert_eq!(frames.zero_copy.as_ref().map(|z| z.sending.len()), Some(1), "not sent zero-copy");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(freed.strong_count() > 0, "released while the kernel may read it");
+        drop(frames);
+        drop(reader);
+        assert!(released(&freed).await, "an abandoned send's payload was never released");
+        drop(far);
+        assert_eq!(stats.counts().abandoned, 0);
+
+        // Completed, its notification not yet taken: the peer reads it after the writer is gone.
+        let (mut frames, reader, mut far) = connection(&stats).await;
+        let (payload, freed) = tracked(256 << 10);
+        frames.write_frame(Opcode::Put, 2, &[], std::slice::from_ref(&payload)).await.unwrap();
+        drop(payload);
+        assert_eq!(stats.counts().sends, 1, "not sent zero-copy");
+        drop(frames);
+        drop(reader);
+        let mut received = Vec::new();
+        far.read_to_end(&mut received).await.unwrap();
+        assert_eq!(received.len(), frame::FIXED_HEADER_BYTES + (256 << 10), "the frame was cut short");
+        assert!(released(&freed).await, "a completed send's payload was never released");
+        assert_eq!(stats.counts().held, 0);
+        assert_eq!(stats.counts().abandoned, 0);
     }
 }

@@ -203,7 +203,8 @@ pub struct TcpConfig {
     /// Time to establish a connection. Default 5 s.
     pub connect_timeout: Duration,
     /// Time for one request's response. Default 120 s: a 64 MiB chunk behind a queue of others on
-    /// a slow disk, never an indefinite hang.
+    /// a slow disk, never an indefinite hang. Also the longest a request's frame may take to go
+    /// out: a connection whose target stops reading is given up past it.
     pub request_timeout: Duration,
     /// PUT payloads sent zero-copy (io_uring SEND_ZC). Default auto: until the kernel reports it
     /// copied them anyway, as it does over loopback (`starckpt_proto::zerocopy`).
@@ -376,6 +377,9 @@ impl Connection {
         let max_requests = config.max_requests_per_connection.max(1);
         let (frames, outgoing) = mpsc::channel(max_requests);
         let closed = Arc::new(tokio::sync::Notify::new());
+        // A target that stops reading must not pin the payloads queued to it: a frame whose bytes
+        // have not gone out within a request's time fails the connection, and its queue goes.
+        let writer = writer.with_timeout(config.request_timeout);
         tokio::spawn(write_loop(writer, outgoing, Arc::clone(&pending), Arc::clone(&closed)));
         tokio::spawn(read_loop(Box::new(reader), Arc::clone(&pending), config.request_timeout, Arc::clone(&closed)));
         let slots = Arc::new(Semaphore::new(max_requests));
@@ -1240,6 +1244,32 @@ mod tests {
         let error = get(&connection, None).await.err().expect("answered behind a held stream");
         assert!(error.is_connection(), "{error}");
         assert!(!connection.is_alive());
+    }
+
+    /// A target that stops reading (alive, its connection open) does not pin what was queued to
+    /// it for ever: past the request timeout without the bytes going out, the connection is
+    /// given up, the payloads queued on it go back to their owners (staging buffers to their
+    /// pool), and the next request opens another connection.
+    #[tokio::test]
+    async fn a_target_that_stops_reading_gets_its_connection_given_up() {
+        let (near, far) = tokio::io::duplex(64 * 1024);
+        let (reader, writer) = tokio::io::split(near);
+        let config = TcpConfig { request_timeout: Duration::from_millis(300), ..TcpConfig::default() };
+        let connection = Connection::start(reader, FrameWriter::new(writer), &config);
+        let large = || {
+            let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            (Bytes::from_owner(Tracked(Arc::clone(&released), vec![7; 1 << 20])), released)
+        };
+        let (first, first_freed) = large();
+        let (second, second_freed) = large();
+        let put = |payload| connection.call(Opcode::Put, vec![], Some(payload), Duration::from_millis(300));
+        let (one, two) = tokio::join!(put(first), put(second));
+        assert!(matches!(one, Err(TransportError::Timeout(_))), "{one:?}");
+        assert!(matches!(two, Err(TransportError::Timeout(_))), "{two:?}");
+        assert!(released(&first_freed).await, "the payload being written is pinned by a target that reads nothing");
+        assert!(released(&second_freed).await, "a payload queued behind it is pinned");
+        assert!(!connection.is_alive(), "a connection whose writes stall stays in use");
+        drop(far);
     }
 
     /// Sends the response header of request `id` with a `len`-byte payload, and `sent` bytes of it.
