@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -100,6 +101,42 @@ def test_dcp_reader_refuses_what_is_not_a_dcp_checkpoint(cluster, job):
         lambda: dcp.load({"x": torch.zeros(1)}, storage_reader=st.Reader(job=job, step=9, server=cluster.address))
     )
     assert "has no committed checkpoint at step 9" in str(error)
+
+
+class _RunsCode:
+    """Pickles to a call of ``os.mkdir(path)``: what a crafted metadata file could run."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def test_dcp_reader_runs_no_code_from_the_metadata(cluster, job, tmp_path):
+    from fractions import Fraction
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    def save_metadata(step, metadata_bytes):
+        client = starckpt.Client(cluster.address, job)
+        native = client._client().save(client._job(), step, [(st.METADATA_FILE, metadata_bytes)], rank=0, world_size=1)
+        assert native.wait()["committed"]
+
+    marker = tmp_path / "ran"
+    save_metadata(1, pickle.dumps(Metadata(state_dict_metadata={}, planner_data=_RunsCode(marker))))
+    with pytest.raises(starckpt.FormatError, match=r"refers to posix\.mkdir"):
+        st.Reader(job=job, step=1, server=cluster.address).read_metadata()
+    assert not marker.exists(), "loading the metadata ran code from it"
+    error = dcp_error(lambda: dcp.load({"x": torch.zeros(1)}, storage_reader=st.Reader(job=job, server=cluster.address)))
+    assert "refers to posix.mkdir" in str(error) and not marker.exists()
+
+    # A planner's own classes in the metadata load once the reader is told their names.
+    save_metadata(2, pickle.dumps(Metadata(state_dict_metadata={}, planner_data=Fraction(1, 3))))
+    with pytest.raises(starckpt.FormatError, match=r"refers to fractions\.Fraction"):
+        st.Reader(job=job, step=2, server=cluster.address).read_metadata()
+    reader = st.Reader(job=job, step=2, server=cluster.address, metadata_globals=[("fractions", "Fraction")])
+    assert reader.read_metadata().planner_data == Fraction(1, 3)
 
 
 def test_one_call_save_and_load_cover_model_optimizer_and_rng(cluster, job):

@@ -19,8 +19,11 @@ part (rank W, written by the coordinator in ``finish``), so the checkpoint has W
 complete, and visible to ``latest``, only once every rank's data and the metadata are in. With
 one process the data and the metadata go in a single part committed by ``finish``. Each tensor is
 stored as its raw bytes (no pickling of tensors); the metadata is DCP's pickled ``Metadata``, as
-with ``FileSystemWriter``. Loading with a different world size works: DCP plans which saved
-chunks each rank needs; the reader serves those files.
+with ``FileSystemWriter``, but the Reader unpickles it allowing only the classes and torch values
+DCP's metadata is made of, so loading a checkpoint runs no code from it (a custom planner that puts
+its own classes in the metadata names them with ``Reader(metadata_globals=...)``). Loading with a
+different world size works: DCP plans which saved chunks each rank needs; the reader serves those
+files.
 
 Ranks of one checkpoint must share a run id (torchrun's ``TORCHELASTIC_RUN_ID`` or
 ``STARCKPT_RUN_ID``); every Writer and Reader of a process shares its one connection and lease.
@@ -35,12 +38,13 @@ and the whole item otherwise.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import io
 import os
 import pickle
 import random
 import uuid
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -290,13 +294,61 @@ class Writer(StorageWriter, _Addressed):
         return native.wait()
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata allowing only the globals it is made of: DCP's metadata classes,
+    torch dtypes, layouts, memory formats and ``Size``, this module's ``StorageInfo``, and the
+    reader's ``extra`` (module, name) pairs. Anything else (a function to call, an arbitrary
+    class) is refused before it is imported."""
+
+    _CLASSES_OF = ("torch.distributed.checkpoint.metadata",)
+    _NAMED = frozenset({
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        (__name__, "StorageInfo"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    })
+
+    def __init__(self, file: io.BytesIO, extra: frozenset[tuple[str, str]]):
+        super().__init__(file)
+        self._extra = extra
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._NAMED or (module, name) in self._extra:
+            return super().find_class(module, name)
+        # Plain names only: a dotted one walks attributes (``Metadata.__init__.__globals__``).
+        if "." not in name:
+            if module in self._CLASSES_OF:
+                found = getattr(importlib.import_module(module), name, None)
+                # Its own classes, not what it imports (``typing.Any``, ``enum.Enum``).
+                if isinstance(found, type) and found.__module__ == module:
+                    return found
+            if module == "torch" and isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+            ):
+                return getattr(torch, name)
+        raise FormatError(
+            f"{METADATA_FILE} refers to {module}.{name}, which DCP metadata does not use; "
+            "a custom planner's own classes must be named with Reader(metadata_globals=...)"
+        )
+
+
 class Reader(StorageReader, _Addressed):
     """A DCP StorageReader loading starckpt checkpoint (`job`, `step`); `step` None means the
     latest committed one (pinned when the metadata is read, so every rank reads the same step)."""
 
-    def __init__(self, job: str | None = None, step: int | None = None, *, server: str | None = None):
+    def __init__(
+        self,
+        job: str | None = None,
+        step: int | None = None,
+        *,
+        server: str | None = None,
+        metadata_globals: Iterable[tuple[str, str]] = (),
+    ):
         super().__init__()
         self._address(job, step, server)
+        self._metadata_globals = frozenset(metadata_globals)
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, StorageInfo] = {}
         self._manifest = None
@@ -321,7 +373,7 @@ class Reader(StorageReader, _Addressed):
         manifest = self._fetch_manifest(self.step)
         if manifest.size(METADATA_FILE) is None:
             raise FormatError(f"{manifest.job} step {manifest.step} has no {METADATA_FILE}: it is not a DCP checkpoint")
-        metadata = pickle.loads(manifest.read(METADATA_FILE))
+        metadata = _MetadataUnpickler(io.BytesIO(manifest.read(METADATA_FILE)), self._metadata_globals).load()
         if not isinstance(metadata, Metadata):
             raise FormatError(f"{manifest.job} step {manifest.step}: {METADATA_FILE} is not DCP metadata")
         self._manifest = manifest
