@@ -455,39 +455,42 @@ impl TryFrom<pb::Manifest> for Manifest {
 /// directory, listed or implied by a path beneath it (`a` and `a/b`). Ranks write disjoint
 /// files; a checkpoint whose parts overlap could be committed but never restored.
 pub fn check_disjoint<'a>(parts: impl IntoIterator<Item = (u32, &'a Manifest)>) -> Result<(), ModelError> {
-    let mut files: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
-    // Every directory: listed ones and every ancestor of a file or listed directory, with the
-    // rank that implies it.
-    let mut dirs: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
+    // Every path, with the rank that names it and whether it is a file, in tree order (compared
+    // component by component): a path's descendants come right after its equals, so each check
+    // looks at neighbours alone. Memory is one entry per path and time n log n comparisons,
+    // whatever the paths' depth: recording every ancestor of every path instead let a manifest
+    // of deep paths (`d/d/d/...`, 2,000 levels) cost gigabytes and minutes.
+    let mut paths: Vec<(&str, u32, bool)> = Vec::new();
     for (rank, manifest) in parts {
-        for file in &manifest.files {
-            let path = file.path.as_str();
-            if let Some(other) = files.insert(path, rank) {
-                let reason = format!("is in the parts of ranks {other} and {rank}");
-                return Err(ModelError::File { path: path.into(), reason });
-            }
-            ancestors(path, rank, &mut dirs);
-        }
-        for dir in &manifest.directories {
-            dirs.entry(dir.as_str()).or_insert(rank);
-            ancestors(dir.as_str(), rank, &mut dirs);
-        }
+        paths.extend(manifest.files.iter().map(|file| (file.path.as_str(), rank, true)));
+        paths.extend(manifest.directories.iter().map(|dir| (dir.as_str(), rank, false)));
     }
-    // Checked once all are in: a directory may be implied by a part after the file's.
-    for (path, rank) in &files {
-        if let Some(other) = dirs.get(path) {
-            let reason = format!("is a file in the part of rank {rank} and a directory in the part of rank {other}");
-            return Err(ModelError::File { path: (*path).into(), reason });
+    paths.sort_by(|a, b| a.0.split('/').cmp(b.0.split('/')));
+    let conflict = |path: &str, reason: String| Err(ModelError::File { path: path.into(), reason });
+    let mut start = 0;
+    while start < paths.len() {
+        let path = paths[start].0;
+        let end = start + paths[start..].iter().take_while(|entry| entry.0 == path).count();
+        let same = &paths[start..end];
+        let mut files = same.iter().filter(|entry| entry.2).map(|entry| entry.1);
+        if let Some(rank) = files.next() {
+            if let Some(other) = files.next() {
+                return conflict(path, format!("is in the parts of ranks {rank} and {other}"));
+            }
+            // A directory: listed by some part, or implied by a path beneath it.
+            let listed = same.iter().find(|entry| !entry.2);
+            let beneath = paths.get(end).filter(|next| {
+                next.0.len() > path.len() && next.0.starts_with(path) && next.0.as_bytes()[path.len()] == b'/'
+            });
+            if let Some(&(_, other, _)) = listed.or(beneath) {
+                let reason =
+                    format!("is a file in the part of rank {rank} and a directory in the part of rank {other}");
+                return conflict(path, reason);
+            }
         }
+        start = end;
     }
     Ok(())
-}
-
-/// Records every proper ancestor directory of `path` (`a` and `a/b` of `a/b/c`) as implied by `rank`.
-fn ancestors<'a>(path: &'a str, rank: u32, dirs: &mut std::collections::HashMap<&'a str, u32>) {
-    for (at, _) in path.match_indices('/') {
-        dirs.entry(&path[..at]).or_insert(rank);
-    }
 }
 
 impl From<&Manifest> for pb::Manifest {
@@ -806,6 +809,24 @@ mod tests {
         ] {
             assert!(reason(&parts).starts_with("a: is a file in the part of rank"), "{}", reason(&parts));
         }
+        // Neighbours in byte order are not neighbours in the tree: `a.txt` and `a-1` sort between
+        // `a` and `a/b` byte by byte.
+        let parts = [part(&["a", "a.txt", "a-1"], &[]), part(&["a/b"], &[])];
+        assert_eq!(reason(&parts), "a: is a file in the part of rank 0 and a directory in the part of rank 1");
+        check(&[part(&["a.txt", "a-1", "a/b"], &[]), part(&["a0", "b"], &["a"])]).unwrap();
+
+        // Deep paths cost their length, not their length squared: 400 files 2,000 levels deep,
+        // then one of them a directory of another part.
+        let deep = |i: usize| format!("f{i}/{}x", "d/".repeat(2000));
+        let files: Vec<String> = (0..400).map(deep).collect();
+        let many = part(&files.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+        check(std::slice::from_ref(&many)).unwrap();
+        let beneath = format!("{}/y", deep(399));
+        let parts = [many, part(&[&beneath], &[])];
+        assert_eq!(
+            reason(&parts),
+            format!("{}: is a file in the part of rank 0 and a directory in the part of rank 1", deep(399))
+        );
     }
 
     #[test]
