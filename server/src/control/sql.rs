@@ -107,6 +107,36 @@ pub struct SqlStore {
     dialect: Dialect,
     writer: AnyPool,
     reader: AnyPool,
+    /// SQLite: the database's lock file, held locked while this store is open ([`owner_lock`]).
+    _owner: Option<std::fs::File>,
+}
+
+/// Locks `<database>.lock` for this process alone. SQLite serves one control plane: two on one
+/// file would each lead garbage collection and tiering (leadership there is the process), with
+/// settings nothing compares (`control_planes` is joined on PostgreSQL only). A second is refused
+/// while the first runs; the lock goes with its process, however it ends.
+fn owner_lock(database: &std::path::Path) -> MetaResult<std::fs::File> {
+    let mut name = database.as_os_str().to_owned();
+    name.push(".lock");
+    let path = std::path::PathBuf::from(name);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| MetaError::InvalidArgument(format!("database lock file {}: {e}", path.display())))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(MetaError::FailedPrecondition(format!(
+            "database {} is in use by another control plane (it holds {}); an SQLite database serves \
+             one control plane at a time: for several, use PostgreSQL",
+            database.display(),
+            path.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(MetaError::InvalidArgument(format!("database lock file {}: {e}", path.display())))
+        }
+    }
 }
 
 impl SqlStore {
@@ -116,6 +146,7 @@ impl SqlStore {
     pub async fn open(url: &str) -> MetaResult<SqlStore> {
         sqlx::any::install_default_drivers();
         let dialect = Dialect::of(url)?;
+        let mut owner = None;
         let options = match dialect {
             Dialect::Postgres => {
                 let options = AnyConnectOptions::from_str(url)?;
@@ -148,6 +179,7 @@ impl SqlStore {
                         path.display()
                     )));
                 }
+                owner = Some(owner_lock(&path)?);
                 let options = options.filename(path);
                 let options = options.create_if_missing(true);
                 // Create the file and switch it to WAL (a property of the file) before the pools
@@ -168,7 +200,8 @@ impl SqlStore {
             )
         };
         let writer = pool(1).connect_with(options.clone()).await?;
-        let store = SqlStore { dialect, writer, reader: pool(READERS).connect_with(options).await? };
+        let reader = pool(READERS).connect_with(options).await?;
+        let store = SqlStore { dialect, writer, reader, _owner: owner };
         store.migrate().await?;
         Ok(store)
     }
@@ -1422,5 +1455,25 @@ mod tests {
         let job = JobName::try_from("j").unwrap();
         assert_eq!(store.latest(&job).await.unwrap().unwrap().step, 100);
         assert!(SqlStore::open("sqlite::memory:").await.is_err());
+    }
+
+    /// A second control plane on an SQLite file in use is refused, with the reason; the file is
+    /// free again once the first lets go of it.
+    #[tokio::test]
+    async fn one_control_plane_per_sqlite_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("meta.db");
+        let first = SqlStore::open(path.to_str().unwrap()).await.unwrap();
+        let Err(refused) = SqlStore::open(&format!("sqlite://{}", path.display())).await else {
+            panic!("two control planes opened one SQLite file");
+        };
+        assert!(
+            matches!(&refused, MetaError::FailedPrecondition(m) if m.contains("in use by another control plane")),
+            "{refused}"
+        );
+        conformance::multi_rank_commit(&first).await;
+        drop(first);
+        let second = SqlStore::open(path.to_str().unwrap()).await.unwrap();
+        assert_eq!(second.latest(&JobName::try_from("j").unwrap()).await.unwrap().unwrap().step, 100);
     }
 }
