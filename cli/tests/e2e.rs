@@ -9,7 +9,7 @@ use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{Cluster, random_bytes, tree};
+use common::{Cluster, cli_with_env, random_bytes, tree};
 
 /// ~200 MB of random data in nested directories, with empty files and an empty directory.
 fn make_tree(root: &Path) -> u64 {
@@ -95,6 +95,22 @@ fn save_and_restore_a_tree_across_three_targets() {
     assert!(stderr.contains("not empty"), "{stderr}");
     std::fs::write(restored.join("stray"), b"x").unwrap();
     cluster.ok(&["restore", "--job", "llama", "--step", "100", "--to", restored.to_str().unwrap(), "--force"]);
+    assert_eq!(tree(&source), tree(&restored));
+    // On a file system without the atomic exchange the old tree is moved aside first; a restore
+    // that then fails to rename the new one into place puts the old one back, and leaves nothing.
+    std::fs::write(restored.join("stray"), b"kept").unwrap();
+    let before = tree(&restored);
+    let force = ["restore", "--job", "llama", "--step", "100", "--to", restored.to_str().unwrap(), "--force"];
+    let both = ("FAILPOINTS", "client.restore.exchange=return;client.restore.into_place=return");
+    let failed = cli_with_env(&cluster.server.address, &force, &[both]);
+    assert!(!failed.status.success(), "a restore whose rename into place failed succeeded");
+    assert!(String::from_utf8_lossy(&failed.stderr).contains("rename into place"), "{failed:?}");
+    assert_eq!(tree(&restored), before, "the old tree was lost");
+    let parent = restored.parent().unwrap();
+    let left: Vec<_> = std::fs::read_dir(parent).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.iter().all(|n| !n.to_string_lossy().contains("partial")), "{left:?}");
+    let replaced = cli_with_env(&cluster.server.address, &force, &[("FAILPOINTS", "client.restore.exchange=return")]);
+    assert!(replaced.status.success(), "{replaced:?}");
     assert_eq!(tree(&source), tree(&restored));
 
     // Saving an existing committed step is a clear error; deleting it makes latest fall back.

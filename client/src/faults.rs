@@ -30,6 +30,10 @@ pub const POINTS: &[&str] = &[
     // Target: before each GC unlink; before a bad copy found by scrub or read repair is removed.
     "target.delete.unlink",
     "target.remove_bad",
+    // Client, restore --force over a tree: the atomic exchange answers as on a file system
+    // without it; the old tree moved aside, before the new one is renamed into place.
+    "client.restore.exchange",
+    "client.restore.into_place",
     // Control plane: after recording a begun checkpoint, before answering; before and inside the
     // commit's transaction; committed, before answering.
     "control.begin.reply",

@@ -671,15 +671,32 @@ pub async fn restore_from(
     if existing == Some(true) {
         // Swap atomically: `to` is always either the old tree or the complete new one. The old
         // tree ends up at the staging name, which the guard removes.
-        match exchange(&staging, to) {
+        // The fault point plays a file system without the exchange.
+        let unsupported = |_| std::io::Error::from_raw_os_error(libc::EINVAL);
+        match crate::faults::point("client.restore.exchange").map_err(unsupported).and_then(|()| exchange(&staging, to))
+        {
             Ok(()) => {}
             // A file system without the exchange (NFS, some FUSE ones): the old tree is moved
             // aside first, so `to` is briefly missing, but never partial.
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => {
                 let aside = parent.join(format!("{}{}", partial_prefix(name), uuid::Uuid::new_v4().simple()));
-                let _old = RemoveOnDrop(aside.clone());
                 std::fs::rename(to, &aside).map_err(Error::io("move aside", to))?;
-                std::fs::rename(&staging, to).map_err(Error::io("rename into place", to))?;
+                let old = RemoveOnDrop(aside.clone());
+                let placed =
+                    crate::faults::point("client.restore.into_place").and_then(|()| std::fs::rename(&staging, to));
+                if let Err(e) = placed {
+                    // A failed restore leaves the destination as it found it: the old tree goes
+                    // back, or, if even that fails, stays where it is, and the error says where.
+                    std::mem::forget(old);
+                    let e = match std::fs::rename(&aside, to) {
+                        Ok(()) => e,
+                        Err(back) => std::io::Error::new(
+                            e.kind(),
+                            format!("{e}; the tree it held is kept at {} (moving it back: {back})", aside.display()),
+                        ),
+                    };
+                    return Err(Error::io("rename into place", to)(e));
+                }
             }
             Err(e) => return Err(Error::io("swap into place", to)(e)),
         }
