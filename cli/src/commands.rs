@@ -70,6 +70,8 @@ pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<
     let gc = GcConfig { grace: args.gc_grace, deletes_per_second: args.gc_deletes_per_sec };
     // Checked before anything binds, so a bad flag is one clear line.
     gc.validate(args.pending_timeout).map_err(anyhow::Error::msg)?;
+    // Held until the process exits: one control plane per SQLite file.
+    let _database = starckpt_server::control::DatabaseLock::take(db)?;
     let store = starckpt_server::control::open_store(db).await?;
     let tier = match &args.tier {
         Some(url) => Some(std::sync::Arc::new(starckpt_server::control::tier::Tier::open(url).await?)),

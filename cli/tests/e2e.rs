@@ -1351,3 +1351,18 @@ fn an_interrupted_restore_leaves_nothing_behind() {
     assert_eq!(tree(&source), tree(&restored));
     assert_eq!(restore_leftovers(&parent), Vec::<String>::new());
 }
+
+/// A second control plane on the SQLite file another is serving exits at once, saying why; the
+/// first serves on.
+#[test]
+fn a_second_control_plane_on_one_sqlite_file_is_refused() {
+    let cluster = Cluster::start(1);
+    let second = std::process::Command::new(common::BIN)
+        .args(["server", "--listen", "127.0.0.1:0", "--db", &cluster.db])
+        .output()
+        .unwrap();
+    assert!(!second.status.success(), "two control planes serve one SQLite file");
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(stderr.contains("in use by another control plane"), "{stderr}");
+    assert_eq!(cluster.json(&["status"])["targets"].as_array().unwrap().len(), 1);
+}

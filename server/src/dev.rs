@@ -72,6 +72,8 @@ pub struct DevCluster {
     pub cluster_key: ClusterKey,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<anyhow::Result<()>>>,
+    /// Its control plane's claim on `DIR/meta.db`, let go once its tasks are over.
+    _database: Option<control::DatabaseLock>,
 }
 
 impl DevCluster {
@@ -94,7 +96,9 @@ impl DevCluster {
         configure: impl Fn(&mut TargetConfig),
     ) -> anyhow::Result<DevCluster> {
         std::fs::create_dir_all(data_dir).with_context(|| format!("create {}", data_dir.display()))?;
-        let store = control::open_store(&data_dir.join("meta.db").to_string_lossy()).await?;
+        let database = data_dir.join("meta.db").to_string_lossy().into_owned();
+        let lock = control::DatabaseLock::take(&database)?;
+        let store = control::open_store(&database).await?;
         let listener = TcpListener::bind(listen).await.with_context(|| format!("listen on {listen}"))?;
         let control_address = listener.local_addr()?;
         let (stop, stopped) = watch::channel(false);
@@ -122,6 +126,7 @@ impl DevCluster {
             cluster_key: key,
             stop,
             tasks,
+            _database: lock,
         })
     }
 

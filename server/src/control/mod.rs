@@ -11,3 +11,4 @@ pub mod tier;
 pub mod tls;
 
 pub use service::{ControlConfig, open_store, run};
+pub use sql::DatabaseLock;

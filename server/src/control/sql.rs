@@ -107,15 +107,54 @@ pub struct SqlStore {
     dialect: Dialect,
     writer: AnyPool,
     reader: AnyPool,
-    /// SQLite: the database's lock file, held locked while this store is open ([`owner_lock`]).
-    _owner: Option<std::fs::File>,
 }
 
-/// Locks `<database>.lock` for this process alone. SQLite serves one control plane: two on one
-/// file would each lead garbage collection and tiering (leadership there is the process), with
-/// settings nothing compares (`control_planes` is joined on PostgreSQL only). A second is refused
-/// while the first runs; the lock goes with its process, however it ends.
-fn owner_lock(database: &std::path::Path) -> MetaResult<std::fs::File> {
+/// A control plane's claim on its SQLite database ([`DatabaseLock::take`]), held while it runs.
+pub struct DatabaseLock {
+    _file: std::fs::File,
+}
+
+impl DatabaseLock {
+    /// For an SQLite `url` (a path or `sqlite://` URL), locks `<database>.lock` for this holder
+    /// alone; for PostgreSQL, None: several control planes share one, checking each other's
+    /// settings as they join. SQLite serves one control plane: two on one file would each lead
+    /// garbage collection and tiering (leadership there is the process), with settings nothing
+    /// compares. A second is refused while the first runs; the lock goes with its process,
+    /// however it ends.
+    pub fn take(url: &str) -> MetaResult<Option<DatabaseLock>> {
+        match Dialect::of(url)? {
+            Dialect::Postgres => Ok(None),
+            Dialect::Sqlite => sqlite_options(url).and_then(|(_, path)| owner_lock(&path)).map(Some),
+        }
+    }
+}
+
+/// The connection options of an SQLite `url`, and its database file's absolute path.
+fn sqlite_options(url: &str) -> MetaResult<(SqliteConnectOptions, std::path::PathBuf)> {
+    if url.contains(":memory:") || url.contains("mode=memory") {
+        return Err(MetaError::InvalidArgument("an in-memory database would lose every checkpoint on restart".into()));
+    }
+    let options = if url.starts_with("sqlite:") {
+        SqliteConnectOptions::from_str(url)?
+    } else {
+        SqliteConnectOptions::new().filename(url)
+    };
+    // Absolute and without `..`: the pools reopen the file through a `sqlite://` URL, which would
+    // read a relative path's first component as a host and fold `..`.
+    let path = std::path::absolute(options.get_filename())
+        .map_err(|e| MetaError::InvalidArgument(format!("database path {}: {e}", options.get_filename().display())))?;
+    // sqlx decodes '%' escapes in the URL's path but does not encode '%'.
+    let plain = path.to_str().is_some_and(|p| !p.contains('%'));
+    if path.components().any(|c| c == std::path::Component::ParentDir) || !plain {
+        return Err(MetaError::InvalidArgument(format!(
+            "database path {}: give it without '..' or '%', in UTF-8",
+            path.display()
+        )));
+    }
+    Ok((options, path))
+}
+
+fn owner_lock(database: &std::path::Path) -> MetaResult<DatabaseLock> {
     let mut name = database.as_os_str().to_owned();
     name.push(".lock");
     let path = std::path::PathBuf::from(name);
@@ -126,7 +165,7 @@ fn owner_lock(database: &std::path::Path) -> MetaResult<std::fs::File> {
         .open(&path)
         .map_err(|e| MetaError::InvalidArgument(format!("database lock file {}: {e}", path.display())))?;
     match file.try_lock() {
-        Ok(()) => Ok(file),
+        Ok(()) => Ok(DatabaseLock { _file: file }),
         Err(std::fs::TryLockError::WouldBlock) => Err(MetaError::FailedPrecondition(format!(
             "database {} is in use by another control plane (it holds {}); an SQLite database serves \
              one control plane at a time: for several, use PostgreSQL",
@@ -146,7 +185,6 @@ impl SqlStore {
     pub async fn open(url: &str) -> MetaResult<SqlStore> {
         sqlx::any::install_default_drivers();
         let dialect = Dialect::of(url)?;
-        let mut owner = None;
         let options = match dialect {
             Dialect::Postgres => {
                 let options = AnyConnectOptions::from_str(url)?;
@@ -156,30 +194,7 @@ impl SqlStore {
                 options
             }
             Dialect::Sqlite => {
-                if url.contains(":memory:") || url.contains("mode=memory") {
-                    return Err(MetaError::InvalidArgument(
-                        "an in-memory database would lose every checkpoint on restart".into(),
-                    ));
-                }
-                let options = if url.starts_with("sqlite:") {
-                    SqliteConnectOptions::from_str(url)?
-                } else {
-                    SqliteConnectOptions::new().filename(url)
-                };
-                // Absolute and without `..`: the pools reopen the file through a `sqlite://` URL,
-                // which would read a relative path's first component as a host and fold `..`.
-                let path = std::path::absolute(options.get_filename()).map_err(|e| {
-                    MetaError::InvalidArgument(format!("database path {}: {e}", options.get_filename().display()))
-                })?;
-                // sqlx decodes '%' escapes in the URL's path but does not encode '%'.
-                let plain = path.to_str().is_some_and(|p| !p.contains('%'));
-                if path.components().any(|c| c == std::path::Component::ParentDir) || !plain {
-                    return Err(MetaError::InvalidArgument(format!(
-                        "database path {}: give it without '..' or '%', in UTF-8",
-                        path.display()
-                    )));
-                }
-                owner = Some(owner_lock(&path)?);
+                let (options, path) = sqlite_options(url)?;
                 let options = options.filename(path);
                 let options = options.create_if_missing(true);
                 // Create the file and switch it to WAL (a property of the file) before the pools
@@ -201,7 +216,7 @@ impl SqlStore {
         };
         let writer = pool(1).connect_with(options.clone()).await?;
         let reader = pool(READERS).connect_with(options).await?;
-        let store = SqlStore { dialect, writer, reader, _owner: owner };
+        let store = SqlStore { dialect, writer, reader };
         store.migrate().await?;
         Ok(store)
     }
@@ -1457,23 +1472,24 @@ mod tests {
         assert!(SqlStore::open("sqlite::memory:").await.is_err());
     }
 
-    /// A second control plane on an SQLite file in use is refused, with the reason; the file is
-    /// free again once the first lets go of it.
-    #[tokio::test]
-    async fn one_control_plane_per_sqlite_file() {
+    /// A second claim on an SQLite file in use is refused, with the reason, whichever way the
+    /// file is named; the file is free again once the first lets go. PostgreSQL takes none.
+    #[test]
+    fn one_control_plane_per_sqlite_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("meta.db");
-        let first = SqlStore::open(path.to_str().unwrap()).await.unwrap();
-        let Err(refused) = SqlStore::open(&format!("sqlite://{}", path.display())).await else {
-            panic!("two control planes opened one SQLite file");
+        let first = DatabaseLock::take(path.to_str().unwrap()).unwrap();
+        assert!(first.is_some());
+        let Err(refused) = DatabaseLock::take(&format!("sqlite://{}", path.display())) else {
+            panic!("two control planes claimed one SQLite file");
         };
         assert!(
             matches!(&refused, MetaError::FailedPrecondition(m) if m.contains("in use by another control plane")),
             "{refused}"
         );
-        conformance::multi_rank_commit(&first).await;
         drop(first);
-        let second = SqlStore::open(path.to_str().unwrap()).await.unwrap();
-        assert_eq!(second.latest(&JobName::try_from("j").unwrap()).await.unwrap().unwrap().step, 100);
+        assert!(DatabaseLock::take(path.to_str().unwrap()).unwrap().is_some());
+        assert!(DatabaseLock::take("postgres://localhost/x").unwrap().is_none());
+        assert!(DatabaseLock::take("sqlite::memory:").is_err());
     }
 }
