@@ -340,6 +340,9 @@ struct Connection {
     /// Told when the connection is given up: its writer stops, ending the stream towards the
     /// target, which then closes it once the requests it is serving are over.
     closed: Arc<tokio::sync::Notify>,
+    /// Frames received from the target, counted by the reader task: a request that times out
+    /// with none received since it was sent finds the connection dead, not merely slow.
+    heard: Arc<AtomicU64>,
     next_id: AtomicU64,
     slots: Arc<Semaphore>,
 }
@@ -381,9 +384,11 @@ impl Connection {
         // have not gone out within a request's time fails the connection, and its queue goes.
         let writer = writer.with_timeout(config.request_timeout);
         tokio::spawn(write_loop(writer, outgoing, Arc::clone(&pending), Arc::clone(&closed)));
-        tokio::spawn(read_loop(Box::new(reader), Arc::clone(&pending), config.request_timeout, Arc::clone(&closed)));
+        let heard = Arc::new(AtomicU64::new(0));
+        let reading = Reading { pending: Arc::clone(&pending), closed: Arc::clone(&closed), heard: Arc::clone(&heard) };
+        tokio::spawn(read_loop(Box::new(reader), reading, config.request_timeout));
         let slots = Arc::new(Semaphore::new(max_requests));
-        Connection { frames, pending, closed, next_id: AtomicU64::new(1), slots }
+        Connection { frames, pending, closed, heard, next_id: AtomicU64::new(1), slots }
     }
 
     fn is_alive(&self) -> bool {
@@ -453,6 +458,7 @@ impl Connection {
         // Removes the pending entry however this call ends, including when its future is dropped
         // (a cancelled upload), so long-lived connections do not accumulate dead entries.
         let mut forget = ForgetOnDrop { pending: &self.pending, request_id, sent: false };
+        let heard = self.heard.load(Ordering::Relaxed);
         let sent = self.frames.send(OutFrame { opcode, request_id, header, payload }).await;
         forget.sent = sent.is_ok();
         if sent.is_err() {
@@ -461,7 +467,16 @@ impl Connection {
         match tokio::time::timeout(timeout, answer).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(TransportError::Connection("connection closed before the response".into())),
-            Err(_) => Err(TransportError::Timeout(timeout)),
+            Err(_) => {
+                // Nothing at all came back while this request waited: a hung target (stopped,
+                // its I/O stuck) or one that stopped midway through a frame, whose connection
+                // would otherwise keep taking requests only to time them out one by one. Given
+                // up, it is replaced on next use; a target that is merely slow answered others.
+                if self.heard.load(Ordering::Relaxed) == heard {
+                    self.close(&format!("the target sent nothing for {timeout:?}"));
+                }
+                Err(TransportError::Timeout(timeout))
+            }
         }
     }
 }
@@ -519,13 +534,24 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     }
 }
 
+/// What a connection's reader task shares with the connection.
+struct Reading {
+    pending: Pending,
+    closed: Arc<tokio::sync::Notify>,
+    heard: Arc<AtomicU64>,
+}
+
 /// Reads responses and hands each to its request. `lend_timeout`: how long a request may hold the
 /// stream lent to it; one that holds it longer (its future kept but no longer polled) would stall
 /// every other response on the connection, so the connection is given up instead.
-async fn read_loop(mut reader: Reader, pending: Pending, lend_timeout: Duration, closed: Arc<tokio::sync::Notify>) {
+async fn read_loop(mut reader: Reader, reading: Reading, lend_timeout: Duration) {
+    let Reading { pending, closed, heard } = reading;
     let (error, rest) = 'frames: loop {
         let (header, prost_header) = match frame::read_frame_head(&mut reader).await {
-            Ok(head) => head,
+            Ok(head) => {
+                heard.fetch_add(1, Ordering::Relaxed);
+                head
+            }
             Err(ReadFrameError::Closed) => {
                 break (TransportError::Connection("closed by the target".into()), Rest::Ended);
             }
@@ -1132,10 +1158,24 @@ mod tests {
     #[tokio::test]
     async fn memory_lent_to_the_target_is_held_until_it_answers_or_hangs_up() {
         let (connection, mut far) = connection();
-        let short = Duration::from_millis(50);
+        let short = Duration::from_millis(200);
         let (memory, freed) = tracked();
-        let (asked, id) = tokio::join!(connection.call_holding(Opcode::Put, vec![], memory, short), request(&mut far));
+        // The target answers another request meanwhile: slow, not dead, so the connection stays.
+        let serve = async {
+            let held = request(&mut far).await;
+            let other = request(&mut far).await;
+            respond(&mut far, other, b"").await;
+            held
+        };
+        let other = async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            connection.call(Opcode::Stat, vec![], None, Duration::from_secs(5)).await
+        };
+        let (asked, answered, id) =
+            tokio::join!(connection.call_holding(Opcode::Put, vec![], memory, short), other, serve);
         assert!(matches!(asked, Err(TransportError::Timeout(_))), "{asked:?}");
+        answered.unwrap();
+        assert!(connection.is_alive(), "a connection that answers was given up");
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!freed.load(Ordering::SeqCst), "let go before the target answered");
         respond(&mut far, id, b"").await;
@@ -1179,6 +1219,23 @@ mod tests {
         assert!(!freed.load(Ordering::SeqCst), "let go while the target may still read it");
         drop(far);
         assert!(released(&freed).await, "held after the target hung up");
+    }
+
+    /// A request that times out with nothing at all heard from the target since it was sent (a
+    /// stopped target, its I/O hung) gives the connection up, so the next request opens another
+    /// instead of waiting out its own timeout on a dead one.
+    #[tokio::test]
+    async fn a_target_that_answers_nothing_gets_its_connection_given_up() {
+        let (connection, mut far) = connection();
+        let (asked, _) = tokio::join!(get_within(&connection, Duration::from_millis(100)), request(&mut far));
+        assert!(matches!(asked, Err(TransportError::Timeout(_))), "{:?}", asked.err());
+        assert!(!connection.is_alive(), "a connection that answered nothing stays in use");
+        let asked = get_within(&connection, Duration::from_secs(5)).await;
+        assert!(asked.as_ref().is_err_and(TransportError::is_connection), "{:?}", asked.err());
+    }
+
+    async fn get_within(connection: &Connection, timeout: Duration) -> Result<Answer, TransportError> {
+        connection.exchange(Opcode::Get, vec![], None, None, timeout, None).await
     }
 
     /// A lent payload the caller drops unread is skipped: the next response is read intact.
@@ -1264,8 +1321,10 @@ mod tests {
         let (second, second_freed) = large();
         let put = |payload| connection.call(Opcode::Put, vec![], Some(payload), Duration::from_millis(300));
         let (one, two) = tokio::join!(put(first), put(second));
-        assert!(matches!(one, Err(TransportError::Timeout(_))), "{one:?}");
-        assert!(matches!(two, Err(TransportError::Timeout(_))), "{two:?}");
+        // Whichever times out first gives the connection up (nothing heard) under the other.
+        for asked in [one, two] {
+            assert!(matches!(asked, Err(TransportError::Timeout(_) | TransportError::Connection(_))), "{asked:?}");
+        }
         assert!(released(&first_freed).await, "the payload being written is pinned by a target that reads nothing");
         assert!(released(&second_freed).await, "a payload queued behind it is pinned");
         assert!(!connection.is_alive(), "a connection whose writes stall stays in use");
