@@ -1253,3 +1253,41 @@ async fn a_client_that_stops_reading_is_cut_off_whatever_the_send_mode() {
         assert_eq!(got.expect("buffers were released").unwrap().bytes, data, "{mode}");
     }
 }
+
+/// A client that reads its GET results slowly (or not at all, within the target's timeout)
+/// holds at most the reads' share of the target's buffer pool: other clients' PUTs still find
+/// buffers, and GETs beyond the share still get answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reader_leaves_buffers_for_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = DataPlaneLimits { frame_timeout: Duration::from_secs(120), ..DataPlaneLimits::default() };
+    let target = start_target_on(dir.path(), "127.0.0.1:0", Transports::default(), limits).await;
+    let (hash, data) = chunk(1 << 20, 9);
+    let transport = tcp(target.address, 1);
+    assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
+
+    // 48 GETs of 1 MiB, against a pool of 8 buffers; none of the results read.
+    let mut stuck = tokio::net::TcpStream::connect(target.address).await.unwrap();
+    let get = starckpt_proto::data::GetRequest { hash: hash.to_bytes(), ..Default::default() }.encode_to_vec();
+    for id in 1..=48 {
+        starckpt_proto::frame::write_frame(&mut stuck, Opcode::Get, id, &get, &[]).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let others = tcp(target.address, 1);
+    for seed in 10..20 {
+        let (hash, data) = chunk(1 << 20, seed);
+        let put = tokio::time::timeout(Duration::from_secs(30), others.put(hash, Payload::raw(data.clone()))).await;
+        assert!(!put.expect("a PUT waited on buffers a slow reader holds").unwrap());
+        assert_eq!(others.get(hash, 0, 0).await.unwrap().bytes, data);
+    }
+    // The slow reader gets every result, those read into buffers of their own too.
+    let mut received = 0;
+    for _ in 0..48 {
+        let (header, _) = starckpt_proto::frame::read_frame_head(&mut stuck).await.unwrap();
+        let mut payload = vec![0u8; header.payload_len as usize];
+        stuck.read_exact(&mut payload).await.unwrap();
+        assert_eq!(payload, data);
+        received += 1;
+    }
+    assert_eq!(received, 48);
+}

@@ -167,6 +167,24 @@ enum Renamed {
     AlreadyPresent,
 }
 
+/// A pool buffer lent to a read, with its place in the reads' share of the pool.
+struct SharedRead {
+    buf: starckpt_proto::buf::PooledBuf,
+    _share: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl starckpt_proto::buf::IoBuf for SharedRead {
+    fn aligned(&self) -> &AlignedBuf {
+        self.buf.aligned()
+    }
+    fn aligned_mut(&mut self) -> &mut AlignedBuf {
+        self.buf.aligned_mut()
+    }
+    fn pool_slot(&self) -> Option<starckpt_proto::buf::PoolSlot> {
+        self.buf.pool_slot()
+    }
+}
+
 /// Chunk bytes waiting to be stored: an aligned buffer whose first [`HEADER_BYTES`] are reserved
 /// for the chunk header and whose data follows, so the payload can be received from the network
 /// straight into its final on-disk position.
@@ -302,6 +320,8 @@ pub struct ChunkStore {
     root: PathBuf,
     engine: Arc<dyn IoEngine>,
     pool: BufPool,
+    /// Pool buffers reads may hold at once: half the pool ([`ChunkStore::read_buffer`]).
+    read_share: Arc<tokio::sync::Semaphore>,
     chunk_count: AtomicU64,
     used_bytes: AtomicU64,
     /// [`StoreStats::chunk_reads`].
@@ -360,6 +380,7 @@ impl ChunkStore {
             root,
             engine,
             pool: BufPool::new(HEADER_BYTES + chunk_size_bytes, pool_buffers),
+            read_share: Arc::new(tokio::sync::Semaphore::new((pool_buffers / 2).max(1))),
             chunk_count: AtomicU64::new(count),
             used_bytes: AtomicU64::new(used),
             chunk_reads: AtomicU64::new(0),
@@ -491,9 +512,15 @@ impl ChunkStore {
         Ok(ChunkWrite { buf, data_len, codec: Codec::None, length, data_hash: None, placed: Some((body, rehash)) })
     }
 
+    /// A buffer to read a chunk file of `bytes` into. A read's buffer is held until its bytes
+    /// have gone out to the reader, which a slow one (a restore over a thin link) can make last:
+    /// reads hold at most half the pool, so writes always find buffers, and a read beyond that
+    /// share gets a buffer of its own (the data plane bounds those by in-flight bytes).
     async fn read_buffer(&self, bytes: usize) -> BoxedBuf {
-        if bytes <= self.pool.buf_bytes() {
-            Box::new(self.pool.acquire().await)
+        if bytes <= self.pool.buf_bytes()
+            && let Ok(share) = Arc::clone(&self.read_share).try_acquire_owned()
+        {
+            Box::new(SharedRead { buf: self.pool.acquire().await, _share: share })
         } else {
             Box::new(AlignedBuf::new(bytes))
         }
