@@ -1211,6 +1211,25 @@ async fn auto_zero_copy_stops_on_a_connection_once_the_kernel_reports_a_copy() {
     assert_eq!(off.zero_copy_counts(), ZeroCopyCounts::default());
 }
 
+/// A target holding one 1 MiB chunk, and a raw connection that has sent `gets` GETs of it and
+/// reads none of the results (yet).
+async fn unread_gets(
+    dir: &std::path::Path,
+    limits: DataPlaneLimits,
+    seed: u8,
+    gets: u64,
+) -> (Target, ChunkHash, Bytes, tokio::net::TcpStream) {
+    let target = start_target_on(dir, "127.0.0.1:0", Transports::default(), limits).await;
+    let (hash, data) = chunk(1 << 20, seed);
+    assert!(!tcp(target.address, 1).put(hash, Payload::raw(data.clone())).await.unwrap());
+    let mut stream = tokio::net::TcpStream::connect(target.address).await.unwrap();
+    let get = starckpt_proto::data::GetRequest { hash: hash.to_bytes(), ..Default::default() }.encode_to_vec();
+    for id in 1..=gets {
+        starckpt_proto::frame::write_frame(&mut stream, Opcode::Get, id, &get, &[]).await.unwrap();
+    }
+    (target, hash, data, stream)
+}
+
 /// A client that sends GETs and stops reading: the target's sends of the results, zero-copy or
 /// plain, time out, the connection is closed, and the buffers it held serve others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1222,18 +1241,9 @@ async fn a_client_that_stops_reading_is_cut_off_whatever_the_send_mode() {
             zero_copy_send: mode,
             ..DataPlaneLimits::default()
         };
-        let target = start_target_on(dir.path(), "127.0.0.1:0", Transports::default(), limits).await;
-        let (hash, data) = chunk(1 << 20, 5);
-        let transport = tcp(target.address, 1);
-        assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
-
         // 48 MiB of results: more than the socket buffers of both ends hold.
-        let mut stream = tokio::net::TcpStream::connect(target.address).await.unwrap();
-        let get = starckpt_proto::data::GetRequest { hash: hash.to_bytes(), ..Default::default() }.encode_to_vec();
         const GETS: u64 = 48;
-        for id in 1..=GETS {
-            starckpt_proto::frame::write_frame(&mut stream, Opcode::Get, id, &get, &[]).await.unwrap();
-        }
+        let (target, hash, data, mut stream) = unread_gets(dir.path(), limits, 5, GETS).await;
         // Ten times the target's timeout without reading; then what the target had sent ends early.
         tokio::time::sleep(Duration::from_secs(3)).await;
         let mut received = Vec::new();
@@ -1261,17 +1271,8 @@ async fn a_client_that_stops_reading_is_cut_off_whatever_the_send_mode() {
 async fn a_slow_reader_leaves_buffers_for_others() {
     let dir = tempfile::tempdir().unwrap();
     let limits = DataPlaneLimits { frame_timeout: Duration::from_secs(120), ..DataPlaneLimits::default() };
-    let target = start_target_on(dir.path(), "127.0.0.1:0", Transports::default(), limits).await;
-    let (hash, data) = chunk(1 << 20, 9);
-    let transport = tcp(target.address, 1);
-    assert!(!transport.put(hash, Payload::raw(data.clone())).await.unwrap());
-
     // 48 GETs of 1 MiB, against a pool of 8 buffers; none of the results read.
-    let mut stuck = tokio::net::TcpStream::connect(target.address).await.unwrap();
-    let get = starckpt_proto::data::GetRequest { hash: hash.to_bytes(), ..Default::default() }.encode_to_vec();
-    for id in 1..=48 {
-        starckpt_proto::frame::write_frame(&mut stuck, Opcode::Get, id, &get, &[]).await.unwrap();
-    }
+    let (target, _, data, mut stuck) = unread_gets(dir.path(), limits, 9, 48).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let others = tcp(target.address, 1);
     for seed in 10..20 {
