@@ -321,7 +321,12 @@ fn lock(pending: &Pending) -> std::sync::MutexGuard<'_, PendingState> {
     pending.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn fail_all(pending: &Pending, error: TransportError) {
+/// Fails every request still waiting on the connection with [`TransportError::Connection`]: none
+/// of them was answered, whatever ended the connection (a frame the reader could not follow
+/// answers none of the others), so the memory they lent the target (shared-memory and RDMA
+/// slots) is still the target's to use until the connection is gone.
+fn fail_all(pending: &Pending, why: String) {
+    let error = TransportError::Connection(why);
     let replies: Vec<Reply> = {
         let mut state = lock(pending);
         let drained = state.map.take().into_iter().flatten().map(|(_, waiting)| waiting);
@@ -398,7 +403,7 @@ impl Connection {
     /// Fails every pending request, marks the connection dead (it is replaced on next use) and
     /// stops its writer (the target sees the stream end).
     pub(crate) fn close(&self, why: &str) {
-        fail_all(&self.pending, TransportError::Connection(why.to_owned()));
+        fail_all(&self.pending, why.to_owned());
         self.closed.notify_one();
     }
 
@@ -518,7 +523,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             Ok(Some(message)) => message,
             Ok(None) => return,
             Err(error) => {
-                fail_all(&pending, TransportError::Connection(format!("zero-copy notifications: {error}")));
+                fail_all(&pending, format!("zero-copy notifications: {error}"));
                 return;
             }
         };
@@ -528,7 +533,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             result = writer.flush().await;
         }
         if let Err(error) = result {
-            fail_all(&pending, TransportError::Connection(format!("write: {error}")));
+            fail_all(&pending, format!("write: {error}"));
             return;
         }
     }
@@ -617,7 +622,13 @@ async fn read_loop(mut reader: Reader, reading: Reading, lend_timeout: Duration)
             let _ = waiting.reply.send(outcome);
         }
     };
-    fail_all(&pending, error);
+    fail_all(
+        &pending,
+        match error {
+            TransportError::Connection(why) => why,
+            other => other.to_string(),
+        },
+    );
     // The writer stops too, ending the stream towards the target, which closes the connection
     // once the requests it is serving are over: read to that end (when the stream can still be
     // had) before letting go of memory lent to the target by requests that gave up.
@@ -1203,17 +1214,26 @@ mod tests {
         drop(far);
         assert!(released(&freed).await, "held after the target hung up");
 
-        // The target sends what the reader cannot follow: the request fails at once, but its
-        // memory stays held while the stream is read to its end.
+        // The target sends what the reader cannot follow: the requests fail at once, as ones
+        // that lost their connection (none was answered, so a slot they lent is still the
+        // target's), but their memory stays held while the stream is read to its end.
         let (connection, mut far) = self::connection();
         let (memory, freed) = tracked();
         let serve = async {
             let id = request(&mut far).await;
+            request(&mut far).await;
             frame::write_frame(&mut far, Opcode::Put, id, &[], &[]).await.unwrap();
         };
-        let (asked, ()) =
-            tokio::join!(connection.call_holding(Opcode::Put, vec![], memory, Duration::from_secs(5)), serve);
-        assert!(matches!(asked, Err(TransportError::Protocol(_))), "{asked:?}");
+        let other = async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            connection.call(Opcode::Stat, vec![], None, Duration::from_secs(5)).await
+        };
+        let (asked, other, ()) =
+            tokio::join!(connection.call_holding(Opcode::Put, vec![], memory, Duration::from_secs(5)), other, serve);
+        for asked in [asked.map(drop), other.map(drop)] {
+            let unanswered = matches!(&asked, Err(TransportError::Connection(why)) if why.contains("request opcode"));
+            assert!(unanswered, "{asked:?}");
+        }
         assert!(!connection.is_alive());
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!freed.load(Ordering::SeqCst), "let go while the target may still read it");
