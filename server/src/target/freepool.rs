@@ -76,8 +76,14 @@ pub struct FreePool {
 impl FreePool {
     /// Scans (creating) `dir`: every regular file in it is free and reusable now. Files of
     /// `preferred` bytes are kept over others when the pool is full. Blocking.
+    ///
+    /// Reusable now only once durably free: a delete killed before it synced the directories
+    /// left renames into `dir` that a power cut could still undo, bringing a chunk's name back
+    /// onto a file a put has since overwritten. `dir` is synced here, the chunk directories the
+    /// renames left by the store's scan ([`super::store::ChunkStore::open`]).
     pub fn open(dir: PathBuf, preferred: u64) -> io::Result<FreePool> {
         std::fs::create_dir_all(&dir)?;
+        std::fs::File::open(&dir)?.sync_all()?;
         let mut files = Files::default();
         let now = Instant::now();
         for entry in std::fs::read_dir(&dir)? {

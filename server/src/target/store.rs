@@ -1225,6 +1225,9 @@ fn prepare_dir(root: &Path) -> Result<(u64, u64), ChunkStoreError> {
     for byte in 0..=255u8 {
         let dir = chunks.join(format!("{byte:02x}"));
         std::fs::create_dir_all(&dir).map_err(io_error("mkdir", &dir))?;
+        // Renames out of it that a killed delete did not sync are made durable before the free
+        // pool reuses their files (`FreePool::open`).
+        std::fs::File::open(&dir).and_then(|d| d.sync_all()).map_err(io_error("fsync", &dir))?;
         for entry in std::fs::read_dir(&dir).map_err(io_error("list", &dir))? {
             let entry = entry.map_err(io_error("list", &dir))?;
             count += 1;
