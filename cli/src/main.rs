@@ -241,6 +241,11 @@ enum Command {
         /// Pause between scrub passes, in seconds.
         #[arg(long, default_value_t = 3600)]
         scrub_pause_secs: u64,
+        /// Seconds the device may have operations in flight without completing any before the
+        /// target stops heartbeating (and is treated as dead, its chunks copied elsewhere) until
+        /// the device completes something again.
+        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+        io_stall_timeout_secs: u64,
         /// Unix socket where clients on this host attach shared memory (default: DIR/shm.sock).
         #[arg(long, conflicts_with = "no_shm")]
         shm_socket: Option<PathBuf>,
@@ -560,6 +565,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             failure_domain,
             scrub_mib_per_sec,
             scrub_pause_secs,
+            io_stall_timeout_secs,
             shm_socket,
             no_shm,
             shm_copy_writes,
@@ -591,6 +597,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             config.free_pool_bytes = free_pool;
             config.preallocate_bytes = preallocate;
             config.cluster_key = key.load()?;
+            config.io_stall_timeout = Duration::from_secs(io_stall_timeout_secs);
             config.scrub = starckpt_server::target::scrub::ScrubConfig {
                 bytes_per_second: scrub_mib_per_sec.saturating_mul(1 << 20),
                 pause: Duration::from_secs(scrub_pause_secs),

@@ -240,13 +240,8 @@ fn sigkill_everything_mid_save_keeps_the_previous_checkpoint() {
     std::fs::create_dir_all(&second).unwrap();
     std::fs::write(second.join("weights.bin"), random_bytes(400 << 20, 2)).unwrap();
     let before = cluster.total_chunks();
-    let mut saver = std::process::Command::new(common::BIN)
-        .args(["save", "--job", "crash", "--step", "2", "--chunk-size", "1048576", second.to_str().unwrap()])
-        .env("STARCKPT_SERVER", &cluster.server.address)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut saver =
+        cluster.spawn(&["save", "--job", "crash", "--step", "2", "--chunk-size", "1048576", second.to_str().unwrap()]);
     cluster.wait_for_chunks(before + 20, "the second save never started writing");
     let _ = saver.kill();
     let _ = saver.wait();
@@ -961,18 +956,7 @@ fn full_targets_refuse_puts_and_writers_go_elsewhere_until_none_has_room() {
 #[test]
 fn a_silent_target_turns_suspect_then_dead_and_gets_no_new_chunks() {
     let cluster = Cluster::start(2);
-    let state_of = |address: &str| -> String {
-        let status = cluster.json(&["status"]);
-        let targets = status["targets"].as_array().unwrap();
-        targets.iter().find(|t| t["data_address"] == address).unwrap()["state"].as_str().unwrap().to_owned()
-    };
-    let wait_for = |address: &str, wanted: &str| {
-        let deadline = std::time::Instant::now() + Duration::from_secs(15);
-        while state_of(address) != wanted {
-            assert!(std::time::Instant::now() < deadline, "target never became {wanted}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
+    let wait_for = |address: &str, wanted: &str| cluster.wait_target_state(address, wanted);
     let frozen = cluster.targets[0].address.clone();
     // SAFETY: signalling our own child.
     unsafe { libc::kill(cluster.targets[0].pid() as i32, libc::SIGSTOP) };
@@ -987,6 +971,37 @@ fn a_silent_target_turns_suspect_then_dead_and_gets_no_new_chunks() {
     // SAFETY: as above.
     unsafe { libc::kill(cluster.targets[0].pid() as i32, libc::SIGCONT) };
     wait_for(&frozen, "alive");
+}
+
+/// A target whose device stops completing writes, its process up and answering, stops
+/// heartbeating: it turns suspect, then dead, and saves place their chunks elsewhere. (Without
+/// this, every chunk placed there waited out a request timeout, and the target kept getting new
+/// ones.)
+#[test]
+fn a_target_whose_device_hangs_turns_dead_and_gets_no_new_chunks() {
+    let mut cluster = Cluster::start(1);
+    let hang = [("FAILPOINTS", "target.io.hang=return")];
+    let hung = cluster.start_target_env(1, &["--io-stall-timeout-secs", "1"], &hang);
+    cluster.targets.push(hung);
+    cluster.wait_alive(2);
+    let address = cluster.targets[1].address.clone();
+    let file = cluster.dir.path().join("f.bin");
+    std::fs::write(&file, random_bytes(2 << 20, 11)).unwrap();
+    // A save whose chunks placed on the hung target never complete there.
+    let mut stuck =
+        cluster.spawn(&["save", "--job", "hang", "--step", "1", "--chunk-size", "262144", file.to_str().unwrap()]);
+    cluster.wait_target_state(&address, "suspect");
+    cluster.wait_target_state(&address, "dead");
+    // The next save goes to the working target alone, and commits.
+    let before = cluster.chunk_files(0).len();
+    std::fs::write(&file, random_bytes(2 << 20, 12)).unwrap();
+    let saved =
+        cluster.json(&["save", "--job", "fine", "--step", "1", "--chunk-size", "262144", file.to_str().unwrap()]);
+    assert_eq!(saved["committed"], true);
+    assert_eq!(cluster.chunk_files(0).len(), before + 8);
+    assert!(cluster.chunk_files(1).is_empty(), "a chunk file appeared on the hung target");
+    let _ = stuck.kill();
+    let _ = stuck.wait();
 }
 
 #[test]

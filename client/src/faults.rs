@@ -25,6 +25,8 @@ pub const POINTS: &[&str] = &[
     // memory), after `target.store.write`.
     "target.store.write_placed",
     "target.store.rename",
+    // Target: every device write hangs for ever (a device that stopped completing), set at start.
+    "target.io.hang",
     "target.store.sync_dir",
     "target.put.ack",
     // Target: before each GC unlink; before a bad copy found by scrub or read repair is removed.

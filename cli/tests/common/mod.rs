@@ -301,6 +301,14 @@ impl Cluster {
         cli_with_env(&self.server.address, args, &env)
     }
 
+    /// Starts the CLI against this cluster in the background, its output discarded.
+    pub fn spawn(&self, args: &[&str]) -> std::process::Child {
+        let mut command = Command::new(BIN);
+        command.args(args).env("STARCKPT_SERVER", &self.server.address).env_remove("STARCKPT_JOB");
+        command.envs(self.cli_env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        command.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap()
+    }
+
     /// Runs the CLI and asserts success, returning stdout.
     pub fn ok(&self, args: &[&str]) -> String {
         let output = self.cli(args);
@@ -334,6 +342,21 @@ impl Cluster {
     /// A bound for a hung target, not a timing: a target run with `--queue-depth auto` registers
     /// only after it has measured its device (1.5 GiB each way), which on a 2-core CI machine busy
     /// with other tests has taken over 20 s.
+    /// Waits (up to 15 s) for the control plane to list the target at `address` in `state`
+    /// (alive, suspect, dead).
+    pub fn wait_target_state(&self, address: &str, state: &str) {
+        let state_of = || -> String {
+            let status = self.json(&["status"]);
+            let targets = status["targets"].as_array().unwrap();
+            targets.iter().find(|t| t["data_address"] == address).unwrap()["state"].as_str().unwrap().to_owned()
+        };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while state_of() != state {
+            assert!(Instant::now() < deadline, "target {address} never became {state}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     pub fn wait_alive(&self, count: usize) {
         assert_eq!(count, self.targets.len());
         let deadline = Instant::now() + Duration::from_secs(120);

@@ -85,6 +85,11 @@ pub struct TargetConfig {
     /// The cluster's key (`--cluster-key-file`): requests must carry a capability the control
     /// plane signed with it (`starckpt_proto::capability`). None: every request is served.
     pub cluster_key: Option<starckpt_proto::capability::ClusterKey>,
+    /// How long the device may have operations in flight without completing any before the
+    /// target stops heartbeating (`heartbeat_loop`): the control plane then turns it suspect and
+    /// dead, writers place chunks elsewhere and its chunks are copied again, as for a target that
+    /// died. Default 30 s, far above any one operation of a working device.
+    pub io_stall_timeout: Duration,
 }
 
 /// How many operations a target keeps in flight on its device.
@@ -168,6 +173,7 @@ impl TargetConfig {
             free_pool_bytes: None,
             preallocate_bytes: 0,
             cluster_key: None,
+            io_stall_timeout: Duration::from_secs(30),
             dir,
         }
     }
@@ -300,10 +306,15 @@ pub async fn run(
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut heartbeat_stop = stop_rx.clone();
-    let heartbeat_task =
-        tokio::spawn(heartbeat_loop(config.server.clone(), registration, Arc::clone(&store), async move {
+    let heartbeat_task = tokio::spawn(heartbeat_loop(
+        config.server.clone(),
+        registration,
+        Arc::clone(&store),
+        config.io_stall_timeout,
+        async move {
             let _ = heartbeat_stop.wait_for(|stopped| *stopped).await;
-        }));
+        },
+    ));
     // Aborted with this future, so a target killed in-process stops heartbeating too.
     let heartbeat = tokio_util::task::AbortOnDropHandle::new(heartbeat_task);
     let _scrubber =
@@ -358,6 +369,7 @@ async fn heartbeat_loop(
     server: String,
     registration: Registration,
     store: Arc<ChunkStore>,
+    io_stall_timeout: Duration,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
@@ -390,9 +402,29 @@ async fn heartbeat_loop(
     let mut registered = false;
     let mut interval = Duration::from_secs(1);
     let mut unreachable_logged = false;
+    let mut stall_logged = false;
     loop {
         let stats = store.stats();
         crate::telemetry::publish_target(&target_id, &stats, store.scrub_stats());
+        // A device that stopped completing operations makes this target useless to writers and
+        // readers while the process still answers: silent, it turns suspect, then dead, at the
+        // control plane, and its chunks are copied again elsewhere. It speaks again once the
+        // device completes something.
+        let stalled = store.io_stalled_for();
+        if stalled > io_stall_timeout {
+            if !stall_logged {
+                warn!(?stalled, "the device has completed no operation for this long; not heartbeating until it does");
+                stall_logged = true;
+            }
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep(interval.min(Duration::from_secs(1))) => {}
+            }
+            continue;
+        }
+        if std::mem::take(&mut stall_logged) {
+            info!("the device completes operations again; heartbeating");
+        }
         let (server, client) = &mut clients[current];
         let outcome = if registered {
             client

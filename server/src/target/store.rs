@@ -319,6 +319,8 @@ pub struct ListedChunk {
 pub struct ChunkStore {
     root: PathBuf,
     engine: Arc<dyn IoEngine>,
+    /// Whether the device completes what the engine gives it ([`ChunkStore::io_stalled_for`]).
+    io: Arc<super::engine::IoWatch>,
     pool: BufPool,
     /// Pool buffers reads may hold at once: half the pool ([`ChunkStore::read_buffer`]).
     read_share: Arc<tokio::sync::Semaphore>,
@@ -376,9 +378,12 @@ impl ChunkStore {
             path: root.clone(),
             source: io::Error::other(e),
         })??;
+        let watched = super::engine::Watched::new(engine);
+        let io = Arc::clone(watched.watch());
         Ok(ChunkStore {
             root,
-            engine,
+            engine: Arc::new(watched),
+            io,
             pool: BufPool::new(HEADER_BYTES + chunk_size_bytes, pool_buffers),
             read_share: Arc::new(tokio::sync::Semaphore::new((pool_buffers / 2).max(1))),
             chunk_count: AtomicU64::new(count),
@@ -451,6 +456,12 @@ impl ChunkStore {
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// How long the device has had operations in flight without completing any (zero while it
+    /// completes them, or is idle).
+    pub fn io_stalled_for(&self) -> Duration {
+        self.io.stalled_for()
     }
 
     pub fn engine(&self) -> &Arc<dyn IoEngine> {
