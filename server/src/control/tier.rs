@@ -52,7 +52,11 @@
 //!   and an upload marks its checkpoint only if no sweep was running when it began nor began since
 //!   ([`MetaStore::mark_tiered`]'s fence, checked in the marking transaction). A fenced-off
 //!   checkpoint is marked by a later pass, whose HEADs see what the sweep deleted and upload it
-//!   again. A sweep that died midway blocks marking until the next sweep finishes.
+//!   again. A sweep that died midway blocks marking until the next sweep finishes. A sweep that
+//!   did not die but lost its lock (a paused VM, a partition from the database) while another
+//!   began, finished and reopened the fence stops deleting: before each batch of deletions it
+//!   checks it is still the latest sweep begun. What is left is one batch in flight across that
+//!   check, since an object store takes no fencing token.
 //!
 //! Re-replication (`repair.rs`), and a reader's `RecoverChunks`, read a chunk no live target has
 //! from here, so a checkpoint survives the loss of every copy on the NVMe targets once it is
@@ -689,9 +693,9 @@ async fn sweep(store: &dyn MetaStore, tier: &Tier, report: &mut TierReport) -> R
         .await
         .map_err(|e| e.to_string())?;
     let (manifests, records): (Vec<_>, Vec<_>) = garbage.into_iter().partition(|(manifest, _)| *manifest);
-    delete_all(tier, futures::stream::iter(records.into_iter().map(|(_, path)| Ok(path))).boxed()).await?;
-    report.manifests_deleted =
-        delete_all(tier, futures::stream::iter(manifests.into_iter().map(|(_, path)| Ok(path))).boxed()).await?;
+    let listed = |paths: Vec<(bool, Path)>| futures::stream::iter(paths.into_iter().map(|(_, path)| Ok(path))).boxed();
+    delete_all(store, sweep, tier, listed(records)).await?;
+    report.manifests_deleted = delete_all(store, sweep, tier, listed(manifests)).await?;
     // Objects whose names are not ours are left alone.
     let garbage_chunks = tier.store.list(Some(&Path::from(CHUNKS))).try_filter_map(|meta| {
         let unneeded = meta
@@ -701,20 +705,68 @@ async fn sweep(store: &dyn MetaStore, tier: &Tier, report: &mut TierReport) -> R
             .is_some_and(|h| !needed.contains(&h));
         futures::future::ready(Ok(unneeded.then_some(meta.location)))
     });
-    report.chunks_deleted = delete_all(tier, garbage_chunks.boxed()).await?;
+    report.chunks_deleted = delete_all(store, sweep, tier, garbage_chunks.boxed()).await?;
     store.finish_tier_sweep(sweep).await.map_err(|e| e.to_string())
 }
 
-/// Deletes every path `paths` yields (batched by the store); how many.
-async fn delete_all(tier: &Tier, paths: futures::stream::BoxStream<'_, TierResult<Path>>) -> Result<u64, String> {
+/// Paths deleted between two checks that the sweep deleting them is still the latest begun.
+const DELETE_BATCH: usize = 1000;
+
+/// Deletes every path `paths` yields; how many. Sweep `sweep` deletes a batch only while it is
+/// still the latest begun: a sweep whose control plane lost its lock (a paused VM, a partition
+/// from the database) and runs on must stop once another has begun, or it could delete what that
+/// one found needed after it finished and reopened the fence (module docs): a chunk a checkpoint
+/// committed since then deduplicated against, and was marked tiered with.
+async fn delete_all(
+    store: &dyn MetaStore,
+    sweep: u64,
+    tier: &Tier,
+    paths: futures::stream::BoxStream<'_, TierResult<Path>>,
+) -> Result<u64, String> {
     let mut deleted = 0;
-    let mut results = tier.store.delete_stream(paths);
-    while let Some(result) = results.next().await {
-        match result {
-            Ok(_) => deleted += 1,
-            Err(object_store::Error::NotFound { .. }) => {}
-            Err(error) => return Err(error.to_string()),
+    let mut batches = paths.chunks(DELETE_BATCH);
+    while let Some(batch) = batches.next().await {
+        let latest = store.tier_sweeps().await.map_err(|e| e.to_string())?.started;
+        if latest != sweep {
+            return Err(format!("sweep {sweep} stopped: sweep {latest} began meanwhile (another control plane leads)"));
+        }
+        let mut results = tier.store.delete_stream(futures::stream::iter(batch).boxed());
+        while let Some(result) = results.next().await {
+            match result {
+                Ok(_) => deleted += 1,
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(error) => return Err(error.to_string()),
+            }
         }
     }
     Ok(deleted)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
+    use super::*;
+
+    /// A sweep that another has superseded (its control plane lost its lock and ran on) deletes
+    /// nothing more; the latest sweep deletes as before.
+    #[tokio::test]
+    async fn a_superseded_sweep_stops_deleting() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::super::sql::SqlStore::open(dir.path().join("meta.db").to_str().unwrap()).await.unwrap();
+        let tier = Tier::open(&format!("file://{}", dir.path().join("tier").display())).await.unwrap();
+        let paths: Vec<Path> = (0..3).map(|i| Path::from_iter([CHUNKS, &format!("{i:064x}")])).collect();
+        for path in &paths {
+            tier.store.put(path, PutPayload::from_static(b"chunk")).await.unwrap();
+        }
+        let listed = || futures::stream::iter(paths.clone().into_iter().map(Ok)).boxed();
+        let first = store.begin_tier_sweep().await.unwrap();
+        let second = store.begin_tier_sweep().await.unwrap();
+        let stopped = delete_all(&store, first, &tier, listed()).await;
+        assert!(stopped.as_ref().is_err_and(|e| e.contains("began meanwhile")), "{stopped:?}");
+        for path in &paths {
+            tier.store.head(path).await.expect("a superseded sweep deleted an object");
+        }
+        assert_eq!(delete_all(&store, second, &tier, listed()).await.unwrap(), 3);
+        assert!(tier.store.head(&paths[0]).await.is_err());
+    }
 }
