@@ -312,6 +312,29 @@ f.flush()
         let listed = cluster.json(&["ls", "job", "--all"]);
         assert_eq!(listed.as_array().unwrap().len(), 1, "the killed writer's file was committed: {listed}");
     }
+    // Killed before writing anything: nothing is committed either (not an empty file as the
+    // latest checkpoint), and the name is free again for the writer's next run.
+    let killed = Command::new("python3")
+        .args(["-c", &format!("import os\nf = open('{m}/job/run_8.bin', 'wb')\nos.kill(os.getpid(), 9)")])
+        .output()
+        .unwrap();
+    assert!(!killed.status.success());
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(100));
+        let listed = cluster.json(&["ls", "job", "--all"]);
+        assert_eq!(listed.as_array().unwrap().len(), 1, "the killed writer's empty file was committed: {listed}");
+    }
+    // The next run writes it, starting a child process midway: the child's exec closes the
+    // descriptor it inherited, which is not the end of the file.
+    let script = format!(
+        "import os, subprocess\nf = open('{m}/job/run_8.bin', 'wb')\nf.write(b'a' * (3 << 20))\nf.flush()\n\
+         subprocess.run(['true'], check=True)\nf.write(b'b' * (3 << 20))\nf.close()"
+    );
+    let run = Command::new("python3").args(["-c", &script]).output().unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let listed = cluster.json(&["ls", "job"]);
+    let step_8 = listed.as_array().unwrap().iter().find(|c| c["step"] == 8).expect("step 8 committed");
+    assert_eq!(step_8["bytes"], 6 << 20, "{step_8}");
     drop(mount_again);
 
     // fusermount3 -u from outside: the daemon notices and exits cleanly.

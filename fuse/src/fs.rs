@@ -142,7 +142,9 @@ impl DraftFile {
 
 enum Handle {
     Read(Arc<Reader>),
-    Write(Arc<DraftFile>),
+    /// A file being written, and the process that opened the handle (its thread group id, when
+    /// `/proc` tells): only that process's close ends the file ([`CkptFs::flush`]).
+    Write(Arc<DraftFile>, Option<u32>),
 }
 
 #[derive(Default)]
@@ -500,14 +502,19 @@ impl CkptFs {
 
     /// The file behind a write handle; None for read handles and unknown ones.
     fn write_handle(&self, fh: FileHandle) -> Option<Arc<DraftFile>> {
+        self.write_handle_opened(fh).map(|(file, _)| file)
+    }
+
+    /// [`CkptFs::write_handle`], with the process that opened the handle.
+    fn write_handle_opened(&self, fh: FileHandle) -> Option<(Arc<DraftFile>, Option<u32>)> {
         match self.state().handles.get(&fh.0) {
-            Some(Handle::Write(file)) => Some(Arc::clone(file)),
+            Some(Handle::Write(file, opener)) => Some((Arc::clone(file), *opener)),
             _ => None,
         }
     }
 
     fn add_handle(&self, handle: Handle) -> u64 {
-        if let Handle::Write(file) = &handle {
+        if let Handle::Write(file, _) = &handle {
             file.open_handles.fetch_add(1, Ordering::Relaxed);
         }
         let mut state = self.state();
@@ -515,6 +522,19 @@ impl CkptFs {
         state.next_handle += 1;
         state.handles.insert(fh, handle);
         fh
+    }
+
+    /// Drops a one-file checkpoint that will never be committed (unlinked, or its writer died):
+    /// out of the job's listing, its staging memory let go with its last handle.
+    fn discard_single(&self, file: &Arc<DraftFile>) {
+        file.abandoned.store(true, Ordering::Relaxed);
+        let key = (file.job.clone(), file.path());
+        let mut state = self.state();
+        let id = state.single_files.get(&key).copied();
+        if let Some(id) = id.filter(|id| state.files.get(id).is_some_and(|f| Arc::ptr_eq(f, file))) {
+            state.single_files.remove(&key);
+            state.files.remove(&id);
+        }
     }
 
     /// Ends a file's writes: its bytes durable, its chunk list final. A one-file checkpoint is
@@ -817,6 +837,12 @@ fn requester_exiting(req: &Request) -> bool {
     rest.split_whitespace().nth(6).and_then(|f| f.parse::<u64>().ok()).is_none_or(|flags| flags & PF_EXITING != 0)
 }
 
+/// The process (thread group) of the thread that made `req`: FUSE names the thread.
+fn process_of(req: &Request) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", req.pid())).ok()?;
+    status.lines().find_map(|line| line.strip_prefix("Tgid:")).and_then(|tgid| tgid.trim().parse().ok())
+}
+
 fn wants_write(flags: OpenFlags) -> bool {
     let access = flags.0 & libc::O_ACCMODE;
     access == libc::O_WRONLY || access == libc::O_RDWR || flags.0 & (libc::O_TRUNC | libc::O_APPEND) != 0
@@ -984,7 +1010,7 @@ impl Filesystem for CkptFs {
 
     fn create(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
@@ -1045,7 +1071,7 @@ impl Filesystem for CkptFs {
         match result {
             Ok((node, file)) => {
                 let ino = self.remember(node.clone());
-                let fh = self.add_handle(Handle::Write(file));
+                let fh = self.add_handle(Handle::Write(file, process_of(req)));
                 match self.node_attr(ino, &node) {
                     Ok((attr, ttl)) => reply.created(&ttl, &attr, Generation(0), FileHandle(fh), FopenFlags::empty()),
                     Err(e) => reply.error(e),
@@ -1055,7 +1081,7 @@ impl Filesystem for CkptFs {
         }
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let result = self.node(ino).and_then(|node| match node {
             Node::StepFile { job, step, checkpoint, index } => {
                 if wants_write(flags) {
@@ -1071,7 +1097,7 @@ impl Filesystem for CkptFs {
                     return Err(Errno::ENOTSUP);
                 }
                 let file = self.state().files.get(&file).cloned().ok_or(Errno::ENOENT)?;
-                Ok((self.add_handle(Handle::Write(file)), FopenFlags::empty()))
+                Ok((self.add_handle(Handle::Write(file, process_of(req))), FopenFlags::empty()))
             }
             Node::Latest(_) => Err(Errno::ELOOP),
             _ => Err(Errno::EISDIR),
@@ -1095,7 +1121,7 @@ impl Filesystem for CkptFs {
     ) {
         let reader = match self.state().handles.get(&fh.0) {
             Some(Handle::Read(reader)) => Arc::clone(reader),
-            Some(Handle::Write(_)) => return reply.error(Errno::EBADF),
+            Some(Handle::Write(..)) => return reply.error(Errno::EBADF),
             None => return reply.error(Errno::EBADF),
         };
         match self.reads.read(&reader, offset, size) {
@@ -1138,15 +1164,18 @@ impl Filesystem for CkptFs {
     }
 
     fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        let Some(file) = self.write_handle(fh) else { return reply.ok() };
+        let Some((file, opener)) = self.write_handle_opened(fh) else { return reply.ok() };
         // close() of a descriptor. A shell's `echo x > f` closes a duplicate before writing, so
         // a file nothing was written to yet is not ended here; it ends at release (or commit).
         if file.size.load(Ordering::Relaxed) == 0 {
             return reply.ok();
         }
         // A writer killed mid-write (or a forked child exiting) closes its descriptors too: that
-        // is not the end of the file, and must never commit a truncated one.
-        if requester_exiting(req) {
+        // is not the end of the file, and must never commit a truncated one. Nor is another
+        // process's close: a child the writer started (`subprocess`, whose exec closes the
+        // inherited descriptor) while it was still writing. The file then ends at the opener's
+        // close, or at release once every descriptor is closed.
+        if requester_exiting(req) || opener.is_none_or(|opener| process_of(req) != Some(opener)) {
             return reply.ok();
         }
         match self.finish(&file) {
@@ -1181,13 +1210,19 @@ impl Filesystem for CkptFs {
         reply: ReplyEmpty,
     ) {
         let handle = self.state().handles.remove(&fh.0);
-        if let Some(Handle::Write(file)) = handle {
-            // Normally ended by a flush already. A file closed without data ends here; one whose
-            // last holder died mid-write stays unfinished (a draft holding it cannot commit).
-            if file.size.load(Ordering::Relaxed) == 0 || !requester_exiting(req) {
+        if let Some(Handle::Write(file, _)) = handle {
+            // Normally ended by a flush already. A file closed without data ends here, or closed
+            // by a process other than its opener. One whose last holder died, mid-write or before
+            // writing anything, is never ended: a draft holding it cannot commit, and a one-file
+            // checkpoint is dropped, its name free again for the writer's next run.
+            let exiting = requester_exiting(req);
+            if !exiting {
                 let _ = self.finish(&file);
             }
-            file.open_handles.fetch_sub(1, Ordering::Relaxed);
+            let last = file.open_handles.fetch_sub(1, Ordering::Relaxed) == 1;
+            if exiting && last && file.draft.is_none() {
+                self.discard_single(&file);
+            }
         }
         reply.ok();
     }
