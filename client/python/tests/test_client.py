@@ -394,6 +394,32 @@ def test_a_newer_run_fences_this_process(cluster, job):
     assert c.latest() == 2
 
 
+def test_a_save_that_failed_in_the_background_is_raised_not_lost(tmp_path, job):
+    """A trainer that saves without waiting is told when a save failed after it returned: by its
+    next save (before anything is saved) or by close, once, with the failed step named."""
+    from conftest import Cluster
+
+    for then in ("save", "close"):
+        (tmp_path / then).mkdir()
+        lone = Cluster(tmp_path / then, targets=1)
+        try:
+            c = client(lone, job)
+            c.save(1, {"w": np.ones(1 << 20, np.uint8)}).wait()
+            lone.targets[0].kill()
+            # The control plane still lists the dead target alive for a moment: the save begins
+            # and stages, and its upload fails in the background.
+            failed = c.save(2, {"w": np.full(1 << 20, 2, np.uint8)})
+            while not failed.done():
+                time.sleep(0.05)
+            with pytest.raises(starckpt.StarckptError) as raised:
+                c.save(3, {"x": 1}) if then == "save" else c.close()
+            if then == "save":
+                assert any("the save of step 2 failed in the background" in n for n in raised.value.__notes__)
+            c.close()  # raised once: not again
+        finally:
+            lone.stop()
+
+
 def test_wait_times_out_while_the_cluster_is_stopped_then_commits(tmp_path, job):
     from conftest import Cluster
 

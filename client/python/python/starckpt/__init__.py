@@ -118,7 +118,8 @@ _unfinished_lock = threading.Lock()
 
 def _track(handle: SaveHandle) -> None:
     with _unfinished_lock:
-        for done in [h for h in _unfinished if h._finished_here()]:
+        # A failure nobody has been told of stays, for the exit hook to report.
+        for done in [h for h in _unfinished if h._finished_here() and not h._failed_unreported()]:
             _unfinished.discard(done)
         _unfinished.add(handle)
 
@@ -143,6 +144,8 @@ def _wait_for_saves_at_exit() -> None:
         pending = [h for h in _unfinished if h._pid == os.getpid()]
         _unfinished.clear()
     for handle in pending:
+        if handle._reported:
+            continue
         try:
             handle.wait()
         except Exception as e:  # noqa: BLE001 - reported, the interpreter is exiting anyway
@@ -185,9 +188,21 @@ class SaveHandle:
         self._native = native
         self.step = step
         self._pid = os.getpid()
+        #: Its outcome reached the caller (``wait`` returned or raised).
+        self._reported = False
 
     def _finished_here(self) -> bool:
         return self._pid != os.getpid() or self._native.done()
+
+    def _failed_unreported(self) -> bool:
+        """Finished, failed, and nobody was told yet."""
+        if self._reported or self._pid != os.getpid() or not self._native.done():
+            return False
+        try:
+            self._native.wait(0)
+        except Exception:  # noqa: BLE001 - whatever the save's error, it failed
+            return True
+        return False
 
     def staged(self) -> bool:
         """True once every byte of the save is in staging buffers (or handed to the uploaders)."""
@@ -206,7 +221,15 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> SaveOutcome:
         """Blocks (GIL released, Ctrl-C honoured) until the part is committed and returns the
         outcome; raises the save's error if it failed, ``TimeoutError`` after `timeout` seconds."""
-        return SaveOutcome(**self._native.wait(timeout))
+        try:
+            outcome = SaveOutcome(**self._native.wait(timeout))
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._reported = self._native.done()
+            raise
+        self._reported = True
+        return outcome
 
     def __repr__(self) -> str:
         return f"<starckpt.SaveHandle step={self.step} done={self.done()}>"
@@ -310,12 +333,18 @@ class Client:
         ``skip_if_busy=True`` it is skipped instead and None returned, so a trainer that saves
         more often than its saves upload never stalls (it saves a later step).
 
+        A background save of this client that failed, and whose error no ``wait`` has raised
+        yet, is raised here, before anything is saved (the exception's note names its step):
+        a failed checkpoint is never silent. Catch it to go on saving; ``close`` raises the same,
+        and a failure still unreported at interpreter exit is printed.
+
         `metadata` is a JSON-serialisable mapping stored with the part and returned by ``load``.
         """
         client = self._client()
         job = self._job()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidInputError(f"step must be a non-negative int, not {step!r}")
+        self._raise_earlier_failure()
         try:
             user_metadata = json.dumps(dict(metadata or {}), allow_nan=True)
         except (TypeError, ValueError) as e:
@@ -336,10 +365,23 @@ class Client:
             return None
         handle = SaveHandle(native, step)
         _track(handle)
-        self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
+        self._in_flight = [h for h in self._in_flight if not h.done() or h._failed_unreported()] + [handle]
         if blocking:
             handle.wait()
         return handle
+
+    def _raise_earlier_failure(self) -> None:
+        """Raises the first failed save of this client that nobody was told of (module docs of
+        ``save``); forgets the others that finished."""
+        failed = next((h for h in self._in_flight if h._failed_unreported()), None)
+        self._in_flight = [h for h in self._in_flight if not h.done() or (h is not failed and h._failed_unreported())]
+        if failed is not None:
+            try:
+                failed.wait(0)
+            except BaseException as e:
+                note = f"starckpt: raised by a later call; the save of step {failed.step} failed in the background"
+                e.add_note(note)
+                raise
 
     def take_lease(self) -> int:
         """Takes this run's writer lease on the job now (the first save does otherwise) and
