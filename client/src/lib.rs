@@ -54,7 +54,7 @@ pub use starckpt_proto::control::{
     CheckpointInfo, CheckpointState, CollectGarbageResponse as GcReport, JobInfo, RetentionPolicy, TargetInfo,
     TargetState,
 };
-pub use stream::{StreamedFile, StreamingFile};
+pub use stream::{PARTIALS_WAIT, StreamedFile, StreamingFile};
 use transport::{AutoTransport, ChunkTransport, RdmaClient, RdmaConfig, ShmConfig, TcpConfig};
 
 /// Client configuration. Every field has a default chosen for one trainer process on a host with
@@ -274,6 +274,8 @@ struct Inner {
     upload_slot: Arc<tokio::sync::Semaphore>,
     control: Arc<ControlPlanes>,
     staging: BufPool,
+    /// Staging buffers holding the last, partial chunk of a file being streamed (`stream.rs`).
+    streaming_partials: Arc<std::sync::atomic::AtomicUsize>,
     targets: Targets,
     /// Read repairs queued or running in the background (see `read_chunk`), and those running.
     repairs: Arc<tokio::sync::Semaphore>,
@@ -339,6 +341,7 @@ impl Client {
                 upload_slot: Arc::new(tokio::sync::Semaphore::new(1)),
                 control,
                 staging,
+                streaming_partials: Arc::default(),
                 targets: Targets { by_id: Default::default(), rdma, staging: shared_staging },
                 repairs: Arc::new(tokio::sync::Semaphore::new(REPAIRS_IN_FLIGHT)),
                 repairs_running: Arc::new(tokio::sync::Semaphore::new(REPAIRS_RUNNING)),

@@ -10,7 +10,11 @@
 //!
 //! Memory: each open file holds at most one staging buffer being filled, and the uploads in
 //! flight hold theirs; all come from the client's bounded staging pool, so writers wait when it is
-//! exhausted. Uploads in flight per file are bounded by `ClientConfig::upload_concurrency`.
+//! exhausted. Uploads in flight per file are bounded by `ClientConfig::upload_concurrency`. A
+//! writer does not wait for ever, though, when every buffer holds the partial chunk of an open
+//! file: only a write, sync or close of one of those files would free one, which may be the very
+//! caller waiting (the mount's few threads, one program with more files open than buffers). Past
+//! [`PARTIALS_WAIT`] in that state the write fails, saying so.
 //!
 //! Unlike [`Client::save`], no checkpoint is begun while bytes stream: a file may be written for
 //! a long time, and its step may only be known at the end (the mount's rename-to-commit). So
@@ -22,6 +26,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
@@ -41,7 +46,7 @@ pub struct StreamingFile {
     client: Client,
     placement: Arc<Placement>,
     progress: Arc<SaveProgress>,
-    current: Option<PooledBuf>,
+    current: Option<Partial>,
     filled: usize,
     size: u64,
     next_index: usize,
@@ -49,6 +54,34 @@ pub struct StreamingFile {
     done: BTreeMap<usize, ChunkRef>,
     /// The first upload failure; every later call reports it.
     failed: Option<String>,
+}
+
+/// How long a write waits for a staging buffer while every buffer holds a partial chunk.
+pub const PARTIALS_WAIT: Duration = Duration::from_secs(10);
+
+/// A staging buffer holding a file's last, partial chunk, counted while held
+/// (`streaming_partials`).
+struct Partial {
+    /// Present until [`Partial::into_buf`].
+    buf: Option<PooledBuf>,
+    held: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Partial {
+    fn buf_mut(&mut self) -> &mut PooledBuf {
+        self.buf.as_mut().expect("present until into_buf")
+    }
+
+    /// The buffer, no longer a partial chunk (it is being uploaded).
+    fn into_buf(mut self) -> PooledBuf {
+        self.buf.take().expect("present until into_buf")
+    }
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        self.held.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A finished streamed file, ready to be committed.
@@ -205,10 +238,10 @@ impl StreamingFile {
         let chunk_size = self.client.inner.config.chunk_size_bytes;
         while !data.is_empty() {
             if self.current.is_none() {
-                self.current = Some(self.client.inner.staging.acquire().await);
+                self.current = Some(self.partial_buffer().await?);
                 self.filled = 0;
             }
-            let buf = self.current.as_mut().expect("set above");
+            let buf = self.current.as_mut().expect("set above").buf_mut();
             let take = (chunk_size - self.filled).min(data.len());
             buf.buf_mut().full_mut()[self.filled..self.filled + take].copy_from_slice(&data[..take]);
             self.filled += take;
@@ -253,8 +286,35 @@ impl StreamingFile {
         }
     }
 
+    /// A staging buffer for this file's next chunk: waits while buffers come back from uploads,
+    /// and fails when every one holds another file's partial chunk (module docs).
+    async fn partial_buffer(&self) -> Result<Partial> {
+        let staging = &self.client.inner.staging;
+        let held = &self.client.inner.streaming_partials;
+        let mut deadlocked_since = None;
+        let buf = loop {
+            match tokio::time::timeout(Duration::from_millis(200), staging.acquire()).await {
+                Ok(buf) => break buf,
+                Err(_) if held.load(Ordering::Acquire) >= staging.max_buffers() => {
+                    let since = *deadlocked_since.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() >= PARTIALS_WAIT {
+                        return Err(Error::InvalidInput(format!(
+                            "every staging buffer ({}) holds the unfinished last chunk of a file being \
+                             written: close or sync some of them, or give the client more staging memory",
+                            staging.max_buffers()
+                        )));
+                    }
+                }
+                Err(_) => deadlocked_since = None,
+            }
+        };
+        held.fetch_add(1, Ordering::AcqRel);
+        Ok(Partial { buf: Some(buf), held: Arc::clone(held) })
+    }
+
     async fn cut(&mut self) -> Result<()> {
-        let Some(mut buf) = self.current.take() else { return Ok(()) };
+        let Some(partial) = self.current.take() else { return Ok(()) };
+        let mut buf = partial.into_buf();
         buf.buf_mut().set_len(self.filled);
         self.filled = 0;
         let data: Bytes = buf.freeze();

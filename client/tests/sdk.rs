@@ -470,6 +470,35 @@ async fn chunks_are_replicated_and_a_read_repairs_the_bad_copies_it_meets() {
     cluster.shutdown().await.unwrap();
 }
 
+/// More files being streamed at once than staging buffers: once every buffer holds some file's
+/// unfinished last chunk, nothing but those files can free one, so the next write fails, saying
+/// why, instead of waiting for ever; closing a file lets writes go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_more_files_than_staging_buffers_fails_a_write_instead_of_hanging() {
+    let (_dir, cluster, client) = cluster(1, |c| {
+        c.chunk_size_bytes = 64 * 1024;
+        c.staging_bytes = 4 * 64 * 1024;
+    })
+    .await;
+    let mut open = Vec::new();
+    for _ in 0..4 {
+        let mut stream = client.streaming_file("many").await.unwrap();
+        stream.write(b"partial").await.unwrap();
+        open.push(stream);
+    }
+    let mut fifth = client.streaming_file("many").await.unwrap();
+    let wait = starckpt_client::PARTIALS_WAIT + Duration::from_secs(30);
+    let refused = tokio::time::timeout(wait, fifth.write(b"one too many")).await.expect("the write waited for ever");
+    let error = refused.expect_err("a write found a buffer no file could free");
+    assert!(error.to_string().contains("unfinished last chunk"), "{error}");
+    // A file closed gives its buffer back: the others write on.
+    let done = open.pop().unwrap().finish("f".try_into().unwrap(), 0).await.unwrap();
+    assert_eq!(done.size, 7);
+    let mut sixth = client.streaming_file("many").await.unwrap();
+    sixth.write(b"fits now").await.unwrap();
+    cluster.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_files_commit_together_and_a_collected_chunk_fails_the_commit() {
     let (_dir, cluster, client) = cluster(2, |c| {
