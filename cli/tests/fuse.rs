@@ -419,6 +419,29 @@ fn a_step_saved_again_serves_its_new_bytes() {
     }
 }
 
+/// A directory of many entries lists each exactly once, across the many pages the kernel reads
+/// it in (each open lists it once; pages come from that listing).
+#[test]
+fn a_large_directory_lists_every_entry_once() {
+    let cluster = Cluster::start(1);
+    let mount = Mounted::start(&cluster, &cluster.dir.path().join("ckpt"));
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(source.join("shards")).unwrap();
+    const FILES: usize = 20_000;
+    for i in 0..FILES {
+        std::fs::write(source.join(format!("shards/{i:05}.pt")), b"").unwrap();
+    }
+    cluster.json(&["save", "--job", "wide", "--step", "1", source.to_str().unwrap()]);
+    let dir = mount.point.join("wide/1/shards");
+    let mut listed: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert_eq!(listed.len(), FILES);
+    listed.sort();
+    listed.dedup();
+    assert_eq!(listed.len(), FILES, "an entry was listed twice");
+    assert_eq!(sh_ok(&format!("ls -f {} | wc -l", dir.display())).trim(), (FILES + 2).to_string());
+}
+
 /// Chunk files the cluster's targets have read for GETs so far.
 fn chunk_reads(cluster: &Cluster) -> u64 {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

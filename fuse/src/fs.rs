@@ -145,6 +145,10 @@ enum Handle {
     /// A file being written, and the process that opened the handle (its thread group id, when
     /// `/proc` tells): only that process's close ends the file ([`CkptFs::flush`]).
     Write(Arc<DraftFile>, Option<u32>),
+    /// An open directory: its listing as of `opendir`, which `readdir` pages through. Built once
+    /// per open, not per page (the kernel asks for ~4 KiB of names at a time, so rebuilding it
+    /// for each page made listing N entries cost N²/100 node lookups), and stable while open.
+    Dir(Arc<Vec<(u64, FileType, String)>>),
 }
 
 #[derive(Default)]
@@ -1121,8 +1125,7 @@ impl Filesystem for CkptFs {
     ) {
         let reader = match self.state().handles.get(&fh.0) {
             Some(Handle::Read(reader)) => Arc::clone(reader),
-            Some(Handle::Write(..)) => return reply.error(Errno::EBADF),
-            None => return reply.error(Errno::EBADF),
+            Some(Handle::Write(..) | Handle::Dir(_)) | None => return reply.error(Errno::EBADF),
         };
         match self.reads.read(&reader, offset, size) {
             Ok(data) => reply.data(&data),
@@ -1434,18 +1437,38 @@ impl Filesystem for CkptFs {
         reply.error(Errno::EPERM);
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         match self.node(ino).and_then(|node| self.listing(ino.0, &node)) {
             Ok(entries) => {
-                for (index, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize) {
-                    if reply.add(INodeNo(ino), (index + 1) as u64, kind, name) {
-                        break;
-                    }
-                }
-                reply.ok();
+                reply.opened(FileHandle(self.add_handle(Handle::Dir(Arc::new(entries)))), FopenFlags::empty())
             }
             Err(e) => reply.error(e),
         }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        let opened = match self.state().handles.get(&fh.0) {
+            Some(Handle::Dir(entries)) => Some(Arc::clone(entries)),
+            _ => None,
+        };
+        // Without a handle from opendir (none is promised), listed afresh.
+        let entries =
+            match opened.map_or_else(|| self.node(ino).and_then(|node| self.listing(ino.0, &node)).map(Arc::new), Ok) {
+                Ok(entries) => entries,
+                Err(e) => return reply.error(e),
+            };
+        let start = usize::try_from(offset).unwrap_or(usize::MAX).min(entries.len());
+        for (index, (ino, kind, name)) in entries.iter().enumerate().skip(start) {
+            if reply.add(INodeNo(*ino), (index + 1) as u64, *kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn releasedir(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _flags: OpenFlags, reply: ReplyEmpty) {
+        self.state().handles.remove(&fh.0);
+        reply.ok();
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
