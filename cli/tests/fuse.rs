@@ -290,40 +290,23 @@ fn killing_the_mount_mid_write_commits_nothing_and_unmount_paths_work() {
     sh_ok(&format!("umount -l {m}"));
 
     // A writer killed in the middle of a one-file checkpoint: its descriptors are closed by the
-    // kernel as it exits, which must not commit the truncated file.
+    // kernel as it exits, which must not commit the truncated file. Nor one killed before writing
+    // anything (not an empty file as the latest checkpoint), whose name is then free again.
     let mount_again = Mounted::start(&cluster, &point);
-    let killed = Command::new("python3")
-        .args([
-            "-c",
-            &format!(
-                "import os
-f = open('{m}/job/partial_7.bin', 'wb')
-f.write(os.urandom(9 << 20))
-f.flush()
-                 os.kill(os.getpid(), 9)"
-            ),
-        ])
-        .output()
-        .unwrap();
-    assert!(!killed.status.success());
-    // The kernel does not wait for the dying writer's flush: give a wrong commit time to land.
-    for _ in 0..20 {
-        std::thread::sleep(Duration::from_millis(100));
-        let listed = cluster.json(&["ls", "job", "--all"]);
-        assert_eq!(listed.as_array().unwrap().len(), 1, "the killed writer's file was committed: {listed}");
-    }
-    // Killed before writing anything: nothing is committed either (not an empty file as the
-    // latest checkpoint), and the name is free again for the writer's next run.
-    let killed = Command::new("python3")
-        .args(["-c", &format!("import os\nf = open('{m}/job/run_8.bin', 'wb')\nos.kill(os.getpid(), 9)")])
-        .output()
-        .unwrap();
-    assert!(!killed.status.success());
-    for _ in 0..20 {
-        std::thread::sleep(Duration::from_millis(100));
-        let listed = cluster.json(&["ls", "job", "--all"]);
-        assert_eq!(listed.as_array().unwrap().len(), 1, "the killed writer's empty file was committed: {listed}");
-    }
+    let killed_commits_nothing = |script: &str| {
+        let killed = Command::new("python3").args(["-c", script]).output().unwrap();
+        assert!(!killed.status.success());
+        // The kernel does not wait for the dying writer's flush: give a wrong commit time to land.
+        for _ in 0..20 {
+            std::thread::sleep(Duration::from_millis(100));
+            let listed = cluster.json(&["ls", "job", "--all"]);
+            assert_eq!(listed.as_array().unwrap().len(), 1, "a killed writer's file was committed: {listed}");
+        }
+    };
+    killed_commits_nothing(&format!(
+        "import os\nf = open('{m}/job/partial_7.bin', 'wb')\nf.write(os.urandom(9 << 20))\nf.flush()\nos.kill(os.getpid(), 9)"
+    ));
+    killed_commits_nothing(&format!("import os\nf = open('{m}/job/run_8.bin', 'wb')\nos.kill(os.getpid(), 9)"));
     // The next run writes it, starting a child process midway: the child's exec closes the
     // descriptor it inherited, which is not the end of the file.
     let script = format!(

@@ -1236,15 +1236,14 @@ impl Filesystem for CkptFs {
             match self.node(parent)? {
                 Node::Job(job) => {
                     let key = (job.clone(), name.to_owned());
-                    let mut state = self.state();
-                    if let Some(id) = state.single_files.remove(&key) {
-                        if let Some(file) = state.files.remove(&id) {
-                            file.abandoned.store(true, Ordering::Relaxed);
-                        }
-                        return Ok(());
-                    }
+                    let state = self.state();
+                    let single = state.single_files.get(&key).and_then(|id| state.files.get(id)).cloned();
                     let alias = state.aliases.get(&key).copied();
                     drop(state);
+                    if let Some(file) = single {
+                        self.discard_single(&file);
+                        return Ok(());
+                    }
                     match alias {
                         // A one-file checkpoint by its name: deleting the file deletes it.
                         Some((step, _, Some(_))) => self.delete_step(&job, step),

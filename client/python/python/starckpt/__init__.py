@@ -365,7 +365,7 @@ class Client:
             return None
         handle = SaveHandle(native, step)
         _track(handle)
-        self._in_flight = [h for h in self._in_flight if not h.done() or h._failed_unreported()] + [handle]
+        self._in_flight.append(handle)
         if blocking:
             handle.wait()
         return handle
@@ -373,8 +373,17 @@ class Client:
     def _raise_earlier_failure(self) -> None:
         """Raises the first failed save of this client that nobody was told of (module docs of
         ``save``); forgets the others that finished."""
-        failed = next((h for h in self._in_flight if h._failed_unreported()), None)
-        self._in_flight = [h for h in self._in_flight if not h.done() or (h is not failed and h._failed_unreported())]
+        failed, kept = None, []
+        for h in self._in_flight:
+            # Done read first: a save finishing meanwhile is kept, for the next call to judge.
+            if not h.done():
+                kept.append(h)
+            elif h._failed_unreported():
+                if failed is None:
+                    failed = h
+                else:
+                    kept.append(h)
+        self._in_flight = kept
         if failed is not None:
             try:
                 failed.wait(0)
