@@ -29,8 +29,10 @@ const SIGNAL_POLL: Duration = Duration::from_millis(100);
 
 static RUNTIME: Mutex<Option<(u32, &'static Runtime)>> = Mutex::new(None);
 
-/// This process's runtime, made on first use (and again in a forked child).
-fn runtime() -> PyResult<&'static Runtime> {
+/// This process's runtime, made on first use (and again in a forked child). Called with the GIL
+/// held (the token says so): `os.fork` needs the GIL too, so no process is forked while another
+/// thread holds `RUNTIME`'s lock, and a child never inherits it held.
+fn runtime(_gil: Python<'_>) -> PyResult<&'static Runtime> {
     let pid = std::process::id();
     let mut slot = RUNTIME.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((owner, runtime)) = *slot
@@ -81,7 +83,7 @@ fn block_on<T: Send, F: Future<Output = T>>(
         ));
     }
     let _leave = Leave;
-    let runtime = runtime()?;
+    let runtime = runtime(py)?;
     py.detach(|| {
         runtime.block_on(async {
             let mut future = std::pin::pin!(make());
@@ -518,7 +520,7 @@ impl NativeClient {
             }
         };
         let Some(handle) = handle else { return Ok(None) };
-        Ok(Some(SaveHandle::spawn(handle, runtime()?)))
+        Ok(Some(SaveHandle::spawn(handle, runtime(py)?)))
     }
 
     /// The committed manifest of (job, step), or of the latest committed step.

@@ -248,6 +248,38 @@ def test_multi_rank_saves_commit_only_when_every_rank_is_in(cluster, job):
         assert rank(r, "load") == {"rank": r, "w": [float(r)] * 4}
 
 
+SOLO_SCRIPT = """
+import json, sys, warnings, numpy as np, starckpt
+warnings.simplefilter("always")
+ranks = [starckpt.Client(rank=r) for r in map(int, sys.argv[1:])]  # world size from WORLD_SIZE
+seen = []
+for step in (1, 2, 3):
+    for c in ranks:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            c.save(step, {"w": np.full(8, step, dtype=np.float32)}, blocking=True)
+        seen += [f"{w.category.__name__}: {w.message}" for w in caught]
+print(json.dumps({"warnings": seen, "latest": ranks[0].latest()}))
+"""
+
+
+def test_saving_from_rank_0_alone_of_several_warns_that_nothing_commits(cluster, job):
+    from conftest import python_env, run_python
+
+    def run(job, *ranks):
+        env = python_env(cluster, STARCKPT_JOB=job, STARCKPT_RUN_ID=f"run-{job}", WORLD_SIZE="4")
+        return json.loads(run_python(["-c", SOLO_SCRIPT, *map(str, ranks)], env).stdout)
+
+    # The torchrun trap: WORLD_SIZE=4, and rank 0 alone saves. Warned once, at step 2.
+    alone = run(job, 0)
+    assert alone["latest"] is None
+    assert len(alone["warnings"]) == 1, alone
+    assert alone["warnings"][0].startswith("IncompleteCheckpointWarning: starckpt: step 1 ")
+    assert "1 of 4 parts" in alone["warnings"][0] and "world_size=1" in alone["warnings"][0]
+    # Every rank saving each step in turn: nothing to warn of.
+    assert run(f"{job}-all", 0, 1, 2, 3) == {"warnings": [], "latest": 3}
+
+
 def test_restore_writes_the_files(cluster, job, tmp_path):
     c = client(cluster, job)
     c.save(5, {"a": np.arange(10, dtype=np.int32), "b": b"hello"}).wait()

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -41,6 +42,7 @@ from .errors import (
     ConnectionError,
     FencedError,
     FormatError,
+    IncompleteCheckpointWarning,
     InvalidInputError,
     NotFoundError,
     RejectedError,
@@ -278,6 +280,9 @@ class Client:
         )
         self._closed = False
         self._in_flight: list[SaveHandle] = []
+        #: This client's latest save, and whether a step of it was reported incomplete already.
+        self._last_save: SaveHandle | None = None
+        self._warned_incomplete = False
         if warm:
             self.warm(warm)
 
@@ -338,6 +343,10 @@ class Client:
         a failed checkpoint is never silent. Catch it to go on saving; ``close`` raises the same,
         and a failure still unreported at interpreter exit is printed.
 
+        With several ranks every rank saves each step (its own part); to save from one process
+        alone, pass ``world_size=1``. A rank whose previous step is still not committed when it
+        saves the next gets an ``IncompleteCheckpointWarning`` (once per client).
+
         `metadata` is a JSON-serialisable mapping stored with the part and returned by ``load``.
         """
         client = self._client()
@@ -345,6 +354,7 @@ class Client:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidInputError(f"step must be a non-negative int, not {step!r}")
         self._raise_earlier_failure()
+        self._warn_if_previous_incomplete(job)
         try:
             user_metadata = json.dumps(dict(metadata or {}), allow_nan=True)
         except (TypeError, ValueError) as e:
@@ -366,6 +376,7 @@ class Client:
         handle = SaveHandle(native, step)
         _track(handle)
         self._in_flight.append(handle)
+        self._last_save = handle
         if blocking:
             handle.wait()
         return handle
@@ -391,6 +402,34 @@ class Client:
                 note = f"starckpt: raised by a later call; the save of step {failed.step} failed in the background"
                 e.add_note(note)
                 raise
+
+    def _warn_if_previous_incomplete(self, job: str) -> None:
+        """Warns (once per client) when this rank's previous save put its part in but its step has
+        still not committed: with several ranks, a step commits once every rank saved it, so a
+        trainer that saves from rank 0 alone (with torchrun's ``WORLD_SIZE`` above 1) never
+        commits anything, and finds nothing to resume from after a preemption."""
+        previous = self._last_save
+        if self._warned_incomplete or previous is None or self.world_size == 1 or not previous.done():
+            return
+        try:
+            outcome = SaveOutcome(**previous._native.wait(0))
+        except Exception:  # noqa: BLE001 - a failed save is raised by _raise_earlier_failure
+            return
+        if outcome.committed or outcome.world_size in (None, 1):
+            return
+        latest = self._client().latest(job)
+        if latest is not None and latest >= outcome.step:
+            return  # the other ranks' parts came in since
+        self._warned_incomplete = True
+        warnings.warn(
+            f"starckpt: step {outcome.step} of {job} is not committed: {outcome.parts_committed} of "
+            f"{outcome.world_size} parts were in when this rank's part finished, and the step is still "
+            f"incomplete as rank {self.rank} saves the next. Every rank must save each step; to save "
+            "from one process alone, pass world_size=1 (this client took its world size from "
+            "WORLD_SIZE unless given one).",
+            IncompleteCheckpointWarning,
+            stacklevel=3,
+        )
 
     def take_lease(self) -> int:
         """Takes this run's writer lease on the job now (the first save does otherwise) and
@@ -493,4 +532,5 @@ __all__ = [
     "StarckptIOError",
     "CancelledError",
     "ClosedError",
+    "IncompleteCheckpointWarning",
 ]

@@ -76,4 +76,9 @@ class ClosedError(StarckptError):
     """The client was closed."""
 
 
-__all__ = [name for name, value in list(globals().items()) if isinstance(value, type) and issubclass(value, Exception)]
+class IncompleteCheckpointWarning(UserWarning):
+    """A step this rank saved is still not committed when it saves the next: the checkpoint
+    waits for the parts of ranks that have not saved it (``latest`` does not see it)."""
+
+
+__all__ = [name for name, value in list(globals().items()) if isinstance(value, type) and issubclass(value, (Exception, Warning))]
