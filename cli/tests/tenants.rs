@@ -402,7 +402,11 @@ async fn tenants_never_deduplicate_against_each_other() {
         let mut client = holder(&channel, token);
         let job = job.to_owned();
         async move {
-            let got = client.get_manifest(GetManifestRequest { job, step: Some(1) }).await.unwrap().into_inner();
+            let got = client
+                .get_manifest(GetManifestRequest { job, step: Some(1), ..Default::default() })
+                .await
+                .unwrap()
+                .into_inner();
             let manifest = got.parts[0].manifest.clone().unwrap();
             let hashes: Vec<Vec<u8>> = manifest.files[0].chunks.iter().map(|c| c.hash.to_vec()).collect();
             (manifest.chunk_key.to_vec(), hashes, manifest.files[0].chunks[0].length_bytes)

@@ -101,6 +101,15 @@ impl CheckpointManifest {
     pub fn from_response(response: pb::GetManifestResponse) -> Result<CheckpointManifest> {
         let info =
             response.checkpoint.ok_or_else(|| Error::InvalidInput("manifest response without checkpoint".into()))?;
+        if !response.parts.iter().map(|part| part.rank).eq(0..info.world_size) {
+            return Err(Error::InvalidInput(format!(
+                "{} step {}: the manifest has {} parts, not one for each of its {} ranks in order",
+                info.job,
+                info.step,
+                response.parts.len(),
+                info.world_size
+            )));
+        }
         let parts = response
             .parts
             .into_iter()
@@ -225,13 +234,43 @@ fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
 
 impl Client {
     /// The committed manifest of (job, step), or of the latest committed step.
+    /// Read a page at a time (`GetManifestRequest`), however many bytes its parts add up to.
     pub async fn manifest(&self, job: &str, step: Option<u64>) -> Result<CheckpointManifest> {
         let job = JobName::try_from(job)?;
-        let request = pb::GetManifestRequest { job: job.to_string(), step };
-        let response = self
-            .rpc("get manifest", crate::Resend::Idempotent, request, |mut c, r| async move { c.get_manifest(r).await })
+        let get =
+            |request: pb::GetManifestRequest| {
+                self.rpc("get manifest", crate::Resend::Idempotent, request, |mut c, r| async move {
+                    c.get_manifest(r).await
+                })
+            };
+        let first =
+            get(pb::GetManifestRequest { job: job.to_string(), step, from_rank: Some(0), checkpoint_id: None }).await?;
+        let mut next_rank = first.next_rank;
+        let mut whole = first;
+        let id = whole.checkpoint.as_ref().map(|info| info.checkpoint_id);
+        while let Some(from_rank) = next_rank {
+            let page = get(pb::GetManifestRequest {
+                job: job.to_string(),
+                step: None,
+                from_rank: Some(from_rank),
+                checkpoint_id: id,
+            })
             .await?;
-        CheckpointManifest::from_response(response)
+            // Each page must move on, or a confused control plane would keep this loop going.
+            if page.parts.first().is_none_or(|part| part.rank != from_rank)
+                || page.next_rank.is_some_and(|next| next <= from_rank)
+            {
+                return Err(Error::InvalidInput(format!(
+                    "{job}: the control plane answered a manifest page from rank {from_rank} with ranks {:?} (next {:?})",
+                    page.parts.first().map(|part| part.rank),
+                    page.next_rank
+                )));
+            }
+            next_rank = page.next_rank;
+            whole.parts.extend(page.parts);
+            whole.targets.extend(page.targets);
+        }
+        CheckpointManifest::from_response(whole)
     }
 
     /// Reads one chunk from its replicas in order, verifying its hash; the first verified copy

@@ -704,6 +704,81 @@ async fn a_zombie_client_holding_an_old_epoch_is_fenced() {
     cluster.shutdown().await.unwrap();
 }
 
+/// A checkpoint whose parts add up to more than one `GetManifest` answer carries (64 MiB for a
+/// multi-terabyte checkpoint of many ranks; here a page of one part) is read a page at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manifest_larger_than_one_answer_is_read_a_page_at_a_time() {
+    let (_dir, cluster, client) = common::cluster_tuned(
+        fabric().as_deref(),
+        1,
+        |control| control.manifest_page_bytes = 1,
+        |_| {},
+        |config| config.run_id = Some("paged".into()),
+    )
+    .await;
+    let ranks = 5u32;
+    for rank in 0..ranks {
+        let part = SavePart::new("paged", 3).rank(rank, ranks);
+        let part = part.buffer(&format!("rank{rank}/w"), Bytes::from(random(10_000 + rank as usize, rank.into())));
+        client.save(part.unwrap()).await.unwrap().wait().await.unwrap();
+    }
+    let manifest = client.manifest("paged", None).await.unwrap();
+    assert_eq!((manifest.info.step, manifest.info.world_size), (3, ranks));
+    assert_eq!(manifest.metadata.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), (0..ranks).collect::<Vec<_>>());
+    for rank in 0..ranks {
+        let read = client.read_file(&manifest, &format!("rank{rank}/w")).await.unwrap();
+        assert_eq!(read, random(10_000 + rank as usize, rank.into()), "rank {rank}");
+    }
+    cluster.shutdown().await.unwrap();
+}
+
+/// Parts adding up to more than the 64 MiB a gRPC message carries (each under it, as CommitPart
+/// requires): the manifest of a multi-terabyte checkpoint. Committed through the control plane's
+/// API (chunk references only: no bytes behind them), then read back whole by the SDK.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_whose_parts_exceed_one_message_can_be_read() {
+    use starckpt_proto::control::{self as pb, control_client::ControlClient};
+    let (_dir, cluster, client) = cluster(1, |_| {}).await;
+    let target = client.targets().await.unwrap().remove(0).target_id;
+    let mut control = ControlClient::connect(format!("http://{}", cluster.control_address))
+        .await
+        .unwrap()
+        .max_encoding_message_size(64 << 20);
+    let job = "huge".to_string();
+    let lease = pb::AcquireLeaseRequest { job: job.clone(), run_id: "huge-run".into() };
+    let epoch = control.acquire_lease(lease).await.unwrap().into_inner().epoch;
+    let begin = pb::BeginCheckpointRequest { job: job.clone(), step: 1, world_size: 2, epoch };
+    let checkpoint_id = control.begin_checkpoint(begin).await.unwrap().into_inner().checkpoint_id;
+    // ~36 MiB per part: 600,000 references of 4 MiB chunks each (a 2.3 TiB part).
+    let chunks_per_part = 600_000u64;
+    for rank in 0..2u32 {
+        let chunks = (0..chunks_per_part)
+            .map(|i| {
+                let mut hash = [0u8; 32];
+                hash[..4].copy_from_slice(&rank.to_le_bytes());
+                hash[4..12].copy_from_slice(&i.to_le_bytes());
+                pb::ChunkRef {
+                    hash: Bytes::copy_from_slice(&hash),
+                    length_bytes: 4 << 20,
+                    stored_length_bytes: 4 << 20,
+                    codec: 0,
+                    replicas: vec![target.clone()],
+                }
+            })
+            .collect();
+        let file =
+            pb::FileEntry { path: format!("rank{rank}.bin"), size_bytes: chunks_per_part << 22, mode: 0, chunks };
+        let manifest = pb::Manifest { files: vec![file], ..Default::default() };
+        let request = pb::CommitPartRequest { checkpoint_id, rank, manifest: Some(manifest), written_bytes: 0 };
+        control.commit_part(request).await.unwrap();
+    }
+    let manifest = client.manifest("huge", None).await.unwrap();
+    assert_eq!((manifest.info.step, manifest.info.world_size), (1, 2));
+    assert_eq!(manifest.files.len(), 2);
+    assert!(manifest.files.iter().all(|file| file.chunks.len() as u64 == chunks_per_part));
+    cluster.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_bytes_are_uploaded_without_a_staging_copy() {
     // One 64 KiB staging buffer; the shared tensor is 40x larger and never touches it.

@@ -21,11 +21,12 @@ pub const MAX_PATH_BYTES: usize = 4096;
 pub const MAX_WORLD_SIZE: u32 = 1 << 20;
 /// Most files in one rank's manifest. A rank with more should archive them first.
 pub const MAX_FILES_PER_PART: usize = 1_000_000;
-/// Largest encoded manifest of one checkpoint, all ranks together. GetManifest answers in one
-/// gRPC message of at most 64 MiB; this leaves room for the rest of the reply. At ~80 bytes per
-/// 4 MiB chunk it describes ~2.4 TiB; larger checkpoints need larger chunks (or the paged
-/// manifest a later change will add).
-pub const MAX_CHECKPOINT_MANIFEST_BYTES: u64 = 48 << 20;
+/// Largest encoded manifest of one checkpoint, all ranks together (each rank's part travels in
+/// one CommitPart, under the 64 MiB gRPC message limit; readers page through the parts:
+/// `GetManifestRequest`). It bounds what a reader, and the control plane checking the last
+/// part against the others, hold in memory: at ~80 bytes per 4 MiB chunk, 512 MiB describes
+/// ~25 TiB; larger checkpoints need larger chunks.
+pub const MAX_CHECKPOINT_MANIFEST_BYTES: u64 = 512 << 20;
 /// Longest run id (the name all ranks of one training run share).
 pub const MAX_RUN_ID_BYTES: usize = 256;
 

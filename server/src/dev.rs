@@ -95,6 +95,18 @@ impl DevCluster {
         engine: EngineKind,
         configure: impl Fn(&mut TargetConfig),
     ) -> anyhow::Result<DevCluster> {
+        DevCluster::start_tuned(data_dir, listen, targets, engine, |_| {}, configure).await
+    }
+
+    /// [`DevCluster::start_with`], with the control plane's configuration adjusted by `control`.
+    pub async fn start_tuned(
+        data_dir: &Path,
+        listen: &str,
+        targets: usize,
+        engine: EngineKind,
+        control: impl FnOnce(&mut ControlConfig),
+        configure: impl Fn(&mut TargetConfig),
+    ) -> anyhow::Result<DevCluster> {
         std::fs::create_dir_all(data_dir).with_context(|| format!("create {}", data_dir.display()))?;
         let database = data_dir.join("meta.db").to_string_lossy().into_owned();
         let lock = control::DatabaseLock::take(&database)?;
@@ -107,7 +119,8 @@ impl DevCluster {
         };
         let key = cluster_key(data_dir)?;
         let cluster_key = Some(key.clone());
-        let control_config = ControlConfig { cluster_key: cluster_key.clone(), ..ControlConfig::default() };
+        let mut control_config = ControlConfig { cluster_key: cluster_key.clone(), ..ControlConfig::default() };
+        control(&mut control_config);
         let mut tasks = vec![tokio::spawn(control::run(listener, store, control_config, wait(stopped.clone())))];
         let mut target_addresses = Vec::new();
         for index in 0..targets {

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use starckpt_client::{Client, ClientConfig, TargetState};
+use starckpt_server::control::ControlConfig;
 use starckpt_server::dev::DevCluster;
 use starckpt_server::target::{EngineKind, TargetConfig, TargetRdma};
 
@@ -38,10 +39,22 @@ pub async fn cluster_configured(
     target_config: impl Fn(&mut TargetConfig),
     config: impl FnOnce(&mut ClientConfig),
 ) -> (tempfile::TempDir, DevCluster, Client) {
+    cluster_tuned(fabric, targets, |_| {}, target_config, config).await
+}
+
+/// [`cluster_configured`] with the control plane's configuration changed by `control` too.
+pub async fn cluster_tuned(
+    fabric: Option<&str>,
+    targets: usize,
+    control: impl FnOnce(&mut ControlConfig),
+    target_config: impl Fn(&mut TargetConfig),
+    config: impl FnOnce(&mut ClientConfig),
+) -> (tempfile::TempDir, DevCluster, Client) {
     let dir = tempfile::tempdir().unwrap();
     let rdma = fabric.is_some();
     let soft = fabric == Some("soft");
-    let cluster = DevCluster::start_with(dir.path(), "127.0.0.1:0", targets, EngineKind::Uring, |target| {
+    let engine = EngineKind::Uring;
+    let cluster = DevCluster::start_tuned(dir.path(), "127.0.0.1:0", targets, engine, control, |target| {
         if soft {
             target.rdma = TargetRdma::Device(starckpt_rdma::soft::SoftDevice::new("target"));
         } else if rdma {

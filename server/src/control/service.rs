@@ -21,8 +21,8 @@ use super::auth::{Caller, Tokens};
 use super::gc::{self, GcConfig, GcReport};
 use super::repair::{self, LastRepair, RepairConfig, RepairReport};
 use super::store::{
-    CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, MetaError, MetaStore, RetentionPolicy,
-    TargetRecord, fault, now_ms,
+    CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, ManifestOf, ManifestPage, MetaError,
+    MetaStore, RetentionPolicy, TargetRecord, fault, now_ms,
 };
 use super::tier::{self, Tier, TierConfig, TierReport};
 use super::tls::ServerTls;
@@ -89,6 +89,9 @@ pub struct ControlConfig {
     /// The certificate and key the gRPC port serves TLS with (`--tls-cert`, `--tls-key`;
     /// `tls.rs`), reloaded when they change. None: plaintext.
     pub tls: Option<Arc<ServerTls>>,
+    /// Bytes of stored part manifests one page of `GetManifest` carries at most (at least one
+    /// part): well under the 64 MiB message limit, whatever the checkpoint's size. Default 16 MiB.
+    pub manifest_page_bytes: usize,
 }
 
 impl Default for ControlConfig {
@@ -111,6 +114,7 @@ impl Default for ControlConfig {
             capability_lifetime: Duration::from_secs(60 * 60),
             tokens: None,
             tls: None,
+            manifest_page_bytes: 16 << 20,
         }
     }
 }
@@ -637,8 +641,18 @@ impl Control for ControlService {
         let caller = self.caller(&request)?;
         let request = request.into_inner();
         let job = caller.job(&request.job)?;
-        let (record, parts) =
-            self.store.get_manifest(&job, request.step).await.map_err(|e| caller.told(meta_status(e)))?;
+        // A reader that pages gets pages of at most `manifest_page_bytes`; one that does not,
+        // every part at once (up to the message size limit).
+        let of = match request.checkpoint_id {
+            Some(id) => ManifestOf::Checkpoint(id),
+            None => ManifestOf::Step(request.step),
+        };
+        let page_bytes = if request.from_rank.is_some() { self.config.manifest_page_bytes } else { usize::MAX };
+        let ManifestPage { record, parts, next_rank } = self
+            .store
+            .get_manifest_page(&job, of, request.from_rank.unwrap_or(0), page_bytes)
+            .await
+            .map_err(|e| caller.told(meta_status(e)))?;
         let named: HashSet<&str> = parts
             .iter()
             .flat_map(|(_, m)| m.files.iter())
@@ -658,6 +672,7 @@ impl Control for ControlService {
                 .filter(|t| named.contains(t.target_id.as_str()))
                 .map(|t| self.target_info(t, now))
                 .collect(),
+            next_rank,
         }))
     }
 

@@ -37,7 +37,8 @@ use starckpt_proto::{Addressing, ChunkHash, JobName};
 
 use super::store::{
     CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, ImportedCheckpoint, JobRecord, Leadership,
-    LeaseGrant, MetaError, MetaResult, MetaStore, RetentionPolicy, Role, TargetRecord, TierSweeps, fault,
+    LeaseGrant, ManifestOf, ManifestPage, MetaError, MetaResult, MetaStore, RetentionPolicy, Role, TargetRecord,
+    TierSweeps, fault,
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
@@ -452,17 +453,34 @@ async fn abort_in(mut tx: Transaction<'_, Any>, id: i64, now_ms: u64) -> MetaRes
 
 /// The committed parts of checkpoint `id` (rank and manifest), by rank.
 async fn part_manifests(tx: &mut Transaction<'_, Any>, id: u64) -> MetaResult<Vec<(u32, Manifest)>> {
-    let rows = sqlx::query("SELECT rank, manifest FROM parts WHERE checkpoint_id = $1 ORDER BY rank")
-        .bind(to_i64(id, "checkpoint id")?)
-        .fetch_all(&mut **tx)
-        .await?;
-    let mut parts = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let rank = get_u64(row, "rank")? as u32;
+    Ok(part_manifests_from(tx, id, 0, usize::MAX).await?.0)
+}
+
+/// The parts of checkpoint `id` from `from_rank` on, in rank order, while their stored manifests
+/// add up to at most `max_bytes` (at least one part), and the rank of the first one left out.
+async fn part_manifests_from(
+    tx: &mut Transaction<'_, Any>,
+    id: u64,
+    from_rank: u32,
+    max_bytes: usize,
+) -> MetaResult<(Vec<(u32, Manifest)>, Option<u32>)> {
+    let mut rows =
+        sqlx::query("SELECT rank, manifest FROM parts WHERE checkpoint_id = $1 AND rank >= $2 ORDER BY rank")
+            .bind(to_i64(id, "checkpoint id")?)
+            .bind(i64::from(from_rank))
+            .fetch(&mut **tx);
+    let (mut parts, mut bytes) = (Vec::new(), 0usize);
+    while let Some(row) = rows.try_next().await? {
+        let rank = u32::try_from(get_u64(&row, "rank")?)
+            .map_err(|_| MetaError::Corrupt(format!("checkpoint {id} has a part of rank above 2^32")))?;
         let blob: Vec<u8> = row.try_get("manifest")?;
+        if !parts.is_empty() && bytes.saturating_add(blob.len()) > max_bytes {
+            return Ok((parts, Some(rank)));
+        }
+        bytes = bytes.saturating_add(blob.len());
         parts.push((rank, decode_manifest(&blob, id, rank)?));
     }
-    Ok(parts)
+    Ok((parts, None))
 }
 
 async fn checkpoint_by_id(tx: &mut Transaction<'_, Any>, id: i64) -> MetaResult<Option<CheckpointRecord>> {
@@ -825,49 +843,61 @@ impl MetaStore for SqlStore {
         rows.iter().map(checkpoint_from_row).collect()
     }
 
-    async fn get_manifest(
+    async fn get_manifest_page(
         &self,
         job: &JobName,
-        step: Option<u64>,
-    ) -> MetaResult<(CheckpointRecord, Vec<(u32, Manifest)>)> {
+        of: ManifestOf,
+        from_rank: u32,
+        max_bytes: usize,
+    ) -> MetaResult<ManifestPage> {
         // One read transaction, so the checkpoint and its parts come from the same snapshot.
         let mut tx = self.read().await?;
-        let row = match step {
-            Some(step) => {
-                sqlx::query(&format!(
-                    "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = $1 AND step = $2 AND state = 'committed'"
-                ))
-                .bind(job.as_str())
-                .bind(to_i64(step, "step")?)
-                .fetch_optional(&mut *tx)
-                .await?
+        let committed = format!("SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = $1 AND state = 'committed'");
+        let row = match of {
+            ManifestOf::Step(Some(step)) => {
+                sqlx::query(&format!("{committed} AND step = $2"))
+                    .bind(job.as_str())
+                    .bind(to_i64(step, "step")?)
+                    .fetch_optional(&mut *tx)
+                    .await?
             }
-            None => {
-                sqlx::query(&format!(
-                    "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = $1 AND state = 'committed' ORDER BY step DESC LIMIT 1"
-                ))
-                .bind(job.as_str())
-                .fetch_optional(&mut *tx)
-                .await?
+            ManifestOf::Step(None) => {
+                sqlx::query(&format!("{committed} ORDER BY step DESC LIMIT 1"))
+                    .bind(job.as_str())
+                    .fetch_optional(&mut *tx)
+                    .await?
+            }
+            ManifestOf::Checkpoint(id) => {
+                sqlx::query(&format!("{committed} AND id = $2"))
+                    .bind(job.as_str())
+                    .bind(to_i64(id, "checkpoint id")?)
+                    .fetch_optional(&mut *tx)
+                    .await?
             }
         };
         let Some(row) = row else {
-            return Err(MetaError::NotFound(match step {
-                Some(step) => format!("job {job} has no committed checkpoint at step {step}"),
-                None => format!("job {job} has no committed checkpoint"),
+            return Err(MetaError::NotFound(match of {
+                ManifestOf::Step(Some(step)) => format!("job {job} has no committed checkpoint at step {step}"),
+                ManifestOf::Step(None) => format!("job {job} has no committed checkpoint"),
+                ManifestOf::Checkpoint(id) => format!("checkpoint {id} of job {job} is no longer committed"),
             }));
         };
         let record = checkpoint_from_row(&row)?;
-        let parts = part_manifests(&mut tx, record.id).await?;
-        if parts.len() != record.world_size as usize {
-            return Err(MetaError::Corrupt(format!(
-                "committed checkpoint {} has {} parts of {}",
-                record.id,
-                parts.len(),
-                record.world_size
+        if from_rank >= record.world_size {
+            return Err(MetaError::InvalidArgument(format!(
+                "rank {from_rank} is outside checkpoint {}'s world size {}",
+                record.id, record.world_size
             )));
         }
-        Ok((record, parts))
+        let (parts, next_rank) = part_manifests_from(&mut tx, record.id, from_rank, max_bytes).await?;
+        let expected = from_rank..next_rank.unwrap_or(record.world_size);
+        if !parts.iter().map(|(rank, _)| *rank).eq(expected.clone()) {
+            return Err(MetaError::Corrupt(format!(
+                "committed checkpoint {} of world size {} lacks a part of ranks {expected:?}",
+                record.id, record.world_size
+            )));
+        }
+        Ok(ManifestPage { record, parts, next_rank })
     }
 
     async fn abort_stale_pending(&self, created_before_ms: u64, now_ms: u64) -> MetaResult<Vec<CheckpointRecord>> {
@@ -1320,6 +1350,7 @@ mod tests {
     on_both!(
         targets,
         multi_rank_commit,
+        manifest_pages,
         tenant_namespaces,
         overlapping_parts,
         step_collisions,

@@ -116,6 +116,25 @@ pub struct CommittedChunk {
     pub addressing: starckpt_proto::Addressing,
 }
 
+/// Which committed checkpoint of a job [`MetaStore::get_manifest_page`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ManifestOf {
+    /// The one at this step, or the latest.
+    Step(Option<u64>),
+    /// The one with this id (the later pages of a paged read).
+    Checkpoint(u64),
+}
+
+/// Some of a committed checkpoint's parts ([`MetaStore::get_manifest_page`]).
+#[derive(Clone, Debug)]
+pub struct ManifestPage {
+    pub record: CheckpointRecord,
+    /// Consecutive ranks, in order.
+    pub parts: Vec<(u32, Manifest)>,
+    /// The rank of the first part not in this page; None: this page ends with the last rank.
+    pub next_rank: Option<u32>,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CheckpointRecord {
     pub id: u64,
@@ -190,12 +209,25 @@ pub trait MetaStore: Send + Sync + 'static {
     async fn latest(&self, job: &JobName) -> MetaResult<Option<CheckpointRecord>>;
     async fn list_jobs(&self) -> MetaResult<Vec<JobRecord>>;
     async fn list_checkpoints(&self, job: &JobName, include_inactive: bool) -> MetaResult<Vec<CheckpointRecord>>;
-    /// The committed checkpoint at `step` (or the latest) and its parts ordered by rank.
+    /// The committed checkpoint at `step` (or the latest) and all its parts ordered by rank.
     async fn get_manifest(
         &self,
         job: &JobName,
         step: Option<u64>,
-    ) -> MetaResult<(CheckpointRecord, Vec<(u32, Manifest)>)>;
+    ) -> MetaResult<(CheckpointRecord, Vec<(u32, Manifest)>)> {
+        let page = self.get_manifest_page(job, ManifestOf::Step(step), 0, usize::MAX).await?;
+        Ok((page.record, page.parts))
+    }
+    /// A committed checkpoint of `job` and its parts from `from_rank` on, in rank order, as many
+    /// as fit in `max_bytes` of stored manifests (at least one); `next_rank` is where the rest
+    /// start. Corrupt if the parts are not the ranks they should be.
+    async fn get_manifest_page(
+        &self,
+        job: &JobName,
+        of: ManifestOf,
+        from_rank: u32,
+        max_bytes: usize,
+    ) -> MetaResult<ManifestPage>;
     /// Committed → deleted; pending → aborted. NotFound if neither exists.
     async fn delete_checkpoint(&self, job: &JobName, step: u64, now_ms: u64) -> MetaResult<()>;
     /// Aborts pending checkpoints begun before `created_before_ms` (a rank never committed its
@@ -459,6 +491,36 @@ pub(crate) mod conformance {
         assert_eq!(parts.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), vec![0, 1]);
         assert_eq!(parts[1].1.files[0].path.as_str(), "r1.pt");
         assert_eq!(parts[0].1.metadata.get("rank").map(String::as_str), Some("0"));
+    }
+
+    /// A checkpoint's parts read a page at a time: a byte budget below one part still moves on one
+    /// part per page, and later pages name the checkpoint by id.
+    pub async fn manifest_pages(store: &dyn MetaStore) {
+        let epoch = lease(store, "paged", "run-a").await.unwrap().epoch;
+        let first = store.begin_checkpoint(&begin("paged", 100, 3, epoch), 1).await.unwrap();
+        for rank in 0..3 {
+            store.commit_part(&part(first.id, rank, &format!("r{rank}.pt"), 10), 2, 0).await.unwrap();
+        }
+        let paged = job("paged");
+        let page = |of, from, max| store.get_manifest_page(&paged, of, from, max);
+        let first_page = page(ManifestOf::Step(Some(100)), 0, 1).await.unwrap();
+        assert_eq!((first_page.record.id, first_page.parts.len(), first_page.next_rank), (first.id, 1, Some(1)));
+        let mut ranks = vec![0];
+        let mut next = first_page.next_rank;
+        while let Some(from) = next {
+            let later = page(ManifestOf::Checkpoint(first.id), from, 1).await.unwrap();
+            ranks.extend(later.parts.iter().map(|(rank, _)| *rank));
+            assert_eq!(later.parts[0].1.files[0].path.as_str(), format!("r{from}.pt"));
+            next = later.next_rank;
+        }
+        assert_eq!(ranks, vec![0, 1, 2]);
+        let whole = page(ManifestOf::Step(None), 0, 1 << 20).await.unwrap();
+        assert_eq!((whole.parts.len(), whole.next_rank), (3, None));
+        assert!(matches!(page(ManifestOf::Checkpoint(first.id), 3, 1).await, Err(MetaError::InvalidArgument(_))));
+        assert!(matches!(page(ManifestOf::Checkpoint(first.id + 1), 0, 1).await, Err(MetaError::NotFound(_))));
+        // A checkpoint deleted between pages is not read on from.
+        store.delete_checkpoint(&job("paged"), 100, 7).await.unwrap();
+        assert!(matches!(page(ManifestOf::Checkpoint(first.id), 1, 1).await, Err(MetaError::NotFound(_))));
     }
 
     /// Tenants' jobs live under `<tenant>/<name>`: the same name in two tenants is two jobs, and

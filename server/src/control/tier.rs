@@ -239,7 +239,7 @@ impl Tier {
             budget -= size;
             parts.push(pb::RankManifest { rank, manifest: Some(manifest) });
         }
-        Ok(pb::GetManifestResponse { checkpoint: Some(info), parts, targets: vec![] })
+        Ok(pb::GetManifestResponse { checkpoint: Some(info), parts, targets: vec![], next_rank: None })
     }
 
     /// The jobs with checkpoints in the tier (names that are not valid job names are skipped).
