@@ -1213,6 +1213,7 @@ impl MetaStore for SqlStore {
         &self,
         checkpoint: &ImportedCheckpoint,
         now_ms: u64,
+        fence: u64,
     ) -> MetaResult<Option<CheckpointRecord>> {
         let world_size = u32::try_from(checkpoint.parts.len())
             .ok()
@@ -1225,6 +1226,13 @@ impl MetaStore for SqlStore {
         }
         let step = to_i64(checkpoint.step, "step")?;
         let mut tx = self.write().await?;
+        if tier_sweeps(&mut tx).await?.fence() != Some(fence) {
+            return Err(MetaError::FailedPrecondition(format!(
+                "{} step {}: a sweep of the tier began after the tier was read (it may delete chunks \
+                 this checkpoint needs); import again once it finishes",
+                checkpoint.job, checkpoint.step
+            )));
+        }
         let live: Option<i64> = sqlx::query_scalar(
             "SELECT id FROM checkpoints WHERE job = $1 AND step = $2 AND state IN ('pending', 'committed')",
         )

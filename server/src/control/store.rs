@@ -283,11 +283,15 @@ pub trait MetaStore: Send + Sync + 'static {
     ) -> MetaResult<Option<String>>;
     /// Adds a committed checkpoint read back from the object-store tier (`tier.rs`), as it was,
     /// under a new id and not marked tiered (the next pass records it under that id); None when
-    /// the job already has a pending or committed checkpoint at that step.
+    /// the job already has a pending or committed checkpoint at that step. Like
+    /// [`MetaStore::mark_tiered`], only if the tier's sweeps still stand at `fence`, read before
+    /// the tier was: a sweep that began since may be deleting the chunks this checkpoint needs
+    /// (its list of what to keep predates the import), so FailedPrecondition instead.
     async fn import_checkpoint(
         &self,
         checkpoint: &ImportedCheckpoint,
         now_ms: u64,
+        fence: u64,
     ) -> MetaResult<Option<CheckpointRecord>>;
     /// Forgets control plane `id` (it is shutting down).
     async fn leave_control_planes(&self, id: &str) -> MetaResult<()>;
@@ -380,15 +384,15 @@ pub(crate) mod conformance {
     use super::*;
     use starckpt_proto::control as pb;
 
-    fn begin(job: &str, step: u64, world_size: u32, epoch: u64) -> BeginCheckpoint {
+    pub(crate) fn begin(job: &str, step: u64, world_size: u32, epoch: u64) -> BeginCheckpoint {
         BeginCheckpoint { job: JobName::try_from(job).unwrap(), step, world_size, epoch }
     }
 
-    async fn lease(store: &dyn MetaStore, job: &str, run_id: &str) -> MetaResult<LeaseGrant> {
+    pub(crate) async fn lease(store: &dyn MetaStore, job: &str, run_id: &str) -> MetaResult<LeaseGrant> {
         store.acquire_lease(&AcquireLease { job: JobName::try_from(job).unwrap(), run_id: run_id.into() }, 1).await
     }
 
-    fn part(checkpoint_id: u64, rank: u32, path: &str, size: u64) -> CommitPart {
+    pub(crate) fn part(checkpoint_id: u64, rank: u32, path: &str, size: u64) -> CommitPart {
         let chunks = if size == 0 {
             vec![]
         } else {
@@ -923,7 +927,16 @@ pub(crate) mod conformance {
             written_bytes: 150,
             parts: (0..2).map(|rank| part(0, rank, &format!("r{rank}.bin"), 100).manifest).collect(),
         };
-        let record = store.import_checkpoint(&imported, 30).await.unwrap().expect("imported");
+        let fence = store.tier_sweeps().await.unwrap().fence().unwrap();
+        // A tier sweep that began after the tier was read refuses the import: its list of what to
+        // keep does not have this checkpoint.
+        let sweep = store.begin_tier_sweep().await.unwrap();
+        assert!(matches!(store.import_checkpoint(&imported, 25, fence).await, Err(MetaError::FailedPrecondition(_))));
+        store.finish_tier_sweep(sweep).await.unwrap();
+        assert!(matches!(store.import_checkpoint(&imported, 25, fence).await, Err(MetaError::FailedPrecondition(_))));
+        assert_eq!(store.latest(&job("imp")).await.unwrap(), None, "refused imports add nothing");
+        let fence = store.tier_sweeps().await.unwrap().fence().unwrap();
+        let record = store.import_checkpoint(&imported, 30, fence).await.unwrap().expect("imported");
         assert_eq!(
             (record.state, record.step, record.world_size, record.parts_committed),
             (CheckpointState::Committed, 7, 2, 2)
@@ -939,7 +952,7 @@ pub(crate) mod conformance {
         );
         assert!(store.untiered_checkpoints().await.unwrap().iter().any(|c| c.id == record.id));
         // Importing again, or over a step the job has: nothing.
-        assert!(store.import_checkpoint(&imported, 40).await.unwrap().is_none());
+        assert!(store.import_checkpoint(&imported, 40, fence).await.unwrap().is_none());
         // A new run of the job takes the lease and saves on from there.
         let epoch = lease(store, "imp", "new-run").await.unwrap().epoch;
         let begun = store.begin_checkpoint(&begin("imp", 8, 1, epoch), 50).await.unwrap();
@@ -947,7 +960,7 @@ pub(crate) mod conformance {
         assert_eq!(store.latest(&job("imp")).await.unwrap().map(|r| r.step), Some(8));
         // No ranks: refused.
         let empty = ImportedCheckpoint { parts: vec![], step: 9, ..imported };
-        assert!(matches!(store.import_checkpoint(&empty, 70).await, Err(MetaError::InvalidArgument(_))));
+        assert!(matches!(store.import_checkpoint(&empty, 70, fence).await, Err(MetaError::InvalidArgument(_))));
     }
 
     pub async fn committed_chunks(store: &dyn MetaStore) {

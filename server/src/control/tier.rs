@@ -33,7 +33,7 @@
 //! 2. **Sweep.** Objects no committed checkpoint needs are deleted: chunks none names, manifests
 //!    and records of checkpoints no longer committed (retention, `starckpt rm`). A sweep lists the whole tier,
 //!    so background passes sweep only after a tiered checkpoint was deleted
-//!    ([`MetaStore::tiered_gone`]); `starckpt tier` always does.
+//!    ([`MetaStore::tiered_gone`]), or when the last sweep did not finish; `starckpt tier` always does.
 //!
 //! ## Why a tiered checkpoint never misses a chunk
 //!
@@ -52,7 +52,10 @@
 //!   and an upload marks its checkpoint only if no sweep was running when it began nor began since
 //!   ([`MetaStore::mark_tiered`]'s fence, checked in the marking transaction). A fenced-off
 //!   checkpoint is marked by a later pass, whose HEADs see what the sweep deleted and upload it
-//!   again. A sweep that died midway blocks marking until the next sweep finishes. A sweep that
+//!   again. An import (`starckpt tier --import`, [`import`]) commits checkpoints whose chunks
+//!   are in the tier alone, so the same fence guards it: read before the tier is, checked in the
+//!   importing transaction ([`MetaStore::import_checkpoint`]). A sweep that died midway blocks
+//!   marking and importing until the next sweep finishes (the next pass runs one). A sweep that
 //!   did not die but lost its lock (a paused VM, a partition from the database) while another
 //!   began, finished and reopened the fence stops deleting: before each batch of deletions it
 //!   checks it is still the latest sweep begun. What is left is one batch in flight across that
@@ -384,6 +387,16 @@ fn job_of_part(part: &str) -> String {
 /// oldest step first ([`MetaStore::import_checkpoint`]).
 pub async fn import(store: &dyn MetaStore, tier: &Tier, job: Option<JobName>) -> MetaResult<ImportReport> {
     let mut report = ImportReport::default();
+    // Read before the tier is: a sweep that begins after this refuses the imports (its list of
+    // what to keep would lack them), as it refuses an upload's mark (module docs).
+    let Some(fence) = store.tier_sweeps().await?.fence() else {
+        report.errors.push(
+            "a sweep of the tier is unfinished (running, or it died midway: `starckpt tier` runs \
+             one); import once one finishes"
+                .into(),
+        );
+        return Ok(report);
+    };
     let jobs = match job {
         Some(job) => vec![job],
         None => match tier.jobs().await {
@@ -437,13 +450,18 @@ pub async fn import(store: &dyn MetaStore, tier: &Tier, job: Option<JobName>) ->
                 written_bytes: info.written_bytes,
                 parts: manifests,
             };
-            match store.import_checkpoint(&checkpoint, now_ms()).await {
+            match store.import_checkpoint(&checkpoint, now_ms(), fence).await {
                 Ok(Some(record)) => {
                     tracing::info!(%job, step, id = record.id, "checkpoint imported from the object-store tier");
                     report.imported.push(record);
                 }
                 Ok(None) => report.present += 1,
                 Err(MetaError::InvalidArgument(reason)) => report.errors.push(format!("{job} step {step}: {reason}")),
+                // A sweep began: every later import would be refused too.
+                Err(MetaError::FailedPrecondition(reason)) => {
+                    report.errors.push(reason);
+                    return Ok(report);
+                }
                 Err(error) => return Err(error),
             }
         }
@@ -528,7 +546,9 @@ pub async fn pass(
         }
     }
     let gone = store.tiered_gone().await?;
-    if when == Sweep::Always || !gone.is_empty() {
+    // A sweep that died midway leaves the fence down until one finishes: without this, a
+    // cluster that deletes no tiered checkpoint would never tier anything again.
+    if when == Sweep::Always || !gone.is_empty() || fence.is_none() {
         match sweep(store, tier, &mut report).await {
             Ok(()) => {
                 report.swept = true;
@@ -768,5 +788,24 @@ mod tests {
         }
         assert_eq!(delete_all(&store, second, &tier, listed()).await.unwrap(), 3);
         assert!(tier.store.head(&paths[0]).await.is_err());
+    }
+
+    /// A sweep that died midway (the fence stays down) is run again by the next background pass,
+    /// though no tiered checkpoint was deleted, so checkpoints are tiered again after it.
+    #[tokio::test]
+    async fn a_sweep_that_died_midway_is_run_again_by_the_next_pass() {
+        use crate::control::store::conformance::{begin, lease, part};
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::super::sql::SqlStore::open(dir.path().join("meta.db").to_str().unwrap()).await.unwrap();
+        let tier = Tier::open(&format!("file://{}", dir.path().join("tier").display())).await.unwrap();
+        let epoch = lease(&store, "dm", "run").await.unwrap().epoch;
+        let record = store.begin_checkpoint(&begin("dm", 1, 1, epoch), 1).await.unwrap();
+        store.commit_part(&part(record.id, 0, "empty", 0), 2, 0).await.unwrap();
+        store.begin_tier_sweep().await.unwrap(); // and its control plane dies
+        let (credentials, config) = (Credentials::default(), TierConfig::default());
+        let first = pass(&store, &tier, vec![], &credentials, &config, Sweep::IfDeleted).await.unwrap();
+        assert!(first.swept && first.checkpoints_tiered == 0, "{:?}", first.errors);
+        let second = pass(&store, &tier, vec![], &credentials, &config, Sweep::IfDeleted).await.unwrap();
+        assert_eq!(second.checkpoints_tiered, 1, "{:?}", second.errors);
     }
 }
