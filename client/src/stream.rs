@@ -23,7 +23,7 @@
 //! garbage collection took meanwhile (streamed longer than the GC grace period before the commit)
 //! fails the commit with a clear error; a hole is never committed.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -130,7 +130,7 @@ impl Client {
         &self,
         job: &str,
         step: u64,
-        files: Vec<StreamedFile>,
+        mut files: Vec<StreamedFile>,
         directories: Vec<RelPath>,
         metadata: BTreeMap<String, String>,
     ) -> Result<SaveOutcome> {
@@ -145,7 +145,7 @@ impl Client {
                  streamed for another job, or the cluster key changed since; write it again",
                 file.path, file.addressing
             ))),
-            None => self.recheck_chunks(&files).await,
+            None => self.recheck_chunks(&mut files).await,
         };
         if let Err(error) = checked {
             // Abort the checkpoint now rather than leave it pending until the timeout; only if it
@@ -185,40 +185,59 @@ impl Client {
         })
     }
 
-    /// HAS every chunk on the target its reference names: present chunks are refreshed against
-    /// GC; a missing one is an error.
-    async fn recheck_chunks(&self, files: &[StreamedFile]) -> Result<()> {
-        let mut by_target: HashMap<&str, Vec<ChunkHash>> = HashMap::new();
+    /// HAS every chunk on every target its reference names: present copies are refreshed against
+    /// GC (one not asked about could be collected after the commit, though the manifest lists
+    /// it). A copy a target no longer has, or that a target gone or not answering cannot
+    /// confirm, is left out of the reference (re-replication makes it again); a chunk left with
+    /// none is an error.
+    async fn recheck_chunks(&self, files: &mut [StreamedFile]) -> Result<()> {
+        let mut by_target: HashMap<String, Vec<ChunkHash>> = HashMap::new();
         for chunk in files.iter().flat_map(|f| f.chunks.iter()) {
-            let target = chunk
-                .replicas
-                .first()
-                .ok_or_else(|| Error::InvalidInput(format!("chunk {} has no replica", chunk.hash)))?;
-            by_target.entry(target.as_str()).or_default().push(chunk.hash);
+            if chunk.replicas.is_empty() {
+                return Err(Error::InvalidInput(format!("chunk {} has no replica", chunk.hash)));
+            }
+            for target in &chunk.replicas {
+                by_target.entry(target.clone()).or_default().push(chunk.hash);
+            }
         }
         let addresses: HashMap<String, String> =
             self.targets().await?.into_iter().map(|t| (t.target_id, t.data_address)).collect();
+        // Copies not confirmed: (target, chunk).
+        let mut unconfirmed: HashSet<(String, ChunkHash)> = HashSet::new();
         for (target_id, hashes) in by_target {
-            let address = addresses.get(target_id).ok_or_else(|| Error::NotFound {
-                op: "commit",
-                message: format!("target {target_id}, which holds streamed chunks, is no longer registered"),
-            })?;
-            let transport = self.transport(target_id, address)?;
+            let Some(address) = addresses.get(&target_id) else {
+                tracing::warn!(target = %target_id, "a target holding streamed chunks is no longer registered");
+                unconfirmed.extend(hashes.into_iter().map(|hash| (target_id.clone(), hash)));
+                continue;
+            };
+            let transport = self.transport(&target_id, address)?;
             for batch in hashes.chunks(MAX_BATCH_HASHES) {
-                let present = transport.has(batch).await.map_err(|source| Error::Target {
-                    target_id: target_id.to_owned(),
-                    address: address.clone(),
-                    source,
-                })?;
-                if let Some((hash, _)) = batch.iter().zip(present).find(|(_, present)| !present) {
-                    return Err(Error::NotFound {
-                        op: "commit",
-                        message: format!(
-                            "chunk {hash} is no longer on target {target_id}: data streamed longer ago than the \
-                             garbage-collection grace period was collected; write the checkpoint again"
-                        ),
-                    });
+                match transport.has(batch).await {
+                    Ok(present) => unconfirmed.extend(
+                        batch.iter().zip(present).filter(|(_, present)| !present).map(|(h, _)| (target_id.clone(), *h)),
+                    ),
+                    Err(error) => {
+                        tracing::warn!(target = %target_id, %error, "could not confirm streamed chunks on a target");
+                        unconfirmed.extend(batch.iter().map(|hash| (target_id.clone(), *hash)));
+                    }
                 }
+            }
+        }
+        if unconfirmed.is_empty() {
+            return Ok(());
+        }
+        for chunk in files.iter_mut().flat_map(|f| f.chunks.iter_mut()) {
+            let hash = chunk.hash;
+            chunk.replicas.retain(|target| !unconfirmed.contains(&(target.clone(), hash)));
+            if chunk.replicas.is_empty() {
+                return Err(Error::NotFound {
+                    op: "commit",
+                    message: format!(
+                        "chunk {hash} is no longer on any target that stored it: data streamed longer ago than \
+                         the garbage-collection grace period was collected (or its targets are gone); write \
+                         the checkpoint again"
+                    ),
+                });
             }
         }
         Ok(())

@@ -530,24 +530,42 @@ async fn streamed_files_commit_together_and_a_collected_chunk_fails_the_commit()
     assert_eq!(manifest.file("a/big.bin").unwrap().mode, 0o600);
     assert_eq!(manifest.file("empty").unwrap().size_bytes, 0);
 
-    // A chunk that vanished from its target (collected) fails the commit; nothing is committed.
+    // Every copy is checked at commit (and so refreshed against GC): one that vanished from its
+    // target (collected) is left out of the manifest, and the chunk is read from the other.
+    let admin = |target: &starckpt_client::TargetInfo| {
+        use starckpt_client::transport::{TcpConfig, TcpTransport};
+        let config = TcpConfig { credentials: cluster.admin_credentials(), ..Default::default() };
+        TcpTransport::for_target(target.data_address.parse().unwrap(), &target.target_id, config)
+    };
+    use starckpt_client::transport::ChunkTransport;
+    let targets = client.targets().await.unwrap();
+    let target = |id: &str| targets.iter().find(|t| t.target_id == id).unwrap();
+    let mut stream = client.streaming_file("streamed").await.unwrap();
+    stream.write(&random(100_000, 11)).await.unwrap();
+    let halved = stream.finish("halved.bin".try_into().unwrap(), 0).await.unwrap();
+    let (chunk, kept) = (&halved.chunks[0], halved.chunks[0].replicas[1].clone());
+    assert_eq!(chunk.replicas.len(), 2, "streamed to both targets");
+    assert_eq!(admin(target(&chunk.replicas[0])).delete(&[chunk.hash], None).await.unwrap(), 1);
+    let outcome = client.commit_streamed("streamed", 4, vec![halved], vec![], Default::default()).await.unwrap();
+    assert!(outcome.committed());
+    let manifest = client.manifest("streamed", Some(4)).await.unwrap();
+    assert_eq!(manifest.file("halved.bin").unwrap().chunks[0].replicas, vec![kept]);
+    assert_eq!(&client.read_file(&manifest, "halved.bin").await.unwrap()[..], &random(100_000, 11)[..]);
+
+    // A chunk gone from every target that stored it fails the commit; nothing is committed.
     let mut stream = client.streaming_file("streamed").await.unwrap();
     stream.write(&random(100_000, 10)).await.unwrap();
     let lost = stream.finish("lost.bin".try_into().unwrap(), 0).await.unwrap();
     let chunk = &lost.chunks[0];
-    let target = client.targets().await.unwrap().into_iter().find(|t| t.target_id == chunk.replicas[0]).unwrap();
-    let config =
-        starckpt_client::transport::TcpConfig { credentials: cluster.admin_credentials(), ..Default::default() };
-    let address = target.data_address.parse().unwrap();
-    let transport = starckpt_client::transport::TcpTransport::for_target(address, &target.target_id, config);
-    use starckpt_client::transport::ChunkTransport;
-    assert_eq!(transport.delete(&[chunk.hash], None).await.unwrap(), 1);
-    let error = client.commit_streamed("streamed", 4, vec![lost], vec![], Default::default()).await.unwrap_err();
-    assert!(error.to_string().contains("no longer on target"), "{error}");
-    assert_eq!(client.latest("streamed").await.unwrap().unwrap().step, 3);
+    for holder in &chunk.replicas {
+        assert_eq!(admin(target(holder)).delete(&[chunk.hash], None).await.unwrap(), 1);
+    }
+    let error = client.commit_streamed("streamed", 5, vec![lost], vec![], Default::default()).await.unwrap_err();
+    assert!(error.to_string().contains("no longer on any target"), "{error}");
+    assert_eq!(client.latest("streamed").await.unwrap().unwrap().step, 4);
     let attempts = client.list_checkpoints("streamed", true).await.unwrap();
-    let four: Vec<i32> = attempts.iter().filter(|c| c.step == 4).map(|c| c.state).collect();
-    assert_eq!(four, vec![starckpt_client::CheckpointState::Aborted as i32]);
+    let five: Vec<i32> = attempts.iter().filter(|c| c.step == 5).map(|c| c.state).collect();
+    assert_eq!(five, vec![starckpt_client::CheckpointState::Aborted as i32]);
     cluster.shutdown().await.unwrap();
 }
 

@@ -20,6 +20,10 @@
 //!   commit came after `M`, so `t0 > M − pending_timeout > M − grace`: the chunk is too recent
 //!   to be swept. This is the "save that deduplicates against a chunk while GC runs" and the
 //!   "commit that lands during a sweep" of the retention tests.
+//! - Not covered: a checkpoint imported from the object-store tier (`tier.rs` `import`) commits
+//!   chunks nobody used since, so a sweep that marked before the import may delete the targets'
+//!   copies. The tier keeps every chunk the import needs (its sweep fence), and re-replication
+//!   and readers' recoveries copy them back from there.
 //! - Hence `grace` must exceed the pending timeout, with room for the delay between this process
 //!   computing the cutoff and a target applying it; [`GcConfig::validate`] demands a minute.
 //! - Clocks: only durations cross machines (the guard is "unused for", measured by the target on
