@@ -482,7 +482,7 @@ pub async fn tier(server: &Remote, out: &Output) -> anyhow::Result<()> {
             "chunks_deleted": report.chunks_deleted, "manifests_deleted": report.manifests_deleted,
             "errors": report.errors, "duration_ms": report.duration_ms,
         }));
-        return Ok(());
+        return tier_outcome(&report);
     }
     if !report.ran {
         println!("tier: another control plane is running a pass; none ran here");
@@ -502,6 +502,19 @@ pub async fn tier(server: &Remote, out: &Output) -> anyhow::Result<()> {
     );
     for error in &report.errors {
         println!("  {error}");
+    }
+    tier_outcome(&report)
+}
+
+/// A pass that left checkpoints untiered, or failed to sweep, fails the command (after its
+/// report), so `starckpt tier || alert` alerts.
+fn tier_outcome(report: &starckpt_proto::control::TierResponse) -> anyhow::Result<()> {
+    if report.ran && !report.errors.is_empty() {
+        bail!(
+            "the tier pass is incomplete: {} checkpoints still behind, {} errors (listed above)",
+            report.checkpoints_behind,
+            report.errors.len()
+        );
     }
     Ok(())
 }
@@ -541,7 +554,7 @@ pub async fn repair(server: &Remote, out: &Output) -> anyhow::Result<()> {
             "unreadable": report.unreadable, "from_tier": report.from_tier, "errors": report.errors,
             "duration_ms": report.duration_ms,
         }));
-        return Ok(());
+        return repair_outcome(&report);
     }
     println!(
         "re-replication: {} chunks, {} short of copies, {} copies made ({} chunks from the tier), {} still short \
@@ -556,6 +569,19 @@ pub async fn repair(server: &Remote, out: &Output) -> anyhow::Result<()> {
     );
     for error in &report.errors {
         println!("  {error}");
+    }
+    repair_outcome(&report)
+}
+
+/// Chunks left short of copies (or with none readable) fail the command after its report, so
+/// `starckpt repair || alert` alerts.
+fn repair_outcome(report: &starckpt_proto::control::RereplicateResponse) -> anyhow::Result<()> {
+    if report.still_under_replicated > 0 || report.unreadable > 0 || !report.errors.is_empty() {
+        bail!(
+            "re-replication is incomplete: {} chunks still short of copies, {} with no readable copy",
+            report.still_under_replicated,
+            report.unreadable
+        );
     }
     Ok(())
 }
@@ -616,9 +642,9 @@ pub async fn gc(server: &Remote, out: &Output) -> anyhow::Result<()> {
             "live_chunks": report.live_chunks, "targets_swept": report.targets_swept,
             "target_errors": report.target_errors, "chunks_listed": report.chunks_listed,
             "chunks_deleted": report.chunks_deleted, "chunks_in_grace": report.chunks_in_grace,
-            "duration_ms": report.duration_ms,
+            "targets_skipped": report.targets_skipped, "duration_ms": report.duration_ms,
         }));
-        return Ok(());
+        return gc_outcome(&report);
     }
     println!(
         "swept {} targets in {:.1}s: {} chunks listed, {} live, {} deleted, {} kept within the grace period",
@@ -631,6 +657,16 @@ pub async fn gc(server: &Remote, out: &Output) -> anyhow::Result<()> {
     );
     for error in &report.target_errors {
         println!("  not swept: {error}");
+    }
+    gc_outcome(&report)
+}
+
+/// A live target whose sweep failed fails the command after its report (dead ones are skipped:
+/// `starckpt status` and re-replication speak of those).
+fn gc_outcome(report: &starckpt_client::GcReport) -> anyhow::Result<()> {
+    let failed = report.target_errors.len().saturating_sub(report.targets_skipped as usize);
+    if failed > 0 {
+        bail!("{failed} live targets could not be swept (listed above)");
     }
     Ok(())
 }

@@ -542,7 +542,7 @@ impl Trial {
             self.outcome.point_crashes += 1;
             self.cluster.wait_alive(TARGETS);
         }
-        let report = self.cluster.json(&["gc"]);
+        let report = self.cluster.json_outcome(&["gc"]).1;
         // Every running target was swept (a lost disk's old target may still count as alive for
         // a while, and fail to answer).
         let running = self.running_target_ids();
@@ -618,7 +618,7 @@ impl Trial {
         let seed = self.seed;
         let mut last = serde_json::Value::Null;
         for _ in 0..5 {
-            last = self.cluster.json(&["repair"]);
+            last = self.cluster.json_outcome(&["repair"]).1;
             if last["still_under_replicated"] == 0 && last["unreadable"] == 0 {
                 return;
             }

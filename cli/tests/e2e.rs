@@ -1038,6 +1038,11 @@ fn replicas_span_failure_domains_so_a_whole_domain_can_die() {
     // Rack A goes away at once; every chunk still has its rack-B copy.
     cluster.targets[0].kill();
     cluster.targets[1].kill();
+    // GC right away: the control plane still counts the target alive, so sweeping it fails, and
+    // the command says so with its exit status.
+    let (succeeded, report) = cluster.json_outcome(&["gc"]);
+    let errors = report["target_errors"].as_array().unwrap();
+    assert!(!succeeded && errors.len() == 2 && report["targets_skipped"] == 1, "the dead one skipped: {report}");
     let restored = cluster.dir.path().join("restored");
     cluster.ok(&["restore", "--job", "ha", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), std::fs::read(&source).unwrap());
@@ -1089,14 +1094,23 @@ fn copies_lost_with_a_target_are_made_again_elsewhere() {
     // So losing one more target still restores everything, the readers finding the copies
     // the manifests do not list.
     cluster.targets[1].kill();
+    // GC right away: the control plane still counts the target alive, so sweeping it fails, and
+    // the command says so with its exit status.
+    let (succeeded, report) = cluster.json_outcome(&["gc"]);
+    let errors = report["target_errors"].as_array().unwrap();
+    assert!(!succeeded && errors.len() == 2 && report["targets_skipped"] == 1, "the dead one skipped: {report}");
     let restored = cluster.dir.path().join("restored");
     cluster.ok(&["restore", "--job", "heal", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), std::fs::read(&source).unwrap());
 
-    // With one target left, every chunk stays one copy short, and status says so.
+    // With one target left, every chunk stays one copy short: the command fails (after its
+    // report), and status says so.
     std::thread::sleep(Duration::from_secs(6));
-    let report = cluster.json(&["repair"]);
+    let (succeeded, report) = cluster.json_outcome(&["repair"]);
+    assert!(!succeeded, "an incomplete repair exits non-zero: {report}");
     assert_eq!((report["copies_made"].as_u64(), report["still_under_replicated"].as_u64()), (Some(0), Some(16)));
+    let stderr = cluster.fails(&["repair"]);
+    assert!(stderr.contains("16 chunks still short of copies"), "{stderr}");
     let status = cluster.ok(&["status"]);
     assert!(status.contains("under-replicated chunks: 16"), "{status}");
 }
@@ -1133,6 +1147,11 @@ fn the_scrubber_removes_a_rotted_copy_and_re_replication_restores_it() {
 
     // Target 0 alone now serves the whole checkpoint.
     cluster.targets[1].kill();
+    // GC right away: the control plane still counts the target alive, so sweeping it fails, and
+    // the command says so with its exit status.
+    let (succeeded, report) = cluster.json_outcome(&["gc"]);
+    let errors = report["target_errors"].as_array().unwrap();
+    assert!(!succeeded && errors.len() == 2 && report["targets_skipped"] == 1, "the dead one skipped: {report}");
     let restored = cluster.dir.path().join("restored");
     cluster.ok(&["restore", "--job", "scrub", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), std::fs::read(&source).unwrap());

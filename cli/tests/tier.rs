@@ -445,7 +445,8 @@ fn a_checkpoint_waits_for_the_tier_until_every_chunk_is_readable() {
     cluster.json(&["save", "--job", "llm", "--step", "1", source.to_str().unwrap()]);
     // One copy per chunk: with a target down, some chunk has no readable copy.
     cluster.targets[1].kill();
-    let behind = cluster.json(&["tier"]);
+    let (succeeded, behind) = cluster.json_outcome(&["tier"]);
+    assert!(!succeeded, "a pass that leaves a checkpoint behind exits non-zero: {behind}");
     assert_eq!((behind["checkpoints_tiered"].as_u64(), behind["checkpoints_behind"].as_u64()), (Some(0), Some(1)));
     assert!(behind["errors"][0].as_str().unwrap().contains("no live target has a verified copy"), "{behind}");
     assert!(cluster.json(&["ls", "llm"])[0]["tiered_at_ms"].is_null());

@@ -338,6 +338,17 @@ impl Cluster {
         serde_json::from_str(&self.ok(&all)).unwrap()
     }
 
+    /// Runs the CLI with `--json`: whether it succeeded, and the report it printed either way.
+    pub fn json_outcome(&self, args: &[&str]) -> (bool, serde_json::Value) {
+        let mut all = args.to_vec();
+        all.push("--json");
+        let output = self.cli(&all);
+        let report = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+            panic!("starckpt {all:?} printed no JSON ({e}): {}", String::from_utf8_lossy(&output.stderr))
+        });
+        (output.status.success(), report)
+    }
+
     /// Waits until every running target process is registered, alive, at its current address.
     /// A bound for a hung target, not a timing: a target run with `--queue-depth auto` registers
     /// only after it has measured its device (1.5 GiB each way), which on a 2-core CI machine busy

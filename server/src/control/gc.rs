@@ -79,6 +79,8 @@ pub struct GcReport {
     pub targets_swept: u32,
     /// Targets skipped or failed, with why.
     pub target_errors: Vec<String>,
+    /// Of `target_errors`, targets skipped because they are not alive.
+    pub targets_skipped: u32,
     pub chunks_listed: u64,
     pub chunks_deleted: u64,
     pub chunks_in_grace: u64,
@@ -123,6 +125,7 @@ pub async fn collect(
     for (target, address) in targets {
         let Some(address) = address else {
             report.target_errors.push(format!("{}: not alive, skipped", target.target_id));
+            report.targets_skipped += 1;
             continue;
         };
         let tcp = TcpConfig { connections_per_target: 1, credentials: credentials.clone(), ..TcpConfig::default() };

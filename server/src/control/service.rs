@@ -752,6 +752,7 @@ impl Control for ControlService {
             live_chunks: report.live_chunks,
             targets_swept: report.targets_swept,
             target_errors: report.target_errors,
+            targets_skipped: report.targets_skipped,
             chunks_listed: report.chunks_listed,
             chunks_deleted: report.chunks_deleted,
             chunks_in_grace: report.chunks_in_grace,
