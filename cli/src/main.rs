@@ -15,6 +15,10 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use starckpt_server::target::EngineKind;
 
+/// Longest duration a `--*-secs` flag takes: ten years. Far past any useful setting, and far
+/// from where adding durations or counting them in milliseconds overflows.
+const MAX_SECS: u64 = 10 * 365 * 24 * 3600;
+
 #[derive(Parser)]
 #[command(name = "starckpt", version, about = "Checkpoint storage for large-model training")]
 struct Cli {
@@ -153,24 +157,24 @@ enum Command {
         #[arg(long, env = "STARCKPT_DB", default_value = "starckpt-meta.db")]
         db: String,
         /// Abort a checkpoint whose ranks have not all committed this many seconds after it began.
-        #[arg(long, default_value_t = 1800)]
+        #[arg(long, default_value_t = 1800, value_parser = clap::value_parser!(u64).range(..=MAX_SECS))]
         pending_timeout_secs: u64,
         /// Seconds between background garbage-collection passes (0: only on `starckpt gc`).
-        #[arg(long, default_value_t = 600)]
+        #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(..=MAX_SECS))]
         gc_interval_secs: u64,
         /// GC keeps an unreferenced chunk used within this many seconds (default: twice the
         /// pending timeout; at least the pending timeout + 60).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u64).range(..=MAX_SECS))]
         gc_grace_secs: Option<u64>,
         /// GC deletes at most this many chunks per second.
         #[arg(long, default_value_t = 2000)]
         gc_deletes_per_sec: u32,
         /// A target silent this many seconds is lost: the copies it held are made again on live
         /// targets by the re-replication pass.
-        #[arg(long, default_value_t = 300)]
+        #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(..=MAX_SECS))]
         lost_after_secs: u64,
         /// Seconds between background re-replication passes (0: only on `starckpt repair`).
-        #[arg(long, default_value_t = 60)]
+        #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(..=MAX_SECS))]
         repair_interval_secs: u64,
         /// Object-store tier: committed checkpoints are copied to it, and chunks every target
         /// lost are read back from it. s3://BUCKET/PREFIX (AWS_* environment: credentials,
@@ -179,7 +183,7 @@ enum Command {
         #[arg(long, env = "STARCKPT_TIER")]
         tier: Option<String>,
         /// Seconds between background tier passes (0: only on `starckpt tier`).
-        #[arg(long, default_value_t = 60)]
+        #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(..=MAX_SECS))]
         tier_interval_secs: u64,
         /// Upload pace of the tier, in MiB/s (it competes with saves for the targets' disks).
         #[arg(long, default_value_t = 256)]
@@ -224,7 +228,7 @@ enum Command {
         queue_depth: starckpt_server::target::QueueDepth,
         /// Count chunk ages as if the target had run this many seconds longer. For tests of
         /// garbage collection only.
-        #[arg(long, hide = true, default_value_t = 0)]
+        #[arg(long, hide = true, default_value_t = 0, value_parser = clap::value_parser!(u64).range(..=MAX_SECS))]
         assume_uptime_secs: u64,
         /// Free bytes to keep on the device: puts that would eat into them are refused (NO_SPACE)
         /// and go to other targets.
@@ -239,12 +243,12 @@ enum Command {
         #[arg(long, default_value_t = 64)]
         scrub_mib_per_sec: u64,
         /// Pause between scrub passes, in seconds.
-        #[arg(long, default_value_t = 3600)]
+        #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(..=MAX_SECS))]
         scrub_pause_secs: u64,
         /// Seconds the device may have operations in flight without completing any before the
         /// target stops heartbeating (and is treated as dead, its chunks copied elsewhere) until
         /// the device completes something again.
-        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=MAX_SECS))]
         io_stall_timeout_secs: u64,
         /// Unix socket where clients on this host attach shared memory (default: DIR/shm.sock).
         #[arg(long, conflicts_with = "no_shm")]

@@ -1062,6 +1062,28 @@ fn replicas_span_failure_domains_so_a_whole_domain_can_die() {
     assert!(!cluster.cli(&["replication", "ha", "0"]).status.success());
 }
 
+/// Durations past any use (which once overflowed into panics, or wrapped into timeouts of
+/// milliseconds) are refused when the process starts, with clap's message and exit status 2.
+#[test]
+fn durations_out_of_range_are_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("meta.db");
+    let server = ["server", "--listen", "127.0.0.1:0", "--db", db.to_str().unwrap()];
+    let target = ["target", "--dir", dir.path().to_str().unwrap()];
+    let cases: [(&[&str], &str); 4] = [
+        (&server, "--gc-grace-secs=18446744073709551615"),
+        (&server, "--pending-timeout-secs=18446744073709551615"),
+        (&server, "--lost-after-secs=18446744073709552"),
+        (&target, "--io-stall-timeout-secs=0"),
+    ];
+    for (command, flag) in cases {
+        let output = std::process::Command::new(common::BIN).args(command).arg(flag).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{flag}: {stderr}");
+        assert!(stderr.contains("invalid value") && !stderr.contains("panicked"), "{flag}: {stderr}");
+    }
+}
+
 #[test]
 fn copies_lost_with_a_target_are_made_again_elsewhere() {
     // Targets silent for 3 s are lost (they heartbeat every second); passes run on request.
