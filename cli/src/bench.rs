@@ -431,7 +431,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let total = params as u64 * 14;
     let say = |line: String| {
         if !json {
-            println!("{line}");
+            say!("{line}");
         }
     };
 
@@ -620,7 +620,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             })
         };
         let baseline = |t: Timed| json!({"seconds": t.wall.as_secs_f64(), "gb_per_s": gbps(t)});
-        println!(
+        say!(
             "{}",
             serde_json::to_string_pretty(&json!({
                 "bytes": total, "parameters": params, "tensors": layout.len() * 4, "ranks": args.ranks,
@@ -644,8 +644,8 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             }))?
         );
     } else {
-        println!();
-        println!(
+        say!();
+        say!(
             "{:<10} {:>9} {:>8} {:>9} {:>6} {:>5}   {:<36} {:>9} {:>8}   {:>10}",
             "phase",
             "starckpt",
@@ -660,7 +660,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         );
         for (phase, ours, name, base) in rows {
             let disk = ours.disk_share().map_or("-".to_owned(), |share| format!("{:.0}%", share * 100.0));
-            println!(
+            say!(
                 "{:<10} {:>8.2}s {:>8.2} {:>9.2} {:>6.2} {:>5}   {:<36} {:>8.2}s {:>8.2}   {:>9.2}x",
                 phase,
                 ours.wall.as_secs_f64(),
@@ -675,9 +675,9 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             );
         }
         if args.compression.compress.is_some() {
-            println!("compression: {compression_ratio:.3}x (bytes uploaded ÷ bytes sent and stored, all runs)");
+            say!("compression: {compression_ratio:.3}x (bytes uploaded ÷ bytes sent and stored, all runs)");
         }
-        println!(
+        say!(
             "(time ratio: starckpt's time ÷ the baseline's; below 1 is faster. CPU: {}. cores: CPU seconds per \
              second, of {cores} here; disk: the share of the phase {} had I/O in flight, /proc/diskstats.)",
             if args.cluster.is_none() {
@@ -711,7 +711,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         );
         crate::chart::throughput(path, &title, &bars)?;
         if !json {
-            println!("chart: {}", path.display());
+            say!("chart: {}", path.display());
         }
     }
     Ok(())

@@ -207,7 +207,7 @@ pub async fn save(server: &Remote, args: SaveArgs, out: &Output) -> anyhow::Resu
             format!("part committed, waiting for ranks ({parts_committed}/{world_size})")
         }
     };
-    println!(
+    say!(
         "{} step {}: {} ({}, {} chunks, {} deduplicated) in {:.2?} ({}), staged in {:.2?}",
         outcome.job,
         outcome.step,
@@ -278,10 +278,10 @@ pub async fn ls(
                 ));
                 return Ok(());
             }
-            println!("{:<32} {:>12} {:>12} {:>12}", "JOB", "CHECKPOINTS", "LATEST", "SIZE");
+            say!("{:<32} {:>12} {:>12} {:>12}", "JOB", "CHECKPOINTS", "LATEST", "SIZE");
             for j in jobs {
                 let latest = j.latest_step.map(|s| s.to_string()).unwrap_or_else(|| "-".into());
-                println!(
+                say!(
                     "{:<32} {:>12} {:>12} {:>12}",
                     j.job,
                     j.committed_checkpoints,
@@ -307,12 +307,20 @@ fn print_checkpoints(checkpoints: &[CheckpointInfo], out: &Output) {
         out.json(json!(checkpoints.iter().map(checkpoint_json).collect::<Vec<_>>()));
         return;
     }
-    println!(
+    say!(
         "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16} {:>6}  TAGS",
-        "STEP", "STATE", "RANKS", "EPOCH", "SIZE", "WRITTEN", "FILES", "CREATED", "TIERED"
+        "STEP",
+        "STATE",
+        "RANKS",
+        "EPOCH",
+        "SIZE",
+        "WRITTEN",
+        "FILES",
+        "CREATED",
+        "TIERED"
     );
     for c in checkpoints {
-        println!(
+        say!(
             "{:>12} {:<10} {:>7} {:>6} {:>12} {:>12} {:>8} {:>16} {:>6}  {}",
             c.step,
             state_name(c.state),
@@ -331,8 +339,15 @@ fn print_checkpoints(checkpoints: &[CheckpointInfo], out: &Output) {
 pub async fn cat(server: &Remote, job: &str, step: u64, path: &str) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     let manifest = client.manifest(job, Some(step)).await?;
-    client.copy_file_to(&manifest, path, &mut tokio::io::stdout()).await?;
-    Ok(())
+    match client.copy_file_to(&manifest, path, &mut tokio::io::stdout()).await {
+        // The reader went away (`starckpt cat ... | head -c 100`): as SIGPIPE would (`output::line`).
+        Err(starckpt_client::Error::Io { path, source, .. })
+            if path.as_os_str() == "output" && source.kind() == std::io::ErrorKind::BrokenPipe =>
+        {
+            std::process::exit(141)
+        }
+        other => other.map(drop).map_err(Into::into),
+    }
 }
 
 pub async fn show(server: &Remote, job: &str, step: u64, out: &Output) -> anyhow::Result<()> {
@@ -353,7 +368,7 @@ pub async fn show(server: &Remote, job: &str, step: u64, out: &Output) -> anyhow
         return Ok(());
     }
     let info = &manifest.info;
-    println!(
+    say!(
         "{} step {}: {}, {} ranks, {} in {} files ({} written, the rest deduplicated), committed {}",
         info.job,
         info.step,
@@ -365,10 +380,10 @@ pub async fn show(server: &Remote, job: &str, step: u64, out: &Output) -> anyhow
         output::age(info.committed_at_ms)
     );
     for file in &manifest.files {
-        println!("  {:>12}  {:>5} chunks  {}", output::bytes(file.size_bytes), file.chunks.len(), file.path);
+        say!("  {:>12}  {:>5} chunks  {}", output::bytes(file.size_bytes), file.chunks.len(), file.path);
     }
     for dir in &manifest.directories {
-        println!("  {:>12}  {:>12}  {}/", "dir", "", dir);
+        say!("  {:>12}  {:>12}  {}/", "dir", "", dir);
     }
     Ok(())
 }
@@ -438,7 +453,7 @@ async fn restore_from(
             "seconds": elapsed.as_secs_f64(),
         }));
     } else {
-        println!(
+        say!(
             "restored {job} step {} to {}: {} files, {} in {:.2?} ({}), every chunk verified",
             manifest.info.step,
             to.display(),
@@ -454,7 +469,7 @@ async fn restore_from(
 pub async fn rm(server: &Remote, job: &str, step: u64) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     client.delete(job, step).await?;
-    println!("deleted {job} step {step}");
+    say!("deleted {job} step {step}");
     Ok(())
 }
 
@@ -485,10 +500,10 @@ pub async fn tier(server: &Remote, out: &Output) -> anyhow::Result<()> {
         return tier_outcome(&report);
     }
     if !report.ran {
-        println!("tier: another control plane is running a pass; none ran here");
+        say!("tier: another control plane is running a pass; none ran here");
         return Ok(());
     }
-    println!(
+    say!(
         "tier: {} checkpoints tiered ({} chunks, {} uploaded; {} chunks already there), {} still behind; \
          swept {} chunks and {} manifests in {} ms",
         report.checkpoints_tiered,
@@ -501,7 +516,7 @@ pub async fn tier(server: &Remote, out: &Output) -> anyhow::Result<()> {
         report.duration_ms
     );
     for error in &report.errors {
-        println!("  {error}");
+        say!("  {error}");
     }
     tier_outcome(&report)
 }
@@ -528,15 +543,15 @@ pub async fn import_tier(server: &Remote, job: Option<&str>, out: &Output) -> an
         }));
     } else {
         for c in &report.imported {
-            println!("imported {} step {} ({} ranks, {})", c.job, c.step, c.world_size, output::bytes(c.total_bytes));
+            say!("imported {} step {} ({} ranks, {})", c.job, c.step, c.world_size, output::bytes(c.total_bytes));
         }
-        println!(
+        say!(
             "tier import: {} checkpoints imported, {} already here; run `starckpt repair` to copy their chunks onto the targets",
             report.imported.len(),
             report.present
         );
         for error in &report.errors {
-            println!("  {error}");
+            say!("  {error}");
         }
     }
     if !report.errors.is_empty() {
@@ -556,7 +571,7 @@ pub async fn repair(server: &Remote, out: &Output) -> anyhow::Result<()> {
         }));
         return repair_outcome(&report);
     }
-    println!(
+    say!(
         "re-replication: {} chunks, {} short of copies, {} copies made ({} chunks from the tier), {} still short \
          ({} unreadable) in {} ms",
         report.chunks,
@@ -568,7 +583,7 @@ pub async fn repair(server: &Remote, out: &Output) -> anyhow::Result<()> {
         report.duration_ms
     );
     for error in &report.errors {
-        println!("  {error}");
+        say!("  {error}");
     }
     repair_outcome(&report)
 }
@@ -588,7 +603,7 @@ fn repair_outcome(report: &starckpt_proto::control::RereplicateResponse) -> anyh
 
 pub async fn replication(server: &Remote, job: &str, replicas: u32) -> anyhow::Result<()> {
     connect(server, None).await?.set_replication(job, replicas).await?;
-    println!("{job}: {replicas} replicas per chunk for saves from now on");
+    say!("{job}: {replicas} replicas per chunk for saves from now on");
     Ok(())
 }
 
@@ -615,10 +630,10 @@ pub async fn retention(
         out.json(json!({"job": job, "keep_last": policy.keep_last, "keep_every": policy.keep_every, "deleted_steps": deleted}));
         return Ok(());
     }
-    println!("{job}: {}", describe_retention(&policy));
+    say!("{job}: {}", describe_retention(&policy));
     if let Some(deleted) = deleted.filter(|d| !d.is_empty()) {
         let steps: Vec<String> = deleted.iter().map(u64::to_string).collect();
-        println!("deleted steps {} (their chunks are freed by the next garbage collection)", steps.join(", "));
+        say!("deleted steps {} (their chunks are freed by the next garbage collection)", steps.join(", "));
     }
     Ok(())
 }
@@ -626,7 +641,7 @@ pub async fn retention(
 pub async fn tag(server: &Remote, job: &str, step: u64, tag: &str, remove: bool) -> anyhow::Result<()> {
     let client = connect(server, None).await?;
     client.tag(job, step, tag, remove).await?;
-    println!(
+    say!(
         "{} {job} step {step} {} {tag:?}",
         if remove { "untagged" } else { "tagged" },
         if remove { "from" } else { "as" }
@@ -646,7 +661,7 @@ pub async fn gc(server: &Remote, out: &Output) -> anyhow::Result<()> {
         }));
         return gc_outcome(&report);
     }
-    println!(
+    say!(
         "swept {} targets in {:.1}s: {} chunks listed, {} live, {} deleted, {} kept within the grace period",
         report.targets_swept,
         report.duration_ms as f64 / 1000.0,
@@ -656,7 +671,7 @@ pub async fn gc(server: &Remote, out: &Output) -> anyhow::Result<()> {
         report.chunks_in_grace
     );
     for error in &report.target_errors {
-        println!("  not swept: {error}");
+        say!("  not swept: {error}");
     }
     gc_outcome(&report)
 }
@@ -739,21 +754,30 @@ pub async fn status(server: &Remote, out: &Output) -> anyhow::Result<()> {
         return Ok(());
     }
     let alive = targets.iter().filter(|t| t.state == TargetState::Alive as i32).count();
-    println!("control plane {server}: {} targets, {alive} alive", targets.len());
+    say!("control plane {server}: {} targets, {alive} alive", targets.len());
     match status.under_replicated_chunks {
-        Some(count) => println!(
+        Some(count) => say!(
             "under-replicated chunks: {count} (re-replication pass {:.0}s ago)",
             status.repair_pass_age_ms as f64 / 1000.0
         ),
-        None => println!("under-replicated chunks: unknown until the first re-replication pass"),
+        None => say!("under-replicated chunks: unknown until the first re-replication pass"),
     }
-    println!(
+    say!(
         "{:<38} {:<22} {:<9} {:<10} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
-        "TARGET", "ADDRESS", "TRANSPORT", "RDMA", "DOMAIN", "STATE", "USED", "CAPACITY", "CHUNKS", "HEARTBEAT"
+        "TARGET",
+        "ADDRESS",
+        "TRANSPORT",
+        "RDMA",
+        "DOMAIN",
+        "STATE",
+        "USED",
+        "CAPACITY",
+        "CHUNKS",
+        "HEARTBEAT"
     );
     for (t, transport) in targets.iter().zip(&transports) {
         let state = target_state(t.state);
-        println!(
+        say!(
             "{:<38} {:<22} {:<9} {:<10} {:<12} {:<7} {:>10} {:>10} {:>9} {:>10}",
             t.target_id,
             t.data_address,
@@ -786,7 +810,7 @@ pub fn new_token(tenant: Option<&str>, tokens_file: Option<&Path>, out: &Output)
     if out.json {
         out.json(json!({ "token": token, "line": line, "tokens_file": tokens_file }));
     } else {
-        println!("{token}");
+        say!("{token}");
         match tokens_file {
             Some(path) => eprintln!("added to {}: {line}", path.display()),
             None => eprintln!("add this line to the control plane's --tokens-file: {line}"),

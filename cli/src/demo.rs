@@ -135,7 +135,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     };
     let say = |line: String| {
         if !args.json {
-            println!("{line}");
+            say!("{line}");
         }
     };
     let job = "demo-llama";
@@ -250,7 +250,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     cluster.shutdown().await?;
 
     if args.json {
-        println!(
+        say!(
             "{}",
             serde_json::to_string_pretty(&json!({
                 "bytes": size, "targets": args.targets, "io_engine": format!("{:?}", args.io_engine),

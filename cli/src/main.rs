@@ -1,5 +1,16 @@
 //! `starckpt`: the one binary. Parses flags, sets up logging, and calls into the libraries.
 
+/// `println!` for command output: a reader that went away (`starckpt ls | head -1`) ends the
+/// process quietly, as SIGPIPE ends other tools, instead of a panic (`output::line`).
+macro_rules! say {
+    () => {
+        $crate::output::line(format_args!(""))
+    };
+    ($($arg:tt)*) => {
+        $crate::output::line(format_args!($($arg)*))
+    };
+}
+
 mod baseline;
 mod bench;
 mod chart;

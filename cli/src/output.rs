@@ -10,7 +10,23 @@ pub struct Output {
 
 impl Output {
     pub fn json(&self, value: serde_json::Value) {
-        println!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
+        say!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
+    }
+}
+
+/// Writes one line of command output to stdout ([`say!`]). Where the reader has gone (a closed
+/// pipe) the process exits at once with status 141, what SIGPIPE would have given it: Rust
+/// ignores that signal, so the write fails instead, and `println!` would panic.
+pub fn line(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    if let Err(error) = stdout.write_fmt(args).and_then(|()| stdout.write_all(b"\n")) {
+        if error.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(141);
+        }
+        drop(stdout);
+        eprintln!("error: writing to stdout: {error}");
+        std::process::exit(1);
     }
 }
 

@@ -89,6 +89,22 @@ fn save_and_restore_a_tree_across_three_targets() {
     assert_eq!((listed[1]["bytes"].as_u64(), listed[1]["written_bytes"].as_u64()), (Some(total), Some(0)));
     let shown = cluster.ok(&["show", "llama", "200"]);
     assert!(shown.contains("(0 B written"), "{shown}");
+    // A reader that goes away (`| head -1`) ends a command quietly, as SIGPIPE ends other tools
+    // (status 141), not with a panic.
+    for args in [&["ls", "--json"][..], &["show", "llama", "200"], &["cat", "llama", "200", "optim/rank0.pt"]] {
+        let mut child = std::process::Command::new(common::BIN)
+            .args(args)
+            .env("STARCKPT_SERVER", &cluster.server.address)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let output = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(141), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
 
     // A non-empty destination is refused without --force, and replaced with it.
     let stderr = cluster.fails(&["restore", "--job", "llama", "--step", "100", "--to", restored.to_str().unwrap()]);
