@@ -380,10 +380,11 @@ pub async fn show(server: &Remote, job: &str, step: u64, out: &Output) -> anyhow
         output::age(info.committed_at_ms)
     );
     for file in &manifest.files {
-        say!("  {:>12}  {:>5} chunks  {}", output::bytes(file.size_bytes), file.chunks.len(), file.path);
+        let path = output::printable(file.path.as_str());
+        say!("  {:>12}  {:>5} chunks  {path}", output::bytes(file.size_bytes), file.chunks.len());
     }
     for dir in &manifest.directories {
-        say!("  {:>12}  {:>12}  {}/", "dir", "", dir);
+        say!("  {:>12}  {:>12}  {}/", "dir", "", output::printable(dir.as_str()));
     }
     Ok(())
 }

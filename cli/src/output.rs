@@ -30,6 +30,16 @@ pub fn line(args: std::fmt::Arguments<'_>) {
     }
 }
 
+/// `text` with its control characters escaped (`\n`, `\u{1b}`): a path in a checkpoint
+/// may hold any, and printed raw an escape sequence would drive the terminal of whoever lists it.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let escaped = text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() });
+    std::borrow::Cow::Owned(escaped.collect())
+}
+
 /// Bytes per second as a human string.
 pub fn rate(bytes: u64, elapsed: Duration) -> String {
     let secs = elapsed.as_secs_f64().max(1e-9);
@@ -80,5 +90,14 @@ pub struct Follow(tokio::task::JoinHandle<()>);
 impl Drop for Follow {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn control_characters_are_escaped_and_the_rest_kept() {
+        assert_eq!(super::printable("model/w.pt"), "model/w.pt");
+        assert_eq!(super::printable("a\u{1b}]52;x\u{7}b\nc é"), "a\\u{1b}]52;x\\u{7}b\\nc é");
     }
 }

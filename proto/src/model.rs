@@ -17,6 +17,8 @@ use crate::frame::MAX_PAYLOAD_BYTES;
 pub const MAX_JOB_NAME_BYTES: usize = 128;
 /// Longest relative path inside a checkpoint (Linux PATH_MAX).
 pub const MAX_PATH_BYTES: usize = 4096;
+/// Longest component of such a path (Linux NAME_MAX).
+pub const MAX_NAME_BYTES: usize = 255;
 /// Most ranks in one checkpoint.
 pub const MAX_WORLD_SIZE: u32 = 1 << 20;
 /// Most files in one rank's manifest. A rank with more should archive them first.
@@ -290,6 +292,9 @@ impl TryFrom<&str> for RelPath {
             match component {
                 "" => return reject("empty component"),
                 "." | ".." => return reject("contains '.' or '..'"),
+                // No file system restores a longer name (NAME_MAX): such a checkpoint would
+                // commit and then never restore.
+                _ if component.len() > MAX_NAME_BYTES => return reject("has a component longer than 255 bytes"),
                 _ => {}
             }
         }
@@ -705,10 +710,13 @@ mod tests {
 
     #[test]
     fn paths() {
-        for good in ["a", "a/b/c.pt", "rank0/optim.pt", "..a", "a..", ".hidden"] {
+        let (longest, too_long) = ("n".repeat(MAX_NAME_BYTES), "n".repeat(MAX_NAME_BYTES + 1));
+        let deep = format!("{longest}/{longest}");
+        for good in ["a", "a/b/c.pt", "rank0/optim.pt", "..a", "a..", ".hidden", &longest, &deep] {
             assert!(RelPath::try_from(good).is_ok(), "{good}");
         }
-        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a//b", "a/./b", "a/", ".", "a\0b"] {
+        let nested = format!("a/{too_long}/b");
+        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a//b", "a/./b", "a/", ".", "a\0b", &too_long, &nested] {
             assert!(RelPath::try_from(bad).is_err(), "{bad:?}");
         }
         let root = std::path::Path::new("/restore");
