@@ -128,6 +128,47 @@ fn save_and_restore_a_tree_across_three_targets() {
     let replaced = cli_with_env(&cluster.server.address, &force, &[("FAILPOINTS", "client.restore.exchange=return")]);
     assert!(replaced.status.success(), "{replaced:?}");
     assert_eq!(tree(&source), tree(&restored));
+    // When even moving the old tree back fails, the error says where it is kept, and a later
+    // restore into the same destination leaves it there.
+    std::fs::write(restored.join("stray"), b"kept").unwrap();
+    let before = tree(&restored);
+    let three = "client.restore.exchange=return;client.restore.into_place=return;client.restore.move_back=return";
+    let failed = cli_with_env(&cluster.server.address, &force, &[("FAILPOINTS", three)]);
+    let stderr = String::from_utf8_lossy(&failed.stderr);
+    assert!(!failed.status.success() && stderr.contains("is kept at"), "{stderr}");
+    let kept: Vec<_> = std::fs::read_dir(parent)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().contains("starckpt-replaced"))
+        .collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert!(stderr.contains(kept[0].to_str().unwrap()), "{stderr}");
+    cluster.ok(&["restore", "--job", "llama", "--step", "100", "--to", restored.to_str().unwrap()]);
+    assert_eq!(tree(&kept[0]), before, "the old tree, kept where the error said");
+    assert_eq!(tree(&source), tree(&restored));
+    std::fs::remove_dir_all(&kept[0]).unwrap();
+
+    // A destination that is a symbolic link: the tree it leads to is replaced, the link stays.
+    let real = cluster.dir.path().join("real-ckpt");
+    std::fs::create_dir_all(&real).unwrap();
+    std::fs::write(real.join("stale"), b"old").unwrap();
+    let link = cluster.dir.path().join("ckpt-link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    cluster.ok(&["restore", "--job", "llama", "--step", "100", "--to", link.to_str().unwrap(), "--force"]);
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link was replaced");
+    assert_eq!(tree(&source), tree(&real));
+    // A mount point cannot be renamed over: refused before anything is fetched (as root, which
+    // may mount a tmpfs; CI runs as root).
+    let mount = cluster.dir.path().join("mounted");
+    std::fs::create_dir_all(&mount).unwrap();
+    let mounted = std::process::Command::new("mount").args(["-t", "tmpfs", "tmpfs"]).arg(&mount).status();
+    if mounted.is_ok_and(|status| status.success()) {
+        let stderr = cluster.fails(&["restore", "--job", "llama", "--step", "100", "--to", mount.to_str().unwrap()]);
+        let _ = std::process::Command::new("umount").arg(&mount).status();
+        assert!(stderr.contains("is a mount point") && stderr.contains("mounted/ckpt"), "{stderr}");
+    } else {
+        eprintln!("skipped the mount-point restore: cannot mount a tmpfs here (not root?)");
+    }
 
     // Saving an existing committed step is a clear error; deleting it makes latest fall back.
     let stderr = cluster.fails(&["save", "--job", "llama", "--step", "200", source.to_str().unwrap()]);

@@ -33,9 +33,11 @@ pub const POINTS: &[&str] = &[
     "target.delete.unlink",
     "target.remove_bad",
     // Client, restore --force over a tree: the atomic exchange answers as on a file system
-    // without it; the old tree moved aside, before the new one is renamed into place.
+    // without it; the old tree moved aside, before the new one is renamed into place; moving the
+    // old one back after that failed.
     "client.restore.exchange",
     "client.restore.into_place",
+    "client.restore.move_back",
     // Control plane: after recording a begun checkpoint, before answering; before and inside the
     // commit's transaction; committed, before answering.
     "control.begin.reply",

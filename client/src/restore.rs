@@ -177,6 +177,13 @@ fn partial_prefix(name: &str) -> String {
     format!(".{name}.starckpt-partial-")
 }
 
+/// The name prefix of the tree a `--force` restore moved aside (file systems without the atomic
+/// exchange). Never removed by a later restore: one that failed to move it back says it is kept
+/// there.
+fn replaced_prefix(name: &str) -> String {
+    format!(".{name}.starckpt-replaced-")
+}
+
 /// Held while a restore into one destination runs: an exclusive lock on a file beside it
 /// (`.NAME.starckpt-restore.lock`, removed when the restore ends). Taking it removes unfinished
 /// trees a restore into the same destination left when it was killed (SIGKILL, power loss),
@@ -202,12 +209,18 @@ impl DestinationLock {
             }
             Err(std::fs::TryLockError::Error(e)) => return Err(Error::io("lock", &path)(e)),
         }
-        let prefix = partial_prefix(name);
+        let (partial, replaced) = (partial_prefix(name), replaced_prefix(name));
         for entry in std::fs::read_dir(parent).map_err(Error::io("list", parent))? {
             let entry = entry.map_err(Error::io("list", parent))?;
-            if entry.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)) {
+            let Some(file_name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+            if file_name.starts_with(&partial) {
                 tracing::info!(path = %entry.path().display(), "removing what an interrupted restore left");
                 std::fs::remove_dir_all(entry.path()).map_err(Error::io("remove", &entry.path()))?;
+            } else if file_name.starts_with(&replaced) {
+                tracing::warn!(
+                    path = %entry.path().display(),
+                    "an earlier restore left the tree it replaced here; remove it once it is not needed"
+                );
             }
         }
         Ok(DestinationLock { path, _file: file })
@@ -682,6 +695,7 @@ pub async fn restore_from(
     progress: &RestoreProgress,
     concurrency: usize,
 ) -> Result<RestoreOutcome> {
+    let to = &destination(to)?;
     let existing = match std::fs::read_dir(to) {
         Ok(mut entries) => Some(entries.next().is_some()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
@@ -718,7 +732,7 @@ pub async fn restore_from(
             // A file system without the exchange (NFS, some FUSE ones): the old tree is moved
             // aside first, so `to` is briefly missing, but never partial.
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => {
-                let aside = parent.join(format!("{}{}", partial_prefix(name), uuid::Uuid::new_v4().simple()));
+                let aside = parent.join(format!("{}{}", replaced_prefix(name), uuid::Uuid::new_v4().simple()));
                 std::fs::rename(to, &aside).map_err(Error::io("move aside", to))?;
                 let old = RemoveOnDrop(aside.clone());
                 let placed =
@@ -727,7 +741,9 @@ pub async fn restore_from(
                     // A failed restore leaves the destination as it found it: the old tree goes
                     // back, or, if even that fails, stays where it is, and the error says where.
                     std::mem::forget(old);
-                    let e = match std::fs::rename(&aside, to) {
+                    let back =
+                        crate::faults::point("client.restore.move_back").and_then(|()| std::fs::rename(&aside, to));
+                    let e = match back {
                         Ok(()) => e,
                         Err(back) => std::io::Error::new(
                             e.kind(),
@@ -746,6 +762,39 @@ pub async fn restore_from(
     }
     std::fs::File::open(&parent).and_then(|d| d.sync_all()).map_err(Error::io("fsync", &parent))?;
     Ok(RestoreOutcome { files: manifest.files.len(), bytes: manifest.total_bytes() })
+}
+
+/// The directory a restore puts its tree at: `to`, or where `to` leads if it is a symbolic
+/// link (the link stays; the tree it points to is what is replaced). A destination a rename
+/// cannot replace, a mount point, is refused here, before anything is fetched.
+fn destination(to: &Path) -> Result<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let to = match std::fs::symlink_metadata(to) {
+        Ok(meta) if meta.file_type().is_symlink() => std::fs::canonicalize(to).map_err(|e| {
+            Error::InvalidInput(format!(
+                "{} is a symbolic link that does not lead to a directory ({e}); create where it points, or \
+                 restore elsewhere",
+                to.display()
+            ))
+        })?,
+        Ok(_) => to.to_path_buf(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(to.to_path_buf()),
+        Err(e) => return Err(Error::io("stat", to)(e)),
+    };
+    let parent = match to.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let device = |path: &Path| std::fs::metadata(path).map(|m| m.dev()).map_err(Error::io("stat", path));
+    if device(&to)? != device(parent)? {
+        return Err(Error::InvalidInput(format!(
+            "{} is a mount point: a restore builds its tree beside the destination and renames it into \
+             place, which cannot replace a mount point; restore into a directory inside it (e.g. {})",
+            to.display(),
+            to.join("ckpt").display()
+        )));
+    }
+    Ok(to)
 }
 
 async fn restore_into(
