@@ -47,7 +47,6 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
-    let number: f64 = number.parse().map_err(|_| format!("{text:?} is not a size"))?;
     let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" => 1000,
@@ -58,7 +57,20 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         "gib" => 1 << 30,
         other => return Err(format!("unknown size unit {other:?}")),
     };
-    Ok((number * scale as f64) as u64)
+    let not_a_size = || format!("{text:?} is not a size");
+    if !number.contains('.') {
+        let whole: u64 = number.parse().map_err(|_| not_a_size())?;
+        return whole.checked_mul(scale).ok_or_else(|| format!("{text:?} is more bytes than this machine counts"));
+    }
+    // A fraction of a unit (1.5GiB): whole bytes, and small enough for f64 to hold exactly.
+    let bytes = number.parse::<f64>().map_err(|_| not_a_size())? * scale as f64;
+    if !bytes.is_finite() || bytes > (1u64 << 53) as f64 {
+        return Err(format!("{text:?} is too large for a fractional size; give it in a smaller unit"));
+    }
+    if bytes.fract() != 0.0 {
+        return Err(format!("{text:?} is not a whole number of bytes"));
+    }
+    Ok(bytes as u64)
 }
 
 const TENSORS: usize = 8;
@@ -284,5 +296,13 @@ mod tests {
         assert_eq!(parse_size("1000"), Ok(1000));
         assert!(parse_size("lots").is_err());
         assert!(parse_size("5 parsecs").is_err());
+        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_size("0.5KiB"), Ok(512));
+        // Once these saturated at u64::MAX or rounded down to 0.
+        assert!(parse_size("20000000000GiB").is_err());
+        assert!(parse_size("99999999999999999999").is_err());
+        assert!(parse_size("0.5").is_err());
+        assert!(parse_size("1e30").is_err());
+        assert!(parse_size("1.2.3MiB").is_err());
     }
 }

@@ -118,6 +118,9 @@ fn retention_tags_and_gc_free_exactly_the_garbage() {
     assert!(stderr.contains("no committed checkpoint at step 99"), "{stderr}");
     let stderr = cluster.fails(&["retention", "job", "--keep-last=-1"]);
     assert!(stderr.contains("invalid value"), "{stderr}");
+    let file = file.to_str().unwrap();
+    let stderr = cluster.fails(&["save", "--job", "job", "--step", "9", "--chunk-size", "1", file]);
+    assert!(stderr.contains("chunk size 1 is outside 65536..=67108864 bytes"), "{stderr}");
 }
 
 #[test]

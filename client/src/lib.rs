@@ -65,6 +65,7 @@ pub struct ClientConfig {
     pub server: String,
     /// Chunk size. Default 4 MiB: per-chunk costs (a round trip, a device sync, ~100 bytes of
     /// manifest) stay under ~5% of transfer time, and one tensor file still spreads over targets.
+    /// From [`MIN_CHUNK_SIZE_BYTES`] (64 KiB) to 64 MiB.
     pub chunk_size_bytes: usize,
     /// Staging memory: the most bytes a save holds in SDK buffers at once. Default 1 GiB. A save
     /// larger than this returns once its last byte is staged, which waits for earlier chunks to
@@ -284,6 +285,10 @@ struct Inner {
     recoveries: recovery::Recoveries,
 }
 
+/// Smallest chunk a client cuts: below it a checkpoint's chunk count (its manifest, staging
+/// slots, requests) grows past use, and a save of a few GB would upload for hours.
+pub const MIN_CHUNK_SIZE_BYTES: usize = 64 << 10;
+
 /// Most read repairs a client holds at once, queued or running (each holds one chunk in memory);
 /// more are skipped (a later read, or the target's scrub, finds the copy again).
 pub const REPAIRS_IN_FLIGHT: usize = 32;
@@ -302,11 +307,13 @@ impl Client {
     /// several control planes of one cluster (`a:7070,b:7070`, sharing a PostgreSQL database):
     /// the first that answers is used.
     pub async fn connect(mut config: ClientConfig) -> Result<Client> {
-        if config.chunk_size_bytes == 0 || config.chunk_size_bytes > starckpt_proto::frame::MAX_PAYLOAD_BYTES as usize {
+        let chunk_sizes = MIN_CHUNK_SIZE_BYTES..=starckpt_proto::frame::MAX_PAYLOAD_BYTES as usize;
+        if !chunk_sizes.contains(&config.chunk_size_bytes) {
             return Err(Error::InvalidInput(format!(
-                "chunk size {} is outside 1..={}",
+                "chunk size {} is outside {}..={} bytes",
                 config.chunk_size_bytes,
-                starckpt_proto::frame::MAX_PAYLOAD_BYTES
+                chunk_sizes.start(),
+                chunk_sizes.end()
             )));
         }
         let control = Arc::new(ControlPlanes::connect(&config).await?);
