@@ -824,11 +824,8 @@ async fn restore_into(
         // Each path once (the manifest says so), into a fresh tree: a file found there already
         // is another path the file system takes for the same name (a case-insensitive one: `A`
         // and `a`), which would get both files' bytes; an error instead.
-        let handle = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(Error::io("create", &path))?;
+        let handle =
+            std::fs::OpenOptions::new().write(true).create_new(true).open(&path).map_err(Error::io("create", &path))?;
         handle.set_len(file.size_bytes).map_err(Error::io("size", &path))?;
         paths.push(Arc::new(path));
     }

@@ -114,6 +114,46 @@ pub enum ChunkStoreError {
     Io { op: &'static str, path: PathBuf, source: io::Error },
 }
 
+/// Reads the copy of `hash` at `path` whole and checks it ([`ChunkStore::check_copy`]).
+fn judge_copy(path: &Path, hash: ChunkHash) -> Result<Copy, ChunkStoreError> {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let mut file = match std::fs::File::open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ChunkStoreError::NotFound { hash }),
+        Err(source) => return Err(ChunkStoreError::Io { op: "open", path: path.to_path_buf(), source }),
+    };
+    let meta = file.metadata().map_err(io_error("stat", path))?;
+    let bad = |reason: String| Ok(Copy::Bad { inode: meta.ino(), reason });
+    let limit = (HEADER_BYTES + starckpt_proto::frame::MAX_PAYLOAD_BYTES as usize + 4096) as u64;
+    if meta.len() < HEADER_BYTES as u64 || meta.len() > limit {
+        return bad(format!("file is {} bytes", meta.len()));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.read_to_end(&mut bytes).map_err(io_error("read", path))?;
+    let version = u16::from_le_bytes([bytes[8], bytes[9]]);
+    if bytes[0..8] == MAGIC[..] && bytes[64..72] == header_sum(&bytes) && !FORMAT_VERSIONS.contains(&version) {
+        return Err(ChunkStoreError::Io {
+            op: "verify",
+            path: path.to_path_buf(),
+            source: io::Error::other("a chunk format this build does not know"),
+        });
+    }
+    let header = match decode_header(&bytes, &hash) {
+        Ok(header) => header,
+        Err(ChunkStoreError::Corrupt { reason, .. }) => return bad(reason),
+        Err(other) => return Err(other),
+    };
+    let length = header.stored_len;
+    let Some(payload) = bytes.get(HEADER_BYTES..HEADER_BYTES + length as usize) else {
+        return bad(format!("header says {length} bytes, file holds {}", bytes.len() - HEADER_BYTES));
+    };
+    // The stored bytes against their hash: a compressed copy was decoded and checked against the
+    // content hash when it was written.
+    let actual = ChunkHash::of(payload);
+    if actual == header.stored_hash { Ok(Copy::Good { length }) } else { bad(format!("stored bytes hash to {actual}")) }
+}
+
 fn io_error(op: &'static str, path: &Path) -> impl FnOnce(io::Error) -> ChunkStoreError + use<> {
     let path = path.to_path_buf();
     move |source| ChunkStoreError::Io { op, path, source }
@@ -786,72 +826,37 @@ impl ChunkStore {
     /// (nothing may delete what it cannot judge).
     pub async fn check_copy(&self, hash: ChunkHash) -> Result<Copy, ChunkStoreError> {
         let path = self.chunk_path(&hash);
-        tokio::task::spawn_blocking(move || {
-            use std::io::Read;
-            use std::os::unix::fs::MetadataExt;
-            let mut file = match std::fs::File::open(&path) {
-                Ok(file) => file,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ChunkStoreError::NotFound { hash }),
-                Err(source) => return Err(ChunkStoreError::Io { op: "open", path, source }),
-            };
-            let meta = file.metadata().map_err(io_error("stat", &path))?;
-            let bad = |reason: String| Ok(Copy::Bad { inode: meta.ino(), reason });
-            let limit = (HEADER_BYTES + starckpt_proto::frame::MAX_PAYLOAD_BYTES as usize + 4096) as u64;
-            if meta.len() < HEADER_BYTES as u64 || meta.len() > limit {
-                return bad(format!("file is {} bytes", meta.len()));
-            }
-            let mut bytes = Vec::with_capacity(meta.len() as usize);
-            file.read_to_end(&mut bytes).map_err(io_error("read", &path))?;
-            let version = u16::from_le_bytes([bytes[8], bytes[9]]);
-            if bytes[0..8] == MAGIC[..] && bytes[64..72] == header_sum(&bytes) && !FORMAT_VERSIONS.contains(&version) {
-                return Err(ChunkStoreError::Io {
-                    op: "verify",
-                    path,
-                    source: io::Error::other("a chunk format this build does not know"),
-                });
-            }
-            let header = match decode_header(&bytes, &hash) {
-                Ok(header) => header,
-                Err(ChunkStoreError::Corrupt { reason, .. }) => return bad(reason),
-                Err(other) => return Err(other),
-            };
-            let length = header.stored_len;
-            let Some(payload) = bytes.get(HEADER_BYTES..HEADER_BYTES + length as usize) else {
-                return bad(format!("header says {length} bytes, file holds {}", bytes.len() - HEADER_BYTES));
-            };
-            // The stored bytes against their hash: a compressed copy was decoded and checked
-            // against the content hash when it was written.
-            let actual = ChunkHash::of(payload);
-            if actual == header.stored_hash {
-                Ok(Copy::Good { length })
-            } else {
-                bad(format!("stored bytes hash to {actual}"))
-            }
-        })
-        .await
-        .map_err(|e| ChunkStoreError::Io {
+        tokio::task::spawn_blocking(move || judge_copy(&path, hash)).await.map_err(|e| ChunkStoreError::Io {
             op: "verify",
             path: self.chunk_path(&hash),
             source: io::Error::other(e),
         })?
     }
 
-    /// Removes the copy of `hash` if it is still the file `inode` (one found bad): a good copy
-    /// that replaced it meanwhile stays. Returns whether it removed it.
+    /// Removes the copy of `hash` if it is still the file `inode` (one found bad) and still bad,
+    /// judged again under the chunk's use lock: a good copy that replaced it meanwhile stays, even
+    /// one written into the same inode (a chunk file reused from the free pool). Returns whether it
+    /// removed it.
     pub async fn remove_copy_if(&self, hash: ChunkHash, inode: u64) -> Result<bool, ChunkStoreError> {
         let (path, locks) = (self.chunk_path(&hash), self.use_locks.clone());
         let removed = tokio::task::spawn_blocking(move || {
             use std::os::unix::fs::MetadataExt;
             let _guard = locks.lock(&hash);
-            match std::fs::metadata(&path) {
-                Ok(meta) if meta.ino() == inode => starckpt_client::faults::point("target.remove_bad")
-                    .and_then(|()| std::fs::remove_file(&path))
-                    .map(|()| Some(meta.len())),
-                Ok(_) => Ok(None),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-                Err(e) => Err(e),
+            let meta = match std::fs::metadata(&path) {
+                Ok(meta) if meta.ino() == inode => meta,
+                Ok(_) => return Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(io_error("unlink", &path)(e)),
+            };
+            match judge_copy(&path, hash) {
+                Ok(Copy::Bad { inode: judged, .. }) if judged == inode => {}
+                Ok(_) | Err(ChunkStoreError::NotFound { .. }) => return Ok(None),
+                Err(error) => return Err(error),
             }
-            .map_err(io_error("unlink", &path))
+            starckpt_client::faults::point("target.remove_bad")
+                .and_then(|()| std::fs::remove_file(&path))
+                .map(|()| Some(meta.len()))
+                .map_err(io_error("unlink", &path))
         })
         .await
         .map_err(|e| ChunkStoreError::Io {

@@ -188,6 +188,15 @@ async fn verify_and_repair_replace_only_bad_copies(kind: EngineKind) {
     bytes[HEADER_BYTES + 5] ^= 0xff;
     std::fs::write(&path, &bytes).unwrap();
     let Copy::Bad { inode, .. } = store.check_copy(hash).await.unwrap() else { panic!("rot not found") };
+    // Good bytes written into that same file (as a chunk file reused from the free pool is)
+    // before the scrub removes it: judged again under the lock, it stays.
+    let rotten = bytes.clone();
+    bytes[HEADER_BYTES + 5] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(!store.remove_copy_if(hash, inode).await.unwrap(), "a good copy was removed");
+    assert_eq!(store.check_copy(hash).await.unwrap(), Copy::Good { length: 100_000 });
+    std::fs::write(&path, &rotten).unwrap();
+    let Copy::Bad { inode, .. } = store.check_copy(hash).await.unwrap() else { panic!("rot not found") };
     assert_eq!(put(&store, &data).await.1, PutOutcome::AlreadyPresent);
     let mut write = store.write_buffer(data.len()).await;
     write.data_mut().copy_from_slice(&data);
