@@ -107,7 +107,9 @@ CREATE TABLE IF NOT EXISTS control_planes (
     gc_grace_ms        BIGINT NOT NULL,
     seen_at_ms         BIGINT NOT NULL,
     -- What callers and targets must prove (store.rs `ControlPlaneMember::security`); '' unknown.
-    security           TEXT NOT NULL DEFAULT ''
+    security           TEXT NOT NULL DEFAULT '',
+    -- The object-store tier it uses (store.rs `ControlPlaneMember::tier`); '' unknown.
+    tier               TEXT NOT NULL DEFAULT ''
 );
 
 -- Tags pin committed checkpoints: retention never deletes a tagged one.

@@ -941,6 +941,7 @@ pub async fn run(
             config.tokens.is_some(),
             config.tls.is_some(),
         ),
+        tier: ControlPlaneMember::tier_of(config.tier.as_ref().map(|tier| tier.url())),
     };
     // Where control planes may share the database (PostgreSQL), they must agree on settings and
     // on the time. SQLite is one host's: a control plane restarted with other settings (or on

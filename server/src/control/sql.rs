@@ -42,9 +42,9 @@ use super::store::{
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
-/// 2: targets.failure_domain, the replication table. 3: targets.rdma_device. Older SQLite
-/// databases are migrated on open (PostgreSQL support began at 3).
-const SCHEMA_VERSION: i64 = 4;
+/// 2: targets.failure_domain, the replication table. 3: targets.rdma_device. 5:
+/// control_planes.tier. Older databases are migrated on open (PostgreSQL support began at 3).
+const SCHEMA_VERSION: i64 = 5;
 const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
      written_bytes, file_count, created_at_ms, committed_at_ms, \
      (SELECT string_agg(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags, \
@@ -260,7 +260,7 @@ impl SqlStore {
                     .await?;
             }
             Some(SCHEMA_VERSION) => {}
-            Some(old @ (1..=3)) => {
+            Some(old @ (1..=4)) => {
                 if old < 2 {
                     sqlx::query("ALTER TABLE targets ADD COLUMN failure_domain TEXT NOT NULL DEFAULT ''")
                         .execute(&mut *tx)
@@ -272,7 +272,8 @@ impl SqlStore {
                         .await?;
                 }
                 // Its rows are refreshed every few seconds by the control planes they name: made
-                // again with the current columns (version 3 databases may or may not have it).
+                // again with the current columns (version 3 databases may or may not have it; 5
+                // added one).
                 sqlx::query("DROP TABLE IF EXISTS control_planes").execute(&mut *tx).await?;
                 sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&self.dialect.schema())).await?;
                 sqlx::query("UPDATE schema_version SET version = $1").bind(SCHEMA_VERSION).execute(&mut *tx).await?;
@@ -1146,9 +1147,10 @@ impl MetaStore for SqlStore {
             .execute(&mut *tx)
             .await?;
         let other = sqlx::query(
-            "SELECT id, pending_timeout_ms, gc_grace_ms, seen_at_ms, security FROM control_planes
+            "SELECT id, pending_timeout_ms, gc_grace_ms, seen_at_ms, security, tier FROM control_planes
              WHERE id <> $1 AND seen_at_ms >= $2 AND (pending_timeout_ms <> $3 OR gc_grace_ms <> $4
-                 OR (security <> $5 AND security <> '' AND $5 <> ''))
+                 OR (security <> $5 AND security <> '' AND $5 <> '')
+                 OR (tier <> $6 AND tier <> '' AND $6 <> ''))
              ORDER BY seen_at_ms DESC LIMIT 1",
         )
         .bind(&member.id)
@@ -1156,6 +1158,7 @@ impl MetaStore for SqlStore {
         .bind(to_i64(member.pending_timeout_ms, "pending timeout")?)
         .bind(to_i64(member.gc_grace_ms, "GC grace")?)
         .bind(&member.security)
+        .bind(&member.tier)
         .fetch_optional(&mut *tx)
         .await?;
         let conflict = match other {
@@ -1181,6 +1184,10 @@ impl MetaStore for SqlStore {
                         member.security
                     ));
                 }
+                let tier: String = row.try_get("tier")?;
+                if !tier.is_empty() && !member.tier.is_empty() && tier != member.tier {
+                    differences.push(format!("it uses {tier}, this one {} (--tier)", member.tier));
+                }
                 Some(format!(
                     "control plane {id} (seen {} s ago) serves this database, and control planes sharing a \
                      database must agree: {}",
@@ -1193,16 +1200,18 @@ impl MetaStore for SqlStore {
             return Ok(conflict);
         }
         sqlx::query(
-            "INSERT INTO control_planes (id, pending_timeout_ms, gc_grace_ms, seen_at_ms, security)
-             VALUES ($1, $2, $3, $4, $5)
+            "INSERT INTO control_planes (id, pending_timeout_ms, gc_grace_ms, seen_at_ms, security, tier)
+             VALUES ($1, $2, $3, $4, $5, $6)
              ON CONFLICT (id) DO UPDATE SET pending_timeout_ms = excluded.pending_timeout_ms,
-                 gc_grace_ms = excluded.gc_grace_ms, seen_at_ms = excluded.seen_at_ms, security = excluded.security",
+                 gc_grace_ms = excluded.gc_grace_ms, seen_at_ms = excluded.seen_at_ms, security = excluded.security,
+                 tier = excluded.tier",
         )
         .bind(&member.id)
         .bind(to_i64(member.pending_timeout_ms, "pending timeout")?)
         .bind(to_i64(member.gc_grace_ms, "GC grace")?)
         .bind(to_i64(now_ms, "time")?)
         .bind(&member.security)
+        .bind(&member.tier)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -1455,6 +1464,12 @@ mod tests {
                  gc_grace_ms BIGINT NOT NULL, seen_at_ms BIGINT NOT NULL);
                  INSERT INTO control_planes VALUES ('old/1', 1, 2, 3);";
         }
+        // Version 4 recorded control planes' security, not their tier.
+        if version >= 4 {
+            control_planes = "CREATE TABLE control_planes (id TEXT PRIMARY KEY, pending_timeout_ms BIGINT NOT NULL,
+                 gc_grace_ms BIGINT NOT NULL, seen_at_ms BIGINT NOT NULL, security TEXT NOT NULL DEFAULT '');
+                 INSERT INTO control_planes VALUES ('old/1', 1, 2, 3, 'no cluster key, bearer tokens required');";
+        }
         sqlx::raw_sql(&format!(
             "CREATE TABLE schema_version (version INTEGER NOT NULL);
              INSERT INTO schema_version (version) VALUES ({version});
@@ -1472,7 +1487,7 @@ mod tests {
 
     #[tokio::test]
     async fn older_databases_are_migrated_and_keep_their_targets() {
-        for (version, domain) in [(1, ""), (2, "rack"), (3, "rack")] {
+        for (version, domain) in [(1, ""), (2, "rack"), (3, "rack"), (4, "rack")] {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("old.db");
             old_database(&path, version).await;
@@ -1481,13 +1496,14 @@ mod tests {
             let target =
                 (targets[0].target_id.as_str(), targets[0].failure_domain.as_str(), targets[0].rdma_device.as_str());
             assert_eq!(target, ("old", domain, ""), "from version {version}");
-            // Control planes record their security (schema version 4).
+            // Control planes record their security (schema version 4) and tier (5).
             let member = ControlPlaneMember {
                 id: "new/1".into(),
                 listener: "new".into(),
                 pending_timeout_ms: 1,
                 gc_grace_ms: 2,
                 security: ControlPlaneMember::security_of(None, true, false),
+                tier: ControlPlaneMember::tier_of(Some("file:///t")),
             };
             assert_eq!(store.join_control_planes(&member, 10, 0, true).await.unwrap(), None, "from version {version}");
             drop(store);

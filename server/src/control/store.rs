@@ -329,9 +329,18 @@ pub struct ControlPlaneMember {
     /// targets, and one control plane without bearer tokens opens every tenant's jobs to anyone.
     /// Empty: not known (a control plane of a build that did not record it), which binds nobody.
     pub security: String,
+    /// The object-store tier it copies checkpoints to and recovers lost chunks from
+    /// ([`ControlPlaneMember::tier_of`]): control planes sharing a database share its record of
+    /// what is tiered, so they must share the tier too. Empty: not known, which binds nobody.
+    pub tier: String,
 }
 
 impl ControlPlaneMember {
+    /// `tier` for a control plane with the tier at `url`, or none.
+    pub fn tier_of(url: Option<&str>) -> String {
+        url.map_or_else(|| "no tier".to_owned(), |url| format!("tier {url}"))
+    }
+
     /// `security` for a control plane with `key` (by fingerprint) that requires bearer tokens
     /// or not, and serves TLS or not. (Without TLS, the text is what builds before TLS wrote,
     /// so upgrading them one by one finds no conflict.)
@@ -852,6 +861,7 @@ pub(crate) mod conformance {
             pending_timeout_ms,
             gc_grace_ms,
             security: ControlPlaneMember::security_of(None, false, false),
+            tier: ControlPlaneMember::tier_of(None),
         };
         let join = |m: ControlPlaneMember, now, live_since, refuse| async move {
             store.join_control_planes(&m, now, live_since, refuse).await.unwrap()
@@ -915,6 +925,21 @@ pub(crate) mod conformance {
         };
         let refused = join(tls, 205_000, 0, true).await.expect("TLS where j serves plaintext");
         assert!(refused.contains("no bearer tokens, TLS") && refused.contains("--tls-cert"), "{refused}");
+        // Another tier, or a tier where the others have none; an older build's binds nobody.
+        let tiered = |id: &str, url: Option<&str>| ControlPlaneMember {
+            tier: ControlPlaneMember::tier_of(url),
+            ..keyed(id, false)
+        };
+        let refused = join(tiered("m:1/1", Some("s3://b/x")), 206_000, 0, true).await.expect("a tier");
+        assert!(refused.contains("tier s3://b/x") && refused.contains("no tier") && refused.contains("--tier"));
+        let untold = ControlPlaneMember { tier: String::new(), ..keyed("n:1/1", false) };
+        assert_eq!(join(untold, 206_000, 0, true).await, None);
+        for gone in ["g:7700/1", "g:770/1", "h:1/1", "i:1/1", "j:1/1", "k:1/1"] {
+            store.leave_control_planes(gone).await.unwrap();
+        }
+        assert_eq!(join(tiered("m:1/1", Some("s3://b/x")), 207_000, 0, true).await, None, "n binds nobody");
+        let refused = join(tiered("o:1/1", Some("s3://b/y")), 207_000, 0, true).await.expect("another tier");
+        assert!(refused.contains("tier s3://b/x") && refused.contains("tier s3://b/y"), "{refused}");
     }
 
     pub async fn importing(store: &dyn MetaStore) {
