@@ -192,7 +192,6 @@ pub async fn rereplicate(
             let listed: BTreeSet<&str> = chunk
                 .replicas
                 .iter()
-                .map(String::as_str)
                 .filter(|r| known.contains(r) && !lost.contains(*r) && !missing.contains(&(*r, *hash)))
                 .collect();
             (listed.len() < chunk.wanted as usize).then_some((*hash, chunk, listed))

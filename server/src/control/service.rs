@@ -22,7 +22,7 @@ use super::gc::{self, GcConfig, GcReport};
 use super::repair::{self, LastRepair, RepairConfig, RepairReport};
 use super::store::{
     CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, ManifestOf, ManifestPage, MetaError,
-    MetaStore, RetentionPolicy, TargetRecord, fault, now_ms,
+    MetaStore, RetentionPolicy, TargetIds, TargetRecord, fault, now_ms,
 };
 use super::tier::{self, Tier, TierConfig, TierReport};
 use super::tls::ServerTls;
@@ -344,7 +344,7 @@ impl ControlService {
             return Err(Status::not_found(format!("{job} step {step} is checkpoint {} now, not {id}", record.id)));
         }
         let wanted = self.store.replication(job).await.map_err(meta_status)?.unwrap_or(self.config.default_replicas);
-        let mut index = ChunkIndex::new();
+        let (mut index, mut ids) = (ChunkIndex::new(), TargetIds::default());
         for (manifest, chunk) in
             parts.iter().flat_map(|(_, m)| m.files.iter().flat_map(move |f| f.chunks.iter().map(move |c| (m, c))))
         {
@@ -354,7 +354,9 @@ impl ControlService {
                 wanted,
                 addressing: manifest.addressing,
             });
-            entry.replicas.extend(chunk.replicas.iter().cloned());
+            for replica in &chunk.replicas {
+                entry.replicas.add(replica, &mut ids);
+            }
         }
         let index = Arc::new(index);
         if cached.len() >= CHUNK_INDEXES_KEPT {

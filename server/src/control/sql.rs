@@ -37,8 +37,8 @@ use starckpt_proto::{Addressing, ChunkHash, JobName};
 
 use super::store::{
     CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, ImportedCheckpoint, JobRecord, Leadership,
-    LeaseGrant, ManifestOf, ManifestPage, MetaError, MetaResult, MetaStore, RetentionPolicy, Role, TargetRecord,
-    TierSweeps, fault,
+    LeaseGrant, ManifestOf, ManifestPage, MetaError, MetaResult, MetaStore, RetentionPolicy, Role, TargetIds,
+    TargetRecord, TierSweeps, fault,
 };
 
 const SCHEMA: &str = include_str!("schema.sql");
@@ -1041,6 +1041,7 @@ impl MetaStore for SqlStore {
         )
         .fetch(&mut *tx);
         let mut chunks: HashMap<ChunkHash, CommittedChunk> = HashMap::new();
+        let mut ids = TargetIds::default();
         while let Some(row) = rows.try_next().await? {
             let (id, rank) = (get_u64(&row, "checkpoint_id")?, get_u64(&row, "rank")? as u32);
             let replicas: Option<i64> = row.try_get("replicas")?;
@@ -1054,7 +1055,9 @@ impl MetaStore for SqlStore {
                     wanted,
                     addressing: manifest.addressing,
                 });
-                entry.replicas.extend(chunk.replicas.iter().cloned());
+                for replica in &chunk.replicas {
+                    entry.replicas.add(replica, &mut ids);
+                }
                 entry.wanted = entry.wanted.max(wanted);
             }
         }
