@@ -1095,11 +1095,6 @@ fn replicas_span_failure_domains_so_a_whole_domain_can_die() {
     // Rack A goes away at once; every chunk still has its rack-B copy.
     cluster.targets[0].kill();
     cluster.targets[1].kill();
-    // GC right away: the control plane still counts the target alive, so sweeping it fails, and
-    // the command says so with its exit status.
-    let (succeeded, report) = cluster.json_outcome(&["gc"]);
-    let errors = report["target_errors"].as_array().unwrap();
-    assert!(!succeeded && errors.len() == 2 && report["targets_skipped"] == 1, "the dead one skipped: {report}");
     let restored = cluster.dir.path().join("restored");
     cluster.ok(&["restore", "--job", "ha", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), std::fs::read(&source).unwrap());
@@ -1226,11 +1221,6 @@ fn the_scrubber_removes_a_rotted_copy_and_re_replication_restores_it() {
 
     // Target 0 alone now serves the whole checkpoint.
     cluster.targets[1].kill();
-    // GC right away: the control plane still counts the target alive, so sweeping it fails, and
-    // the command says so with its exit status.
-    let (succeeded, report) = cluster.json_outcome(&["gc"]);
-    let errors = report["target_errors"].as_array().unwrap();
-    assert!(!succeeded && errors.len() == 2 && report["targets_skipped"] == 1, "the dead one skipped: {report}");
     let restored = cluster.dir.path().join("restored");
     cluster.ok(&["restore", "--job", "scrub", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), std::fs::read(&source).unwrap());
