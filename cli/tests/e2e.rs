@@ -670,7 +670,7 @@ async fn malformed_grpc_requests_are_invalid_argument() {
     assert!(client.latest(LatestRequest { job: "j".into() }).await.unwrap().into_inner().checkpoint.is_none());
 
     // A commit after the checkpoint was aborted (here by `rm` of the pending step) is refused.
-    client.delete_checkpoint(DeleteCheckpointRequest { job: "j".into(), step: 1 }).await.unwrap();
+    client.delete_checkpoint(DeleteCheckpointRequest { job: "j".into(), step: 1, ..Default::default() }).await.unwrap();
     let status = client
         .commit_part(CommitPartRequest { checkpoint_id: id, rank: 0, manifest: Some(manifest("ok")), written_bytes: 0 })
         .await

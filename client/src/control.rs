@@ -5,7 +5,10 @@
 //! whose control plane is gone (it refused the connection, the connection broke, or it did not
 //! answer within [`ClientConfig::rpc_timeout`]) is sent again to the next control plane in the
 //! list, round robin, until one answers or [`ClientConfig::failover_timeout`] has passed since the
-//! first failure. Between rounds over the whole list it waits, 100 ms doubling to 2 s, so a
+//! first failure. The RPC timeout bounds a whole attempt, its answer's body included: a control
+//! plane that sent the headers of an answer and then stalled (overloaded, or cut off by the
+//! network) is a failed control plane, not a call waited on for ever. HTTP/2 and TCP keepalives
+//! find a connection whose peer vanished without a word while no call is in flight. Between rounds over the whole list it waits, 100 ms doubling to 2 s, so a
 //! control plane restarting in place is given time to come back.
 //!
 //! Sending a call twice is safe only if the control plane treats the second as the first. The
@@ -15,9 +18,11 @@
 //! control plane dying after its transaction committed but before it answered (the crash matrix's
 //! `control.commit.reply`). Reads, tags and the replication factor are idempotent too. Deleting
 //! a checkpoint is not (a second delete says NotFound), nor is setting retention (a second call
-//! reports no deletions), and a pass (GC, re-replication, tiering) may outlast the RPC timeout
-//! and run on; these are sent again only when the first attempt never reached a control plane
-//! ([`Resend::IfUnsent`]). Once failing over, no attempt runs past the failover deadline.
+//! reports no deletions), nor a pass over the cluster (GC, re-replication, tiering, importing),
+//! which runs on at the control plane when its caller gives up; these are sent again only when
+//! the first attempt never reached a control plane ([`Resend::IfUnsent`], [`Resend::Pass`]). A
+//! pass is waited for up to [`ClientConfig::pass_timeout`], any other call up to the RPC timeout.
+//! Once failing over, no attempt runs past the failover deadline.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -35,6 +40,10 @@ const MAX_MESSAGE_BYTES: usize = 64 << 20;
 /// Wait between rounds over every control plane: doubling from the first to the last.
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// How often an idle connection to a control plane is probed (HTTP/2 PING and TCP keepalive),
+/// and how long a PING may go unanswered before the connection is dropped.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A client of one control plane.
 pub(crate) type Control = ControlClient<InterceptedService<Channel, Bearer>>;
@@ -81,6 +90,9 @@ pub(crate) enum Resend {
     Idempotent,
     /// Resend only if the call never reached a control plane.
     IfUnsent,
+    /// A pass over the cluster: like [`Resend::IfUnsent`], and waited for up to the pass timeout
+    /// rather than the RPC timeout.
+    Pass,
 }
 
 /// The cluster's control planes: the one in use, and the others to fail over to.
@@ -89,6 +101,10 @@ pub(crate) struct ControlPlanes {
     /// Index into `endpoints` of the control plane in use, and a client of it.
     current: Mutex<(usize, Control)>,
     failover_timeout: Duration,
+    /// Bound each attempt, headers and body ([`ClientConfig::rpc_timeout`], and
+    /// [`ClientConfig::pass_timeout`] for [`Resend::Pass`]).
+    rpc_timeout: Duration,
+    pass_timeout: Duration,
     bearer: Bearer,
 }
 
@@ -108,7 +124,10 @@ impl ControlPlanes {
                 .endpoint(&url)
                 .map_err(Error::InvalidInput)?
                 .connect_timeout(Duration::from_secs(5))
-                .timeout(config.rpc_timeout);
+                .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+                .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+                .keep_alive_while_idle(true)
+                .tcp_keepalive(Some(KEEPALIVE_INTERVAL));
             endpoints.push((url, endpoint));
         }
         let mut failures = Vec::new();
@@ -116,7 +135,14 @@ impl ControlPlanes {
             match endpoint.connect().await {
                 Ok(channel) => {
                     let current = Mutex::new((index, client(channel, &bearer)));
-                    return Ok(ControlPlanes { endpoints, current, failover_timeout: config.failover_timeout, bearer });
+                    return Ok(ControlPlanes {
+                        endpoints,
+                        current,
+                        failover_timeout: config.failover_timeout,
+                        rpc_timeout: config.rpc_timeout,
+                        pass_timeout: config.pass_timeout,
+                        bearer,
+                    });
                 }
                 Err(error) => {
                     tracing::warn!(%url, error = %error_chain(&error), "control plane unreachable; trying the next");
@@ -146,7 +172,10 @@ impl ControlPlanes {
         let mut failed = 0;
         loop {
             let (index, client) = self.in_use();
-            let attempt = call(client, request.clone());
+            // The whole answer, body included (a timeout of tonic's would cover its headers).
+            let started = Instant::now();
+            let timeout = if resend == Resend::Pass { self.pass_timeout } else { self.rpc_timeout };
+            let attempt = tokio::time::timeout(timeout, call(client, request.clone()));
             // Once failing over, no attempt outlives the failover deadline.
             let outcome = match deadline {
                 None => attempt.await,
@@ -160,6 +189,12 @@ impl ControlPlanes {
                     }
                 },
             };
+            let outcome = outcome.unwrap_or_else(|_| {
+                Err(Status::deadline_exceeded(format!(
+                    "the control plane's answer did not arrive whole within {:?}",
+                    started.elapsed()
+                )))
+            });
             let status = match outcome {
                 Ok(response) => {
                     if failed > 0 {
@@ -231,7 +266,7 @@ fn resendable(status: &Status, resend: Resend) -> bool {
         return true;
     }
     match resend {
-        Resend::IfUnsent => false,
+        Resend::IfUnsent | Resend::Pass => false,
         // What the control plane answers itself carries its own code (NotFound, Aborted, ...);
         // these come from the connection: refused or broken (Unavailable, or Unknown for a
         // stream cut short), or no answer within the RPC timeout (Cancelled, DeadlineExceeded).

@@ -88,8 +88,12 @@ pub struct ClientConfig {
     pub upload_concurrency: usize,
     /// Chunks fetched at once per restore. Default 16.
     pub restore_concurrency: usize,
-    /// Deadline of each control-plane call. Default 30 s.
+    /// Deadline of each control-plane call, its whole answer included. Default 30 s.
     pub rpc_timeout: Duration,
+    /// Deadline of a pass over the cluster run at the control plane on request (GC,
+    /// re-replication, a tier pass, importing from the tier): one that outlasts it goes on there
+    /// while the call fails. Default 1 h.
+    pub pass_timeout: Duration,
     /// How long a call keeps failing over between the control planes of `server` (or waiting for
     /// the only one to come back) before its error is returned, from its first failure; see
     /// `control.rs`. Default 60 s: a supervisor restarts a control plane well within it.
@@ -98,7 +102,9 @@ pub struct ClientConfig {
     /// lease epoch (see `AcquireLeaseRequest` in control.proto). Default: `STARCKPT_RUN_ID`, else
     /// torchrun's `TORCHELASTIC_RUN_ID` and `TORCHELASTIC_RESTART_COUNT` (a restart is a new
     /// run), else a fresh id for this client alone, which suits single-process trainers: every
-    /// restart of the process is then a new run that fences the previous one.
+    /// restart of the process is then a new run that fences the previous one. Each launch needs
+    /// its own: a relaunch under the run id of the launch before joins that launch's unfinished
+    /// checkpoint (the control plane aborts it when a rank of both launches commits a part).
     pub run_id: Option<String>,
     /// Copies of each chunk of a streamed file ([`Client::streaming_file`], the FUSE mount's
     /// writes), whose job is unknown until commit. Default 2, the control plane's default
@@ -143,6 +149,7 @@ impl ClientConfig {
             upload_concurrency: 16,
             restore_concurrency: 16,
             rpc_timeout: Duration::from_secs(30),
+            pass_timeout: Duration::from_secs(3600),
             failover_timeout: Duration::from_secs(60),
             tcp: TcpConfig::default(),
             run_id: run_id_from_env(),
@@ -440,7 +447,7 @@ impl Client {
     pub async fn delete(&self, job: &str, step: u64) -> Result<()> {
         let job = JobName::try_from(job)?;
         // Not idempotent: a second delete of the same step says NotFound.
-        let request = pb::DeleteCheckpointRequest { job: job.to_string(), step };
+        let request = pb::DeleteCheckpointRequest { job: job.to_string(), step, pending_checkpoint_id: 0 };
         self.rpc(
             "delete checkpoint",
             Resend::IfUnsent,
@@ -451,17 +458,26 @@ impl Client {
         Ok(())
     }
 
+    /// Aborts this client's pending checkpoint `checkpoint_id` of `job`@`step`, giving up on it
+    /// (only it, and only while pending: `DeleteCheckpointRequest.pending_checkpoint_id`).
+    pub(crate) async fn abort_pending(&self, job: &JobName, step: u64, checkpoint_id: u64) -> Result<()> {
+        let request = pb::DeleteCheckpointRequest { job: job.to_string(), step, pending_checkpoint_id: checkpoint_id };
+        let abort = |mut c: Control, r| async move { c.delete_checkpoint(r).await };
+        self.rpc("abort checkpoint", Resend::Idempotent, request, abort).await?;
+        Ok(())
+    }
+
     /// Runs a re-replication pass at the control plane now and returns its report.
     pub async fn rereplicate(&self) -> Result<pb::RereplicateResponse> {
-        // Passes (re-replication, tiering, GC) can outlast the RPC timeout and go on after the
-        // caller gives up: one is sent again only if it never reached a control plane.
+        // Passes (re-replication, tiering, GC, importing) go on after the caller gives up: one
+        // is sent again only if it never reached a control plane.
         let request = pb::RereplicateRequest {};
-        self.rpc("re-replicate", Resend::IfUnsent, request, |mut c, r| async move { c.rereplicate(r).await }).await
+        self.rpc("re-replicate", Resend::Pass, request, |mut c, r| async move { c.rereplicate(r).await }).await
     }
 
     /// Runs an object-store tier pass at the control plane now and returns its report.
     pub async fn tier(&self) -> Result<pb::TierResponse> {
-        self.rpc("tier", Resend::IfUnsent, pb::TierRequest {}, |mut c, r| async move { c.tier(r).await }).await
+        self.rpc("tier", Resend::Pass, pb::TierRequest {}, |mut c, r| async move { c.tier(r).await }).await
     }
 
     /// Adds the committed checkpoints the control plane's object-store tier holds and its
@@ -470,9 +486,8 @@ impl Client {
     pub async fn import_tier(&self, job: Option<&str>) -> Result<pb::ImportTierResponse> {
         let job = job.map(JobName::try_from).transpose()?.map(|j| j.to_string()).unwrap_or_default();
         let request = pb::ImportTierRequest { job };
-        // Like a pass, it may outlast the RPC timeout; sent again, it would report no imports.
-        self.rpc("import from the tier", Resend::IfUnsent, request, |mut c, r| async move { c.import_tier(r).await })
-            .await
+        // A pass; sent again, it would report no imports.
+        self.rpc("import from the tier", Resend::Pass, request, |mut c, r| async move { c.import_tier(r).await }).await
     }
 
     /// Sets `job`'s replication factor: copies of every chunk its saves make from now on, on
@@ -520,8 +535,7 @@ impl Client {
     /// Runs a garbage-collection pass on the control plane now and returns its report.
     pub async fn collect_garbage(&self) -> Result<GcReport> {
         let request = pb::CollectGarbageRequest {};
-        self.rpc("collect garbage", Resend::IfUnsent, request, |mut c, r| async move { c.collect_garbage(r).await })
-            .await
+        self.rpc("collect garbage", Resend::Pass, request, |mut c, r| async move { c.collect_garbage(r).await }).await
     }
 
     pub async fn targets(&self) -> Result<Vec<TargetInfo>> {

@@ -380,11 +380,19 @@ impl Client {
             .rpc("commit part", crate::Resend::Idempotent, request, |mut c, r| async move { c.commit_part(r).await })
             .await?;
         crate::faults::point("client.commit.reply").map_err(injected).map_err(self.status("commit part"))?;
-        Ok(if response.state == pb::CheckpointState::Committed as i32 {
-            CommitState::Committed
-        } else {
-            CommitState::WaitingForRanks { parts_committed: response.parts_committed, world_size: response.world_size }
-        })
+        match pb::CheckpointState::try_from(response.state) {
+            Ok(pb::CheckpointState::Committed) => Ok(CommitState::Committed),
+            Ok(pb::CheckpointState::Pending) => Ok(CommitState::WaitingForRanks {
+                parts_committed: response.parts_committed,
+                world_size: response.world_size,
+            }),
+            // The control plane refuses a part of an ended checkpoint; an answer saying so anyway
+            // is no save waiting for ranks.
+            _ => Err(Error::Rejected {
+                op: "commit part",
+                message: format!("checkpoint {checkpoint_id} answered state {} to a committed part", response.state),
+            }),
+        }
     }
 
     pub(crate) fn placement(

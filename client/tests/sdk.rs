@@ -1,6 +1,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
 //! The SDK against a real cluster (control plane + targets on loopback sockets, in this process).
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -750,26 +751,18 @@ async fn a_manifest_larger_than_one_answer_is_read_a_page_at_a_time() {
     cluster.shutdown().await.unwrap();
 }
 
-/// Parts adding up to more than the 64 MiB a gRPC message carries (each under it, as CommitPart
-/// requires): the manifest of a multi-terabyte checkpoint. Committed through the control plane's
-/// API (chunk references only: no bytes behind them), then read back whole by the SDK.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_checkpoint_whose_parts_exceed_one_message_can_be_read() {
+/// Commits checkpoint `job`@1 of `ranks` parts, each a file `rank{r}.bin` of `chunks_per_part`
+/// references to 4 MiB chunks on `target`, through the control plane's API (chunk references
+/// only: no bytes behind them): the manifest of a checkpoint far larger than the test's disk.
+async fn commit_references(control: &std::net::SocketAddr, target: &str, job: &str, ranks: u32, chunks_per_part: u64) {
     use starckpt_proto::control::{self as pb, control_client::ControlClient};
-    let (_dir, cluster, client) = cluster(1, |_| {}).await;
-    let target = client.targets().await.unwrap().remove(0).target_id;
-    let mut control = ControlClient::connect(format!("http://{}", cluster.control_address))
-        .await
-        .unwrap()
-        .max_encoding_message_size(64 << 20);
-    let job = "huge".to_string();
-    let lease = pb::AcquireLeaseRequest { job: job.clone(), run_id: "huge-run".into() };
+    let mut control =
+        ControlClient::connect(format!("http://{control}")).await.unwrap().max_encoding_message_size(64 << 20);
+    let lease = pb::AcquireLeaseRequest { job: job.into(), run_id: format!("{job}-run") };
     let epoch = control.acquire_lease(lease).await.unwrap().into_inner().epoch;
-    let begin = pb::BeginCheckpointRequest { job: job.clone(), step: 1, world_size: 2, epoch };
+    let begin = pb::BeginCheckpointRequest { job: job.into(), step: 1, world_size: ranks, epoch };
     let checkpoint_id = control.begin_checkpoint(begin).await.unwrap().into_inner().checkpoint_id;
-    // ~36 MiB per part: 600,000 references of 4 MiB chunks each (a 2.3 TiB part).
-    let chunks_per_part = 600_000u64;
-    for rank in 0..2u32 {
+    for rank in 0..ranks {
         let chunks = (0..chunks_per_part)
             .map(|i| {
                 let mut hash = [0u8; 32];
@@ -780,7 +773,7 @@ async fn a_checkpoint_whose_parts_exceed_one_message_can_be_read() {
                     length_bytes: 4 << 20,
                     stored_length_bytes: 4 << 20,
                     codec: 0,
-                    replicas: vec![target.clone()],
+                    replicas: vec![target.into()],
                 }
             })
             .collect();
@@ -790,10 +783,103 @@ async fn a_checkpoint_whose_parts_exceed_one_message_can_be_read() {
         let request = pb::CommitPartRequest { checkpoint_id, rank, manifest: Some(manifest), written_bytes: 0 };
         control.commit_part(request).await.unwrap();
     }
+}
+
+/// Parts adding up to more than the 64 MiB a gRPC message carries (each under it, as CommitPart
+/// requires): the manifest of a multi-terabyte checkpoint, read back whole by the SDK.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_whose_parts_exceed_one_message_can_be_read() {
+    let (_dir, cluster, client) = cluster(1, |_| {}).await;
+    let target = client.targets().await.unwrap().remove(0).target_id;
+    // ~36 MiB per part: 600,000 references of 4 MiB chunks each (a 2.3 TiB part).
+    let chunks_per_part = 600_000u64;
+    commit_references(&cluster.control_address, &target, "huge", 2, chunks_per_part).await;
     let manifest = client.manifest("huge", None).await.unwrap();
     assert_eq!((manifest.info.step, manifest.info.world_size), (1, 2));
     assert_eq!(manifest.files.len(), 2);
     assert!(manifest.files.iter().all(|file| file.chunks.len() as u64 == chunks_per_part));
+    cluster.shutdown().await.unwrap();
+}
+
+/// A TCP proxy in front of a control plane that passes each connection's first `limit` bytes
+/// from the control plane to the client, then stops passing them on while holding the connection
+/// open: a control plane that began an answer and stalled (overloaded, or cut off mid-stream).
+struct StallingProxy {
+    address: std::net::SocketAddr,
+    stalled: Arc<std::sync::atomic::AtomicBool>,
+    /// Accepts connections; its connections' tasks end with it.
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StallingProxy {
+    async fn start(upstream: std::net::SocketAddr, limit: usize) -> StallingProxy {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = stalled.clone();
+        let task = tokio::spawn(async move {
+            let mut connections = tokio::task::JoinSet::new();
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                let stalled = seen.clone();
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                connections.spawn(async move {
+                    let requests = async move {
+                        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+                        // Holds the control plane's side open until the proxy stops.
+                        std::future::pending::<()>().await;
+                    };
+                    let answers = async move {
+                        let mut passed = 0;
+                        let mut buffer = vec![0u8; 16 << 10];
+                        loop {
+                            let read = server_read.read(&mut buffer).await.unwrap_or(0);
+                            if read == 0 {
+                                return;
+                            }
+                            let pass = read.min(limit - passed);
+                            client_write.write_all(&buffer[..pass]).await.unwrap_or(());
+                            passed += pass;
+                            if passed == limit {
+                                stalled.store(true, Ordering::SeqCst);
+                                // Neither passes on nor closes: the client hears nothing more.
+                                std::future::pending::<()>().await;
+                            }
+                        }
+                    };
+                    tokio::select! { _ = requests => {}, _ = answers => {} }
+                });
+            }
+        });
+        StallingProxy { address, stalled, task }
+    }
+}
+
+impl Drop for StallingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A control plane that sends the headers of an answer and then stalls is a failed control
+/// plane: the RPC timeout bounds the whole answer, and the call goes on at the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_stalling_mid_answer_is_failed_over() {
+    let (_dir, cluster, client) = cluster(1, |_| {}).await;
+    let target = client.targets().await.unwrap().remove(0).target_id;
+    // A manifest of ~1.2 MiB: its answer cannot fit in the proxy's first 64 KiB.
+    commit_references(&cluster.control_address, &target, "stalls", 1, 20_000).await;
+    let proxy = StallingProxy::start(cluster.control_address, 64 << 10).await;
+    let mut config = ClientConfig::new(format!("{},{}", proxy.address, cluster.control_address));
+    config.rpc_timeout = Duration::from_secs(2);
+    let through_proxy = Client::connect(config).await.unwrap();
+    let read = tokio::time::timeout(Duration::from_secs(60), through_proxy.manifest("stalls", None)).await;
+    let manifest = read.expect("the call waited on a stalled answer").unwrap();
+    assert!(proxy.stalled.load(Ordering::SeqCst), "the proxy never cut an answer short");
+    assert_eq!(manifest.files[0].chunks.len(), 20_000);
+    drop((through_proxy, proxy));
     cluster.shutdown().await.unwrap();
 }
 

@@ -128,7 +128,7 @@ struct Collector {
     tiering: tokio::sync::Mutex<()>,
     last_repair: LastRepair,
     /// Readers' recoveries (`RecoverChunks`) served at once.
-    recovering: tokio::sync::Semaphore,
+    recovering: Arc<tokio::sync::Semaphore>,
     /// Transports to live targets for recoveries, kept between them (a restore that lost its
     /// targets asks once per chunk).
     transports: std::sync::Mutex<HashMap<(String, std::net::SocketAddr), Arc<dyn ChunkTransport>>>,
@@ -321,7 +321,7 @@ impl ControlService {
             repairing: Default::default(),
             tiering: Default::default(),
             last_repair: LastRepair::default(),
-            recovering: tokio::sync::Semaphore::new(config.recoveries_at_once),
+            recovering: Arc::new(tokio::sync::Semaphore::new(config.recoveries_at_once)),
             transports: Default::default(),
             unreachable: Default::default(),
             collecting: minted(&config, Rights::ALL),
@@ -406,6 +406,10 @@ fn meta_status(error: MetaError) -> Status {
         MetaError::FailedPrecondition(m) => Status::failed_precondition(m),
         MetaError::InvalidArgument(m) => Status::invalid_argument(m),
         error @ MetaError::Fenced(_) => Status::aborted(error.to_string()),
+        error if error.is_transient() => {
+            tracing::warn!(%error, "metadata store unavailable");
+            Status::unavailable(error.to_string())
+        }
         error @ (MetaError::Corrupt(_) | MetaError::Backend(_)) => {
             tracing::error!(%error, "metadata store failure");
             Status::internal(error.to_string())
@@ -685,6 +689,12 @@ impl Control for ControlService {
         let caller = self.caller(&request)?;
         let request = request.into_inner();
         let job = caller.job(&request.job)?;
+        if request.pending_checkpoint_id != 0 {
+            let id = request.pending_checkpoint_id;
+            self.store.abort_pending(&job, id, now_ms()).await.map_err(|e| caller.told(meta_status(e)))?;
+            tracing::info!(%job, step = request.step, checkpoint = id, "pending checkpoint aborted by its writer");
+            return Ok(Response::new(pb::DeleteCheckpointResponse {}));
+        }
         self.store.delete_checkpoint(&job, request.step, now_ms()).await.map_err(|e| caller.told(meta_status(e)))?;
         tracing::info!(%job, step = request.step, "checkpoint deleted");
         Ok(Response::new(pb::DeleteCheckpointResponse {}))
@@ -749,7 +759,9 @@ impl Control for ControlService {
         request: Request<pb::CollectGarbageRequest>,
     ) -> Result<Response<pb::CollectGarbageResponse>, Status> {
         self.caller(&request)?.must_operate("garbage collection")?;
-        let report = self.collector.run().await.map_err(meta_status)?;
+        let collector = Arc::clone(&self.collector);
+        let report =
+            detached("garbage collection", async move { collector.run().await }).await?.map_err(meta_status)?;
         Ok(Response::new(pb::CollectGarbageResponse {
             live_chunks: report.live_chunks,
             targets_swept: report.targets_swept,
@@ -814,8 +826,9 @@ impl Control for ControlService {
             )));
         }
         // The turn first: what waits for it holds no manifest.
-        let turn = tokio::time::timeout(self.config.recovery_wait, self.collector.recovering.acquire()).await;
-        let Ok(Ok(_turn)) = turn else {
+        let recovering = Arc::clone(&self.collector.recovering);
+        let turn = tokio::time::timeout(self.config.recovery_wait, recovering.acquire_owned()).await;
+        let Ok(Ok(turn)) = turn else {
             // Not Unavailable: that would read as this control plane being down.
             return Err(Status::resource_exhausted("busy recovering other readers' chunks; try again shortly"));
         };
@@ -830,7 +843,13 @@ impl Control for ControlService {
             })?;
             chunks.push((hash, chunk.clone()));
         }
-        let recovered = self.collector.recover(&chunks).await.map_err(|e| caller.told(meta_status(e)))?;
+        drop(named);
+        let collector = Arc::clone(&self.collector);
+        let recovery = async move {
+            let _turn = turn;
+            collector.recover(&chunks).await
+        };
+        let recovered = detached("recovery", recovery).await?.map_err(|e| caller.told(meta_status(e)))?;
         metrics::counter!("starckpt_control_recovered_chunks_total")
             .increment(recovered.chunks.iter().filter(|r| **r).count() as u64);
         if recovered.from_tier > 0 {
@@ -849,8 +868,10 @@ impl Control for ControlService {
             true => None,
             false => Some(JobName::try_from(job.as_str()).map_err(|e| Status::invalid_argument(e.to_string()))?),
         };
-        let tier = self.collector.the_tier().map_err(meta_status)?;
-        let report = tier::import(self.store.as_ref(), tier, job).await.map_err(meta_status)?;
+        self.collector.the_tier().map_err(meta_status)?;
+        let collector = Arc::clone(&self.collector);
+        let import = async move { tier::import(collector.store.as_ref(), collector.the_tier()?, job).await };
+        let report = detached("import from the tier", import).await?.map_err(meta_status)?;
         Ok(Response::new(pb::ImportTierResponse {
             imported: report.imported.iter().map(checkpoint_info).collect(),
             present: report.present,
@@ -860,11 +881,9 @@ impl Control for ControlService {
 
     async fn tier(&self, request: Request<pb::TierRequest>) -> Result<Response<pb::TierResponse>, Status> {
         self.caller(&request)?.must_operate("a tier pass")?;
-        // A pass of its own: one the caller gives up waiting for still finishes.
         let collector = Arc::clone(&self.collector);
-        let report = tokio::spawn(async move { collector.tier(tier::Sweep::Always).await })
-            .await
-            .map_err(|e| Status::internal(format!("tier pass: {e}")))?
+        let report = detached("tier pass", async move { collector.tier(tier::Sweep::Always).await })
+            .await?
             .map_err(meta_status)?;
         Ok(Response::new(pb::TierResponse {
             ran: report.ran,
@@ -882,9 +901,18 @@ impl Control for ControlService {
     }
 }
 
+/// Runs `work` in a task of its own and waits for it: a caller giving up (its RPC timed out, it
+/// went away) stops the waiting, not a pass over the cluster half done, nor chunks half copied
+/// back for a reader (whose retry then finds them).
+async fn detached<T: Send + 'static>(what: &str, work: impl Future<Output = T> + Send + 'static) -> Result<T, Status> {
+    tokio::spawn(work).await.map_err(|e| Status::internal(format!("{what}: {e}")))
+}
+
 impl ControlService {
     async fn rereplicate_now(&self) -> Result<pb::RereplicateResponse, Status> {
-        let report = self.collector.rereplicate().await.map_err(meta_status)?;
+        let collector = Arc::clone(&self.collector);
+        let report =
+            detached("re-replication", async move { collector.rereplicate().await }).await?.map_err(meta_status)?;
         Ok(pb::RereplicateResponse {
             chunks: report.chunks,
             under_replicated: report.under_replicated,

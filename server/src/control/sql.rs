@@ -684,14 +684,42 @@ impl MetaStore for SqlStore {
                 .bind(part.rank as i64)
                 .fetch_optional(&mut *tx)
                 .await?;
+        let ended = |record: &CheckpointRecord| {
+            MetaError::FailedPrecondition(format!(
+                "checkpoint {} ({} step {}) is {}; its parts can no longer be committed",
+                record.id,
+                record.job,
+                record.step,
+                record.state.as_str()
+            ))
+        };
         if let Some(blob) = existing {
-            if decode_manifest(&blob, record.id, part.rank)? == part.manifest {
+            if decode_manifest(&blob, record.id, part.rank)? != part.manifest {
+                // Two writers of one rank: a relaunch that reused its run id (so it joined the
+                // preempted launch's checkpoint), or a step saved twice. Its parts are not of one
+                // launch: aborted before the last part could commit it mixed.
+                let aborted = record.state == CheckpointState::Pending;
+                if aborted {
+                    check_epoch(&mut tx, &record.job, record.epoch).await?;
+                    abort_in(tx, id, now_ms).await?;
+                }
+                return Err(MetaError::FailedPrecondition(format!(
+                    "rank {} of checkpoint {} ({} step {}) already committed a different manifest: two writers \
+                     saved this rank (a relaunch reusing the run id of the one before? each launch needs its own){}",
+                    part.rank,
+                    record.id,
+                    record.job,
+                    record.step,
+                    if aborted { "; the checkpoint is aborted" } else { "" }
+                )));
+            }
+            // Sent again (its answer was lost): answered as the first while the checkpoint lives.
+            // One aborted since is no save waiting for ranks: the writer hears why.
+            if matches!(record.state, CheckpointState::Pending | CheckpointState::Committed) {
                 return Ok(record);
             }
-            return Err(MetaError::FailedPrecondition(format!(
-                "rank {} of checkpoint {} already committed a different manifest",
-                part.rank, record.id
-            )));
+            check_epoch(&mut tx, &record.job, record.epoch).await?;
+            return Err(ended(&record));
         }
         // A tenant's chunks are addressed with its current key, or they could deduplicate
         // against other tenants' (starckpt_proto::address).
@@ -719,13 +747,7 @@ impl MetaStore for SqlStore {
         }
         check_epoch(&mut tx, &record.job, record.epoch).await?;
         if record.state != CheckpointState::Pending {
-            return Err(MetaError::FailedPrecondition(format!(
-                "checkpoint {} ({} step {}) is {}; its parts can no longer be committed",
-                record.id,
-                record.job,
-                record.step,
-                record.state.as_str()
-            )));
+            return Err(ended(&record));
         }
         if record.created_at_ms < begun_after_ms {
             abort_in(tx, id, now_ms).await?;
@@ -934,6 +956,29 @@ impl MetaStore for SqlStore {
         Ok(())
     }
 
+    async fn abort_pending(&self, job: &JobName, id: u64, now_ms: u64) -> MetaResult<()> {
+        let mut tx = self.write().await?;
+        let id = to_i64(id, "checkpoint id")?;
+        let state: Option<String> = sqlx::query_scalar(
+            "UPDATE checkpoints SET state = CASE WHEN state = 'pending' THEN 'aborted' ELSE state END,
+                 ended_at_ms = CASE WHEN state = 'pending' THEN $1 ELSE ended_at_ms END
+             WHERE id = $2 AND job = $3 RETURNING state",
+        )
+        .bind(to_i64(now_ms, "time")?)
+        .bind(id)
+        .bind(job.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        match state.as_deref() {
+            None => Err(MetaError::NotFound(format!("job {job} has no checkpoint {id}"))),
+            Some("aborted") => Ok(()),
+            Some(state) => {
+                Err(MetaError::FailedPrecondition(format!("checkpoint {id} of job {job} is {state}, not pending")))
+            }
+        }
+    }
+
     async fn set_retention(&self, job: &JobName, policy: RetentionPolicy, now_ms: u64) -> MetaResult<Vec<u64>> {
         let mut tx = self.write().await?;
         sqlx::query(
@@ -991,15 +1036,23 @@ impl MetaStore for SqlStore {
     async fn tag_checkpoint(&self, job: &JobName, step: u64, tag: &str, remove: bool) -> MetaResult<()> {
         starckpt_proto::model::validate_tag(tag).map_err(|e| MetaError::InvalidArgument(e.to_string()))?;
         let mut tx = self.write().await?;
-        let id: Option<i64> =
-            sqlx::query_scalar("SELECT id FROM checkpoints WHERE job = $1 AND step = $2 AND state = 'committed'")
-                .bind(job.as_str())
-                .bind(to_i64(step, "step")?)
-                .fetch_optional(&mut *tx)
-                .await?;
-        let Some(id) = id else {
+        // Removing a tag is sent again when its answer is lost, and the first removal may have let
+        // retention delete the checkpoint: removing the tags of a step deleted since is done.
+        let states = if remove { "('committed', 'deleted')" } else { "('committed')" };
+        let found = sqlx::query(&format!(
+            "SELECT id, state FROM checkpoints WHERE job = $1 AND step = $2 AND state IN {states} ORDER BY id DESC LIMIT 1"
+        ))
+        .bind(job.as_str())
+        .bind(to_i64(step, "step")?)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(found) = found else {
             return Err(MetaError::NotFound(format!("job {job} has no committed checkpoint at step {step}")));
         };
+        let id: i64 = found.try_get("id")?;
+        if found.try_get::<String, _>("state")? == "deleted" {
+            return Ok(());
+        }
         let statement = if remove {
             "DELETE FROM tags WHERE checkpoint_id = $1 AND tag = $2"
         } else {
@@ -1373,6 +1426,7 @@ mod tests {
         manifest_pages,
         tenant_namespaces,
         overlapping_parts,
+        two_writers_of_a_rank,
         step_collisions,
         fencing,
         stale_pending_is_aborted,
@@ -1450,6 +1504,39 @@ mod tests {
                 store.dialect()
             );
         }
+    }
+
+    /// The database's own errors, classified: a lock held elsewhere, a session the server ended,
+    /// a serialization failure are worth sending again; a broken constraint is not.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn transient_database_errors_are_told_apart() {
+        use sqlx::{Connection, Executor};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("busy.db");
+        let options = SqliteConnectOptions::new().filename(&path).create_if_missing(true).busy_timeout(Duration::ZERO);
+        let mut holder = sqlx::SqliteConnection::connect_with(&options).await.unwrap();
+        holder.execute("CREATE TABLE t (k INTEGER PRIMARY KEY); INSERT INTO t VALUES (1);").await.unwrap();
+        holder.execute("BEGIN EXCLUSIVE").await.unwrap();
+        let mut other = sqlx::SqliteConnection::connect_with(&options).await.unwrap();
+        let busy = other.execute("INSERT INTO t VALUES (2)").await.unwrap_err();
+        assert!(MetaError::Backend(busy).is_transient(), "SQLITE_BUSY");
+        holder.execute("COMMIT").await.unwrap();
+        let duplicate = other.execute("INSERT INTO t VALUES (1)").await.unwrap_err();
+        assert!(!MetaError::Backend(duplicate).is_transient(), "a unique violation");
+        assert!(!MetaError::NotFound("x".into()).is_transient());
+
+        let Some(url) = crate::testing::fresh_postgres_database("transient errors").await.unwrap() else { return };
+        let mut session = sqlx::PgConnection::connect(&url).await.unwrap();
+        let ended = session.execute("SELECT pg_terminate_backend(pg_backend_pid())").await.unwrap_err();
+        assert!(MetaError::Backend(ended).is_transient(), "a session the server ended");
+        let mut session = sqlx::PgConnection::connect(&url).await.unwrap();
+        let failed = session
+            .execute("DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = 'serialization_failure'; END $$")
+            .await
+            .unwrap_err();
+        assert!(MetaError::Backend(failed).is_transient(), "a serialization failure");
+        let wrong = session.execute("SELECT 1/0").await.unwrap_err();
+        assert!(!MetaError::Backend(wrong).is_transient(), "division by zero");
     }
 
     /// A database of an older schema version with one target, as that version wrote it.

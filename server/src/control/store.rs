@@ -57,6 +57,42 @@ pub enum MetaError {
 
 pub type MetaResult<T> = Result<T, MetaError>;
 
+impl MetaError {
+    /// Whether the database failed in a way that says nothing about the request: it could not be
+    /// reached or lost the connection, it was busy, it is shutting down or is a standby, or it
+    /// picked this transaction to abort (a serialization failure or a deadlock). The same call,
+    /// sent again, may well succeed, here or on another control plane sharing the database, so
+    /// the service answers these as Unavailable and clients resend what is safe to resend.
+    pub fn is_transient(&self) -> bool {
+        let MetaError::Backend(error) = self else { return false };
+        match error {
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed => true,
+            sqlx::Error::Database(error) => match error.try_downcast_ref::<sqlx::sqlite::SqliteError>() {
+                // SQLITE_BUSY and SQLITE_LOCKED: the low byte of an extended result code.
+                Some(_) => {
+                    error.code().and_then(|code| code.parse::<u32>().ok()).is_some_and(|c| matches!(c & 0xff, 5 | 6))
+                }
+                None => error.code().is_some_and(|code| transient_sqlstate(&code)),
+            },
+            _ => false,
+        }
+    }
+}
+
+/// PostgreSQL's SQLSTATEs among [`MetaError::is_transient`]'s failures.
+fn transient_sqlstate(code: &str) -> bool {
+    // Class 08: connection exceptions. Then serialization_failure, deadlock_detected,
+    // lock_not_available, too_many_connections, admin_shutdown, crash_shutdown,
+    // cannot_connect_now, and read_only_sql_transaction (a standby, promoted or not yet).
+    code.starts_with("08")
+        || matches!(code, "40001" | "40P01" | "55P03" | "53300" | "57P01" | "57P02" | "57P03" | "25006")
+}
+
 /// A fault point (`starckpt_client::faults`) on the control plane: an injected failure reads as a
 /// database error.
 pub fn fault(name: &'static str) -> MetaResult<()> {
@@ -270,6 +306,10 @@ pub trait MetaStore: Send + Sync + 'static {
     ) -> MetaResult<ManifestPage>;
     /// Committed → deleted; pending → aborted. NotFound if neither exists.
     async fn delete_checkpoint(&self, job: &JobName, step: u64, now_ms: u64) -> MetaResult<()>;
+    /// Pending → aborted for checkpoint `id` of `job` only, its writer giving up on it. Ok if it
+    /// is aborted already; FailedPrecondition if it committed (or was deleted), NotFound if `job`
+    /// has no checkpoint `id`.
+    async fn abort_pending(&self, job: &JobName, id: u64, now_ms: u64) -> MetaResult<()>;
     /// Aborts pending checkpoints begun before `created_before_ms` (a rank never committed its
     /// part). Returns the aborted checkpoints.
     async fn abort_stale_pending(&self, created_before_ms: u64, now_ms: u64) -> MetaResult<Vec<CheckpointRecord>>;
@@ -281,7 +321,8 @@ pub trait MetaStore: Send + Sync + 'static {
     async fn set_replication(&self, job: &JobName, replicas: u32, now_ms: u64) -> MetaResult<()>;
     /// The job's replication factor, if one was set.
     async fn replication(&self, job: &JobName) -> MetaResult<Option<u32>>;
-    /// Adds (or removes) `tag` on the committed checkpoint (job, step). NotFound if there is none.
+    /// Adds (or removes) `tag` on the committed checkpoint (job, step). NotFound if there is none;
+    /// removing from a step deleted since (retention, once its last tag went) is done already.
     async fn tag_checkpoint(&self, job: &JobName, step: u64, tag: &str, remove: bool) -> MetaResult<()>;
     /// Every chunk hash a part of a pending or committed checkpoint names: GC's mark set.
     async fn live_chunks(&self) -> MetaResult<HashSet<ChunkHash>>;
@@ -528,12 +569,8 @@ pub(crate) mod conformance {
         let after_one = store.commit_part(&part(first.id, 0, "r0.pt", 10), 3, 0).await.unwrap();
         assert_eq!((after_one.state, after_one.parts_committed), (CheckpointState::Pending, 1));
         assert_eq!(store.latest(&job("j")).await.unwrap(), None, "not visible before every rank");
-        // Idempotent re-commit; conflicting re-commit; out-of-range rank; unknown checkpoint.
+        // Idempotent re-commit; out-of-range rank; unknown checkpoint.
         store.commit_part(&part(first.id, 0, "r0.pt", 10), 4, 0).await.unwrap();
-        assert!(matches!(
-            store.commit_part(&part(first.id, 0, "other.pt", 10), 4, 0).await,
-            Err(MetaError::FailedPrecondition(_))
-        ));
         assert!(matches!(
             store.commit_part(&part(first.id, 2, "r2.pt", 1), 4, 0).await,
             Err(MetaError::InvalidArgument(_))
@@ -656,14 +693,55 @@ pub(crate) mod conformance {
         assert!(matches!(store.delete_checkpoint(&job("c"), 2, 8).await, Err(MetaError::NotFound(_))));
         let again = store.begin_checkpoint(&begin("c", 2, 1, epoch), 9).await.unwrap();
         assert_ne!(again.id, active.id);
+        // Its writer's abort of the first step 2 leaves the second alone.
+        let refused = store.abort_pending(&job("c"), active.id, 9).await;
+        assert!(matches!(&refused, Err(MetaError::FailedPrecondition(m)) if m.contains("deleted")), "{refused:?}");
+        assert!(matches!(store.abort_pending(&job("nope"), again.id, 9).await, Err(MetaError::NotFound(_))));
+        assert!(matches!(store.abort_pending(&job("c"), u64::MAX >> 1, 9).await, Err(MetaError::NotFound(_))));
+        let doomed = store.begin_checkpoint(&begin("c", 5, 1, epoch), 9).await.unwrap();
+        store.abort_pending(&job("c"), doomed.id, 9).await.unwrap();
+        store.abort_pending(&job("c"), doomed.id, 10).await.expect("a second abort changes nothing");
+        let pending = store.list_checkpoints(&job("c"), true).await.unwrap();
+        let pending: Vec<_> = pending.iter().filter(|c| c.state == CheckpointState::Pending).map(|c| c.id).collect();
+        assert_eq!(pending, [again.id]);
         assert_eq!(store.list_checkpoints(&job("c"), false).await.unwrap().len(), 2, "committed 1 and pending 2");
-        assert_eq!(store.list_checkpoints(&job("c"), true).await.unwrap().len(), 3, "and the deleted 2");
+        assert_eq!(store.list_checkpoints(&job("c"), true).await.unwrap().len(), 4, "and the deleted 2, aborted 5");
         assert!(matches!(store.latest(&job("nope")).await, Ok(None)));
         assert!(matches!(store.get_manifest(&job("nope"), None).await, Err(MetaError::NotFound(_))));
 
         let jobs = store.list_jobs().await.unwrap();
         let c = jobs.iter().find(|j| j.job == "c").unwrap();
         assert_eq!((c.committed_checkpoints, c.latest_step, c.committed_bytes), (1, Some(1), 1));
+    }
+
+    /// A relaunch reusing the run id of the launch before joins its pending checkpoint: a rank
+    /// that committed there, saving again, must not let the rest commit a checkpoint of two
+    /// launches' parts.
+    pub async fn two_writers_of_a_rank(store: &dyn MetaStore) {
+        let epoch = lease(store, "w", "reused").await.unwrap().epoch;
+        let old = store.begin_checkpoint(&begin("w", 5, 2, epoch), 1).await.unwrap();
+        store.commit_part(&part(old.id, 0, "old-r0", 10), 2, 0).await.unwrap();
+        // Relaunched under the same run id: the same epoch, the same pending checkpoint.
+        assert_eq!(lease(store, "w", "reused").await.unwrap().epoch, epoch);
+        let joined = store.begin_checkpoint(&begin("w", 5, 2, epoch), 3).await.unwrap();
+        assert_eq!(joined.id, old.id);
+        let refused = store.commit_part(&part(old.id, 0, "new-r0", 10), 4, 0).await;
+        assert!(
+            matches!(&refused, Err(MetaError::FailedPrecondition(m)) if m.contains("two writers") && m.contains("aborted")),
+            "{refused:?}"
+        );
+        let late = store.commit_part(&part(old.id, 1, "new-r1", 10), 5, 0).await;
+        assert!(matches!(&late, Err(MetaError::FailedPrecondition(m)) if m.contains("aborted")), "{late:?}");
+        assert_eq!(store.latest(&job("w")).await.unwrap(), None, "nothing mixed committed");
+        // A committed checkpoint cannot be aborted: the second writer is refused, and told.
+        let next = store.begin_checkpoint(&begin("w", 6, 1, epoch), 6).await.unwrap();
+        store.commit_part(&part(next.id, 0, "a", 10), 7, 0).await.unwrap();
+        let refused = store.commit_part(&part(next.id, 0, "b", 10), 8, 0).await;
+        assert!(
+            matches!(&refused, Err(MetaError::FailedPrecondition(m)) if m.contains("two writers") && !m.contains("aborted")),
+            "{refused:?}"
+        );
+        assert_eq!(store.latest(&job("w")).await.unwrap().map(|c| c.id), Some(next.id));
     }
 
     pub async fn overlapping_parts(store: &dyn MetaStore) {
@@ -680,6 +758,8 @@ pub(crate) mod conformance {
             "{refused:?}"
         );
         assert_eq!(states().await, vec![(1, CheckpointState::Aborted)]);
+        let again = store.commit_part(&part(first.id, 0, "model.pt", 10), 3, 0).await;
+        assert!(matches!(&again, Err(MetaError::FailedPrecondition(m)) if m.contains("aborted")), "{again:?}");
         // A file of one rank where another has a directory.
         let second = store.begin_checkpoint(&begin("o", 2, 2, epoch), 4).await.unwrap();
         store.commit_part(&part(second.id, 1, "a/b", 10), 5, 0).await.unwrap();
@@ -715,6 +795,8 @@ pub(crate) mod conformance {
 
         // The zombie rank 1 of run 1 can neither commit, begin, nor take the lease back.
         assert!(matches!(store.commit_part(&part(old.id, 1, "r1", 1), 3, 0).await, Err(MetaError::Fenced(_))));
+        // Rank 0 sending its part again (an answer lost) hears it too, not "waiting for ranks".
+        assert!(matches!(store.commit_part(&part(old.id, 0, "r0", 1), 3, 0).await, Err(MetaError::Fenced(_))));
         assert!(matches!(store.begin_checkpoint(&begin("f", 11, 2, 1), 3).await, Err(MetaError::Fenced(_))));
         assert!(matches!(lease(store, "f", "run-1").await, Err(MetaError::Fenced(_))));
         assert!(matches!(store.begin_checkpoint(&begin("f", 11, 2, 7), 3).await, Err(MetaError::InvalidArgument(_))));
@@ -803,6 +885,10 @@ pub(crate) mod conformance {
         assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![2, 3, 6, 7]);
         store.tag_checkpoint(&job("r"), 2, "epoch-1", true).await.unwrap();
         assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![3, 6, 7]);
+        // The removal sent again (its answer lost) finds the step deleted: done, not NotFound.
+        store.tag_checkpoint(&job("r"), 2, "epoch-1", true).await.unwrap();
+        assert!(matches!(store.tag_checkpoint(&job("r"), 2, "best", false).await, Err(MetaError::NotFound(_))));
+        assert!(matches!(store.tag_checkpoint(&job("r"), 99, "best", true).await, Err(MetaError::NotFound(_))));
         let all = store.list_checkpoints(&job("r"), true).await.unwrap();
         assert_eq!(all.iter().filter(|c| c.state == CheckpointState::Deleted).count(), 4);
 
