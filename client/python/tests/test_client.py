@@ -140,6 +140,95 @@ def test_nested_structures_and_plain_values_round_trip(cluster, job):
     torch.nn.BatchNorm1d(2).load_state_dict(loaded["versioned"])
 
 
+def test_tied_tensors_are_stored_once_and_stay_tied(cluster, job):
+    c = client(cluster, job)
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16, bias=False)
+    head.weight = embed.weight  # tied: state_dict() lists it under both names
+    model = torch.nn.ModuleDict({"embed": embed, "head": head})
+    array = np.arange(12.0)
+    state = {"model": model.state_dict(), "a": array, "again": array, "strided": array[::2]}
+    c.save(1, state).wait()
+    data_files = [path for path, _ in c.manifest(1).files() if path.startswith("data/")]
+    assert len(data_files) == 3, data_files  # the weight once, the array once, its strided view
+    loaded, _ = c.load(1)
+    assert loaded["model"]["embed.weight"] is loaded["model"]["head.weight"]
+    assert torch.equal(loaded["model"]["head.weight"], embed.weight.detach())
+    assert loaded["a"] is loaded["again"] and loaded["strided"] is not loaded["a"]
+    assert same_array(loaded["strided"], array[::2]) and same_array(loaded["a"], array)
+    restored = torch.nn.ModuleDict({"embed": torch.nn.Embedding(16, 8), "head": torch.nn.Linear(8, 16, bias=False)})
+    restored.load_state_dict(loaded["model"])
+    assert torch.equal(restored["head"].weight, embed.weight)
+
+
+def test_saving_and_loading_leave_tensors_resizable(cluster, job):
+    c = client(cluster, job)
+    saved = torch.arange(10.0)
+    c.save(2, {"t": saved}).wait()
+    saved.resize_(20)  # Tensor.numpy() would have fixed its storage's size for good
+    loaded, _ = c.load(2)
+    assert torch.equal(loaded["t"], torch.arange(10.0))
+    loaded["t"].resize_(30)
+
+
+def test_a_malformed_tree_is_a_format_error_before_anything_is_allocated():
+    from starckpt import _state
+
+    def document(root):
+        return json.dumps({"format": 1, "root": root}).encode()
+
+    cases = [
+        ({"t": "bytes", "f": "x", "n": 1 << 60}, {"x": 10}),  # a petabyte bytearray
+        ({"t": "ndarray", "dtype": "<f4", "shape": [1 << 40, 1 << 20], "f": "x"}, {"x": 10}),
+        ({"t": "tensor", "dtype": "float32", "shape": [1 << 40], "f": "x"}, {"x": 4}),
+        ({"t": "ndarray", "dtype": "<f4", "shape": [-1], "f": "x"}, {"x": 4}),
+        ({"t": "ndarray", "dtype": "O", "shape": [1], "f": "x"}, {"x": 8}),
+        ({"t": "ndarray", "shape": [1], "f": "x"}, {"x": 4}),  # no dtype
+        ({"t": "tensor", "dtype": "Tensor", "shape": [1], "f": "x"}, {"x": 4}),
+        ({"t": "int", "v": 5}, {}),
+        ({"t": "float", "v": "zz"}, {}),
+        ({"t": "str", "v": 5}, {}),
+        ({"t": "ref", "f": "nowhere"}, {}),
+        ({"t": "dict", "k": [{"t": "none"}], "v": []}, {}),
+        ({"t": "list", "v": "abc"}, {}),
+        ({"t": "odict", "k": [], "v": [], "m": "x"}, {}),
+        ("leaf", {}),
+    ]
+    for root, sizes in cases:
+        with pytest.raises(starckpt.FormatError):
+            _state.plan_load(document(root), sizes, "here")
+    # A reference comes back as the object it refers to.
+    root = {"t": "list", "v": [{"t": "ndarray", "dtype": "<i2", "shape": [2], "f": "x"}, {"t": "ref", "f": "x"}]}
+    leaves, build = _state.plan_load(document(root), {"x": 4}, "here")
+    assert [leaf.path for leaf in leaves] == ["x"]
+    first, second = build()
+    assert first is second and first.dtype == np.int16
+
+
+WORLD_SIZE_SCRIPT = """
+import json, numpy as np, starckpt
+ranks = [starckpt.Client(rank=r, world_size=2) for r in range(2)]
+for r, c in enumerate(ranks):
+    c.save(4, {"w": np.full(3, r)}).wait()
+refused = []
+for rank, world_size in ((0, 1), (3, 4)):
+    try:
+        starckpt.Client(rank=rank, world_size=world_size).load()
+    except starckpt.InvalidInputError as e:
+        refused.append(str(e))
+print(json.dumps({"rank1": ranks[1].load()[0]["w"].tolist(), "refused": refused}))
+"""
+
+
+def test_a_checkpoint_of_several_ranks_loads_only_at_its_world_size(cluster, job):
+    from conftest import python_env, run_python
+
+    env = python_env(cluster, STARCKPT_JOB=job, STARCKPT_RUN_ID=f"run-{job}")
+    out = json.loads(run_python(["-c", WORLD_SIZE_SCRIPT], env).stdout)
+    assert out["rank1"] == [1, 1, 1]
+    assert len(out["refused"]) == 2 and all("saved by 2 ranks" in e for e in out["refused"]), out
+
+
 def test_save_returns_after_staging_and_the_caller_may_reuse_its_memory(cluster, job):
     c = client(cluster, job)
     big = torch.arange(8 << 20, dtype=torch.float32)  # 32 MiB: several chunks

@@ -139,6 +139,31 @@ def test_dcp_reader_runs_no_code_from_the_metadata(cluster, job, tmp_path):
     assert reader.read_metadata().planner_data == Fraction(1, 3)
 
 
+def test_dcp_reader_checks_storage_entries_against_the_files(cluster, job):
+    model, optimizer = bf16_model_and_optimizer(3)
+    saved = state_of(model, optimizer, 1)
+    dcp.save(saved, storage_writer=st.Writer(job=job, step=1, server=cluster.address))
+    client = starckpt.Client(cluster.address, job)
+    manifest = client.manifest(1)
+    files = {path: manifest.read(path) for path, _ in manifest.files() if path != st.METADATA_FILE}
+    metadata = pickle.loads(manifest.read(st.METADATA_FILE))
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if s.dtype is not None)
+
+    def load_with(step, entry):
+        metadata.storage_data[index] = entry
+        data = [*files.items(), (st.METADATA_FILE, pickle.dumps(metadata))]
+        assert client._client().save(client._job(), step, data, rank=0, world_size=1).wait()["committed"]
+        target = state_of(*bf16_model_and_optimizer(4), 0)
+        return dcp_error(lambda: dcp.load(target, storage_reader=st.Reader(job=job, step=step, server=cluster.address)))
+
+    huge = st.StorageInfo(info.path, 1 << 50, info.dtype, info.shape)  # a petabyte, were it believed
+    assert "the checkpoint holds" in str(load_with(2, huge))
+    wrong_shape = st.StorageInfo(info.path, info.length, info.dtype, (info.length,))
+    assert "is not" in str(load_with(3, wrong_shape))
+    missing = st.StorageInfo("dcp/__9_9", info.length, info.dtype, info.shape)
+    assert "not a file of the checkpoint" in str(load_with(4, missing))
+
+
 def test_one_call_save_and_load_cover_model_optimizer_and_rng(cluster, job):
     model, optimizer = bf16_model_and_optimizer(1)
     torch.manual_seed(1234)

@@ -17,7 +17,9 @@ straight into the array that it returns.
 One connection (and one writer lease per job) serves the whole process: every ``Client``,
 ``starckpt.torch.Writer`` and ``Reader`` for the same server shares it, so creating a new one per
 save never fences the process's own earlier saves. A new process is a new run and fences the
-previous one (set ``STARCKPT_RUN_ID``, or run under torchrun, to share a run across ranks).
+previous one (set ``STARCKPT_RUN_ID``, or run under torchrun, to share a run across ranks; a
+relaunch needs a new ``STARCKPT_RUN_ID``, or it joins the unfinished checkpoint of the launch
+before).
 """
 
 from __future__ import annotations
@@ -447,13 +449,21 @@ class Client:
 
     def load(self, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """This rank's state and metadata of `step` (default: the latest committed step), with the
-        same structure, dtypes and shapes as saved. Tensors come back on the CPU."""
+        same structure, dtypes and shapes as saved. Tensors come back on the CPU. A checkpoint of
+        several ranks loads only into a client of the same world size (its rank's shard); one
+        saved by a single process loads into every rank."""
         manifest = self._manifest(step)
         world_size = manifest.world_size
-        rank = self.rank if world_size > 1 else 0
-        if rank >= world_size:
-            raise InvalidInputError(f"rank {rank} is outside the checkpoint's world size {world_size}")
         where = f"{manifest.job} step {manifest.step}"
+        if world_size > 1 and world_size != self.world_size:
+            # Rank r of another world size holds another shard: loading it would be wrong data.
+            raise InvalidInputError(
+                f"{where} was saved by {world_size} ranks, and this client is rank {self.rank} of "
+                f"{self.world_size}: each rank's state is its own shard. Load with world_size={world_size} "
+                "and the rank to read, or save with torch.distributed.checkpoint (starckpt.torch) to "
+                "load under another world size"
+            )
+        rank = self.rank if world_size > 1 else 0
         tree_path = self._prefix(world_size, rank) + _state.TREE_FILE
         if manifest.size(tree_path) is None:
             raise FormatError(f"{where} has no {tree_path}: it was not written by starckpt.Client.save "

@@ -8,14 +8,18 @@ Every array, tensor and bytes leaf becomes one file of the part, holding its raw
 order; the structure, dtypes and shapes go to ``<prefix>_starckpt/tree.json``. Plain values
 live in the tree itself (floats as their 8 IEEE bytes, so NaN payloads, infinities and -0.0
 round-trip; ints in hex, any size). dict subclasses other than ``OrderedDict`` come back as
-dicts, tuple subclasses (namedtuples) as tuples. Nothing
-is pickled: loading a checkpoint never runs code from it.
+dicts, tuple subclasses (namedtuples) as tuples. A tensor or array met again (the same memory,
+dtype and shape: tied weights, which ``state_dict()`` lists under each name) is stored once and
+comes back as one object under every name, as with ``torch.save``. Nothing is pickled: loading a
+checkpoint never runs code from it, and its tree is checked against the part's files before any
+memory is allocated for it.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import math
 import re
 import struct
 import sys
@@ -56,6 +60,12 @@ def _file_name(prefix: str, index: int, where: str) -> str:
 FILL_DEVICE_TYPES: set[str] = set()
 
 
+def _host_bytes(tensor):
+    """A uint8 numpy view of a contiguous CPU tensor's bytes. Through DLPack: ``Tensor.numpy()``
+    would make the tensor's storage non-resizable for the rest of its life."""
+    return np.from_dlpack(tensor.reshape(-1).view(_torch().uint8))
+
+
 def tensor_source(tensor, where: str):
     """What ``_native.NativeClient.save`` takes for `tensor`'s bytes (C order): a uint8 numpy
     view of a host tensor (copied into staging, no copy before that when it is contiguous), or,
@@ -73,10 +83,10 @@ def tensor_source(tensor, where: str):
     if data.device.type == "meta":
         raise UnsupportedTypeError(f"{where}: a meta tensor has no data to save")
     if data.device.type == "cpu" and "cpu" not in FILL_DEVICE_TYPES:
-        return data.contiguous().reshape(-1).view(torch.uint8).numpy()
+        return _host_bytes(data.contiguous())
     if data.device.type not in ("cpu", "cuda") and data.device.type not in FILL_DEVICE_TYPES:
         data = data.to("cpu")  # devices without a tested direct copy: one host copy first
-        return data.contiguous().reshape(-1).view(torch.uint8).numpy()
+        return _host_bytes(data.contiguous())
     flat = data.contiguous().reshape(-1).view(torch.uint8)  # on the device; a device copy if strided
     # The fills run on the SDK's copy threads, whose current stream is the device's default one,
     # which does not wait for the caller's (a side stream of the optimizer step, say; PyTorch's
@@ -104,6 +114,9 @@ def flatten(state: Any, prefix: str = "") -> Flattened:
     """Splits `state` into a tree and leaf buffers (files named under `prefix`)."""
     out = Flattened(tree=None)
     torch = _torch()
+    # Leaves stored so far by identity of their memory: (kind, device, address, dtype, shape,
+    # strides, ...) -> file. The values are kept alive by `state` itself.
+    stored: dict[tuple, str] = {}
 
     def leaf_file(where: str, buffer, nbytes: int) -> str:
         name = _file_name(prefix, len(out.files), where)
@@ -130,19 +143,37 @@ def flatten(state: Any, prefix: str = "") -> Flattened:
                 raise UnsupportedTypeError(
                     f"{where}: numpy dtype {array.dtype} is not supported (object, structured or extension dtypes)"
                 )
+            key = None
+            if isinstance(value, np.ndarray) and array.nbytes:
+                address = array.__array_interface__["data"][0]
+                key = ("ndarray", address, array.dtype.str, array.shape, array.strides)
+                if key in stored:
+                    return {"t": "ref", "f": stored[key]}
             contiguous = np.ascontiguousarray(array)
-            return {
+            node = {
                 "t": "npscalar" if isinstance(value, np.generic) else "ndarray",
                 "dtype": array.dtype.str,
                 "shape": list(array.shape),
                 "f": leaf_file(where, contiguous.reshape(-1).view(np.uint8), contiguous.nbytes),
             }
+            if key is not None:
+                stored[key] = node["f"]
+            return node
         if isinstance(value, (bytes, bytearray)):
             kind = "bytes" if isinstance(value, bytes) else "bytearray"
             return {"t": kind, "f": leaf_file(where, value, len(value)), "n": len(value)}
         if torch is not None and isinstance(value, torch.Tensor):
+            key = None
+            plain = type(value) in (torch.Tensor, torch.nn.Parameter) and value.layout == torch.strided
+            if plain and not value.is_quantized and value.device.type != "meta" and value.numel():
+                key = (
+                    "tensor", str(value.device), value.data_ptr(), value.dtype, tuple(value.shape), value.stride(),
+                    isinstance(value, torch.nn.Parameter), bool(value.requires_grad), value.is_conj(), value.is_neg(),
+                )
+                if key in stored:
+                    return {"t": "ref", "f": stored[key]}
             source = tensor_source(value, where)
-            return {
+            node = {
                 "t": "tensor",
                 "dtype": str(value.dtype).removeprefix("torch."),
                 "shape": list(value.shape),
@@ -151,6 +182,9 @@ def flatten(state: Any, prefix: str = "") -> Flattened:
                 "param": isinstance(value, torch.nn.Parameter),
                 "f": leaf_file(where, source, source_nbytes(source)),
             }
+            if key is not None:
+                stored[key] = node["f"]
+            return node
         if isinstance(value, dict):
             keys, values = [], []
             for key, item in value.items():
@@ -196,7 +230,8 @@ class Leaf:
 
 def plan_load(document: bytes, sizes: dict[str, int], where: str):
     """Parses a tree document; returns (leaves to read, a function building the state once the
-    leaves' buffers are filled)."""
+    leaves' buffers are filled). Every leaf is checked against its file's size in `sizes` before
+    its memory is allocated; a malformed tree is a ``FormatError``."""
     try:
         parsed = json.loads(document)
     except ValueError as e:
@@ -205,43 +240,95 @@ def plan_load(document: bytes, sizes: dict[str, int], where: str):
         raise FormatError(f"{where}: {TREE_FILE} has format {parsed.get('format') if isinstance(parsed, dict) else '?'}, "
                           f"this SDK reads format {FORMAT}")
     leaves: list[Leaf] = []
+    # Tensors and arrays by file: built once, so a reference to one gets the same object.
+    built: dict[str, Any] = {}
+    refs: dict[str, Any] = {}
 
-    def read_into(node: dict, buffer: np.ndarray) -> None:
-        """Queues the leaf's file to be read into `buffer` (a uint8 view of the value's memory)."""
+    def sized(node: dict, nbytes: int) -> str:
+        """The node's file, checked to hold `nbytes` (before anything is allocated for it)."""
         path = node["f"]
-        if sizes.get(path) != buffer.nbytes:
-            raise FormatError(f"{where}: {path} is {sizes.get(path)} bytes, its tree entry says {buffer.nbytes}")
+        if not isinstance(path, str) or sizes.get(path) != nbytes:
+            raise FormatError(f"{where}: {path!r} is {sizes.get(path)} bytes, its tree entry says {nbytes}")
+        return path
+
+    def read_into(path: str, buffer: np.ndarray) -> None:
+        """Queues the leaf's file to be read into `buffer` (a uint8 view of the value's memory)."""
         if buffer.nbytes:
             leaves.append(Leaf(path, buffer))
+
+    def shape_of(node: dict) -> tuple[int, ...]:
+        shape = node["shape"]
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise FormatError(f"{where}: bad shape {shape!r:.80}")
+        return tuple(shape)
+
+    def once(path: str, make):
+        """A thunk giving the value `make` builds, the same object every time it is asked, and
+        what a reference to `path` gets."""
+        def value():
+            if path not in built:
+                built[path] = make()
+            return built[path]
+
+        refs[path] = value
+        return value
 
     def prepare(node: Any) -> Any:
         """Allocates buffers; returns a thunk producing the value."""
         if not isinstance(node, dict) or "t" not in node:
             raise FormatError(f"{where}: malformed tree node {node!r:.80}")
+        try:
+            return prepare_node(node)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise FormatError(f"{where}: malformed tree node {node!r:.80}: {type(e).__name__}: {e}") from None
+
+    def prepare_node(node: dict) -> Any:
         kind = node["t"]
         if kind == "none":
             return lambda: None
         if kind in ("bool", "str"):
-            return lambda: node["v"]
+            value = node["v"]
+            if not isinstance(value, bool if kind == "bool" else str):
+                raise FormatError(f"{where}: a {kind} node holds {value!r:.80}")
+            return lambda: value
         if kind == "int":
-            return lambda: int(node["v"], 16)
+            value = int(node["v"], 16)
+            return lambda: value
         if kind == "float":
-            return lambda: struct.unpack("<d", bytes.fromhex(node["v"]))[0]
+            value = struct.unpack("<d", bytes.fromhex(node["v"]))[0]
+            return lambda: value
         if kind in ("bytes", "bytearray"):
-            data = bytearray(int(node["n"]))
-            read_into(node, np.frombuffer(data, dtype=np.uint8))
+            n = node["n"]
+            if type(n) is not int:
+                raise FormatError(f"{where}: bad length {n!r:.80}")
+            path = sized(node, n)
+            data = bytearray(n)
+            read_into(path, np.frombuffer(data, dtype=np.uint8))
             return (lambda: bytes(data)) if kind == "bytes" else (lambda: data)
         if kind in ("ndarray", "npscalar"):
             try:
                 dtype = np.dtype(node["dtype"])
             except TypeError:
                 raise FormatError(f"{where}: unknown numpy dtype {node['dtype']!r}") from None
-            array = np.empty(tuple(int(d) for d in node["shape"]), dtype=dtype)
-            read_into(node, array.reshape(-1).view(np.uint8))
-            return (lambda: array[()]) if kind == "npscalar" else (lambda: array)
+            if dtype.hasobject:
+                raise FormatError(f"{where}: numpy dtype {dtype} holds Python objects")
+            shape = shape_of(node)
+            path = sized(node, math.prod(shape) * dtype.itemsize)
+            array = np.empty(shape, dtype=dtype)
+            read_into(path, array.reshape(-1).view(np.uint8))
+            if kind == "npscalar":
+                return lambda: array[()]
+            return once(path, lambda: array)
         if kind == "tensor":
             return prepare_tensor(node)
+        if kind == "ref":
+            path = node["f"]
+            if not isinstance(path, str) or path not in refs:
+                raise FormatError(f"{where}: a reference to {path!r:.80}, which no earlier tensor or array stored")
+            return refs[path]
         if kind in ("dict", "odict"):
+            if len(node["k"]) != len(node["v"]):
+                raise FormatError(f"{where}: a dict node of {len(node['k'])} keys and {len(node['v'])} values")
             keys = [prepare(k) for k in node["k"]]
             values = [prepare(v) for v in node["v"]]
             if kind == "dict":
@@ -256,6 +343,8 @@ def plan_load(document: bytes, sizes: dict[str, int], where: str):
 
             return build_odict
         if kind in ("list", "tuple"):
+            if not isinstance(node["v"], list):
+                raise FormatError(f"{where}: a {kind} node without a list of items")
             items = [prepare(v) for v in node["v"]]
             cls = list if kind == "list" else tuple
             return lambda: cls(item() for item in items)
@@ -266,14 +355,14 @@ def plan_load(document: bytes, sizes: dict[str, int], where: str):
             import torch
         except ImportError:
             raise FormatError(f"{where}: the checkpoint holds torch tensors; install torch to load it") from None
-        dtype = getattr(torch, node["dtype"], None)
+        dtype = getattr(torch, node["dtype"], None) if isinstance(node["dtype"], str) else None
         if not isinstance(dtype, torch.dtype):
             raise FormatError(f"{where}: unknown torch dtype {node['dtype']!r}")
-        tensor = torch.empty(tuple(int(d) for d in node["shape"]), dtype=dtype)
+        shape = shape_of(node)
+        path = sized(node, math.prod(shape) * dtype.itemsize)
+        tensor = torch.empty(shape, dtype=dtype)
         if tensor.numel():
-            read_into(node, tensor.reshape(-1).view(torch.uint8).numpy())
-        else:
-            read_into(node, np.empty(0, dtype=np.uint8))
+            read_into(path, _host_bytes(tensor))
 
         def build():
             if node.get("param"):
@@ -282,7 +371,7 @@ def plan_load(document: bytes, sizes: dict[str, int], where: str):
                 tensor.requires_grad_(True)
             return tensor
 
-        return build
+        return once(path, build)
 
     build = prepare(parsed.get("root"))
     return leaves, build

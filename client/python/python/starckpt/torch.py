@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import io
+import math
 import os
 import pickle
 import random
@@ -416,6 +417,7 @@ class Reader(StorageReader, _Addressed):
         batch_bytes = 0
         for path, items in by_file.items():
             info = self.storage_data[items[0].storage_index]
+            _check_entry(info, self._manifest.size(info.path))
             rows = _rows_needed(info, items)
             if batch and batch_bytes + rows.nbytes > READ_BATCH_BYTES:
                 self._apply(batch, by_file, planner)
@@ -474,6 +476,25 @@ class _Rows:
 
     def shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(stored) if self.count is None else (self.count, *stored[1:])
+
+
+def _check_entry(info: StorageInfo, stored: int | None) -> None:
+    """Refuses a storage entry of the metadata that does not describe its file, before anything
+    is allocated for it: its length is the file's, and a tensor's is its dtype times its shape."""
+    if stored is None:
+        raise FormatError(f"{info.path!r}: named by the DCP metadata, and not a file of the checkpoint")
+    if type(info.length) is not int or info.length != stored:
+        raise FormatError(f"{info.path!r}: the DCP metadata says {info.length!r} bytes, the checkpoint holds {stored}")
+    if info.dtype is None and info.shape is None:
+        return
+    dtype = getattr(torch, info.dtype, None) if isinstance(info.dtype, str) else None
+    shape = info.shape
+    if not isinstance(dtype, torch.dtype) or not isinstance(shape, (tuple, list, torch.Size)) or not all(
+        type(d) is int and d >= 0 for d in shape
+    ):
+        raise FormatError(f"{info.path!r}: bad tensor entry {info}")
+    if math.prod(shape) * dtype.itemsize != info.length:
+        raise FormatError(f"{info.path!r}: a {info.dtype} tensor of shape {tuple(shape)} is not {info.length} bytes")
 
 
 def _rows_needed(info: StorageInfo, items) -> _Rows:
