@@ -308,11 +308,12 @@ struct Waiting {
 
 /// Requests of one connection waiting for their responses (`None` once the connection is dead),
 /// and memory lent to the target by requests failed unanswered, kept until the target closes the
-/// connection ([`Connection::call_holding`]).
-#[derive(Default)]
+/// connection ([`Connection::call_holding`]), or a while longer than a request may take for a
+/// target that never does. `dead` turns true with `map` gone.
 struct PendingState {
     map: Option<HashMap<u64, Waiting>>,
     orphans: Vec<Bytes>,
+    dead: tokio::sync::watch::Sender<bool>,
 }
 
 type Pending = Arc<Mutex<PendingState>>;
@@ -332,6 +333,7 @@ fn fail_all(pending: &Pending, why: String) {
         let drained = state.map.take().into_iter().flatten().map(|(_, waiting)| waiting);
         let (replies, holds): (Vec<_>, Vec<_>) = drained.map(|waiting| (waiting.reply, waiting.hold)).unzip();
         state.orphans.extend(holds.into_iter().flatten());
+        state.dead.send_replace(true);
         replies
     };
     for reply in replies {
@@ -381,7 +383,9 @@ impl Connection {
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
-        let pending: Pending = Arc::new(Mutex::new(PendingState { map: Some(HashMap::new()), orphans: Vec::new() }));
+        let (dead, given_up) = tokio::sync::watch::channel(false);
+        let pending: Pending =
+            Arc::new(Mutex::new(PendingState { map: Some(HashMap::new()), orphans: Vec::new(), dead }));
         let max_requests = config.max_requests_per_connection.max(1);
         let (frames, outgoing) = mpsc::channel(max_requests);
         let closed = Arc::new(tokio::sync::Notify::new());
@@ -390,7 +394,8 @@ impl Connection {
         let writer = writer.with_timeout(config.request_timeout);
         tokio::spawn(write_loop(writer, outgoing, Arc::clone(&pending), Arc::clone(&closed)));
         let heard = Arc::new(AtomicU64::new(0));
-        let reading = Reading { pending: Arc::clone(&pending), closed: Arc::clone(&closed), heard: Arc::clone(&heard) };
+        let reading =
+            Reading { pending: Arc::clone(&pending), closed: Arc::clone(&closed), heard: Arc::clone(&heard), given_up };
         tokio::spawn(read_loop(Box::new(reader), reading, config.request_timeout));
         let slots = Arc::new(Semaphore::new(max_requests));
         Connection { frames, pending, closed, heard, next_id: AtomicU64::new(1), slots }
@@ -424,7 +429,8 @@ impl Connection {
     /// chunk in shared memory, named by offset). The memory is held until the target answers, or
     /// closes the connection (which it does only once every request it was serving is over),
     /// even if the caller gives up first (a timeout, a cancelled save): it is not reused while the
-    /// target may still read it.
+    /// target may still read it. A target that never closes a connection given up (hung) holds
+    /// it a request's time after the connection's end at most (`given_up_for`).
     pub(crate) async fn call_holding(
         &self,
         opcode: Opcode,
@@ -544,15 +550,43 @@ struct Reading {
     pending: Pending,
     closed: Arc<tokio::sync::Notify>,
     heard: Arc<AtomicU64>,
+    /// Turns true when the connection is given up ([`PendingState::dead`]).
+    given_up: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Returns `hold` after the connection is given up: how long its reader waits for the target to
+/// close it (the target does once the requests it is serving are over) before letting go of the
+/// memory lent to it anyway. A target that has not closed by then is hung (stopped, its device
+/// stuck); the staging buffers it held go back to the pool instead of shrinking it for good. Were
+/// it to wake and read one refilled meanwhile, its hash check of what it read, or of its placed
+/// write, refuses the changed bytes: what it stores is never wrong, only refused.
+async fn given_up_for(mut given_up: tokio::sync::watch::Receiver<bool>, hold: Duration) {
+    if given_up.wait_for(|dead| *dead).await.is_ok() {
+        tokio::time::sleep(hold).await;
+    } else {
+        std::future::pending::<()>().await;
+    }
 }
 
 /// Reads responses and hands each to its request. `lend_timeout`: how long a request may hold the
 /// stream lent to it; one that holds it longer (its future kept but no longer polled) would stall
 /// every other response on the connection, so the connection is given up instead.
 async fn read_loop(mut reader: Reader, reading: Reading, lend_timeout: Duration) {
-    let Reading { pending, closed, heard } = reading;
+    let Reading { pending, closed, heard, given_up } = reading;
+    // Bounds the wait for a target that never closes a connection given up (`given_up_for`).
+    let hung = given_up_for(given_up, lend_timeout);
+    tokio::pin!(hung);
+    let mut expired = false;
     let (error, rest) = 'frames: loop {
-        let (header, prost_header) = match frame::read_frame_head(&mut reader).await {
+        let head = tokio::select! {
+            head = frame::read_frame_head(&mut reader) => head,
+            () = &mut hung => {
+                expired = true;
+                let why = format!("the target did not close the connection within {lend_timeout:?} of its end");
+                break 'frames (TransportError::Connection(why), Rest::Ended);
+            }
+        };
+        let (header, prost_header) = match head {
             Ok(head) => {
                 heard.fetch_add(1, Ordering::Relaxed);
                 head
@@ -633,13 +667,25 @@ async fn read_loop(mut reader: Reader, reading: Reading, lend_timeout: Duration)
     // once the requests it is serving are over: read to that end (when the stream can still be
     // had) before letting go of memory lent to the target by requests that gave up.
     closed.notify_one();
-    let reader = match rest {
-        Rest::Ended => None,
-        Rest::Open(reader) => Some(reader),
-        Rest::Lent(returned) => returned.await.ok().map(|returned| returned.reader),
+    let to_the_end = async {
+        let reader = match rest {
+            Rest::Ended => None,
+            Rest::Open(reader) => Some(reader),
+            Rest::Lent(returned) => returned.await.ok().map(|returned| returned.reader),
+        };
+        if let Some(mut reader) = reader {
+            let _ = tokio::io::copy(&mut reader, &mut tokio::io::sink()).await;
+        }
     };
-    if let Some(mut reader) = reader {
-        let _ = tokio::io::copy(&mut reader, &mut tokio::io::sink()).await;
+    tokio::select! {
+        () = to_the_end => {}
+        () = &mut hung, if !expired => expired = true,
+    }
+    if expired && !lock(&pending).orphans.is_empty() {
+        tracing::warn!(
+            "a target kept a connection given up open for {lend_timeout:?} after its end: the staging memory \
+             lent to it is reused"
+        );
     }
     let orphans = std::mem::take(&mut lock(&pending).orphans);
     drop(orphans);
@@ -1239,6 +1285,23 @@ mod tests {
         assert!(!freed.load(Ordering::SeqCst), "let go while the target may still read it");
         drop(far);
         assert!(released(&freed).await, "held after the target hung up");
+    }
+
+    /// A target that never closes a connection the client gave up (stopped, its device hung) does
+    /// not keep the memory lent to it for ever: it comes back a request's time after the
+    /// connection's end (the target's hash checks refuse bytes changed under it, should it wake).
+    #[tokio::test]
+    async fn memory_lent_to_a_hung_target_comes_back_a_while_after_the_connection_ends() {
+        let (connection, mut far) = connection();
+        let (memory, freed) = tracked();
+        let short = Duration::from_millis(200);
+        let (asked, _) = tokio::join!(connection.call_holding(Opcode::Put, vec![], memory, short), request(&mut far));
+        assert!(matches!(asked, Err(TransportError::Timeout(_))), "{asked:?}");
+        connection.close("given up");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!freed.load(Ordering::SeqCst), "let go before a request's time (2 s) passed");
+        assert!(released(&freed).await, "held for ever by a target that never hangs up");
+        drop(far);
     }
 
     /// A request that times out with nothing at all heard from the target since it was sent (a

@@ -19,7 +19,8 @@
 //! holds its staging buffer until answered, or abandoned, until the target closes the connection
 //! (`Connection::call_holding`): the buffer is not refilled while the target may still read it.
 //! (Were it refilled, the target's hash check, of what it copied or after its placed write,
-//! would refuse the changed bytes.) A target that refuses staging memory (one
+//! would refuse the changed bytes; so a hung target that never closes the connection gets the
+//! buffer back a request's time after the connection ended, not for ever.) A target that refuses staging memory (one
 //! older than it) gets the slots alone from then on.
 //!
 //! [`AutoTransport`] is what the SDK uses: it asks a target over TCP (STAT, in the background, so
