@@ -464,17 +464,3 @@ async fn restore_copies(
     }
     if holders.len() >= wanted { Outcome::Complete } else { Outcome::Short { holders: holders.len() } }
 }
-
-/// The under-replicated count of the last pass, for `starckpt status`.
-#[derive(Default)]
-pub struct LastRepair(pub std::sync::Mutex<Option<(u64, RepairReport)>>);
-
-impl LastRepair {
-    pub fn record(&self, now_ms: u64, report: &RepairReport) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some((now_ms, report.clone()));
-    }
-
-    pub fn get(&self) -> Option<(u64, RepairReport)> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-}

@@ -99,6 +99,14 @@ CREATE TABLE IF NOT EXISTS tier_sweeps (
     finished BIGINT NOT NULL
 );
 
+-- The last re-replication pass of the cluster (one row; one control plane at a time runs them):
+-- when it finished and how many chunks it left short of copies, for `starckpt status`.
+CREATE TABLE IF NOT EXISTS repair_passes (
+    id                     INTEGER PRIMARY KEY CHECK (id = 1),
+    finished_at_ms         BIGINT NOT NULL,
+    still_under_replicated BIGINT NOT NULL
+);
+
 -- The control planes serving this database (several share a PostgreSQL one), by host and port,
 -- with the settings they must agree on (service.rs `join`) and when each was last seen.
 CREATE TABLE IF NOT EXISTS control_planes (

@@ -19,10 +19,10 @@ use tonic::{Request, Response, Status};
 
 use super::auth::{Caller, Tokens};
 use super::gc::{self, GcConfig, GcReport};
-use super::repair::{self, LastRepair, RepairConfig, RepairReport};
+use super::repair::{self, RepairConfig, RepairReport};
 use super::store::{
-    CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, ManifestOf, ManifestPage, MetaError,
-    MetaStore, RetentionPolicy, TargetIds, TargetRecord, fault, now_ms,
+    CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, Leadership, ManifestOf, ManifestPage,
+    MetaError, MetaStore, RetentionPolicy, Role, TargetIds, TargetRecord, fault, now_ms,
 };
 use super::tier::{self, Tier, TierConfig, TierReport};
 use super::tls::ServerTls;
@@ -126,7 +126,6 @@ struct Collector {
     running: tokio::sync::Mutex<()>,
     repairing: tokio::sync::Mutex<()>,
     tiering: tokio::sync::Mutex<()>,
-    last_repair: LastRepair,
     /// Readers' recoveries (`RecoverChunks`) served at once.
     recovering: Arc<tokio::sync::Semaphore>,
     /// Transports to live targets for recoveries, kept between them (a restore that lost its
@@ -169,9 +168,32 @@ impl Collector {
         Ok(report)
     }
 
-    /// One re-replication pass (one at a time, like GC, whose sweeps it must not race for disks).
-    async fn rereplicate(&self) -> Result<RepairReport, MetaError> {
+    /// Role `role` for a pass: taken at once, or None while another control plane of the
+    /// database holds it; with `wait`, once that one lets it go (an operator's pass runs after
+    /// the one in progress instead of being skipped).
+    async fn lead(&self, role: Role, wait: bool) -> Result<Option<Leadership>, MetaError> {
+        let mut pause = Duration::from_millis(100);
+        loop {
+            if let Some(leadership) = self.store.try_lead(role).await? {
+                return Ok(Some(leadership));
+            }
+            if !wait {
+                return Ok(None);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// One re-replication pass: one at a time in the cluster (like GC, whose sweeps it must not
+    /// race for disks, here; [`Role::Repair`] across control planes sharing a database). None
+    /// when another control plane is running one and `wait` is false.
+    async fn rereplicate(&self, wait: bool) -> Result<Option<RepairReport>, MetaError> {
         let _one_at_a_time = self.repairing.lock().await;
+        let Some(_leadership) = self.lead(Role::Repair, wait).await? else {
+            tracing::debug!("another control plane is re-replicating; this pass is skipped");
+            return Ok(None);
+        };
         let now = now_ms();
         let targets = self.targets(now).await?;
         let tier = self.config.tier.as_deref();
@@ -185,10 +207,10 @@ impl Collector {
             tier,
         )
         .await?;
-        self.last_repair.record(now_ms(), &report);
+        self.store.record_repair_pass(now_ms(), report.still_under_replicated).await?;
         metrics::counter!("starckpt_control_repair_copies_total").increment(report.copies_made);
         metrics::gauge!("starckpt_control_under_replicated_chunks").set(report.still_under_replicated as f64);
-        Ok(report)
+        Ok(Some(report))
     }
 
     /// Chunks a reader could get from no target it tried: found and verified, or copied again
@@ -320,7 +342,6 @@ impl ControlService {
             running: Default::default(),
             repairing: Default::default(),
             tiering: Default::default(),
-            last_repair: LastRepair::default(),
             recovering: Arc::new(tokio::sync::Semaphore::new(config.recoveries_at_once)),
             transports: Default::default(),
             unreachable: Default::default(),
@@ -490,10 +511,11 @@ impl Control for ControlService {
         self.caller(&request)?;
         let now = now_ms();
         let targets = self.store.list_targets().await.map_err(meta_status)?;
-        let last = self.collector.last_repair.get();
+        // The cluster's last pass, whichever control plane ran it.
+        let last = self.store.last_repair_pass().await.map_err(meta_status)?;
         Ok(Response::new(pb::ListTargetsResponse {
             targets: targets.iter().map(|t| self.target_info(t, now)).collect(),
-            under_replicated_chunks: last.as_ref().map(|(_, r)| r.still_under_replicated),
+            under_replicated_chunks: last.map(|(_, short)| short),
             repair_pass_age_ms: last.map_or(0, |(at, _)| now.saturating_sub(at)),
         }))
     }
@@ -911,8 +933,11 @@ async fn detached<T: Send + 'static>(what: &str, work: impl Future<Output = T> +
 impl ControlService {
     async fn rereplicate_now(&self) -> Result<pb::RereplicateResponse, Status> {
         let collector = Arc::clone(&self.collector);
-        let report =
-            detached("re-replication", async move { collector.rereplicate().await }).await?.map_err(meta_status)?;
+        let pass = async move { collector.rereplicate(true).await };
+        let report = detached("re-replication", pass)
+            .await?
+            .map_err(meta_status)?
+            .ok_or_else(|| Status::internal("the re-replication pass did not run"))?;
         Ok(pb::RereplicateResponse {
             chunks: report.chunks,
             under_replicated: report.under_replicated,
@@ -1023,7 +1048,7 @@ pub async fn run(
         let collector = Arc::clone(&collector);
         move || {
             let collector = Arc::clone(&collector);
-            async move { collector.rereplicate().await.map(drop) }
+            async move { collector.rereplicate(false).await.map(drop) }
         }
     });
     let periodic_tier = every(tier_interval, "object-store tier", {
@@ -1201,6 +1226,39 @@ mod tests {
         let request = pb::RecoverChunksRequest { job: "j".into(), step: 1, checkpoint_id: 1, hashes: vec![] };
         let status = service.recover_chunks(Request::new(request)).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status}");
+    }
+
+    /// Control planes sharing PostgreSQL re-replicate one at a time: a periodic pass finds
+    /// another running and is skipped, an operator's waits its turn, and every control plane
+    /// reports the cluster's last pass, whichever ran it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn control_planes_sharing_a_database_re_replicate_one_at_a_time() {
+        let Some(url) = crate::testing::fresh_postgres_database("re-replicate one at a time").await.unwrap() else {
+            return;
+        };
+        let (first, second) = (open_store(&url).await.unwrap(), open_store(&url).await.unwrap());
+        let (first, second) = (
+            ControlService::new(first, ControlConfig::default()),
+            ControlService::new(second, ControlConfig::default()),
+        );
+        async fn under(service: &ControlService) -> Option<u64> {
+            let request = Request::new(pb::ListTargetsRequest {});
+            service.list_targets(request).await.unwrap().into_inner().under_replicated_chunks
+        }
+        assert_eq!(under(&second).await, None, "no pass yet");
+
+        let held = first.store.try_lead(Role::Repair).await.unwrap().expect("nobody re-replicates yet");
+        assert!(second.collector.rereplicate(false).await.unwrap().is_none(), "ran beside another pass");
+        let waiting = tokio::spawn({
+            let collector = Arc::clone(&second.collector);
+            async move { collector.rereplicate(true).await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!waiting.is_finished(), "an operator's pass ran beside another");
+        drop(held);
+        let report = tokio::time::timeout(Duration::from_secs(30), waiting).await.unwrap().unwrap().unwrap();
+        assert_eq!(report.map(|r| r.still_under_replicated), Some(0));
+        assert_eq!(under(&first).await, Some(0), "the other control plane's pass is the cluster's");
     }
 
     #[test]

@@ -56,6 +56,7 @@ fn role_lock(role: Role) -> i64 {
     WRITER_LOCK
         + match role {
             Role::Tiering => 1,
+            Role::Repair => 2,
         }
 }
 /// How long a write waits for the writer lock before it fails instead of hanging the RPC: 10 s,
@@ -1368,6 +1369,30 @@ impl MetaStore for SqlStore {
         Ok(())
     }
 
+    async fn record_repair_pass(&self, finished_at_ms: u64, still_under_replicated: u64) -> MetaResult<()> {
+        let mut tx = self.write().await?;
+        sqlx::query(
+            "INSERT INTO repair_passes (id, finished_at_ms, still_under_replicated) VALUES (1, $1, $2)
+             ON CONFLICT (id) DO UPDATE SET finished_at_ms = excluded.finished_at_ms,
+                 still_under_replicated = excluded.still_under_replicated
+             WHERE repair_passes.finished_at_ms <= excluded.finished_at_ms",
+        )
+        .bind(to_i64(finished_at_ms, "time")?)
+        .bind(to_i64(still_under_replicated, "chunk count")?)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn last_repair_pass(&self) -> MetaResult<Option<(u64, u64)>> {
+        let mut tx = self.read().await?;
+        let row = sqlx::query("SELECT finished_at_ms, still_under_replicated FROM repair_passes WHERE id = 1")
+            .fetch_optional(&mut *tx)
+            .await?;
+        row.map(|row| Ok((get_u64(&row, "finished_at_ms")?, get_u64(&row, "still_under_replicated")?))).transpose()
+    }
+
     async fn try_lead(&self, role: Role) -> MetaResult<Option<Leadership>> {
         match self.dialect {
             // One control plane per SQLite file: it leads.
@@ -1436,6 +1461,7 @@ mod tests {
         committed_chunks,
         live_chunks,
         tiering,
+        repair_passes,
         control_plane_settings,
         importing,
     );

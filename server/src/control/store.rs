@@ -347,6 +347,12 @@ pub trait MetaStore: Send + Sync + 'static {
     async fn begin_tier_sweep(&self) -> MetaResult<u64>;
     /// Records that sweep `sweep` finished (every deletion done).
     async fn finish_tier_sweep(&self, sweep: u64) -> MetaResult<()>;
+    /// Records the cluster's last re-replication pass: when it finished, and the chunks it left
+    /// short of copies.
+    async fn record_repair_pass(&self, finished_at_ms: u64, still_under_replicated: u64) -> MetaResult<()>;
+    /// The last re-replication pass any control plane of the database recorded, if any:
+    /// (finished at, chunks still short of copies).
+    async fn last_repair_pass(&self) -> MetaResult<Option<(u64, u64)>>;
     /// Takes the cluster-wide role `role` for as long as the returned guard lives, or None while
     /// another process of a database shared by several control planes holds it (one at a time:
     /// tiering's safety rests on it, `tier.rs`). A holder that dies loses it.
@@ -452,6 +458,9 @@ impl TierSweeps {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
     Tiering,
+    /// Re-replication: passes of several control planes at once would each copy what is short
+    /// (more copies than wanted, the bandwidth spent several times over) and scan every chunk.
+    Repair,
 }
 
 /// Holds a [`Role`] while alive (what holds it is the backend's: a database session).
@@ -951,6 +960,21 @@ pub(crate) mod conformance {
         store.delete_checkpoint(&job("g"), 4, 10).await.unwrap();
         let live = store.live_chunks().await.unwrap();
         assert_eq!(live, [ChunkHash([1; 32]), ChunkHash([3; 32])].into_iter().collect());
+    }
+
+    pub async fn repair_passes(store: &dyn MetaStore) {
+        assert_eq!(store.last_repair_pass().await.unwrap(), None);
+        store.record_repair_pass(100, 7).await.unwrap();
+        assert_eq!(store.last_repair_pass().await.unwrap(), Some((100, 7)));
+        store.record_repair_pass(200, 0).await.unwrap();
+        assert_eq!(store.last_repair_pass().await.unwrap(), Some((200, 0)));
+        // A pass that finished earlier (a slow one of another control plane) is not the last.
+        store.record_repair_pass(150, 9).await.unwrap();
+        assert_eq!(store.last_repair_pass().await.unwrap(), Some((200, 0)));
+        // Roles are held apart: leading one does not take another.
+        let tiering = store.try_lead(Role::Tiering).await.unwrap().expect("nobody leads tiering");
+        assert!(store.try_lead(Role::Repair).await.unwrap().is_some(), "tiering held re-replication");
+        drop(tiering);
     }
 
     pub async fn tiering(store: &dyn MetaStore) {
