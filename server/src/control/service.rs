@@ -160,12 +160,18 @@ impl Collector {
             .collect())
     }
 
-    async fn run(&self) -> Result<GcReport, MetaError> {
+    /// One garbage-collection pass, one at a time in the cluster ([`Role::Gc`]); None when
+    /// another control plane is running one and `wait` is false.
+    async fn run(&self, wait: bool) -> Result<Option<GcReport>, MetaError> {
         let _one_at_a_time = self.running.lock().await;
+        let Some(_leadership) = self.lead(Role::Gc, wait).await? else {
+            tracing::debug!("another control plane is collecting garbage; this pass is skipped");
+            return Ok(None);
+        };
         let targets = self.targets(now_ms()).await?;
         let report = gc::collect(self.store.as_ref(), targets, &self.collecting, &self.config.gc).await?;
         metrics::counter!("starckpt_control_gc_chunks_deleted_total").increment(report.chunks_deleted);
-        Ok(report)
+        Ok(Some(report))
     }
 
     /// Role `role` for a pass: taken at once, or None while another control plane of the
@@ -782,8 +788,10 @@ impl Control for ControlService {
     ) -> Result<Response<pb::CollectGarbageResponse>, Status> {
         self.caller(&request)?.must_operate("garbage collection")?;
         let collector = Arc::clone(&self.collector);
-        let report =
-            detached("garbage collection", async move { collector.run().await }).await?.map_err(meta_status)?;
+        let report = detached("garbage collection", async move { collector.run(true).await })
+            .await?
+            .map_err(meta_status)?
+            .ok_or_else(|| Status::internal("the garbage-collection pass did not run"))?;
         Ok(Response::new(pb::CollectGarbageResponse {
             live_chunks: report.live_chunks,
             targets_swept: report.targets_swept,
@@ -1060,7 +1068,7 @@ pub async fn run(
     });
     let periodic_gc = every(gc_interval, "garbage collection", move || {
         let collector = Arc::clone(&collector);
-        async move { collector.run().await.map(drop) }
+        async move { collector.run(false).await.map(drop) }
     });
     let service = ControlServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -1228,7 +1236,7 @@ mod tests {
         assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status}");
     }
 
-    /// Control planes sharing PostgreSQL re-replicate one at a time: a periodic pass finds
+    /// Control planes sharing PostgreSQL re-replicate (and collect garbage) one at a time: a periodic pass finds
     /// another running and is skipped, an operator's waits its turn, and every control plane
     /// reports the cluster's last pass, whichever ran it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1259,6 +1267,19 @@ mod tests {
         let report = tokio::time::timeout(Duration::from_secs(30), waiting).await.unwrap().unwrap().unwrap();
         assert_eq!(report.map(|r| r.still_under_replicated), Some(0));
         assert_eq!(under(&first).await, Some(0), "the other control plane's pass is the cluster's");
+
+        // Garbage collection likewise.
+        let held = first.store.try_lead(Role::Gc).await.unwrap().expect("nobody collects yet");
+        assert!(second.collector.run(false).await.unwrap().is_none(), "collected beside another pass");
+        let waiting = tokio::spawn({
+            let collector = Arc::clone(&second.collector);
+            async move { collector.run(true).await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!waiting.is_finished(), "an operator's collection ran beside another");
+        drop(held);
+        let report = tokio::time::timeout(Duration::from_secs(30), waiting).await.unwrap().unwrap().unwrap();
+        assert!(report.is_some());
     }
 
     #[test]

@@ -57,6 +57,7 @@ fn role_lock(role: Role) -> i64 {
         + match role {
             Role::Tiering => 1,
             Role::Repair => 2,
+            Role::Gc => 3,
         }
 }
 /// How long a write waits for the writer lock before it fails instead of hanging the RPC: 10 s,

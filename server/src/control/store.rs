@@ -461,6 +461,9 @@ pub enum Role {
     /// Re-replication: passes of several control planes at once would each copy what is short
     /// (more copies than wanted, the bandwidth spent several times over) and scan every chunk.
     Repair,
+    /// Garbage collection: safe beside another pass (`gc.rs`), but each would list every chunk
+    /// of every target.
+    Gc,
 }
 
 /// Holds a [`Role`] while alive (what holds it is the backend's: a database session).
