@@ -1255,31 +1255,30 @@ mod tests {
         }
         assert_eq!(under(&second).await, None, "no pass yet");
 
-        let held = first.store.try_lead(Role::Repair).await.unwrap().expect("nobody re-replicates yet");
-        assert!(second.collector.rereplicate(false).await.unwrap().is_none(), "ran beside another pass");
-        let waiting = tokio::spawn({
-            let collector = Arc::clone(&second.collector);
-            async move { collector.rereplicate(true).await }
-        });
+        let report =
+            one_at_a_time(&first, &second, Role::Repair, |c, wait| async move { c.rereplicate(wait).await }).await;
+        assert_eq!(report.map(|r| r.still_under_replicated), Some(0));
+        assert_eq!(under(&first).await, Some(0), "the other control plane's pass is the cluster's");
+        // Garbage collection likewise.
+        let report = one_at_a_time(&first, &second, Role::Gc, |c, wait| async move { c.run(wait).await }).await;
+        assert!(report.is_some());
+    }
+
+    /// With `role` held through `holder`'s database, `pass` on `other`'s collector is skipped
+    /// unless it waits, and then runs once the role is let go; its report.
+    async fn one_at_a_time<T, F, Fut>(holder: &ControlService, other: &ControlService, role: Role, pass: F) -> Option<T>
+    where
+        T: Send + 'static,
+        F: Fn(Arc<Collector>, bool) -> Fut,
+        Fut: Future<Output = Result<Option<T>, MetaError>> + Send + 'static,
+    {
+        let held = holder.store.try_lead(role).await.unwrap().expect("nobody holds the role yet");
+        assert!(pass(Arc::clone(&other.collector), false).await.unwrap().is_none(), "ran beside another pass");
+        let waiting = tokio::spawn(pass(Arc::clone(&other.collector), true));
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert!(!waiting.is_finished(), "an operator's pass ran beside another");
         drop(held);
-        let report = tokio::time::timeout(Duration::from_secs(30), waiting).await.unwrap().unwrap().unwrap();
-        assert_eq!(report.map(|r| r.still_under_replicated), Some(0));
-        assert_eq!(under(&first).await, Some(0), "the other control plane's pass is the cluster's");
-
-        // Garbage collection likewise.
-        let held = first.store.try_lead(Role::Gc).await.unwrap().expect("nobody collects yet");
-        assert!(second.collector.run(false).await.unwrap().is_none(), "collected beside another pass");
-        let waiting = tokio::spawn({
-            let collector = Arc::clone(&second.collector);
-            async move { collector.run(true).await }
-        });
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(!waiting.is_finished(), "an operator's collection ran beside another");
-        drop(held);
-        let report = tokio::time::timeout(Duration::from_secs(30), waiting).await.unwrap().unwrap().unwrap();
-        assert!(report.is_some());
+        tokio::time::timeout(Duration::from_secs(30), waiting).await.unwrap().unwrap().unwrap()
     }
 
     #[test]
