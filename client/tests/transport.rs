@@ -320,6 +320,11 @@ async fn a_request_meant_for_another_target_is_refused() {
     assert!(matches!(error, TransportError::Remote { code: ErrorCode::WrongTarget, .. }), "{error}");
     assert!(error.is_connection(), "callers look the target up again");
     assert!(wrong.put(hash, Payload::raw(data)).await.is_err());
+    // A name no target can have is not echoed back.
+    let long = "x".repeat(100_000);
+    let error = TcpTransport::for_target(target.address, &long, TcpConfig::default()).has(&[hash]).await.unwrap_err();
+    assert!(matches!(error, TransportError::Remote { code: ErrorCode::WrongTarget, .. }), "{error}");
+    assert!(error.to_string().len() < 1000, "{error}");
     let right = TcpTransport::for_target(target.address, "target-a", TcpConfig::default());
     assert_eq!(right.has(&[hash]).await.unwrap(), vec![true]);
     assert_eq!(tcp(target.address, 1).has(&[hash]).await.unwrap(), vec![true], "no expectation: unchecked");
@@ -1261,6 +1266,45 @@ async fn a_client_that_stops_reading_is_cut_off_whatever_the_send_mode() {
         let fresh = tcp(target.address, 1);
         let got = tokio::time::timeout(Duration::from_secs(20), fresh.get(hash, 0, 0)).await;
         assert_eq!(got.expect("buffers were released").unwrap().bytes, data, "{mode}");
+    }
+}
+
+/// A client that reads none of its GET results holds at most its connection's share of the
+/// target's in-flight bytes: other clients' GETs and PUTs still go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reader_holds_only_its_connections_share_of_in_flight_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = DataPlaneLimits {
+        frame_timeout: Duration::from_secs(120),
+        max_inflight_bytes: 128 << 20,
+        max_connection_inflight_bytes: 64 << 20,
+        ..DataPlaneLimits::default()
+    };
+    let target = start_target_on(dir.path(), "127.0.0.1:0", Transports::default(), limits).await;
+    let (hash, data) = chunk(4 << 20, 30);
+    assert!(!tcp(target.address, 1).put(hash, Payload::raw(data.clone())).await.unwrap());
+    // 48 GETs of 4 MiB, none read: far more than the socket buffers and the whole budget.
+    const GETS: u64 = 48;
+    let mut stuck = tokio::net::TcpStream::connect(target.address).await.unwrap();
+    let get = starckpt_proto::data::GetRequest { hash: hash.to_bytes(), ..Default::default() }.encode_to_vec();
+    for id in 1..=GETS {
+        starckpt_proto::frame::write_frame(&mut stuck, Opcode::Get, id, &get, &[]).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let others = tcp(target.address, 1);
+    for seed in 31..35 {
+        // Hang guards (the stuck connection's frames time out only after 120 s), not timings.
+        let got = tokio::time::timeout(Duration::from_secs(30), others.get(hash, 0, 0)).await;
+        assert_eq!(got.expect("a GET waited on the budget a slow reader holds").unwrap().bytes, data);
+        let (other, other_data) = chunk(4 << 20, seed);
+        let put = tokio::time::timeout(Duration::from_secs(30), others.put(other, Payload::raw(other_data))).await;
+        assert!(!put.expect("a PUT waited on the budget a slow reader holds").unwrap());
+    }
+    for _ in 0..GETS {
+        let (header, _) = starckpt_proto::frame::read_frame_head(&mut stuck).await.unwrap();
+        let mut payload = vec![0u8; header.payload_len as usize];
+        stuck.read_exact(&mut payload).await.unwrap();
+        assert_eq!(payload, data);
     }
 }
 

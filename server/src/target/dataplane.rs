@@ -34,6 +34,7 @@ use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{
     self, FrameHeader, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, MAX_LIST_ENTRIES, Opcode, ReadFrameError,
 };
+use starckpt_proto::model::validate_target_id;
 use starckpt_proto::rdma::{RemoteBuffer, endpoint_from_wire, endpoint_to_wire};
 use starckpt_proto::shm::{self, Attach, Region, StagingFile};
 use starckpt_proto::zerocopy::{FrameWriter, ZeroCopySend, ZeroCopyStats};
@@ -60,6 +61,11 @@ pub struct DataPlaneLimits {
     /// Payload bytes buffered at once across all connections. Default 1 GiB: enough to keep a
     /// device at queue depth 8 with 4 MiB chunks from dozens of clients, small beside host memory.
     pub max_inflight_bytes: u32,
+    /// Of those, the most one connection holds at once (at least one payload's worth), so one
+    /// slow peer (a restore over a thin link, an upload trickling its payloads) cannot take the
+    /// budget every other client needs. Default 128 MiB: a connection's share of the device's
+    /// queue many times over.
+    pub max_connection_inflight_bytes: u32,
     /// Time allowed to receive the rest of a frame once its fixed header has arrived. Default 60 s.
     pub frame_timeout: Duration,
     /// A connection that completes no frame header for this long is closed (idle clients
@@ -85,6 +91,7 @@ impl Default for DataPlaneLimits {
             max_connections: 1024,
             max_requests_per_connection: 64,
             max_inflight_bytes: 1 << 30,
+            max_connection_inflight_bytes: 128 << 20,
             frame_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(600),
             rdma_transfers: 32,
@@ -100,11 +107,32 @@ struct Outgoing {
     header: Vec<u8>,
     payload: Option<Bytes>,
     /// In-flight bytes charged for the payload, released once it is written.
-    charge: Option<tokio::sync::OwnedSemaphorePermit>,
+    charge: Option<Charge>,
     /// When the request's header was read, and the response's code: what its metrics record
     /// once the response is written.
     started: Instant,
     code: i32,
+}
+
+/// Payload bytes a request holds: charged to its connection's share and to the target's budget
+/// ([`DataPlaneLimits::max_connection_inflight_bytes`]), in that order.
+struct Charge {
+    _connection: tokio::sync::OwnedSemaphorePermit,
+    target: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Charge {
+    /// Waits for `bytes` (at most one payload's worth) of both budgets. None once shutting down.
+    async fn take(connection: &Arc<Semaphore>, served: &Served, bytes: u32) -> Option<Charge> {
+        let bytes = bytes.clamp(1, frame::MAX_PAYLOAD_BYTES);
+        let connection = Arc::clone(connection).acquire_many_owned(bytes).await.ok()?;
+        let target = Arc::clone(&served.inflight_bytes).acquire_many_owned(bytes).await.ok()?;
+        Some(Charge { _connection: connection, target })
+    }
+
+    fn bytes(&self) -> usize {
+        self.target.num_permits()
+    }
 }
 
 /// A Unix socket on which same-host clients attach shared memory ([`starckpt_proto::shm`]).
@@ -494,17 +522,30 @@ async fn write_all_unix(stream: &tokio::net::UnixStream, bytes: &[u8]) -> std::i
     Ok(())
 }
 
-/// Whether the process at the other end of `stream` runs as this one's effective user or as root:
-/// it could rewrite this target's chunk files itself, so its staged chunks need no protective
-/// copy ([`ShmListener::placed_writes`]).
+/// Whether the process at the other end of `stream` could rewrite this target's chunk files
+/// itself, so its staged chunks need no protective copy ([`ShmListener::placed_writes`]): it runs
+/// as this one's effective user or as root, and sees the same files (same mount namespace; a
+/// container's root does not, and may not write them).
 fn trusted_peer(stream: &tokio::net::UnixStream) -> bool {
+    let Ok(peer) = stream.peer_cred() else { return false };
     // SAFETY: geteuid cannot fail and touches no memory.
-    stream.peer_cred().is_ok_and(|peer| trusted_uid(peer.uid(), unsafe { libc::geteuid() }))
+    let own = unsafe { libc::geteuid() };
+    // A peer in a pid namespace this one cannot see has no pid here (None, or 0).
+    let peer_pid = peer.pid().filter(|&pid| pid > 0);
+    trusted_uid(peer.uid(), own) && peer_pid.is_some_and(|pid| same_mount_namespace(pid as u32))
 }
 
 /// A peer running as `peer` may write the files of a target running as `own`.
 fn trusted_uid(peer: u32, own: u32) -> bool {
     peer == 0 || peer == own
+}
+
+/// Whether process `pid` sees the files this one sees. Not told (gone, or its namespace hidden
+/// from this process): no.
+fn same_mount_namespace(pid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let namespace = |path: &str| std::fs::metadata(path).map(|m| (m.dev(), m.ino())).ok();
+    namespace("/proc/self/ns/mnt").is_some_and(|own| namespace(&format!("/proc/{pid}/ns/mnt")) == Some(own))
 }
 
 async fn serve_connection<R, W>(
@@ -524,6 +565,10 @@ where
     let writer_task =
         tokio::spawn(write_loop(writer, outgoing, limits.frame_timeout, writer_failed.clone(), Arc::clone(&served)));
     let requests = Arc::new(Semaphore::new(limits.max_requests_per_connection));
+    let budget = limits
+        .max_connection_inflight_bytes
+        .clamp(frame::MAX_PAYLOAD_BYTES, limits.max_inflight_bytes.max(frame::MAX_PAYLOAD_BYTES));
+    let budget = Arc::new(Semaphore::new(budget as usize));
     // Set up by OP_CONNECT; lives as long as the connection.
     let mut rdma: Option<Arc<QpDriver>> = None;
 
@@ -631,11 +676,10 @@ where
                 PayloadSource::Rdma(remote) => remote.len as usize,
                 PayloadSource::Frame | PayloadSource::Bad(_) => header.payload_len as usize,
             };
-            let bytes_permit =
-                match Arc::clone(&served.inflight_bytes).acquire_many_owned((payload_len as u32).max(1)).await {
-                    Ok(p) => p,
-                    Err(_) => break Err("shutting down".into()),
-                };
+            let bytes = u32::try_from(payload_len).unwrap_or(u32::MAX);
+            let Some(bytes_permit) = Charge::take(&budget, &served, bytes).await else {
+                break Err("shutting down".into());
+            };
             let placed = match (&source, slots.as_deref()) {
                 (PayloadSource::Placed(offset, len), Some(slots)) => slots.placed(*offset, *len),
                 _ => None,
@@ -683,7 +727,7 @@ where
                 drop(permit);
             });
         } else {
-            let (slots, rdma) = (slots.clone(), rdma.clone());
+            let (slots, rdma, budget) = (slots.clone(), rdma.clone(), Arc::clone(&budget));
             tokio::spawn(async move {
                 if header.opcode == Opcode::Get
                     && let Some(slots) = &slots
@@ -709,20 +753,18 @@ where
                     get_slot = request.shm_slot;
                     get_remote = request.rdma;
                     if let Some(len) = served.store.file_len(&hash).await {
-                        let bytes = u32::try_from(len).unwrap_or(u32::MAX).clamp(1, frame::MAX_PAYLOAD_BYTES);
-                        charge = Arc::clone(&served.inflight_bytes).acquire_many_owned(bytes).await.ok();
+                        charge = Charge::take(&budget, &served, u32::try_from(len).unwrap_or(u32::MAX)).await;
                     }
                 }
                 let (mut response, mut payload) = dispatch(&served, header, prost_header).await;
                 // A decoded chunk can be larger than its file: charge what is really held (never
                 // holding one charge while waiting for another).
-                let charged = charge.as_ref().map_or(0, |p| p.num_permits());
+                let charged = charge.as_ref().map_or(0, Charge::bytes);
                 if let Some(bytes) = &payload
                     && bytes.len() > charged
                 {
                     drop(charge.take());
-                    let bytes = u32::try_from(bytes.len()).unwrap_or(u32::MAX).min(frame::MAX_PAYLOAD_BYTES);
-                    charge = Arc::clone(&served.inflight_bytes).acquire_many_owned(bytes).await.ok();
+                    charge = Charge::take(&budget, &served, u32::try_from(bytes.len()).unwrap_or(u32::MAX)).await;
                 }
                 if get_slot != 0 && response.code == ErrorCode::Ok as i32 {
                     let bytes = payload.take().unwrap_or_default();
@@ -1203,10 +1245,14 @@ fn check_capability(served: &Served, capability: &[u8], needs: Rights) -> Result
 /// Refuses a request meant for another target (see `Auth.target_id` in dataplane.proto).
 fn check_target(store: &ChunkStore, auth: &Option<data::Auth>) -> Result<(), data::Response> {
     match (auth.as_ref().map(|a| a.target_id.as_str()), store.target_id()) {
-        (Some(wanted), Some(mine)) if !wanted.is_empty() && wanted != mine => Err(error_response(
-            ErrorCode::WrongTarget,
-            format!("this is target {mine}, not {wanted} (the address now belongs to another target)"),
-        )),
+        (Some(wanted), Some(mine)) if !wanted.is_empty() && wanted != mine => {
+            // Named back only when it can be a target id: the answer is no echo of any request.
+            let wanted = if validate_target_id(wanted).is_ok() { wanted } else { "the target asked for" };
+            Err(error_response(
+                ErrorCode::WrongTarget,
+                format!("this is target {mine}, not {wanted} (the address now belongs to another target)"),
+            ))
+        }
         _ => Ok(()),
     }
 }
@@ -1382,5 +1428,39 @@ mod tests {
         // Read from the socket: a peer of this process is this process's user.
         let (ours, _theirs) = tokio::net::UnixStream::pair().unwrap();
         assert!(trusted_peer(&ours));
+    }
+
+    /// A peer of the same user in a mount namespace of its own (a container's root) does not see
+    /// this target's files: its staged chunks are copied.
+    #[tokio::test]
+    async fn a_peer_in_another_mount_namespace_is_not_trusted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        // unshare(1) needs CAP_SYS_ADMIN: the test runs as root (as CI does) or not at all.
+        // SAFETY: geteuid cannot fail and touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: needs root for unshare -m");
+            return;
+        }
+        let connect = |isolated: bool| {
+            let script = format!(
+                "import socket, time\ns = socket.socket(socket.AF_UNIX)\ns.connect({:?})\ntime.sleep(30)",
+                path.to_str().unwrap()
+            );
+            let mut command = std::process::Command::new(if isolated { "unshare" } else { "python3" });
+            if isolated {
+                command.args(["-m", "--", "python3"]);
+            }
+            command.args(["-c", &script]).spawn().unwrap()
+        };
+        for isolated in [false, true] {
+            let mut peer = connect(isolated);
+            let (stream, _) = tokio::time::timeout(Duration::from_secs(30), listener.accept()).await.unwrap().unwrap();
+            let trusted = trusted_peer(&stream);
+            let _ = peer.kill();
+            let _ = peer.wait();
+            assert_eq!(trusted, !isolated, "isolated: {isolated}");
+        }
     }
 }

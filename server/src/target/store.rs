@@ -566,12 +566,14 @@ impl ChunkStore {
     /// A buffer to read a chunk file of `bytes` into. A read's buffer is held until its bytes
     /// have gone out to the reader, which a slow one (a restore over a thin link) can make last:
     /// reads hold at most half the pool, so writes always find buffers, and a read beyond that
-    /// share gets a buffer of its own (the data plane bounds those by in-flight bytes).
-    async fn read_buffer(&self, bytes: usize) -> BoxedBuf {
+    /// share, or one finding the pool taken by writes, gets a buffer of its own (the data plane
+    /// bounds those by in-flight bytes): a read never waits for writes.
+    fn read_buffer(&self, bytes: usize) -> BoxedBuf {
         if bytes <= self.pool.buf_bytes()
             && let Ok(share) = Arc::clone(&self.read_share).try_acquire_owned()
+            && let Some(buf) = self.pool.try_acquire()
         {
-            Box::new(SharedRead { buf: self.pool.acquire().await, _share: share })
+            Box::new(SharedRead { buf, _share: share })
         } else {
             Box::new(AlignedBuf::new(bytes))
         }
@@ -930,7 +932,7 @@ impl ChunkStore {
         {
             return Err(ChunkStoreError::Corrupt { hash, reason: format!("file is {file_len} bytes") });
         }
-        let buf = self.read_buffer(round_up(file_len)).await;
+        let buf = self.read_buffer(round_up(file_len));
         let buf = match self.engine.read_file(path.clone(), buf).await {
             Ok(buf) => buf,
             // Collected (or repaired) between the stat and the open.

@@ -619,6 +619,22 @@ async fn preallocates_free_files(kind: EngineKind) {
     assert_eq!((stats.free_pool_bytes, stats.reused_files, stats.chunk_count), (0, 4, 4));
 }
 
+/// Writes holding every pool buffer (slow uploads waiting on their payloads) do not hold up reads.
+async fn reads_never_wait_for_writes(kind: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(kind, dir.path()).await;
+    let data = random(10_000, 80);
+    let (hash, _) = put(&store, &data).await;
+    let mut held = Vec::new();
+    while let Some(buf) = store.buffer_pool().try_acquire() {
+        held.push(buf);
+    }
+    assert!(!held.is_empty());
+    // A hang guard, not a timing: the read must not wait for a write to give a buffer back.
+    let read = tokio::time::timeout(Duration::from_secs(60), store.get(hash, 0, 0)).await;
+    assert_eq!(&read.expect("a read waited for the writes' buffers").unwrap().bytes[..], &data[..]);
+}
+
 macro_rules! suite {
     ($engine:ident, $kind:expr) => {
         mod $engine {
@@ -670,6 +686,10 @@ macro_rules! suite {
             #[tokio::test]
             async fn preallocate() {
                 preallocates_free_files($kind).await
+            }
+            #[tokio::test]
+            async fn reads_beside_writes() {
+                reads_never_wait_for_writes($kind).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn concurrent_puts() {
