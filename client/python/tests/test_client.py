@@ -101,7 +101,7 @@ def test_nested_structures_and_plain_values_round_trip(cluster, job):
         "ints": [0, -1, 2**63, -(2**100)],
         "text": "ünïcode ✓", "none": None, "flags": (True, False),
         "blob": b"\x00\x01binary", "mutable": bytearray(b"abc"), "empty": {}, "empty_list": [], "empty_bytes": b"",
-        (1, "tuple-key"): "value", 3: "int key", 2.5: "float key", None: "none key",
+        (1, "tuple-key"): "value", 3: "int key", 2.5: "float key", None: "none key", np.float64(0.5): "numpy float key",
         "np_scalar": np.float32(1.5), "np_int": np.int64(-3),
         "rng": {"python": __import__("random").Random(5).getstate(), "numpy": np.random.RandomState(3).get_state()},
         "deep": [[[[{"x": [np.arange(3)]}]]]],
@@ -192,6 +192,9 @@ def test_a_malformed_tree_is_a_format_error_before_anything_is_allocated():
         ({"t": "dict", "k": [{"t": "none"}], "v": []}, {}),
         ({"t": "list", "v": "abc"}, {}),
         ({"t": "odict", "k": [], "v": [], "m": "x"}, {}),
+        ({"t": "float", "v": "00"}, {}),  # too short for a double
+        ({"t": "ndarray", "dtype": "<f4", "shape": [0, 1 << 70], "f": "x"}, {"x": 0}),  # no bytes, too many elements
+        ({"t": "dict", "k": [{"t": "list", "v": []}], "v": [{"t": "none"}]}, {}),  # an unhashable key
         ("leaf", {}),
     ]
     for root, sizes in cases:

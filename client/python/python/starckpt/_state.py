@@ -165,7 +165,8 @@ def flatten(state: Any, prefix: str = "") -> Flattened:
         if torch is not None and isinstance(value, torch.Tensor):
             key = None
             plain = type(value) in (torch.Tensor, torch.nn.Parameter) and value.layout == torch.strided
-            if plain and not value.is_quantized and value.device.type != "meta" and value.numel():
+            # Only where memory has an address (an XLA or lazy tensor has no data pointer).
+            if plain and not value.is_quantized and value.device.type in ("cpu", "cuda") and value.numel():
                 key = (
                     "tensor", str(value.device), value.data_ptr(), value.dtype, tuple(value.shape), value.stride(),
                     isinstance(value, torch.nn.Parameter), bool(value.requires_grad), value.is_conj(), value.is_neg(),
@@ -279,7 +280,7 @@ def plan_load(document: bytes, sizes: dict[str, int], where: str):
             raise FormatError(f"{where}: malformed tree node {node!r:.80}")
         try:
             return prepare_node(node)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError, struct.error) as e:
             raise FormatError(f"{where}: malformed tree node {node!r:.80}: {type(e).__name__}: {e}") from None
 
     def prepare_node(node: dict) -> Any:
@@ -329,6 +330,8 @@ def plan_load(document: bytes, sizes: dict[str, int], where: str):
         if kind in ("dict", "odict"):
             if len(node["k"]) != len(node["v"]):
                 raise FormatError(f"{where}: a dict node of {len(node['k'])} keys and {len(node['v'])} values")
+            for key in node["k"]:
+                check_key(key)
             keys = [prepare(k) for k in node["k"]]
             values = [prepare(v) for v in node["v"]]
             if kind == "dict":
@@ -349,6 +352,17 @@ def plan_load(document: bytes, sizes: dict[str, int], where: str):
             cls = list if kind == "list" else tuple
             return lambda: cls(item() for item in items)
         raise FormatError(f"{where}: unknown tree node type {kind!r}")
+
+    def check_key(node: Any) -> None:
+        """A dict key is what ``flatten`` saves as one: a plain scalar, or a tuple of them."""
+        scalars = ("none", "bool", "int", "float", "str", "npscalar")
+        kind = node.get("t") if isinstance(node, dict) else None
+        items = node.get("v") if kind == "tuple" else None
+        if kind in scalars or (
+            isinstance(items, list) and all(isinstance(i, dict) and i.get("t") in scalars for i in items)
+        ):
+            return
+        raise FormatError(f"{where}: a dict key that is not a scalar or a tuple of scalars: {node!r:.80}")
 
     def prepare_tensor(node: dict):
         try:
