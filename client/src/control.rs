@@ -176,8 +176,10 @@ impl ControlPlanes {
             let started = Instant::now();
             let timeout = if resend == Resend::Pass { self.pass_timeout } else { self.rpc_timeout };
             let attempt = tokio::time::timeout(timeout, call(client, request.clone()));
-            // Once failing over, no attempt outlives the failover deadline.
-            let outcome = match deadline {
+            // Once failing over, no attempt outlives the failover deadline, but for a pass: one
+            // that reached a control plane runs its course there (it is never sent again), and
+            // the pass timeout bounds it.
+            let outcome = match deadline.filter(|_| resend != Resend::Pass) {
                 None => attempt.await,
                 Some(at) => match tokio::time::timeout_at(at.into(), attempt).await {
                     Ok(outcome) => outcome,

@@ -104,7 +104,8 @@ pub struct ClientConfig {
     /// run), else a fresh id for this client alone, which suits single-process trainers: every
     /// restart of the process is then a new run that fences the previous one. Each launch needs
     /// its own: a relaunch under the run id of the launch before joins that launch's unfinished
-    /// checkpoint (the control plane aborts it when a rank of both launches commits a part).
+    /// checkpoint (the control plane aborts it only when a rank of both launches commits
+    /// different content before its last part is in).
     pub run_id: Option<String>,
     /// Copies of each chunk of a streamed file ([`Client::streaming_file`], the FUSE mount's
     /// writes), whose job is unknown until commit. Default 2, the control plane's default
@@ -445,9 +446,23 @@ impl Client {
     }
 
     pub async fn delete(&self, job: &str, step: u64) -> Result<()> {
+        self.delete_checkpoint(job, step, 0).await
+    }
+
+    /// Deletes checkpoint `checkpoint_id` of `job`, only while it is the one at `step`: acting on
+    /// what a listing said earlier never deletes a newer checkpoint saved at that step since
+    /// (NotFound then).
+    pub async fn delete_seen(&self, job: &str, step: u64, checkpoint_id: u64) -> Result<()> {
+        if checkpoint_id == 0 {
+            return Err(Error::InvalidInput("checkpoint id 0 names no checkpoint".into()));
+        }
+        self.delete_checkpoint(job, step, checkpoint_id).await
+    }
+
+    async fn delete_checkpoint(&self, job: &str, step: u64, checkpoint_id: u64) -> Result<()> {
         let job = JobName::try_from(job)?;
         // Not idempotent: a second delete of the same step says NotFound.
-        let request = pb::DeleteCheckpointRequest { job: job.to_string(), step, pending_checkpoint_id: 0 };
+        let request = pb::DeleteCheckpointRequest { job: job.to_string(), step, checkpoint_id, ..Default::default() };
         self.rpc(
             "delete checkpoint",
             Resend::IfUnsent,
@@ -461,9 +476,15 @@ impl Client {
     /// Aborts this client's pending checkpoint `checkpoint_id` of `job`@`step`, giving up on it
     /// (only it, and only while pending: `DeleteCheckpointRequest.pending_checkpoint_id`).
     pub(crate) async fn abort_pending(&self, job: &JobName, step: u64, checkpoint_id: u64) -> Result<()> {
-        let request = pb::DeleteCheckpointRequest { job: job.to_string(), step, pending_checkpoint_id: checkpoint_id };
+        let request = pb::DeleteCheckpointRequest {
+            job: job.to_string(),
+            step,
+            pending_checkpoint_id: checkpoint_id,
+            ..Default::default()
+        };
         let abort = |mut c: Control, r| async move { c.delete_checkpoint(r).await };
-        self.rpc("abort checkpoint", Resend::Idempotent, request, abort).await?;
+        // Idempotent at a control plane that knows the field; one older than it deletes by step.
+        self.rpc("abort checkpoint", Resend::IfUnsent, request, abort).await?;
         Ok(())
     }
 

@@ -149,8 +149,14 @@ impl Client {
         };
         if let Err(error) = checked {
             // Abort the checkpoint now rather than leave it pending until the timeout: this one
-            // only, and only while pending (never someone's step, never a committed one).
-            if let Err(abort) = self.abort_pending(&job, step, begin.checkpoint_id).await {
+            // only, and only while pending (never someone's step, never a committed one). The
+            // control plane checks both; one older than that field deletes whatever is at the
+            // step, so the request goes only while this checkpoint is the step's and pending.
+            let ours_pending = self.list_checkpoints(job.as_str(), false).await.is_ok_and(|list| {
+                list.iter()
+                    .any(|c| c.checkpoint_id == begin.checkpoint_id && c.state == pb::CheckpointState::Pending as i32)
+            });
+            if ours_pending && let Err(abort) = self.abort_pending(&job, step, begin.checkpoint_id).await {
                 tracing::warn!(%job, step, error = %abort, "could not abort the pending checkpoint; it times out");
             }
             return Err(error);

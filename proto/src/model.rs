@@ -411,6 +411,20 @@ impl Manifest {
     pub fn file(&self, path: &str) -> Option<&FileEntry> {
         self.files.iter().find(|f| f.path.as_str() == path)
     }
+
+    /// Whether `other` holds the same bytes under the same names: equal but for where chunks
+    /// were placed and how they are stored (replicas, codec), which a save retried after a lost
+    /// answer may choose anew.
+    pub fn same_content(&self, other: &Manifest) -> bool {
+        let chunk = |c: &ChunkRef| (c.hash, c.length_bytes);
+        let file =
+            |f: &FileEntry| (f.path.clone(), f.size_bytes, f.mode, f.chunks.iter().map(chunk).collect::<Vec<_>>());
+        self.directories == other.directories
+            && self.metadata == other.metadata
+            && self.addressing == other.addressing
+            && self.files.len() == other.files.len()
+            && self.files.iter().map(file).eq(other.files.iter().map(file))
+    }
 }
 
 impl TryFrom<pb::Manifest> for Manifest {

@@ -527,7 +527,12 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         };
         let message = match next {
             Ok(Some(message)) => message,
-            Ok(None) => return,
+            Ok(None) => {
+                // The connection was dropped: given up like a closed one, so memory lent to a
+                // target that never hangs up is let go in time (`given_up_for`).
+                fail_all(&pending, "the connection was dropped".into());
+                return;
+            }
             Err(error) => {
                 fail_all(&pending, format!("zero-copy notifications: {error}"));
                 return;
@@ -577,83 +582,94 @@ async fn read_loop(mut reader: Reader, reading: Reading, lend_timeout: Duration)
     let hung = given_up_for(given_up, lend_timeout);
     tokio::pin!(hung);
     let mut expired = false;
-    let (error, rest) = 'frames: loop {
-        let head = tokio::select! {
-            head = frame::read_frame_head(&mut reader) => head,
-            () = &mut hung => {
-                expired = true;
-                let why = format!("the target did not close the connection within {lend_timeout:?} of its end");
-                break 'frames (TransportError::Connection(why), Rest::Ended);
+    // The frames, raced as a whole against `hung`: a target that stalls midway through a
+    // payload is as hung as one that sends no frame.
+    let (pending_of, heard_of) = (&pending, &heard);
+    let frames = async move {
+        'frames: loop {
+            let (header, prost_header) = match frame::read_frame_head(&mut reader).await {
+                Ok(head) => {
+                    heard_of.fetch_add(1, Ordering::Relaxed);
+                    head
+                }
+                Err(ReadFrameError::Closed) => {
+                    break (TransportError::Connection("closed by the target".into()), Rest::Ended);
+                }
+                Err(ReadFrameError::Frame(e)) => break (TransportError::Protocol(e.to_string()), Rest::Open(reader)),
+                Err(ReadFrameError::Io(e)) => break (TransportError::Connection(e.to_string()), Rest::Ended),
+            };
+            if !header.opcode.is_response() {
+                let error = TransportError::Protocol(format!("target sent request opcode {:?}", header.opcode));
+                break (error, Rest::Open(reader));
             }
-        };
-        let (header, prost_header) = match head {
-            Ok(head) => {
-                heard.fetch_add(1, Ordering::Relaxed);
-                head
-            }
-            Err(ReadFrameError::Closed) => {
-                break (TransportError::Connection("closed by the target".into()), Rest::Ended);
-            }
-            Err(ReadFrameError::Frame(e)) => break (TransportError::Protocol(e.to_string()), Rest::Open(reader)),
-            Err(ReadFrameError::Io(e)) => break (TransportError::Connection(e.to_string()), Rest::Ended),
-        };
-        if !header.opcode.is_response() {
-            let error = TransportError::Protocol(format!("target sent request opcode {:?}", header.opcode));
-            break (error, Rest::Open(reader));
-        }
-        let decoded = data::Response::decode(prost_header);
-        // A raw payload of the length its request lands itself goes straight into the request's
-        // buffer: the stream is lent to it until it has read the payload.
-        if let Ok(response) = &decoded
-            && header.payload_len != 0
-            && response.codec == Codec::None.to_wire()
-        {
-            let lands = |land| land == Some(header.payload_len as usize);
-            if let Some(waiting) = take_waiting(&pending, header.request_id, lands) {
-                let (back, mut returned) = oneshot::channel();
-                let lent = LentReader { lent: Some((reader, back)), left: header.payload_len as usize, broken: false };
-                // Not received (the request gave up): the answer is dropped and the stream comes back.
-                let _ = waiting.reply.send(Ok(Answer::Lent(response.clone(), lent)));
-                let Ok(came_back) = tokio::time::timeout(lend_timeout, &mut returned).await else {
-                    let error = TransportError::Connection(format!("a request held the stream over {lend_timeout:?}"));
-                    break (error, Rest::Lent(returned));
-                };
-                match came_back {
-                    Ok(Returned { reader: back, left, broken: false }) => {
-                        reader = back;
-                        if let Err(error) = skip(&mut reader, left).await {
-                            break (TransportError::Connection(error.to_string()), Rest::Ended);
+            let decoded = data::Response::decode(prost_header);
+            // A raw payload of the length its request lands itself goes straight into the request's
+            // buffer: the stream is lent to it until it has read the payload.
+            if let Ok(response) = &decoded
+                && header.payload_len != 0
+                && response.codec == Codec::None.to_wire()
+            {
+                let lands = |land| land == Some(header.payload_len as usize);
+                if let Some(waiting) = take_waiting(pending_of, header.request_id, lands) {
+                    let (back, mut returned) = oneshot::channel();
+                    let lent =
+                        LentReader { lent: Some((reader, back)), left: header.payload_len as usize, broken: false };
+                    // Not received (the request gave up): the answer is dropped and the stream comes back.
+                    let _ = waiting.reply.send(Ok(Answer::Lent(response.clone(), lent)));
+                    let Ok(came_back) = tokio::time::timeout(lend_timeout, &mut returned).await else {
+                        let error =
+                            TransportError::Connection(format!("a request held the stream over {lend_timeout:?}"));
+                        break (error, Rest::Lent(returned));
+                    };
+                    match came_back {
+                        Ok(Returned { reader: back, left, broken: false }) => {
+                            reader = back;
+                            if let Err(error) = skip(&mut reader, left).await {
+                                break (TransportError::Connection(error.to_string()), Rest::Ended);
+                            }
+                            continue;
                         }
-                        continue;
-                    }
-                    Ok(Returned { reader: back, .. }) => {
-                        let error = TransportError::Connection("a request stopped reading its payload midway".into());
-                        break (error, Rest::Open(back));
-                    }
-                    Err(_) => {
-                        break (TransportError::Connection("a lent stream was never given back".into()), Rest::Ended);
+                        Ok(Returned { reader: back, .. }) => {
+                            let error =
+                                TransportError::Connection("a request stopped reading its payload midway".into());
+                            break (error, Rest::Open(back));
+                        }
+                        Err(_) => {
+                            break (
+                                TransportError::Connection("a lent stream was never given back".into()),
+                                Rest::Ended,
+                            );
+                        }
                     }
                 }
             }
-        }
-        let mut payload = BytesMut::with_capacity(header.payload_len as usize);
-        while payload.len() < header.payload_len as usize {
-            let want = header.payload_len as usize - payload.len();
-            match (&mut reader).take(want as u64).read_buf(&mut payload).await {
-                Ok(0) => break,
-                Ok(_) => {}
-                Err(e) => break 'frames (TransportError::Connection(e.to_string()), Rest::Ended),
+            let mut payload = BytesMut::with_capacity(header.payload_len as usize);
+            while payload.len() < header.payload_len as usize {
+                let want = header.payload_len as usize - payload.len();
+                match (&mut reader).take(want as u64).read_buf(&mut payload).await {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e) => break 'frames (TransportError::Connection(e.to_string()), Rest::Ended),
+                }
+            }
+            if payload.len() != header.payload_len as usize {
+                break (TransportError::Connection("closed in the middle of a payload".into()), Rest::Ended);
+            }
+            let outcome = decoded
+                .map(|response| Answer::Whole(response, payload.freeze()))
+                .map_err(|e| TransportError::Protocol(format!("undecodable response header: {e}")));
+            // A response to a request that timed out is dropped (and memory it held let go).
+            if let Some(waiting) = take_waiting(pending_of, header.request_id, |_| true) {
+                let _ = waiting.reply.send(outcome);
             }
         }
-        if payload.len() != header.payload_len as usize {
-            break (TransportError::Connection("closed in the middle of a payload".into()), Rest::Ended);
-        }
-        let outcome = decoded
-            .map(|response| Answer::Whole(response, payload.freeze()))
-            .map_err(|e| TransportError::Protocol(format!("undecodable response header: {e}")));
-        // A response to a request that timed out is dropped (and memory it held let go).
-        if let Some(waiting) = take_waiting(&pending, header.request_id, |_| true) {
-            let _ = waiting.reply.send(outcome);
+    };
+    let (error, rest) = tokio::select! {
+        out = frames => out,
+        () = &mut hung => {
+            expired = true;
+            let why = format!("the target did not close the connection within {lend_timeout:?} of its end");
+            (TransportError::Connection(why), Rest::Ended)
         }
     };
     fail_all(

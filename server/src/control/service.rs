@@ -213,9 +213,12 @@ impl Collector {
             tier,
         )
         .await?;
-        self.store.record_repair_pass(now_ms(), report.still_under_replicated).await?;
         metrics::counter!("starckpt_control_repair_copies_total").increment(report.copies_made);
         metrics::gauge!("starckpt_control_under_replicated_chunks").set(report.still_under_replicated as f64);
+        // The pass is done whatever becomes of its record: its report is not lost to that.
+        if let Err(error) = self.store.record_repair_pass(now_ms(), report.still_under_replicated).await {
+            tracing::warn!(%error, "could not record the re-replication pass; status reports the one before");
+        }
         Ok(Some(report))
     }
 
@@ -723,7 +726,11 @@ impl Control for ControlService {
             tracing::info!(%job, step = request.step, checkpoint = id, "pending checkpoint aborted by its writer");
             return Ok(Response::new(pb::DeleteCheckpointResponse {}));
         }
-        self.store.delete_checkpoint(&job, request.step, now_ms()).await.map_err(|e| caller.told(meta_status(e)))?;
+        let only = Some(request.checkpoint_id).filter(|&id| id != 0);
+        self.store
+            .delete_checkpoint(&job, request.step, only, now_ms())
+            .await
+            .map_err(|e| caller.told(meta_status(e)))?;
         tracing::info!(%job, step = request.step, "checkpoint deleted");
         Ok(Response::new(pb::DeleteCheckpointResponse {}))
     }

@@ -696,7 +696,9 @@ impl MetaStore for SqlStore {
             ))
         };
         if let Some(blob) = existing {
-            if decode_manifest(&blob, record.id, part.rank)? != part.manifest {
+            // The same content, its chunks placed elsewhere (a save retried after its answer was
+            // lost), is the same part.
+            if !decode_manifest(&blob, record.id, part.rank)?.same_content(&part.manifest) {
                 // Two writers of one rank: a relaunch that reused its run id (so it joined the
                 // preempted launch's checkpoint), or a step saved twice. Its parts are not of one
                 // launch: aborted before the last part could commit it mixed.
@@ -940,19 +942,21 @@ impl MetaStore for SqlStore {
         Ok(aborted)
     }
 
-    async fn delete_checkpoint(&self, job: &JobName, step: u64, now_ms: u64) -> MetaResult<()> {
+    async fn delete_checkpoint(&self, job: &JobName, step: u64, only: Option<u64>, now_ms: u64) -> MetaResult<()> {
         let mut tx = self.write().await?;
         let result = sqlx::query(
             "UPDATE checkpoints SET state = CASE WHEN state = 'committed' THEN 'deleted' ELSE 'aborted' END, ended_at_ms = $1
-             WHERE job = $2 AND step = $3 AND state IN ('pending', 'committed')",
+             WHERE job = $2 AND step = $3 AND state IN ('pending', 'committed') AND ($4 = 0 OR id = $4)",
         )
         .bind(to_i64(now_ms, "time")?)
         .bind(job.as_str())
         .bind(to_i64(step, "step")?)
+        .bind(to_i64(only.unwrap_or(0), "checkpoint id")?)
         .execute(&mut *tx)
         .await?;
         if result.rows_affected() == 0 {
-            return Err(MetaError::NotFound(format!("job {job} has no checkpoint at step {step}")));
+            let which = only.map_or(String::new(), |id| format!(" (checkpoint {id})"));
+            return Err(MetaError::NotFound(format!("job {job} has no checkpoint at step {step}{which}")));
         }
         tx.commit().await?;
         Ok(())

@@ -304,8 +304,10 @@ pub trait MetaStore: Send + Sync + 'static {
         from_rank: u32,
         max_bytes: usize,
     ) -> MetaResult<ManifestPage>;
-    /// Committed → deleted; pending → aborted. NotFound if neither exists.
-    async fn delete_checkpoint(&self, job: &JobName, step: u64, now_ms: u64) -> MetaResult<()>;
+    /// Committed → deleted; pending → aborted. With `only`, just when checkpoint `only` is the
+    /// one at `step` (a caller acting on what it saw earlier never deletes a newer one). NotFound
+    /// if there is none.
+    async fn delete_checkpoint(&self, job: &JobName, step: u64, only: Option<u64>, now_ms: u64) -> MetaResult<()>;
     /// Pending → aborted for checkpoint `id` of `job` only, its writer giving up on it. Ok if it
     /// is aborted already; FailedPrecondition if it committed (or was deleted), NotFound if `job`
     /// has no checkpoint `id`.
@@ -581,8 +583,13 @@ pub(crate) mod conformance {
         let after_one = store.commit_part(&part(first.id, 0, "r0.pt", 10), 3, 0).await.unwrap();
         assert_eq!((after_one.state, after_one.parts_committed), (CheckpointState::Pending, 1));
         assert_eq!(store.latest(&job("j")).await.unwrap(), None, "not visible before every rank");
-        // Idempotent re-commit; out-of-range rank; unknown checkpoint.
+        // Idempotent re-commit, also with the chunks placed elsewhere; out-of-range rank; unknown
+        // checkpoint.
         store.commit_part(&part(first.id, 0, "r0.pt", 10), 4, 0).await.unwrap();
+        let mut moved = part(first.id, 0, "r0.pt", 10);
+        moved.manifest.files[0].chunks.iter_mut().for_each(|c| c.replicas = vec!["elsewhere".into()]);
+        let same = store.commit_part(&moved, 4, 0).await.unwrap();
+        assert_eq!((same.state, same.parts_committed), (CheckpointState::Pending, 1));
         assert!(matches!(
             store.commit_part(&part(first.id, 2, "r2.pt", 1), 4, 0).await,
             Err(MetaError::InvalidArgument(_))
@@ -634,7 +641,7 @@ pub(crate) mod conformance {
         assert!(matches!(page(ManifestOf::Checkpoint(first.id), 3, 1).await, Err(MetaError::InvalidArgument(_))));
         assert!(matches!(page(ManifestOf::Checkpoint(first.id + 1), 0, 1).await, Err(MetaError::NotFound(_))));
         // A checkpoint deleted between pages is not read on from.
-        store.delete_checkpoint(&job("paged"), 100, 7).await.unwrap();
+        store.delete_checkpoint(&job("paged"), 100, None, 7).await.unwrap();
         assert!(matches!(page(ManifestOf::Checkpoint(first.id), 1, 1).await, Err(MetaError::NotFound(_))));
     }
 
@@ -699,10 +706,10 @@ pub(crate) mod conformance {
         );
 
         // Delete the latest: latest falls back; the step can be saved again.
-        store.delete_checkpoint(&job("c"), 2, 7).await.unwrap();
+        store.delete_checkpoint(&job("c"), 2, None, 7).await.unwrap();
         assert_eq!(store.latest(&job("c")).await.unwrap().unwrap().step, 1);
         assert!(matches!(store.get_manifest(&job("c"), Some(2)).await, Err(MetaError::NotFound(_))));
-        assert!(matches!(store.delete_checkpoint(&job("c"), 2, 8).await, Err(MetaError::NotFound(_))));
+        assert!(matches!(store.delete_checkpoint(&job("c"), 2, None, 8).await, Err(MetaError::NotFound(_))));
         let again = store.begin_checkpoint(&begin("c", 2, 1, epoch), 9).await.unwrap();
         assert_ne!(again.id, active.id);
         // Its writer's abort of the first step 2 leaves the second alone.
@@ -724,6 +731,14 @@ pub(crate) mod conformance {
         let jobs = store.list_jobs().await.unwrap();
         let c = jobs.iter().find(|j| j.job == "c").unwrap();
         assert_eq!((c.committed_checkpoints, c.latest_step, c.committed_bytes), (1, Some(1), 1));
+
+        // A delete of the checkpoint seen earlier leaves a newer one at its step alone.
+        let stale = store.delete_checkpoint(&job("c"), 2, Some(active.id), 11).await;
+        assert!(matches!(stale, Err(MetaError::NotFound(_))), "{stale:?}");
+        assert!(matches!(store.delete_checkpoint(&job("c"), 1, Some(again.id), 11).await, Err(MetaError::NotFound(_))));
+        assert_eq!(store.latest(&job("c")).await.unwrap().unwrap().id, committed.id);
+        store.delete_checkpoint(&job("c"), 1, Some(committed.id), 11).await.unwrap();
+        assert_eq!(store.latest(&job("c")).await.unwrap(), None);
     }
 
     /// A relaunch reusing the run id of the launch before joins its pending checkpoint: a rank
@@ -954,13 +969,13 @@ pub(crate) mod conformance {
         store.commit_part(&part_with_hash(committed.id, 0, 1), 2, 0).await.unwrap();
         let deleted = store.begin_checkpoint(&begin("g", 2, 1, epoch), 3).await.unwrap();
         store.commit_part(&part_with_hash(deleted.id, 0, 2), 4, 0).await.unwrap();
-        store.delete_checkpoint(&job("g"), 2, 5).await.unwrap();
+        store.delete_checkpoint(&job("g"), 2, None, 5).await.unwrap();
         // A pending checkpoint's committed parts are live; an aborted one's are not.
         let pending = store.begin_checkpoint(&begin("g", 3, 2, epoch), 6).await.unwrap();
         store.commit_part(&part_with_hash(pending.id, 0, 3), 7, 0).await.unwrap();
         let aborted = store.begin_checkpoint(&begin("g", 4, 2, epoch), 8).await.unwrap();
         store.commit_part(&part_with_hash(aborted.id, 0, 4), 9, 0).await.unwrap();
-        store.delete_checkpoint(&job("g"), 4, 10).await.unwrap();
+        store.delete_checkpoint(&job("g"), 4, None, 10).await.unwrap();
         let live = store.live_chunks().await.unwrap();
         assert_eq!(live, [ChunkHash([1; 32]), ChunkHash([3; 32])].into_iter().collect());
     }
@@ -1012,7 +1027,7 @@ pub(crate) mod conformance {
         assert!(store.untiered_checkpoints().await.unwrap().is_empty());
         // Deleted tiered checkpoints are what a sweep is for; once swept they are forgotten.
         assert!(store.tiered_gone().await.unwrap().is_empty());
-        store.delete_checkpoint(&job("tj"), 1, 90).await.unwrap();
+        store.delete_checkpoint(&job("tj"), 1, None, 90).await.unwrap();
         assert_eq!(store.tiered_gone().await.unwrap(), [ids[0]]);
         store.forget_tiered(&[ids[0]]).await.unwrap();
         assert!(store.tiered_gone().await.unwrap().is_empty());
@@ -1175,7 +1190,7 @@ pub(crate) mod conformance {
         store.commit_part(&with(pending.id, 5, &["t1"]), 8, 0).await.unwrap();
         let deleted = store.begin_checkpoint(&begin("cc", 3, 1, epoch), 9).await.unwrap();
         store.commit_part(&with(deleted.id, 6, &["t1"]), 10, 0).await.unwrap();
-        store.delete_checkpoint(&job("cc"), 3, 11).await.unwrap();
+        store.delete_checkpoint(&job("cc"), 3, None, 11).await.unwrap();
 
         let chunks = store.committed_chunks(2).await.unwrap();
         assert_eq!(chunks.len(), 2, "{chunks:?}");
