@@ -195,6 +195,16 @@ fn checkpoints_through_the_mount_with_everyday_tools() {
     sh_ok(&format!("cmp {} {m}/llama/400/big.bin", big.display()));
     std::fs::remove_file(&big).unwrap();
 
+    // A file its writer closed is final while another descriptor of it is still open (its
+    // release not yet come): the rename commits it, and writes through that descriptor fail.
+    let out = python(&format!(
+        "import os\nos.mkdir('{m}/llama/held.tmp')\nf = open('{m}/llama/held.tmp/f', 'wb', buffering=0)\n\
+         f.write(b'z' * 100)\nother = os.dup(f.fileno())\nf.close()\nos.rename('{m}/llama/held.tmp', '{m}/llama/step_500')\n\
+         try:\n    os.write(other, b'more')\nexcept OSError as e:\n    print(e.errno)\nos.close(other)\n\
+         print(open('{m}/llama/500/f', 'rb').read() == b'z' * 100)"
+    ));
+    assert_eq!(out.split_whitespace().collect::<Vec<_>>(), ["95", "True"], "{out}");
+
     // What is refused, with the right errno, at once.
     assert_eq!(python_errno(&format!("open('{m}/llama/999/x', 'rb')")), "ENOENT");
     assert_eq!(python_errno(&format!("open('{m}/llama/100/new', 'wb')")), "EROFS");
@@ -318,6 +328,32 @@ fn killing_the_mount_mid_write_commits_nothing_and_unmount_paths_work() {
     let listed = cluster.json(&["ls", "job"]);
     let step_8 = listed.as_array().unwrap().iter().find(|c| c["step"] == 8).expect("step 8 committed");
     assert_eq!(step_8["bytes"], 6 << 20, "{step_8}");
+    // A writer that exits cleanly with the file still open (a program writing to its stdout):
+    // the kernel's close of it ends the file.
+    sh_ok(&format!("exec > {m}/job/stdout_9.txt; printf hello"));
+    // Opened by one process and written by another, which closes it last: its release ends it
+    // (a release names no process).
+    let file = std::fs::File::create(format!("{m}/job/child_10.txt")).unwrap();
+    let child = Command::new("sh").args(["-c", "printf world"]).stdout(file).status().unwrap();
+    assert!(child.success());
+    // A write the mount refuses (a seek back) fails the file: its close says so, and it is
+    // never committed. A name with a multibyte character before its digits is just a name.
+    let refused = python(&format!(
+        "import os\nf = open('{m}/job/seek_11.bin', 'wb', buffering=0)\nf.write(b'a' * 10)\nf.seek(0)\n\
+         try:\n    f.write(b'b')\nexcept OSError as e:\n    print('write', e.errno)\n\
+         try:\n    f.close()\nexcept OSError as e:\n    print('close', e.errno)"
+    ));
+    assert_eq!(refused.split_whitespace().collect::<Vec<_>>(), ["write", "95", "close", "95"], "{refused}");
+    sh_ok(&format!("printf x > {m}/job/é12"));
+    let committed = |step: u64| {
+        let listed = cluster.json(&["ls", "job", "--all"]);
+        listed.as_array().unwrap().iter().find(|c| c["step"] == step && c["state"] == "committed").cloned()
+    };
+    for (step, bytes) in [(9, 5), (10, 5), (12, 1)] {
+        let checkpoint = committed(step).unwrap_or_else(|| panic!("step {step} was not committed"));
+        assert_eq!(checkpoint["bytes"], bytes, "{checkpoint}");
+    }
+    assert!(committed(11).is_none(), "a file whose write failed was committed");
     drop(mount_again);
 
     // fusermount3 -u from outside: the daemon notices and exits cleanly.

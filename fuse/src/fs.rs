@@ -132,6 +132,10 @@ struct DraftFile {
     open_handles: AtomicU64,
     /// Unlinked while open: never committed.
     abandoned: std::sync::atomic::AtomicBool,
+    /// Its opener died with it open (a flush said so): never ended.
+    killed: std::sync::atomic::AtomicBool,
+    /// Flushes whose requester is still being judged ([`CkptFs::judge`]); release waits for them.
+    judging: (Mutex<u32>, std::sync::Condvar),
 }
 
 impl DraftFile {
@@ -501,6 +505,8 @@ impl CkptFs {
             writer: tokio::sync::Mutex::new(Writer::Open(writer)),
             open_handles: AtomicU64::new(0),
             abandoned: std::sync::atomic::AtomicBool::new(false),
+            killed: std::sync::atomic::AtomicBool::new(false),
+            judging: Default::default(),
         }))
     }
 
@@ -528,8 +534,66 @@ impl CkptFs {
         fh
     }
 
-    /// Drops a one-file checkpoint that will never be committed (unlinked, or its writer died):
-    /// out of the job's listing, its staging memory let go with its last handle.
+    /// Whether a flush of `file` by the thread behind `req` is its opener's, and how that thread
+    /// stands: None when not told within [`JUDGE_WAIT`].
+    ///
+    /// Judged off the FUSE thread: reading `/proc/<pid>/stat` blocks while that process is in
+    /// the middle of an exec, and an exec closing close-on-exec descriptors is what sends some
+    /// flushes; the read ends only once the flush is answered. Untold in time is such an exec,
+    /// which is not the end of the file. A verdict that comes later still marks the file killed
+    /// when it should, and release waits for it ([`Self::judged`]).
+    fn judge(file: &Arc<DraftFile>, opener: u32, req: &Request) -> Option<(bool, Requester)> {
+        let (tid, uid) = (req.pid(), req.uid());
+        *file.judging.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        let (sender, verdict) = std::sync::mpsc::sync_channel(1);
+        let judged = Arc::clone(file);
+        let judge = move || {
+            let by_opener = tgid_of(tid) == Some(opener);
+            let requester = requester(tid, uid);
+            if by_opener && requester == Requester::Died {
+                judged.killed.store(true, Ordering::Relaxed);
+            }
+            *judged.judging.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+            judged.judging.1.notify_all();
+            let _ = sender.send((by_opener, requester));
+        };
+        if let Err(e) = std::thread::Builder::new().name("fuse-judge".into()).spawn(judge) {
+            // Whether its writer died cannot be told: never commit what may be a truncated file.
+            tracing::error!(job = %file.job, path = %file.path(), "cannot judge a close ({e}): the file is given up");
+            file.killed.store(true, Ordering::Relaxed);
+            *file.judging.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+            return Some((true, Requester::Died));
+        }
+        verdict.recv_timeout(JUDGE_WAIT).ok()
+    }
+
+    /// Waits for every judgment of `file` still under way ([`Self::judge`]); one that takes past
+    /// [`JUDGED_WAIT`] gives the file up (whether its writer died cannot be told).
+    fn judged(file: &DraftFile) {
+        let (count, done) = &file.judging;
+        let pending = count.lock().unwrap_or_else(|p| p.into_inner());
+        let (pending, waited) =
+            done.wait_timeout_while(pending, JUDGED_WAIT, |n| *n > 0).unwrap_or_else(|p| p.into_inner());
+        if waited.timed_out() && *pending > 0 {
+            tracing::error!(job = %file.job, path = %file.path(), "a close was never judged: the file is given up");
+            file.killed.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Gives up a file its opener died writing: the partial chunk's staging buffer goes back to
+    /// the pool now rather than with the mount, and the file fails (EIO) whatever would end it.
+    fn abandon(&self, file: &Arc<DraftFile>) {
+        self.block_on(async {
+            let mut writer = file.writer.lock().await;
+            if matches!(&*writer, Writer::Open(_)) {
+                tracing::warn!(job = %file.job, path = %file.path(), "its writer died mid-write: the file is given up");
+                *writer = Writer::Failed(Errno::EIO);
+            }
+        });
+    }
+
+    /// Drops a one-file checkpoint that will never be committed (unlinked, its writer died, or a
+    /// write failed): out of the job's listing, its staging memory let go with its last handle.
     fn discard_single(&self, file: &Arc<DraftFile>) {
         file.abandoned.store(true, Ordering::Relaxed);
         let key = (file.job.clone(), file.path());
@@ -642,21 +706,22 @@ impl CkptFs {
         let job = job.to_owned();
         let mut streamed = Vec::with_capacity(files.len());
         for file in files {
-            // A file created and closed without data may still have its release on the way.
+            // A file its writer closed is final, even with its release still on the way (the
+            // kernel sends it after close() returns). One that no close ended (closed without
+            // data, or last by a child) ends with its release: wait for that a little.
             let deadline = Instant::now() + Duration::from_secs(1);
-            while file.open_handles.load(Ordering::Relaxed) > 0
-                && file.size.load(Ordering::Relaxed) == 0
-                && Instant::now() < deadline
-            {
+            let open = || {
+                file.open_handles.load(Ordering::Relaxed) > 0
+                    && matches!(&*self.block_on(file.writer.lock()), Writer::Open(_))
+            };
+            while open() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(10));
-            }
-            if file.open_handles.load(Ordering::Relaxed) > 0 {
-                // Still open for writing: committing could cut it short.
-                return Err(Errno::EBUSY);
             }
             let writer = self.block_on(file.writer.lock());
             match &*writer {
                 Writer::Done(done) => streamed.push(done.clone()),
+                // Still open for writing: committing could cut it short.
+                Writer::Open(_) if file.open_handles.load(Ordering::Relaxed) > 0 => return Err(Errno::EBUSY),
                 // Closed without data and never ended by a flush.
                 Writer::Open(stream) if stream.size() == 0 => {
                     drop(writer);
@@ -725,8 +790,18 @@ impl CkptFs {
         Ok(())
     }
 
-    fn delete_step(&self, job: &str, step: u64) -> Result<(), Errno> {
-        self.block_on(self.client.delete(job, step)).map_err(|e| errno("delete", &format!("{job}/{step}"), &e))?;
+    /// Deletes the checkpoint at `step` of `job`; with `only`, just when it is that checkpoint
+    /// (the name resolved to it earlier). A name that no longer resolved to what is there is
+    /// forgotten either way.
+    fn delete_step(&self, job: &str, step: u64, only: Option<u64>) -> Result<(), Errno> {
+        let deleted = match only {
+            Some(checkpoint) => self.block_on(self.client.delete_seen(job, step, checkpoint)),
+            None => self.block_on(self.client.delete(job, step)),
+        };
+        if let (Some(checkpoint), Err(Error::NotFound { .. })) = (only, &deleted) {
+            self.state().aliases.retain(|(j, _), (s, c, _)| !(j == job && *s == step && *c == checkpoint));
+        }
+        deleted.map_err(|e| errno("delete", &format!("{job}/{step}"), &e))?;
         let mut state = self.state();
         state.aliases.retain(|(j, _), (s, _, _)| !(j == job && *s == step));
         state.trees.remove(&(job.to_owned(), step));
@@ -831,19 +906,56 @@ fn remap(state: &mut State, old: &Node, new: Node) {
     }
 }
 
-/// Whether the process behind a request is exiting (killed, or returning from main): its
-/// descriptors are being closed for it, which says nothing about its writes being complete.
-fn requester_exiting(req: &Request) -> bool {
+/// How the thread behind a request stands, as far as its writes are concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Requester {
+    /// Running: its close is a close.
+    Running,
+    /// Exiting with status 0 (returned from main, `exit(0)`): the kernel closes what it left
+    /// open (`python export.py > f` never closes its stdout), and its writes are complete.
+    ExitedCleanly,
+    /// Exiting otherwise (killed, a failure status), or not to be told (gone, or its exit status
+    /// hidden from this process): its descriptors are closed for it, which says nothing about
+    /// its writes being complete.
+    Died,
+}
+
+/// How long a flush waits to learn how its requester stands ([`CkptFs::judge`]).
+const JUDGE_WAIT: Duration = Duration::from_millis(250);
+/// How long a release waits for a judgment still under way before giving the file up.
+const JUDGED_WAIT: Duration = Duration::from_secs(10);
+
+/// [`Requester`] of thread `tid` of user `uid`. Blocks while that thread's process is in the
+/// middle of an exec (see [`CkptFs::judge`]): never called on a FUSE thread.
+fn requester(tid: u32, uid: u32) -> Requester {
     const PF_EXITING: u64 = 0x4;
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", req.pid())) else { return true };
-    // After the parenthesised command name: state is field 3, flags field 9.
-    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else { return true };
-    rest.split_whitespace().nth(6).and_then(|f| f.parse::<u64>().ok()).is_none_or(|flags| flags & PF_EXITING != 0)
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{tid}/stat")) else { return Requester::Died };
+    // After the parenthesised command name: state is field 3, flags field 9, exit_code field 52.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else { return Requester::Died };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
+    let Some(flags) = field(9) else { return Requester::Died };
+    if flags & PF_EXITING == 0 {
+        return Requester::Running;
+    }
+    // The kernel shows a thread's exit code only to who may ptrace it (0 otherwise, which would
+    // read as a clean exit): root, or the thread's own user.
+    // SAFETY: geteuid(2) cannot fail.
+    let own = unsafe { libc::geteuid() };
+    let shown = own == 0 || own == uid;
+    match field(52) {
+        Some(0) if shown => Requester::ExitedCleanly,
+        _ => Requester::Died,
+    }
 }
 
 /// The process (thread group) of the thread that made `req`: FUSE names the thread.
 fn process_of(req: &Request) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", req.pid())).ok()?;
+    tgid_of(req.pid())
+}
+
+fn tgid_of(tid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
     status.lines().find_map(|line| line.strip_prefix("Tgid:")).and_then(|tgid| tgid.trim().parse().ok())
 }
 
@@ -1149,16 +1261,29 @@ impl Filesystem for CkptFs {
         let result = self.block_on(async {
             let mut writer = file.writer.lock().await;
             let Writer::Open(stream) = &mut *writer else {
-                // Closed files of a draft are final; reopening to append is not supported.
-                return Err(Errno::ENOTSUP);
+                // Closed files of a draft are final; reopening to append is not supported. A
+                // file whose write failed stays failed.
+                return Err(match &*writer {
+                    Writer::Failed(code) => *code,
+                    _ => Errno::ENOTSUP,
+                });
             };
-            if offset != stream.size() {
+            let failed = if offset != stream.size() {
                 // Only appends: bytes behind the write head are already on their way to targets.
-                return Err(Errno::ENOTSUP);
-            }
-            stream.write(data).await.map_err(|e| errno("write", &file.path(), &e))?;
-            file.size.store(stream.size(), Ordering::Relaxed);
-            Ok(())
+                Errno::ENOTSUP
+            } else {
+                match stream.write(data).await {
+                    Ok(()) => {
+                        file.size.store(stream.size(), Ordering::Relaxed);
+                        return Ok(());
+                    }
+                    Err(e) => errno("write", &file.path(), &e),
+                }
+            };
+            // The file is not what its writer wrote (a seek back to patch a header, or bytes a
+            // failed write may have half appended): never committed, and its close says so.
+            *writer = Writer::Failed(failed);
+            Err(failed)
         });
         match result {
             Ok(()) => reply.written(data.len() as u32),
@@ -1168,17 +1293,19 @@ impl Filesystem for CkptFs {
 
     fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
         let Some((file, opener)) = self.write_handle_opened(fh) else { return reply.ok() };
-        // close() of a descriptor. A shell's `echo x > f` closes a duplicate before writing, so
-        // a file nothing was written to yet is not ended here; it ends at release (or commit).
-        if file.size.load(Ordering::Relaxed) == 0 {
-            return reply.ok();
-        }
-        // A writer killed mid-write (or a forked child exiting) closes its descriptors too: that
-        // is not the end of the file, and must never commit a truncated one. Nor is another
-        // process's close: a child the writer started (`subprocess`, whose exec closes the
-        // inherited descriptor) while it was still writing. The file then ends at the opener's
-        // close, or at release once every descriptor is closed.
-        if requester_exiting(req) || opener.is_none_or(|opener| process_of(req) != Some(opener)) {
+        // close() of a descriptor, which ends the file when its opener closes it with data
+        // written. Not when it is closed for a writer killed mid-write (or before writing
+        // anything): that must never commit a truncated file; the file is marked, and its
+        // release gives it up. Nor another process's close: a child the writer started
+        // (`subprocess`, whose exec closes the inherited descriptor) while it was still
+        // writing, killed or not. The file then ends at the opener's close, or at its last
+        // release. An opener exiting cleanly without closing (a program writing to its stdout)
+        // ends it.
+        let Some(opener) = opener else { return reply.ok() };
+        let Some((true, requester)) = Self::judge(&file, opener, req) else { return reply.ok() };
+        // A shell's `echo x > f` closes a duplicate before writing, so a file nothing was written
+        // to yet is not ended here; it ends at release (or commit).
+        if requester == Requester::Died || file.size.load(Ordering::Relaxed) == 0 {
             return reply.ok();
         }
         match self.finish(&file) {
@@ -1204,7 +1331,7 @@ impl Filesystem for CkptFs {
 
     fn release(
         &self,
-        req: &Request,
+        _req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
@@ -1214,17 +1341,24 @@ impl Filesystem for CkptFs {
     ) {
         let handle = self.state().handles.remove(&fh.0);
         if let Some(Handle::Write(file, _)) = handle {
-            // Normally ended by a flush already. A file closed without data ends here, or closed
-            // by a process other than its opener. One whose last holder died, mid-write or before
-            // writing anything, is never ended: a draft holding it cannot commit, and a one-file
-            // checkpoint is dropped, its name free again for the writer's next run.
-            let exiting = requester_exiting(req);
-            if !exiting {
-                let _ = self.finish(&file);
-            }
-            let last = file.open_handles.fetch_sub(1, Ordering::Relaxed) == 1;
-            if exiting && last && file.draft.is_none() {
-                self.discard_single(&file);
+            // The last release ends a file no flush ended: closed without data, or last by a
+            // process other than its opener. One whose opener died mid-write (a flush said so:
+            // a release names no process) is never ended: its staging buffers go back now, a
+            // draft holding it cannot commit (EIO), and a one-file checkpoint is dropped, its
+            // name free again for the writer's next run, as is one whose write failed.
+            if file.open_handles.fetch_sub(1, Ordering::Relaxed) == 1 {
+                Self::judged(&file);
+                if file.killed.load(Ordering::Relaxed) {
+                    self.abandon(&file);
+                } else {
+                    // A failed commit stays listed; a failed file is judged below.
+                    let _ = self.finish(&file);
+                }
+                if file.draft.is_none()
+                    && self.block_on(async { matches!(&*file.writer.lock().await, Writer::Failed(_)) })
+                {
+                    self.discard_single(&file);
+                }
             }
         }
         reply.ok();
@@ -1245,8 +1379,9 @@ impl Filesystem for CkptFs {
                         return Ok(());
                     }
                     match alias {
-                        // A one-file checkpoint by its name: deleting the file deletes it.
-                        Some((step, _, Some(_))) => self.delete_step(&job, step),
+                        // A one-file checkpoint by its name: deleting the file deletes it (that
+                        // checkpoint only, never a newer one saved at its step since).
+                        Some((step, checkpoint, Some(_))) => self.delete_step(&job, step, Some(checkpoint)),
                         Some((_, _, None)) => Err(Errno::EISDIR),
                         None if name == "latest" => Err(Errno::EROFS),
                         None => match self.resolve(&Node::Job(job), name) {
@@ -1303,8 +1438,11 @@ impl Filesystem for CkptFs {
                     }
                 }
                 Node::Job(job) => match self.resolve(&Node::Job(job.clone()), name)? {
-                    // Removing a committed step's directory deletes the checkpoint.
-                    Node::StepDir { step, dir, .. } if dir.is_empty() => self.delete_step(&job, step),
+                    // Removing a committed step's directory deletes the checkpoint (the one the
+                    // name resolved to).
+                    Node::StepDir { step, checkpoint, dir, .. } if dir.is_empty() => {
+                        self.delete_step(&job, step, Some(checkpoint))
+                    }
                     Node::DraftDir { draft, .. } => {
                         let mut state = self.state();
                         let d = state.drafts.get(&draft).ok_or(Errno::ENOENT)?;

@@ -68,8 +68,11 @@ pub fn split(path: &str) -> (&str, &str) {
 /// The step a name stands for: its last run of decimal digits (`step_100` → 100,
 /// `step_100.pt` → 100, `000042` → 42). None if it has no digits or they overflow.
 pub fn step_of(name: &str) -> Option<u64> {
-    let end = name.rfind(|c: char| c.is_ascii_digit())? + 1;
-    let start = name[..end].rfind(|c: char| !c.is_ascii_digit()).map_or(0, |i| i + 1);
+    // By bytes: a digit is one byte, and the byte after a non-digit's last byte may start
+    // nothing (`é5`: an index inside `é` is no character boundary).
+    let bytes = name.as_bytes();
+    let end = bytes.iter().rposition(u8::is_ascii_digit)? + 1;
+    let start = bytes[..end].iter().rposition(|b| !b.is_ascii_digit()).map_or(0, |i| i + 1);
     name[start..end].parse().ok()
 }
 
