@@ -438,6 +438,36 @@ fn a_step_saved_again_serves_its_new_bytes() {
     }
 }
 
+/// A name the mount gave a checkpoint (a one-file checkpoint's file name) deletes that
+/// checkpoint only: once the step is saved again by someone else, removing the old name leaves
+/// the new checkpoint alone.
+#[test]
+fn removing_a_stale_name_never_deletes_a_newer_checkpoint() {
+    let cluster = Cluster::start(1);
+    let mount = Mounted::start(&cluster, &cluster.dir.path().join("ckpt"));
+    let m = mount.point.to_str().unwrap().to_owned();
+    sh_ok(&format!("mkdir {m}/stale && printf old > {m}/stale/weights_9.bin"));
+    let committed = |step: u64| {
+        let listed = cluster.json(&["ls", "stale"]);
+        listed.as_array().unwrap().iter().find(|c| c["step"] == step).map(|c| c["checkpoint_id"].clone())
+    };
+    let first = committed(9).expect("the one-file checkpoint committed");
+    // Saved again at step 9 from outside the mount.
+    cluster.ok(&["rm", "stale", "9"]);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("other.bin"), b"new").unwrap();
+    cluster.json(&["save", "--job", "stale", "--step", "9", source.to_str().unwrap()]);
+    let second = committed(9).expect("saved again");
+    assert_ne!(first, second);
+    assert_eq!(python_errno(&format!("os.unlink('{m}/stale/weights_9.bin')")), "ENOENT");
+    assert_eq!(committed(9), Some(second), "the newer checkpoint was deleted through the old name");
+    // Its own name deletes it, once past the mount's listing cache (1 s).
+    std::thread::sleep(Duration::from_millis(1500));
+    sh_ok(&format!("rmdir {m}/stale/9"));
+    assert_eq!(committed(9), None);
+}
+
 /// A directory of many entries lists each exactly once, across the many pages the kernel reads
 /// it in (each open lists it once; pages come from that listing).
 #[test]

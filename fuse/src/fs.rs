@@ -433,7 +433,7 @@ impl CkptFs {
             }
             Node::Job(job) => {
                 let key = (job.clone(), name.to_owned());
-                {
+                let alias = {
                     let state = self.state();
                     if let Some(draft) = state.draft_names.get(&key) {
                         return Ok(Node::DraftDir { draft: *draft, path: String::new() });
@@ -441,13 +441,23 @@ impl CkptFs {
                     if let Some(file) = state.single_files.get(&key) {
                         return Ok(Node::DraftFile { file: *file });
                     }
-                    if let Some((step, checkpoint, index)) = state.aliases.get(&key) {
-                        let (job, step, checkpoint) = (job.clone(), *step, *checkpoint);
-                        return Ok(match index {
-                            Some(index) => Node::StepFile { job, step, checkpoint, index: *index },
-                            None => Node::StepDir { job, step, checkpoint, dir: String::new() },
-                        });
+                    state.aliases.get(&key).copied()
+                };
+                if let Some((step, checkpoint, index)) = alias {
+                    // A name given to a checkpoint names it while it is the one at its step:
+                    // once that step is deleted or saved again elsewhere, the name is gone.
+                    if self.step_info(job, step)?.is_none_or(|info| info.checkpoint_id != checkpoint) {
+                        let mut state = self.state();
+                        if state.aliases.get(&key) == Some(&(step, checkpoint, index)) {
+                            state.aliases.remove(&key);
+                        }
+                        return Err(Errno::ENOENT);
                     }
+                    let job = job.clone();
+                    return Ok(match index {
+                        Some(index) => Node::StepFile { job, step, checkpoint, index },
+                        None => Node::StepDir { job, step, checkpoint, dir: String::new() },
+                    });
                 }
                 if name == "latest" {
                     return if self.steps(job)?.is_empty() {
