@@ -375,18 +375,8 @@ impl ControlService {
         }
         let wanted = self.store.replication(job).await.map_err(meta_status)?.unwrap_or(self.config.default_replicas);
         let (mut index, mut ids) = (ChunkIndex::new(), TargetIds::default());
-        for (manifest, chunk) in
-            parts.iter().flat_map(|(_, m)| m.files.iter().flat_map(move |f| f.chunks.iter().map(move |c| (m, c))))
-        {
-            let entry = index.entry(chunk.hash).or_insert_with(|| CommittedChunk {
-                length: chunk.length_bytes,
-                replicas: Default::default(),
-                wanted,
-                addressing: manifest.addressing,
-            });
-            for replica in &chunk.replicas {
-                entry.replicas.add(replica, &mut ids);
-            }
+        for (_, manifest) in &parts {
+            CommittedChunk::index(&mut index, manifest, wanted, &mut ids);
         }
         let index = Arc::new(index);
         if cached.len() >= CHUNK_INDEXES_KEPT {

@@ -155,6 +155,30 @@ pub struct CommittedChunk {
     pub addressing: starckpt_proto::Addressing,
 }
 
+impl CommittedChunk {
+    /// Adds the chunks `manifest` lists (each to have `wanted` copies, or more if another
+    /// manifest wants more) to `index`, with the targets it lists for them.
+    pub fn index(
+        index: &mut HashMap<ChunkHash, CommittedChunk>,
+        manifest: &Manifest,
+        wanted: u32,
+        ids: &mut TargetIds,
+    ) {
+        for chunk in manifest.files.iter().flat_map(|f| f.chunks.iter()) {
+            let entry = index.entry(chunk.hash).or_insert_with(|| CommittedChunk {
+                length: chunk.length_bytes,
+                replicas: Default::default(),
+                wanted,
+                addressing: manifest.addressing,
+            });
+            for replica in &chunk.replicas {
+                entry.replicas.add(replica, ids);
+            }
+            entry.wanted = entry.wanted.max(wanted);
+        }
+    }
+}
+
 /// The targets listed for a chunk, each once, in order. The ids are shared ([`TargetIds`]): a
 /// set of strings per chunk cost ~500 bytes, this ~56 with two replicas.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -633,19 +633,7 @@ impl MetaStore for SqlStore {
             let replicas: Option<i64> = row.try_get("replicas")?;
             let wanted = replicas.map_or(default_replicas, |r| u32::try_from(r).unwrap_or(default_replicas));
             let blob: Vec<u8> = row.try_get("manifest")?;
-            let manifest = decode_manifest(&blob, id, rank)?;
-            for chunk in manifest.files.iter().flat_map(|f| f.chunks.iter()) {
-                let entry = chunks.entry(chunk.hash).or_insert_with(|| CommittedChunk {
-                    length: chunk.length_bytes,
-                    replicas: Default::default(),
-                    wanted,
-                    addressing: manifest.addressing,
-                });
-                for replica in &chunk.replicas {
-                    entry.replicas.add(replica, &mut ids);
-                }
-                entry.wanted = entry.wanted.max(wanted);
-            }
+            CommittedChunk::index(&mut chunks, &decode_manifest(&blob, id, rank)?, wanted, &mut ids);
         }
         Ok(chunks)
     }
