@@ -1269,6 +1269,37 @@ async fn a_client_that_stops_reading_is_cut_off_whatever_the_send_mode() {
     }
 }
 
+/// One peer holds at most `max_connections_per_peer` connections: one past it is closed at once,
+/// and a slot given back serves the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_past_its_connection_limit_is_closed_and_others_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = DataPlaneLimits { max_connections_per_peer: 2, ..DataPlaneLimits::default() };
+    let target = start_target_on(dir.path(), "127.0.0.1:0", Transports::default(), limits).await;
+    let stat = starckpt_proto::data::StatRequest::default().encode_to_vec();
+    // A connection that answers a STAT is served; one past the limit is closed, unanswered.
+    async fn served(address: std::net::SocketAddr, stat: &[u8]) -> Option<tokio::net::TcpStream> {
+        let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        starckpt_proto::frame::write_frame(&mut stream, Opcode::Stat, 1, stat, &[]).await.ok()?;
+        let head = tokio::time::timeout(Duration::from_secs(30), starckpt_proto::frame::read_frame_head(&mut stream));
+        head.await.expect("neither answered nor closed").ok().map(|_| stream)
+    }
+    let first = served(target.address, &stat).await.expect("the first connection is served");
+    let _second = served(target.address, &stat).await.expect("the second connection is served");
+    assert!(served(target.address, &stat).await.is_none(), "a third connection was served");
+    drop(first);
+    // The slot comes back once the target sees the first connection closed.
+    let mut again = None;
+    for _ in 0..100 {
+        again = served(target.address, &stat).await;
+        if again.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(again.is_some(), "a slot given back was not taken again");
+}
+
 /// A client that reads none of its GET results holds at most its connection's share of the
 /// target's in-flight bytes: other clients' GETs and PUTs still go through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

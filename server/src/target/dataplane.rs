@@ -21,8 +21,9 @@
 // boxing it would only add an allocation.
 #![allow(clippy::result_large_err)]
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -56,6 +57,11 @@ pub struct DataPlaneLimits {
     /// Concurrent connections; more wait in the accept backlog. Default 1024: a few per client
     /// process, hundreds of trainer processes per target.
     pub max_connections: usize,
+    /// Of those, the most one peer address holds at once; a connection past it is closed as soon
+    /// as it is accepted (counted: `starckpt_target_refused_total{reason="peer_connections"}`).
+    /// One host leaking connections (a client made per step and never dropped) then runs out
+    /// alone. Default 256: a host of 8 trainer processes uses 16, two per process.
+    pub max_connections_per_peer: usize,
     /// Requests being served at once on one connection. Default 64.
     pub max_requests_per_connection: usize,
     /// Payload bytes buffered at once across all connections. Default 1 GiB: enough to keep a
@@ -89,6 +95,7 @@ impl Default for DataPlaneLimits {
     fn default() -> Self {
         DataPlaneLimits {
             max_connections: 1024,
+            max_connections_per_peer: 256,
             max_requests_per_connection: 64,
             max_inflight_bytes: 1 << 30,
             max_connection_inflight_bytes: 128 << 20,
@@ -284,6 +291,7 @@ pub async fn serve_with(
     // If this future is dropped (aborted) rather than shut down, its connections still close.
     let _stop_on_drop = stopping.clone().drop_guard();
     let connection_tasks = TaskTracker::new();
+    let peers = Arc::new(PeerConnections::default());
     let unix = shm.map(|s| s.listener);
     tokio::pin!(shutdown);
     loop {
@@ -311,9 +319,22 @@ pub async fn serve_with(
                 continue;
             }
         };
+        let peer_slot = match &accepted {
+            Accepted::Tcp(_, peer) => match peers.take(peer.ip(), served.limits.max_connections_per_peer) {
+                Some(slot) => Some(slot),
+                None => {
+                    metrics::counter!("starckpt_target_refused_total", "target" => served.store.target_id().unwrap_or_default().to_owned(), "reason" => "peer_connections").increment(1);
+                    debug!(%peer, limit = served.limits.max_connections_per_peer, "closed a connection past the peer's limit");
+                    continue;
+                }
+            },
+            // Unix-socket peers are this host's processes, each attaching once per target.
+            Accepted::Unix(_) => None,
+        };
         let served = Arc::clone(&served);
         let stop = stopping.child_token();
         connection_tasks.spawn(async move {
+            let _peer_slot = peer_slot;
             match accepted {
                 Accepted::Tcp(stream, peer) => {
                     let _ = stream.set_nodelay(true);
@@ -350,6 +371,41 @@ pub async fn serve_with(
 enum Accepted {
     Tcp(TcpStream, std::net::SocketAddr),
     Unix(tokio::net::UnixStream),
+}
+
+/// Connections open per peer address ([`DataPlaneLimits::max_connections_per_peer`]).
+#[derive(Default)]
+struct PeerConnections(Mutex<HashMap<std::net::IpAddr, usize>>);
+
+/// One of a peer's connections, given back when dropped.
+struct PeerSlot {
+    peers: Arc<PeerConnections>,
+    ip: std::net::IpAddr,
+}
+
+impl PeerConnections {
+    /// A slot for another connection of `ip`, if it holds fewer than `max`.
+    fn take(self: &Arc<Self>, ip: std::net::IpAddr, max: usize) -> Option<PeerSlot> {
+        let mut open = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let count = open.entry(ip).or_insert(0);
+        if *count >= max.max(1) {
+            return None;
+        }
+        *count += 1;
+        Some(PeerSlot { peers: Arc::clone(self), ip })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut open = self.peers.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = open.get_mut(&self.ip) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
 }
 
 /// A region a client shared, split into slots, and its staging memory if it shared that too.
