@@ -204,6 +204,15 @@ fn checkpoints_through_the_mount_with_everyday_tools() {
          print(open('{m}/llama/500/f', 'rb').read() == b'z' * 100)"
     ));
     assert_eq!(out.split_whitespace().collect::<Vec<_>>(), ["95", "True"], "{out}");
+    // Bytes written through such a descriptor before the rename are not in the file: the draft
+    // cannot commit.
+    let out = python(&format!(
+        "import os\nos.mkdir('{m}/llama/late.tmp')\nf = open('{m}/llama/late.tmp/f', 'wb', buffering=0)\n\
+         f.write(b'z' * 100)\nother = os.dup(f.fileno())\nf.close()\n\
+         for op in (lambda: os.write(other, b'more'), lambda: os.rename('{m}/llama/late.tmp', '{m}/llama/step_600')):\n\
+         \x20   try:\n        op()\n        print('ok')\n    except OSError as e:\n        print(e.errno)"
+    ));
+    assert_eq!(out.split_whitespace().collect::<Vec<_>>(), ["95", "5"], "{out}");
 
     // What is refused, with the right errno, at once.
     assert_eq!(python_errno(&format!("open('{m}/llama/999/x', 'rb')")), "ENOENT");

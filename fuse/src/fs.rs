@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::OsStr;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -18,11 +18,17 @@ use fuser::{
     OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen,
     ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
-use starckpt_client::{CheckpointInfo, Client, Error, StreamedFile, StreamingFile};
+use starckpt_client::{CheckpointInfo, Client, Error};
 use starckpt_proto::{JobName, RelPath};
 
 use crate::read::{Reader, Reads};
 use crate::tree::{Child, StepTree, join, parse_step_name, split, step_name, step_of};
+
+mod judge;
+mod write;
+
+use judge::{Requester, opener_of};
+use write::{Draft, DraftFile, Writer};
 
 /// Tunables of a mount.
 #[derive(Clone, Debug)]
@@ -96,59 +102,11 @@ enum Node {
     },
 }
 
-/// A directory tree being written, committed by renaming its top.
-struct Draft {
-    job: String,
-    name: String,
-    /// Every directory in it, "" (the top) included.
-    dirs: BTreeSet<String>,
-    /// Path → file id.
-    files: BTreeMap<String, u64>,
-    /// A rename-to-commit is in progress: changes inside are refused (EBUSY).
-    committing: bool,
-}
-
-enum Writer {
-    Open(StreamingFile),
-    Done(StreamedFile),
-    Failed(Errno),
-    /// A single-file checkpoint, committed at its first flush.
-    Committed,
-}
-
-/// A file being written.
-struct DraftFile {
-    job: String,
-    /// None: written directly in the job directory, a one-file checkpoint.
-    draft: Option<u64>,
-    /// Path inside the draft (a rename inside the draft changes it), or the file name in the
-    /// job directory.
-    path: Mutex<String>,
-    mode: AtomicU64,
-    size: AtomicU64,
-    created: SystemTime,
-    writer: tokio::sync::Mutex<Writer>,
-    /// Open write handles (create/open to release).
-    open_handles: AtomicU64,
-    /// Unlinked while open: never committed.
-    abandoned: std::sync::atomic::AtomicBool,
-    /// Its opener died with it open (a flush said so): never ended.
-    killed: std::sync::atomic::AtomicBool,
-    /// Flushes whose requester is still being judged ([`CkptFs::judge`]); release waits for them.
-    judging: (Mutex<u32>, std::sync::Condvar),
-}
-
-impl DraftFile {
-    fn path(&self) -> String {
-        self.path.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-}
-
 enum Handle {
     Read(Arc<Reader>),
-    /// A file being written, and the process that opened the handle (its thread group id, when
-    /// `/proc` tells): only that process's close ends the file ([`CkptFs::flush`]).
-    Write(Arc<DraftFile>, Option<u32>),
+    /// A file being written, and the process that opened the handle (its thread group id): only
+    /// that process's close ends the file ([`CkptFs::flush`]).
+    Write(Arc<DraftFile>, u32),
     /// An open directory: its listing as of `opendir`, which `readdir` pages through. Built once
     /// per open, not per page (the kernel asks for ~4 KiB of names at a time, so rebuilding it
     /// for each page made listing N entries cost N²/100 node lookups), and stable while open.
@@ -503,30 +461,13 @@ impl CkptFs {
         }
     }
 
-    fn new_draft_file(&self, job: &str, draft: Option<u64>, path: String, mode: u32) -> Result<Arc<DraftFile>, Errno> {
-        let writer = self.block_on(self.client.streaming_file(job)).map_err(|e| errno("create", &path, &e))?;
-        Ok(Arc::new(DraftFile {
-            job: job.to_owned(),
-            draft,
-            path: Mutex::new(path),
-            mode: AtomicU64::new(u64::from(mode & 0o7777)),
-            size: AtomicU64::new(0),
-            created: SystemTime::now(),
-            writer: tokio::sync::Mutex::new(Writer::Open(writer)),
-            open_handles: AtomicU64::new(0),
-            abandoned: std::sync::atomic::AtomicBool::new(false),
-            killed: std::sync::atomic::AtomicBool::new(false),
-            judging: Default::default(),
-        }))
-    }
-
     /// The file behind a write handle; None for read handles and unknown ones.
     fn write_handle(&self, fh: FileHandle) -> Option<Arc<DraftFile>> {
         self.write_handle_opened(fh).map(|(file, _)| file)
     }
 
     /// [`CkptFs::write_handle`], with the process that opened the handle.
-    fn write_handle_opened(&self, fh: FileHandle) -> Option<(Arc<DraftFile>, Option<u32>)> {
+    fn write_handle_opened(&self, fh: FileHandle) -> Option<(Arc<DraftFile>, u32)> {
         match self.state().handles.get(&fh.0) {
             Some(Handle::Write(file, opener)) => Some((Arc::clone(file), *opener)),
             _ => None,
@@ -537,267 +478,20 @@ impl CkptFs {
         if let Handle::Write(file, _) = &handle {
             file.open_handles.fetch_add(1, Ordering::Relaxed);
         }
+        self.insert_handle(handle)
+    }
+
+    /// Adds the handle `create` opened a new file with (counted in its `open_handles` already).
+    fn add_created(&self, file: Arc<DraftFile>, opener: u32) -> u64 {
+        self.insert_handle(Handle::Write(file, opener))
+    }
+
+    fn insert_handle(&self, handle: Handle) -> u64 {
         let mut state = self.state();
         let fh = state.next_handle;
         state.next_handle += 1;
         state.handles.insert(fh, handle);
         fh
-    }
-
-    /// Whether a flush of `file` by the thread behind `req` is its opener's, and how that thread
-    /// stands: None when not told within [`JUDGE_WAIT`].
-    ///
-    /// Judged off the FUSE thread: reading `/proc/<pid>/stat` blocks while that process is in
-    /// the middle of an exec, and an exec closing close-on-exec descriptors is what sends some
-    /// flushes; the read ends only once the flush is answered. Untold in time is such an exec,
-    /// which is not the end of the file. A verdict that comes later still marks the file killed
-    /// when it should, and release waits for it ([`Self::judged`]).
-    fn judge(file: &Arc<DraftFile>, opener: u32, req: &Request) -> Option<(bool, Requester)> {
-        let (tid, uid) = (req.pid(), req.uid());
-        *file.judging.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-        let (sender, verdict) = std::sync::mpsc::sync_channel(1);
-        let judged = Arc::clone(file);
-        let judge = move || {
-            let by_opener = tgid_of(tid) == Some(opener);
-            let requester = requester(tid, uid);
-            if by_opener && requester == Requester::Died {
-                judged.killed.store(true, Ordering::Relaxed);
-            }
-            *judged.judging.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
-            judged.judging.1.notify_all();
-            let _ = sender.send((by_opener, requester));
-        };
-        if let Err(e) = std::thread::Builder::new().name("fuse-judge".into()).spawn(judge) {
-            // Whether its writer died cannot be told: never commit what may be a truncated file.
-            tracing::error!(job = %file.job, path = %file.path(), "cannot judge a close ({e}): the file is given up");
-            file.killed.store(true, Ordering::Relaxed);
-            *file.judging.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
-            return Some((true, Requester::Died));
-        }
-        verdict.recv_timeout(JUDGE_WAIT).ok()
-    }
-
-    /// Waits for every judgment of `file` still under way ([`Self::judge`]); one that takes past
-    /// [`JUDGED_WAIT`] gives the file up (whether its writer died cannot be told).
-    fn judged(file: &DraftFile) {
-        let (count, done) = &file.judging;
-        let pending = count.lock().unwrap_or_else(|p| p.into_inner());
-        let (pending, waited) =
-            done.wait_timeout_while(pending, JUDGED_WAIT, |n| *n > 0).unwrap_or_else(|p| p.into_inner());
-        if waited.timed_out() && *pending > 0 {
-            tracing::error!(job = %file.job, path = %file.path(), "a close was never judged: the file is given up");
-            file.killed.store(true, Ordering::Relaxed);
-        }
-    }
-
-    /// Gives up a file its opener died writing: the partial chunk's staging buffer goes back to
-    /// the pool now rather than with the mount, and the file fails (EIO) whatever would end it.
-    fn abandon(&self, file: &Arc<DraftFile>) {
-        self.block_on(async {
-            let mut writer = file.writer.lock().await;
-            if matches!(&*writer, Writer::Open(_)) {
-                tracing::warn!(job = %file.job, path = %file.path(), "its writer died mid-write: the file is given up");
-                *writer = Writer::Failed(Errno::EIO);
-            }
-        });
-    }
-
-    /// Drops a one-file checkpoint that will never be committed (unlinked, its writer died, or a
-    /// write failed): out of the job's listing, its staging memory let go with its last handle.
-    fn discard_single(&self, file: &Arc<DraftFile>) {
-        file.abandoned.store(true, Ordering::Relaxed);
-        let key = (file.job.clone(), file.path());
-        let mut state = self.state();
-        let id = state.single_files.get(&key).copied();
-        if let Some(id) = id.filter(|id| state.files.get(id).is_some_and(|f| Arc::ptr_eq(f, file))) {
-            state.single_files.remove(&key);
-            state.files.remove(&id);
-        }
-    }
-
-    /// Ends a file's writes: its bytes durable, its chunk list final. A one-file checkpoint is
-    /// committed here. Idempotent; a failure is reported again on every later call.
-    fn finish(&self, file: &Arc<DraftFile>) -> Result<(), Errno> {
-        self.block_on(async {
-            let mut writer = file.writer.lock().await;
-            // Read under the writer lock: a rename inside the draft takes that lock too.
-            let path = file.path();
-            match std::mem::replace(&mut *writer, Writer::Failed(Errno::EIO)) {
-                Writer::Open(stream) => {
-                    let Ok(rel) = RelPath::try_from(path.as_str()) else { return Err(Errno::EINVAL) };
-                    let mode = file.mode.load(Ordering::Relaxed) as u32;
-                    match stream.finish(rel, mode).await {
-                        Ok(done) => *writer = Writer::Done(done),
-                        Err(e) => {
-                            let code = errno("write", &path, &e);
-                            *writer = Writer::Failed(code);
-                            return Err(code);
-                        }
-                    }
-                }
-                other => *writer = other,
-            }
-            if file.draft.is_none()
-                && !file.abandoned.load(Ordering::Relaxed)
-                && let Writer::Done(done) = &*writer
-            {
-                let step = step_of(&path).ok_or(Errno::EINVAL)?;
-                let metadata = [(NAME_KEY.to_owned(), path.clone())].into_iter().collect();
-                let checkpoint =
-                    match self.client.commit_streamed(&file.job, step, vec![done.clone()], vec![], metadata).await {
-                        Ok(outcome) => outcome.checkpoint_id,
-                        // Keep the finished file: a later flush or fsync retries the commit.
-                        Err(e) => return Err(errno("commit", &path, &e)),
-                    };
-                *writer = Writer::Committed;
-                self.committed_single(file, step, checkpoint);
-            }
-            match &*writer {
-                Writer::Failed(code) => Err(*code),
-                _ => Ok(()),
-            }
-        })
-    }
-
-    /// Bookkeeping after a one-file checkpoint committed: the name now resolves to the committed
-    /// file, through the same inode.
-    fn committed_single(&self, file: &Arc<DraftFile>, step: u64, checkpoint: u64) {
-        let mut state = self.state();
-        let key = (file.job.clone(), file.path());
-        let id = state
-            .single_files
-            .get(&key)
-            .copied()
-            .filter(|id| state.files.get(id).is_some_and(|f| Arc::ptr_eq(f, file)));
-        if let Some(id) = id {
-            state.single_files.remove(&key);
-            state.files.remove(&id);
-            let new = Node::StepFile { job: file.job.clone(), step, checkpoint, index: 0 };
-            remap(&mut state, &Node::DraftFile { file: id }, new);
-        }
-        state.trees.remove(&(file.job.clone(), step));
-        state.aliases.insert(key, (step, checkpoint, Some(0)));
-        state.jobs = None;
-        state.steps.remove(&file.job);
-    }
-
-    /// Commits draft `id` as step `step` of its job, under `name`.
-    fn commit_draft(&self, id: u64, step: u64, name: &str) -> Result<(), Errno> {
-        let (job, files, dirs) = {
-            let mut state = self.state();
-            let draft = state.drafts.get_mut(&id).ok_or(Errno::ENOENT)?;
-            if draft.committing {
-                return Err(Errno::EBUSY);
-            }
-            draft.committing = true;
-            let (job, dirs) = (draft.job.clone(), draft.dirs.clone());
-            let ids: Vec<u64> = draft.files.values().copied().collect();
-            let files: Vec<Arc<DraftFile>> = ids.iter().filter_map(|f| state.files.get(f).cloned()).collect();
-            (job, files, dirs)
-        };
-        let result = self.commit_draft_files(id, step, name, &job, &files, &dirs);
-        if result.is_err()
-            && let Some(draft) = self.state().drafts.get_mut(&id)
-        {
-            draft.committing = false;
-        }
-        result
-    }
-
-    fn commit_draft_files(
-        &self,
-        id: u64,
-        step: u64,
-        name: &str,
-        job: &str,
-        files: &[Arc<DraftFile>],
-        dirs: &BTreeSet<String>,
-    ) -> Result<(), Errno> {
-        let job = job.to_owned();
-        let mut streamed = Vec::with_capacity(files.len());
-        for file in files {
-            // A file its writer closed is final, even with its release still on the way (the
-            // kernel sends it after close() returns). One that no close ended (closed without
-            // data, or last by a child) ends with its release: wait for that a little.
-            let deadline = Instant::now() + Duration::from_secs(1);
-            let open = || {
-                file.open_handles.load(Ordering::Relaxed) > 0
-                    && matches!(&*self.block_on(file.writer.lock()), Writer::Open(_))
-            };
-            while open() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let writer = self.block_on(file.writer.lock());
-            match &*writer {
-                Writer::Done(done) => streamed.push(done.clone()),
-                // Still open for writing: committing could cut it short.
-                Writer::Open(_) if file.open_handles.load(Ordering::Relaxed) > 0 => return Err(Errno::EBUSY),
-                // Closed without data and never ended by a flush.
-                Writer::Open(stream) if stream.size() == 0 => {
-                    drop(writer);
-                    self.finish(file)?;
-                    match &*self.block_on(file.writer.lock()) {
-                        Writer::Done(done) => streamed.push(done.clone()),
-                        _ => return Err(Errno::EIO),
-                    }
-                }
-                // Abandoned mid-write (its writer died before a clean close).
-                Writer::Open(_) => return Err(Errno::EBUSY),
-                Writer::Failed(code) => return Err(*code),
-                Writer::Committed => return Err(Errno::EINVAL),
-            }
-        }
-        let directories: Vec<RelPath> =
-            dirs.iter().filter(|d| !d.is_empty()).filter_map(|d| RelPath::try_from(d.as_str()).ok()).collect();
-        let metadata = [(NAME_KEY.to_owned(), name.to_owned())].into_iter().collect();
-        let checkpoint = self
-            .block_on(self.client.commit_streamed(&job, step, streamed, directories, metadata))
-            .map_err(|e| errno("commit", &format!("{job}/{name}"), &e))?
-            .checkpoint_id;
-        // The kernel may still hold inodes of the draft: each becomes its committed counterpart.
-        self.state().trees.remove(&(job.clone(), step));
-        let tree = self.tree(&job, step).ok();
-        let mut state = self.state();
-        let draft_files: HashMap<u64, String> = match state.drafts.remove(&id) {
-            Some(draft) => {
-                state.draft_names.remove(&(draft.job.clone(), draft.name.clone()));
-                for file in draft.files.values() {
-                    state.files.remove(file);
-                }
-                draft.files.into_iter().map(|(path, file)| (file, path)).collect()
-            }
-            None => HashMap::new(),
-        };
-        let moves: Vec<(u64, Node)> = state
-            .inodes
-            .iter()
-            .filter_map(|(ino, (node, _))| {
-                let new = match node {
-                    Node::DraftDir { draft, path } if *draft == id => {
-                        Node::StepDir { job: job.clone(), step, checkpoint, dir: path.clone() }
-                    }
-                    Node::DraftFile { file } => {
-                        let path = draft_files.get(file)?;
-                        let index = tree.as_ref()?.manifest.files.iter().position(|f| f.path.as_str() == path)?;
-                        Node::StepFile { job: job.clone(), step, checkpoint, index }
-                    }
-                    _ => return None,
-                };
-                Some((*ino, new))
-            })
-            .collect();
-        for (ino, new) in moves {
-            let old = state.inodes.get(&ino).map(|(node, _)| node.clone());
-            if let Some(old) = old {
-                remap(&mut state, &old, new);
-            }
-        }
-        if name != step_name(step) {
-            state.aliases.insert((job.clone(), name.to_owned()), (step, checkpoint, None));
-        }
-        state.jobs = None;
-        state.steps.remove(&job);
-        Ok(())
     }
 
     /// Deletes the checkpoint at `step` of `job`; with `only`, just when it is that checkpoint
@@ -914,59 +608,6 @@ fn remap(state: &mut State, old: &Node, new: Node) {
         }
         state.by_node.insert(new, ino);
     }
-}
-
-/// How the thread behind a request stands, as far as its writes are concerned.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Requester {
-    /// Running: its close is a close.
-    Running,
-    /// Exiting with status 0 (returned from main, `exit(0)`): the kernel closes what it left
-    /// open (`python export.py > f` never closes its stdout), and its writes are complete.
-    ExitedCleanly,
-    /// Exiting otherwise (killed, a failure status), or not to be told (gone, or its exit status
-    /// hidden from this process): its descriptors are closed for it, which says nothing about
-    /// its writes being complete.
-    Died,
-}
-
-/// How long a flush waits to learn how its requester stands ([`CkptFs::judge`]).
-const JUDGE_WAIT: Duration = Duration::from_millis(250);
-/// How long a release waits for a judgment still under way before giving the file up.
-const JUDGED_WAIT: Duration = Duration::from_secs(10);
-
-/// [`Requester`] of thread `tid` of user `uid`. Blocks while that thread's process is in the
-/// middle of an exec (see [`CkptFs::judge`]): never called on a FUSE thread.
-fn requester(tid: u32, uid: u32) -> Requester {
-    const PF_EXITING: u64 = 0x4;
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{tid}/stat")) else { return Requester::Died };
-    // After the parenthesised command name: state is field 3, flags field 9, exit_code field 52.
-    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else { return Requester::Died };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
-    let Some(flags) = field(9) else { return Requester::Died };
-    if flags & PF_EXITING == 0 {
-        return Requester::Running;
-    }
-    // The kernel shows a thread's exit code only to who may ptrace it (0 otherwise, which would
-    // read as a clean exit): root, or the thread's own user.
-    // SAFETY: geteuid(2) cannot fail.
-    let own = unsafe { libc::geteuid() };
-    let shown = own == 0 || own == uid;
-    match field(52) {
-        Some(0) if shown => Requester::ExitedCleanly,
-        _ => Requester::Died,
-    }
-}
-
-/// The process (thread group) of the thread that made `req`: FUSE names the thread.
-fn process_of(req: &Request) -> Option<u32> {
-    tgid_of(req.pid())
-}
-
-fn tgid_of(tid: u32) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
-    status.lines().find_map(|line| line.strip_prefix("Tgid:")).and_then(|tgid| tgid.trim().parse().ok())
 }
 
 fn wants_write(flags: OpenFlags) -> bool {
@@ -1146,6 +787,7 @@ impl Filesystem for CkptFs {
     ) {
         let result = (|| {
             let name = name_str(name)?;
+            let opener = opener_of(req.pid())?;
             let mode = mode & !umask & 0o7777;
             match self.node(parent)? {
                 Node::Job(job) => {
@@ -1161,7 +803,7 @@ impl Filesystem for CkptFs {
                     state.next_draft += 1;
                     state.files.insert(id, Arc::clone(&file));
                     state.single_files.insert((job, name.to_owned()), id);
-                    Ok((Node::DraftFile { file: id }, file))
+                    Ok((Node::DraftFile { file: id }, file, opener))
                 }
                 Node::DraftDir { draft, path } => {
                     let full = join(&path, name);
@@ -1187,7 +829,7 @@ impl Filesystem for CkptFs {
                     }
                     d.files.insert(full, id);
                     state.files.insert(id, Arc::clone(&file));
-                    Ok((Node::DraftFile { file: id }, file))
+                    Ok((Node::DraftFile { file: id }, file, opener))
                 }
                 Node::Root => Err(Errno::EPERM),
                 Node::StepDir { .. } => Err(Errno::EROFS),
@@ -1195,9 +837,9 @@ impl Filesystem for CkptFs {
             }
         })();
         match result {
-            Ok((node, file)) => {
+            Ok((node, file, opener)) => {
                 let ino = self.remember(node.clone());
-                let fh = self.add_handle(Handle::Write(file, process_of(req)));
+                let fh = self.add_created(file, opener);
                 match self.node_attr(ino, &node) {
                     Ok((attr, ttl)) => reply.created(&ttl, &attr, Generation(0), FileHandle(fh), FopenFlags::empty()),
                     Err(e) => reply.error(e),
@@ -1222,8 +864,9 @@ impl Filesystem for CkptFs {
                     // Its bytes are on the targets but not yet part of any checkpoint.
                     return Err(Errno::ENOTSUP);
                 }
+                let opener = opener_of(req.pid())?;
                 let file = self.state().files.get(&file).cloned().ok_or(Errno::ENOENT)?;
-                Ok((self.add_handle(Handle::Write(file, process_of(req))), FopenFlags::empty()))
+                Ok((self.add_handle(Handle::Write(file, opener)), FopenFlags::empty()))
             }
             Node::Latest(_) => Err(Errno::ELOOP),
             _ => Err(Errno::EISDIR),
@@ -1271,11 +914,17 @@ impl Filesystem for CkptFs {
         let result = self.block_on(async {
             let mut writer = file.writer.lock().await;
             let Writer::Open(stream) = &mut *writer else {
-                // Closed files of a draft are final; reopening to append is not supported. A
-                // file whose write failed stays failed.
-                return Err(match &*writer {
+                // Closed files are final; reopening to append is not supported. A file whose
+                // write failed stays failed. Bytes written after it ended (through a descriptor
+                // its opener shared before its close) are not in it: a draft holding it cannot
+                // commit.
+                return Err(match &mut *writer {
                     Writer::Failed(code) => *code,
-                    _ => Errno::ENOTSUP,
+                    Writer::Done(_) => {
+                        *writer = Writer::Failed(Errno::EIO);
+                        Errno::ENOTSUP
+                    }
+                    Writer::Committed | Writer::Open(_) => Errno::ENOTSUP,
                 });
             };
             let failed = if offset != stream.size() {
@@ -1311,8 +960,7 @@ impl Filesystem for CkptFs {
         // writing, killed or not. The file then ends at the opener's close, or at its last
         // release. An opener exiting cleanly without closing (a program writing to its stdout)
         // ends it.
-        let Some(opener) = opener else { return reply.ok() };
-        let Some((true, requester)) = Self::judge(&file, opener, req) else { return reply.ok() };
+        let Some((true, requester)) = file.judge(opener, req.pid()) else { return reply.ok() };
         // A shell's `echo x > f` closes a duplicate before writing, so a file nothing was written
         // to yet is not ended here; it ends at release (or commit).
         if requester == Requester::Died || file.size.load(Ordering::Relaxed) == 0 {
@@ -1356,19 +1004,19 @@ impl Filesystem for CkptFs {
             // a release names no process) is never ended: its staging buffers go back now, a
             // draft holding it cannot commit (EIO), and a one-file checkpoint is dropped, its
             // name free again for the writer's next run, as is one whose write failed.
-            if file.open_handles.fetch_sub(1, Ordering::Relaxed) == 1 {
-                Self::judged(&file);
-                if file.killed.load(Ordering::Relaxed) {
-                    self.abandon(&file);
-                } else {
-                    // A failed commit stays listed; a failed file is judged below.
-                    let _ = self.finish(&file);
+            file.judged();
+            let failed_single = self.block_on(async {
+                let mut writer = file.writer.lock().await;
+                if file.open_handles.fetch_sub(1, Ordering::Relaxed) != 1 {
+                    return false;
                 }
-                if file.draft.is_none()
-                    && self.block_on(async { matches!(&*file.writer.lock().await, Writer::Failed(_)) })
-                {
-                    self.discard_single(&file);
-                }
+                // A failed commit stays listed (a rename or a new open may retry it); a failed
+                // file is dropped.
+                let _ = self.end(&file, &mut writer).await;
+                file.draft.is_none() && matches!(&*writer, Writer::Failed(_))
+            });
+            if failed_single {
+                self.discard_single(&file);
             }
         }
         reply.ok();

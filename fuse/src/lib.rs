@@ -28,6 +28,13 @@
 //!   when it is closed (committed in `flush`, so `close()` reports a failure). It then also appears
 //!   as `/ckpt/job/100/step_100.pt`.
 //!
+//! A file ends at a close by the process that opened it (or that process's clean exit with it
+//! still open: `prog > /ckpt/job/step_5.out`), else once its last descriptor is closed. A writer
+//! killed (or exiting with a failure status) while writing has its file given up: a draft holding
+//! it fails its rename with `EIO`, a one-file checkpoint is never committed and its name is free
+//! again. So is a file written to after it ended (through a descriptor shared before the close),
+//! and one whose writer's fate the mount could not read.
+//!
 //! Files are written sequentially: bytes go to a staging buffer and each full chunk is uploaded at
 //! once (memory per open file: one chunk plus the uploads in flight, all from the SDK's bounded
 //! staging pool). `fsync` returns once every byte written so far is durable on the targets. A
@@ -45,6 +52,7 @@
 //! | hard links, symlinks                             | `EPERM`   |
 //! | a file directly in `/ckpt/` (outside a job)      | `EPERM`   |
 //! | a name without a step number where one is needed | `EINVAL`  |
+//! | opening for writing from a process this mount's `/proc` does not show (another pid namespace, `hidepid`): whether it finished its file could not be told | `EACCES` |
 //!
 //! `rmdir /ckpt/job/<step>` (or unlinking a one-file checkpoint by its name) deletes that
 //! checkpoint (its chunks are freed by GC). Killing the mount in the middle of a write commits

@@ -1,0 +1,176 @@
+//! Judging a close: whether the flush of a file being written is its opener's, and whether that
+//! opener is running, exiting cleanly, or dying (see [`CkptFs::flush`](super::CkptFs)). The
+//! kernel tells no FUSE filesystem why a descriptor is closed; `/proc` tells how the closing
+//! thread stands, and what it cannot tell is judged as a death: a file whose writer may have
+//! died is given up, never committed truncated.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use fuser::Errno;
+
+use super::DraftFile;
+
+impl DraftFile {
+    /// Whether a flush of this file by thread `tid` is its opener's, and how that thread
+    /// stands: None when not told within [`JUDGE_WAIT`].
+    ///
+    /// Judged off the FUSE thread: reading `/proc/<pid>/stat` blocks while that process is in
+    /// the middle of an exec, and an exec closing close-on-exec descriptors is what sends some
+    /// flushes; the read ends only once the flush is answered. Untold in time is such an exec,
+    /// which is not the end of the file. A verdict that comes later still marks the file killed
+    /// when it should, and release waits for it ([`Self::judged`]).
+    ///
+    /// While its flush is unanswered the thread cannot be gone; once answered, it may be (a
+    /// killed thread other than its process's first leaves no `/proc` entry behind). A thread
+    /// not found is judged as its opener, dead: the file is given up rather than maybe
+    /// committed truncated.
+    pub(super) fn judge(self: &Arc<Self>, opener: u32, tid: u32) -> Option<(bool, Requester)> {
+        *self.judging.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        let (sender, told) = std::sync::mpsc::sync_channel(1);
+        let judged = Arc::clone(self);
+        let judge = move || {
+            let (by_opener, requester) = verdict(tid, opener);
+            if by_opener && requester == Requester::Died {
+                judged.killed.store(true, Ordering::Relaxed);
+            }
+            *judged.judging.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+            judged.judging.1.notify_all();
+            let _ = sender.send((by_opener, requester));
+        };
+        if let Err(e) = std::thread::Builder::new().name("fuse-judge".into()).spawn(judge) {
+            // Whether its writer died cannot be told: never commit what may be a truncated file.
+            tracing::error!(job = %self.job, path = %self.path(), "cannot judge a close ({e}): the file is given up");
+            self.killed.store(true, Ordering::Relaxed);
+            *self.judging.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+            return Some((true, Requester::Died));
+        }
+        told.recv_timeout(JUDGE_WAIT).ok()
+    }
+
+    /// Waits for every judgment of this file still under way ([`Self::judge`]); one that takes
+    /// past [`JUDGED_WAIT`] gives the file up (whether its writer died cannot be told).
+    pub(super) fn judged(&self) {
+        let (count, done) = &self.judging;
+        let pending = count.lock().unwrap_or_else(|p| p.into_inner());
+        let (pending, waited) =
+            done.wait_timeout_while(pending, JUDGED_WAIT, |n| *n > 0).unwrap_or_else(|p| p.into_inner());
+        if waited.timed_out() && *pending > 0 {
+            tracing::error!(job = %self.job, path = %self.path(), "a close was never judged: the file is given up");
+            self.killed.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// How the thread behind a request stands, as far as its writes are concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Requester {
+    /// Running: its close is a close.
+    Running,
+    /// Exiting with status 0 (returned from main, `exit(0)`): the kernel closes what it left
+    /// open (`python export.py > f` never closes its stdout), and its writes are complete.
+    ExitedCleanly,
+    /// Exiting otherwise (killed, a failure status), or not to be told (gone, or its exit status
+    /// hidden from this process): its descriptors are closed for it, which says nothing about
+    /// its writes being complete.
+    Died,
+}
+
+/// How long a flush waits to learn how its requester stands ([`DraftFile::judge`]).
+const JUDGE_WAIT: Duration = Duration::from_millis(250);
+/// How long a release waits for a judgment still under way before giving the file up.
+const JUDGED_WAIT: Duration = Duration::from_secs(10);
+
+/// [`Requester`] of thread `tid`. Blocks while that thread's process is in the middle of an
+/// exec (see [`DraftFile::judge`]): never called on a FUSE thread.
+fn requester(tid: u32) -> Requester {
+    const PF_EXITING: u64 = 0x4;
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{tid}/stat")) else { return Requester::Died };
+    // After the parenthesised command name: state is field 3, flags field 9, exit_code field 52.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else { return Requester::Died };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
+    let Some(flags) = field(9) else { return Requester::Died };
+    if flags & PF_EXITING == 0 {
+        return Requester::Running;
+    }
+    // The kernel shows a thread's exit code only to who may ptrace it, and 0 (a clean exit, as
+    // read) to anyone else. Who may is the kernel's call (uids, capabilities, dumpable, LSMs):
+    // ask it the same question through a file it guards alike. `cwd` is still there, as the
+    // descriptors are closed before the working directory is let go.
+    let shown = std::fs::read_link(format!("/proc/{tid}/cwd")).is_ok();
+    match field(52) {
+        Some(0) if shown => Requester::ExitedCleanly,
+        _ => Requester::Died,
+    }
+}
+
+/// The process (thread group) of thread `pid`, which opens a file for writing (FUSE names the
+/// thread). A process this one cannot see (another pid namespace, `/proc` mounted with
+/// `hidepid`) is refused: whether it finished its file or died writing it could never be told.
+pub(super) fn opener_of(pid: u32) -> Result<u32, Errno> {
+    tgid_of(pid).ok_or_else(|| {
+        tracing::error!(
+            pid,
+            "a write open by a process not in this mount's /proc is refused: its close could not be judged"
+        );
+        Errno::EACCES
+    })
+}
+
+fn tgid_of(tid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    status.lines().find_map(|line| line.strip_prefix("Tgid:")).and_then(|tgid| tgid.trim().parse().ok())
+}
+
+/// Whether thread `tid` belongs to process `opener`, and how it stands. A thread not found is
+/// judged as the opener's, dead ([`DraftFile::judge`]).
+fn verdict(tid: u32, opener: u32) -> (bool, Requester) {
+    let by_opener = tgid_of(tid).is_none_or(|tgid| tgid == opener);
+    (by_opener, requester(tid))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The id of a thread that has exited (and so left `/proc`).
+    fn gone_thread() -> u32 {
+        // SAFETY: gettid(2) cannot fail.
+        std::thread::spawn(|| unsafe { libc::gettid() } as u32).join().unwrap()
+    }
+
+    #[test]
+    fn a_running_thread_is_judged_by_its_process() {
+        let me = std::process::id();
+        assert_eq!(verdict(me, me), (true, Requester::Running));
+        assert_eq!(verdict(me, me + 1), (false, Requester::Running));
+        let (sender, told) = std::sync::mpsc::channel();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let other = std::thread::spawn(move || {
+            // SAFETY: gettid(2) cannot fail.
+            sender.send(unsafe { libc::gettid() } as u32).unwrap();
+            let _ = stopped.recv();
+        });
+        let tid = told.recv().unwrap();
+        assert_eq!(verdict(tid, me), (true, Requester::Running), "a thread is judged as its process");
+        stop.send(()).unwrap();
+        other.join().unwrap();
+    }
+
+    #[test]
+    fn a_thread_gone_from_proc_is_judged_its_openers_death() {
+        let tid = gone_thread();
+        assert_eq!(verdict(tid, std::process::id()), (true, Requester::Died));
+        assert_eq!(verdict(tid, 1), (true, Requester::Died), "whose it was cannot be told");
+    }
+
+    #[test]
+    fn write_opens_by_processes_not_in_proc_are_refused() {
+        assert_eq!(opener_of(std::process::id()), Ok(std::process::id()));
+        // FUSE reports pid 0 for a process outside the mount's pid namespace.
+        assert_eq!(opener_of(0), Err(Errno::EACCES));
+        assert_eq!(opener_of(gone_thread()), Err(Errno::EACCES));
+    }
+}
