@@ -354,6 +354,17 @@ fn killing_the_mount_mid_write_commits_nothing_and_unmount_paths_work() {
     ));
     assert_eq!(refused.split_whitespace().collect::<Vec<_>>(), ["write", "95", "close", "95"], "{refused}");
     sh_ok(&format!("printf x > {m}/job/é12"));
+    // The shell opens the file and a child writes it: the child killed mid-write gives it up,
+    // although the shell then closes it as usual.
+    let script = format!(
+        "{{ python3 -c 'import os, sys; sys.stdout.buffer.write(b\"x\" * (3 << 20)); sys.stdout.flush(); \
+         os.kill(os.getpid(), 9)'; true; }} > {m}/job/kid_13.bin"
+    );
+    sh(&script);
+    // The shell closes one descriptor of the file (`>&2` moves its stdout) and writes on through
+    // another: that close committed it short, and the next write takes the checkpoint back.
+    let moved = sh(&format!("{{ echo a; echo note >&2; echo b; }} > {m}/job/moved_14.txt"));
+    assert!(!moved.status.success(), "the write after the commit was not refused");
     let committed = |step: u64| {
         let listed = cluster.json(&["ls", "job", "--all"]);
         listed.as_array().unwrap().iter().find(|c| c["step"] == step && c["state"] == "committed").cloned()
@@ -363,6 +374,8 @@ fn killing_the_mount_mid_write_commits_nothing_and_unmount_paths_work() {
         assert_eq!(checkpoint["bytes"], bytes, "{checkpoint}");
     }
     assert!(committed(11).is_none(), "a file whose write failed was committed");
+    assert!(committed(13).is_none(), "a file whose writing child was killed was committed");
+    assert!(committed(14).is_none(), "a file written to after its commit stayed committed");
     drop(mount_again);
 
     // fusermount3 -u from outside: the daemon notices and exits cleanly.

@@ -839,10 +839,16 @@ impl Filesystem for CkptFs {
         match result {
             Ok((node, file, opener)) => {
                 let ino = self.remember(node.clone());
-                let fh = self.add_created(file, opener);
                 match self.node_attr(ino, &node) {
-                    Ok((attr, ttl)) => reply.created(&ttl, &attr, Generation(0), FileHandle(fh), FopenFlags::empty()),
-                    Err(e) => reply.error(e),
+                    Ok((attr, ttl)) => {
+                        let fh = self.add_created(file, opener);
+                        reply.created(&ttl, &attr, Generation(0), FileHandle(fh), FopenFlags::empty())
+                    }
+                    Err(e) => {
+                        // No handle reaches the kernel, so no release will come for it.
+                        self.release_write(&file);
+                        reply.error(e)
+                    }
                 }
             }
             Err(e) => reply.error(e),
@@ -900,7 +906,7 @@ impl Filesystem for CkptFs {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -911,20 +917,30 @@ impl Filesystem for CkptFs {
         reply: ReplyWrite,
     ) {
         let Some(file) = self.write_handle(fh) else { return reply.error(Errno::EBADF) };
+        file.wrote_from(req.pid());
+        // A one-file checkpoint written to after its commit, to be taken back.
+        let mut undo = None;
         let result = self.block_on(async {
             let mut writer = file.writer.lock().await;
             let Writer::Open(stream) = &mut *writer else {
                 // Closed files are final; reopening to append is not supported. A file whose
                 // write failed stays failed. Bytes written after it ended (through a descriptor
-                // its opener shared before its close) are not in it: a draft holding it cannot
-                // commit.
+                // shared before its opener closed one: `cmd >&2` inside `{ ...; } > f`, or a
+                // child still writing) are not in it: a draft holding it cannot commit, and a
+                // one-file checkpoint its opener's close committed is deleted again. A draft the
+                // user renamed to commit stays committed.
                 return Err(match &mut *writer {
                     Writer::Failed(code) => *code,
                     Writer::Done(_) => {
                         *writer = Writer::Failed(Errno::EIO);
                         Errno::ENOTSUP
                     }
-                    Writer::Committed | Writer::Open(_) => Errno::ENOTSUP,
+                    Writer::Committed(Some(committed)) => {
+                        undo = Some(*committed);
+                        *writer = Writer::Failed(Errno::EIO);
+                        Errno::EIO
+                    }
+                    Writer::Committed(None) | Writer::Open(_) => Errno::ENOTSUP,
                 });
             };
             let failed = if offset != stream.size() {
@@ -944,6 +960,13 @@ impl Filesystem for CkptFs {
             *writer = Writer::Failed(failed);
             Err(failed)
         });
+        if let Some((step, checkpoint)) = undo {
+            let path = file.path();
+            tracing::error!(job = %file.job, %path, step, "written to after its close committed it: deleting that checkpoint");
+            if let Err(e) = self.delete_step(&file.job, step, Some(checkpoint)) {
+                tracing::error!(job = %file.job, %path, step, "could not delete a checkpoint committed short: {e:?}");
+            }
+        }
         match result {
             Ok(()) => reply.written(data.len() as u32),
             Err(e) => reply.error(e),
@@ -966,6 +989,9 @@ impl Filesystem for CkptFs {
         if requester == Requester::Died || file.size.load(Ordering::Relaxed) == 0 {
             return reply.ok();
         }
+        // A writer's death still being judged (a child whose exit was told late) gives the file
+        // up rather than this close ending it.
+        file.judged();
         match self.finish(&file) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -978,7 +1004,7 @@ impl Filesystem for CkptFs {
             match &mut *file.writer.lock().await {
                 Writer::Open(stream) => stream.sync().await.map_err(|e| errno("fsync", &file.path(), &e)),
                 Writer::Failed(code) => Err(*code),
-                Writer::Done(_) | Writer::Committed => Ok(()),
+                Writer::Done(_) | Writer::Committed(_) => Ok(()),
             }
         });
         match result {
@@ -999,25 +1025,7 @@ impl Filesystem for CkptFs {
     ) {
         let handle = self.state().handles.remove(&fh.0);
         if let Some(Handle::Write(file, _)) = handle {
-            // The last release ends a file no flush ended: closed without data, or last by a
-            // process other than its opener. One whose opener died mid-write (a flush said so:
-            // a release names no process) is never ended: its staging buffers go back now, a
-            // draft holding it cannot commit (EIO), and a one-file checkpoint is dropped, its
-            // name free again for the writer's next run, as is one whose write failed.
-            file.judged();
-            let failed_single = self.block_on(async {
-                let mut writer = file.writer.lock().await;
-                if file.open_handles.fetch_sub(1, Ordering::Relaxed) != 1 {
-                    return false;
-                }
-                // A failed commit stays listed (a rename or a new open may retry it); a failed
-                // file is dropped.
-                let _ = self.end(&file, &mut writer).await;
-                file.draft.is_none() && matches!(&*writer, Writer::Failed(_))
-            });
-            if failed_single {
-                self.discard_single(&file);
-            }
+            self.release_write(&file);
         }
         reply.ok();
     }
@@ -1194,12 +1202,15 @@ impl Filesystem for CkptFs {
                     let new_path = RelPath::try_from(to.as_str()).map_err(|_| Errno::EINVAL)?;
                     // A file still being written keeps its path until it finishes; a finished
                     // one takes the new path into its chunk list's record.
-                    match file.writer.try_lock().as_deref_mut() {
-                        Ok(Writer::Done(done)) => done.path = new_path,
-                        Ok(Writer::Open(_)) => {}
-                        Ok(_) | Err(_) => return Err(Errno::EBUSY),
+                    // Both under the writer lock, which ending the file takes to read its path.
+                    let mut writer = file.writer.try_lock().map_err(|_| Errno::EBUSY)?;
+                    match &mut *writer {
+                        Writer::Done(done) => done.path = new_path,
+                        Writer::Open(_) => {}
+                        _ => return Err(Errno::EBUSY),
                     }
                     *file.path.lock().unwrap_or_else(|p| p.into_inner()) = to.clone();
+                    drop(writer);
                     let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
                     d.files.remove(&from);
                     if let Some(replaced) = d.files.insert(to, id) {

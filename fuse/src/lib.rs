@@ -29,11 +29,16 @@
 //!   as `/ckpt/job/100/step_100.pt`.
 //!
 //! A file ends at a close by the process that opened it (or that process's clean exit with it
-//! still open: `prog > /ckpt/job/step_5.out`), else once its last descriptor is closed. A writer
-//! killed (or exiting with a failure status) while writing has its file given up: a draft holding
-//! it fails its rename with `EIO`, a one-file checkpoint is never committed and its name is free
-//! again. So is a file written to after it ended (through a descriptor shared before the close),
-//! and one whose writer's fate the mount could not read.
+//! still open: `prog > /ckpt/job/step_5.out`), else once its last descriptor is closed. It is
+//! given up instead when a process that wrote to it (its opener, or a child writing through an
+//! inherited descriptor: `{ prog; } > f`) is killed or exits with a failure status while holding
+//! it, when the mount cannot read how such a process stands, and when it is written to after it
+//! ended (through a descriptor still open elsewhere: a child still writing, or a shell's
+//! `cmd >&2`, which closes one copy of its stdout and writes on through another). Given up, a
+//! file in a draft fails the draft's rename (`EIO`); a one-file checkpoint is not committed, or,
+//! when its close committed it already, is deleted again and the late write fails with `EIO`;
+//! its name is free again either way. A draft the user renamed stays committed: a late write to
+//! one of its files fails with `ENOTSUP`.
 //!
 //! Files are written sequentially: bytes go to a staging buffer and each full chunk is uploaded at
 //! once (memory per open file: one chunk plus the uploads in flight, all from the SDK's bounded

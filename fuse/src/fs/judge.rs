@@ -32,7 +32,7 @@ impl DraftFile {
         let judged = Arc::clone(self);
         let judge = move || {
             let (by_opener, requester) = verdict(tid, opener);
-            if by_opener && requester == Requester::Died {
+            if requester == Requester::Died && (by_opener || judged.written_by(tid)) {
                 judged.killed.store(true, Ordering::Relaxed);
             }
             *judged.judging.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
@@ -47,6 +47,30 @@ impl DraftFile {
             return Some((true, Requester::Died));
         }
         told.recv_timeout(JUDGE_WAIT).ok()
+    }
+
+    /// Notes that thread `tid` wrote to this file: its process dying with the file open gives the
+    /// file up ([`Self::judge`]), as its opener's would. A shell's `{ prog; } > f` opens the file
+    /// in the shell and writes it in `prog`, which may be killed mid-write while the shell closes
+    /// the file as usual.
+    pub(super) fn wrote_from(&self, tid: u32) {
+        let mut writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        if writers.last_tid == Some(tid) {
+            return;
+        }
+        writers.last_tid = Some(tid);
+        match tgid_of(tid) {
+            Some(tgid) if writers.processes.contains(&tgid) => {}
+            Some(tgid) if writers.processes.len() < MAX_WRITERS => writers.processes.push(tgid),
+            // Too many to keep, or one that cannot be told: any death gives the file up.
+            _ => writers.any = true,
+        }
+    }
+
+    /// Whether the process of thread `tid` wrote to this file (or whether it did cannot be told).
+    fn written_by(&self, tid: u32) -> bool {
+        let writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        writers.any || tgid_of(tid).is_none_or(|tgid| writers.processes.contains(&tgid))
     }
 
     /// Waits for every judgment of this file still under way ([`Self::judge`]); one that takes
@@ -76,6 +100,20 @@ pub(super) enum Requester {
     /// its writes being complete.
     Died,
 }
+
+/// The processes that wrote to a file.
+#[derive(Default)]
+pub(super) struct Writers {
+    /// Thread groups, at most [`MAX_WRITERS`].
+    processes: Vec<u32>,
+    /// The thread of the last write, whose process is known already.
+    last_tid: Option<u32>,
+    /// More processes than kept, or one whose group could not be read: every process counts.
+    any: bool,
+}
+
+/// Most writing processes a file keeps apart; past it any death gives the file up.
+const MAX_WRITERS: usize = 64;
 
 /// How long a flush waits to learn how its requester stands ([`DraftFile::judge`]).
 const JUDGE_WAIT: Duration = Duration::from_millis(250);

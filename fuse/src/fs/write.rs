@@ -30,9 +30,9 @@ pub(super) enum Writer {
     Open(StreamingFile),
     Done(StreamedFile),
     Failed(Errno),
-    /// Part of a committed checkpoint: a one-file checkpoint (at its first flush), or a file of a
-    /// draft that was renamed to commit.
-    Committed,
+    /// Part of a committed checkpoint: a one-file checkpoint (at its first flush; its step and
+    /// checkpoint id), or a file of a draft that was renamed to commit (None).
+    Committed(Option<(u64, u64)>),
 }
 
 /// A file being written.
@@ -57,6 +57,9 @@ pub(super) struct DraftFile {
     pub(super) killed: std::sync::atomic::AtomicBool,
     /// Flushes whose requester is still being judged ([`DraftFile::judge`]); release waits for them.
     pub(super) judging: (Mutex<u32>, std::sync::Condvar),
+    /// The processes that wrote to it ([`DraftFile::wrote_from`]): any of them dying with it
+    /// open gives it up, not only its opener.
+    pub(super) writers: Mutex<super::judge::Writers>,
 }
 
 impl DraftFile {
@@ -88,6 +91,7 @@ impl CkptFs {
             abandoned: std::sync::atomic::AtomicBool::new(false),
             killed: std::sync::atomic::AtomicBool::new(false),
             judging: Default::default(),
+            writers: Default::default(),
         }))
     }
 
@@ -101,6 +105,28 @@ impl CkptFs {
         if let Some(id) = id.filter(|id| state.files.get(id).is_some_and(|f| Arc::ptr_eq(f, file))) {
             state.single_files.remove(&key);
             state.files.remove(&id);
+        }
+    }
+
+    /// One of `file`'s write handles let go. The last ends a file no flush ended: closed without
+    /// data, or last by a process other than its opener. One a writer died writing (a flush said
+    /// so: a release names no process) is never ended: its staging buffers go back now, a draft
+    /// holding it cannot commit (EIO), and a one-file checkpoint is dropped, its name free again
+    /// for the writer's next run, as is one whose write failed.
+    pub(super) fn release_write(&self, file: &Arc<DraftFile>) {
+        file.judged();
+        let failed_single = self.block_on(async {
+            let mut writer = file.writer.lock().await;
+            if file.open_handles.fetch_sub(1, Ordering::Relaxed) != 1 {
+                return false;
+            }
+            // A failed commit stays listed (a rename or a new open may retry it); a failed
+            // file is dropped.
+            let _ = self.end(file, &mut writer).await;
+            file.draft.is_none() && matches!(&*writer, Writer::Failed(_))
+        });
+        if failed_single {
+            self.discard_single(file);
         }
     }
 
@@ -142,8 +168,15 @@ impl CkptFs {
                     // Keep the finished file: a later flush or fsync retries the commit.
                     Err(e) => return Err(errno("commit", &path, &e)),
                 };
-            *writer = Writer::Committed;
-            self.committed_single(file, step, checkpoint);
+            if file.abandoned.load(Ordering::Relaxed) {
+                // Unlinked while its commit was on the way: what the name named goes with it.
+                if let Err(e) = self.client.delete_seen(&file.job, step, checkpoint).await {
+                    tracing::error!(job = %file.job, %path, step, "could not delete an unlinked file's checkpoint: {e}");
+                }
+            } else {
+                *writer = Writer::Committed(Some((step, checkpoint)));
+                self.committed_single(file, step, checkpoint);
+            }
         }
         match &*writer {
             Writer::Failed(code) => Err(*code),
@@ -207,6 +240,9 @@ impl CkptFs {
     ) -> Result<(), Errno> {
         let job = job.to_owned();
         let mut streamed = Vec::with_capacity(files.len());
+        // Held until the commit is done: a write through a descriptor still open on a file (which
+        // fails it) lands before the commit reads it, or after the file is the checkpoint's.
+        let mut writers = Vec::with_capacity(files.len());
         for file in files {
             // A file its writer closed is final, even with its release still on the way (the
             // kernel sends it after close() returns). One that no close ended (closed without
@@ -218,12 +254,14 @@ impl CkptFs {
             }
             // Its last release ends (or fails) it with the writer lock held: a file open here is
             // still open for writing, and committing could cut it short.
-            match &*self.block_on(file.writer.lock()) {
+            let writer = self.block_on(file.writer.lock());
+            match &*writer {
                 Writer::Done(done) => streamed.push(done.clone()),
                 Writer::Open(_) => return Err(Errno::EBUSY),
                 Writer::Failed(code) => return Err(*code),
-                Writer::Committed => return Err(Errno::EINVAL),
+                Writer::Committed(_) => return Err(Errno::EINVAL),
             }
+            writers.push(writer);
         }
         let directories: Vec<RelPath> =
             dirs.iter().filter(|d| !d.is_empty()).filter_map(|d| RelPath::try_from(d.as_str()).ok()).collect();
@@ -234,11 +272,8 @@ impl CkptFs {
             .checkpoint_id;
         // Its files are the checkpoint's now: a descriptor still open on one writes no more to
         // it (ENOTSUP), and its close has nothing left to report.
-        for file in files {
-            let mut writer = self.block_on(file.writer.lock());
-            if matches!(&*writer, Writer::Done(_)) {
-                *writer = Writer::Committed;
-            }
+        for mut writer in writers {
+            *writer = Writer::Committed(None);
         }
         // The kernel may still hold inodes of the draft: each becomes its committed counterpart.
         self.state().trees.remove(&(job.clone(), step));
