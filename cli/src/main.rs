@@ -360,7 +360,9 @@ enum Command {
         force: bool,
         /// Read the checkpoint from this object-store tier (`s3://BUCKET/PREFIX`, `file:///DIR`:
         /// the server's `--tier`) alone, with no control plane or target: for when the cluster
-        /// is gone. Only checkpoints a tier pass completed are there.
+        /// is gone. Only checkpoints a tier pass completed are there, and until the next pass
+        /// sweeps, also ones the cluster deleted since (`--latest` is then the highest step the
+        /// tier holds: `starckpt ls JOB --from-tier URL` lists them).
         #[arg(long, value_name = "URL")]
         from_tier: Option<String>,
     },

@@ -240,13 +240,36 @@ type KnownTarget = (String, Arc<dyn ChunkTransport>);
 #[derive(Default)]
 struct Targets {
     by_id: Mutex<HashMap<String, KnownTarget>>,
+    /// Targets a read could not reach (no connection, no answer in time), and when: their copies
+    /// are tried last for [`UNREACHABLE_FOR`], so a target that is down costs a reader one
+    /// timeout rather than one per chunk.
+    unreachable: Mutex<HashMap<String, std::time::Instant>>,
     /// This client's RDMA device and registrations, if it has a device.
     rdma: Option<Arc<RdmaClient>>,
     /// The staging pool's shared region, passed to targets on this host.
     staging: Option<Arc<starckpt_proto::shm::Region>>,
 }
 
+/// How long a target a read could not reach has its copies tried last.
+const UNREACHABLE_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl Targets {
+    /// Notes whether a read reached `target_id`.
+    fn reached(&self, target_id: &str, reached: bool) {
+        let mut unreachable = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+        if reached {
+            unreachable.remove(target_id);
+        } else {
+            unreachable.insert(target_id.to_owned(), std::time::Instant::now());
+        }
+    }
+
+    /// Whether a read failed to reach `target_id` within [`UNREACHABLE_FOR`].
+    fn unreachable(&self, target_id: &str) -> bool {
+        let unreachable = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+        unreachable.get(target_id).is_some_and(|since| since.elapsed() < UNREACHABLE_FOR)
+    }
+
     fn transport(&self, target_id: &str, address: &str, config: &ClientConfig) -> Result<Arc<dyn ChunkTransport>> {
         let mut map = self.by_id.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((known, transport)) = map.get(target_id)
@@ -357,7 +380,7 @@ impl Client {
                 control,
                 staging,
                 streaming_partials: Arc::default(),
-                targets: Targets { by_id: Default::default(), rdma, staging: shared_staging },
+                targets: Targets { rdma, staging: shared_staging, ..Default::default() },
                 repairs: Arc::new(tokio::sync::Semaphore::new(REPAIRS_IN_FLIGHT)),
                 repairs_running: Arc::new(tokio::sync::Semaphore::new(REPAIRS_RUNNING)),
                 recoveries: Default::default(),

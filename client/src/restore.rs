@@ -113,7 +113,12 @@ impl CheckpointManifest {
         let parts = response
             .parts
             .into_iter()
-            .map(|part| Ok((part.rank, Manifest::try_from(part.manifest.unwrap_or_default())?)))
+            .map(|part| {
+                let manifest = part.manifest.ok_or_else(|| {
+                    Error::InvalidInput(format!("{} step {}: rank {} has no manifest", info.job, info.step, part.rank))
+                })?;
+                Ok((part.rank, Manifest::try_from(manifest)?))
+            })
             .collect::<Result<Vec<_>>>()?;
         starckpt_proto::model::check_disjoint(parts.iter().map(|(rank, manifest)| (*rank, manifest)))
             .map_err(|e| Error::InvalidInput(format!("{} step {}: {e}", info.job, info.step)))?;
@@ -196,19 +201,36 @@ struct DestinationLock {
 impl DestinationLock {
     fn take(parent: &Path, name: &str, to: &Path) -> Result<DestinationLock> {
         let path = parent.join(format!(".{name}.starckpt-restore.lock"));
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(Error::io("create", &path))?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(Error::InvalidInput(format!("another restore into {} is running", to.display())));
+        let mut tries = 0;
+        let file = loop {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+                .map_err(Error::io("create", &path))?;
+            match file.try_lock() {
+                Ok(()) => {}
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(Error::InvalidInput(format!("another restore into {} is running", to.display())));
+                }
+                Err(std::fs::TryLockError::Error(e)) => return Err(Error::io("lock", &path)(e)),
             }
-            Err(std::fs::TryLockError::Error(e)) => return Err(Error::io("lock", &path)(e)),
-        }
+            // A restore that ended unlinks its lock file before closing it: one that opened the
+            // file before the unlink and locked it after the close holds a lock no later restore
+            // sees. Only the file still at the path counts.
+            if is_at(&file, &path) {
+                break file;
+            }
+            tries += 1;
+            if tries == 100 {
+                return Err(Error::InvalidInput(format!(
+                    "the lock file {} keeps being replaced: is another restore into {} starting and ending?",
+                    path.display(),
+                    to.display()
+                )));
+            }
+        };
         let (partial, replaced) = (partial_prefix(name), replaced_prefix(name));
         for entry in std::fs::read_dir(parent).map_err(Error::io("list", parent))? {
             let entry = entry.map_err(Error::io("list", parent))?;
@@ -232,6 +254,31 @@ impl Drop for DestinationLock {
         // Unlinked while still locked: a restore that opened it meanwhile fails to lock it (and
         // says another is running) rather than locking a file no one else will see.
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// The order to try a chunk's `replicas` in: copies on targets the control plane last saw alive
+/// and this client has not failed to reach lately first, then the rest; as listed otherwise. A
+/// target that is down then costs a restore one timeout, not one per chunk it holds.
+fn replica_order<'a>(
+    targets: &HashMap<String, TargetInfo>,
+    replicas: &'a [String],
+    unreachable: impl Fn(&str) -> bool,
+) -> Vec<&'a str> {
+    let mut order: Vec<&str> = replicas.iter().map(String::as_str).collect();
+    order.sort_by_cached_key(|id| {
+        let alive = targets.get(*id).is_some_and(|t| t.state == pb::TargetState::Alive as i32);
+        (unreachable(id), !alive)
+    });
+    order
+}
+
+/// Whether `file` is the file at `path` (not one unlinked, or replaced, since it was opened).
+fn is_at(file: &std::fs::File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(open), Ok(named)) => (open.dev(), open.ino()) == (named.dev(), named.ino()),
+        _ => false,
     }
 }
 
@@ -384,7 +431,8 @@ impl Client {
         // Replicas that answered with bad bytes or without the chunk: repaired once a good copy
         // is found.
         let mut damaged: Vec<&TargetInfo> = Vec::new();
-        for (attempt_index, target_id) in chunk.replicas.iter().enumerate() {
+        let order = replica_order(&manifest.targets, &chunk.replicas, |id| self.inner.targets.unreachable(id));
+        for (attempt_index, target_id) in order.into_iter().enumerate() {
             let Some(target) = manifest.targets.get(target_id) else {
                 last = Some(Error::InvalidInput(format!("chunk {} names unknown target {target_id}", chunk.hash)));
                 continue;
@@ -400,8 +448,9 @@ impl Client {
                     (address, transport) = (moved, moved_transport);
                     fetched = fetch_from(&*transport, chunk, dest.as_deref_mut()).await;
                 }
+                self.inner.targets.reached(target_id, !fetched.as_ref().is_err_and(TransportError::is_connection));
                 let fetched = fetched.map_err(|source| Error::Target {
-                    target_id: target_id.clone(),
+                    target_id: target_id.to_owned(),
                     address: address.clone(),
                     source,
                 })?;
@@ -419,7 +468,7 @@ impl Client {
                 checked.map_err(|found| Error::Checksum {
                     hash: chunk.hash,
                     found,
-                    target_id: target_id.clone(),
+                    target_id: target_id.to_owned(),
                     address,
                 })
             };
@@ -463,8 +512,10 @@ impl Client {
             return Ok(settle_chunk(Some(data), dest));
         }
         let last = last.unwrap_or_else(|| Error::InvalidInput(format!("chunk {} has no replicas", chunk.hash)));
-        // With a single replica the underlying error is the clearest message.
-        if chunk.replicas.len() == 1 {
+        // With a single replica the underlying error is the clearest message, unless it is that
+        // the replica names a target unknown here (a cluster rebuilt around a tier's copy): the
+        // control plane may still recover the chunk, so it is unavailable like any other.
+        if chunk.replicas.len() == 1 && !matches!(last, Error::InvalidInput(_)) {
             Err(last)
         } else {
             Err(Error::ChunkUnavailable { hash: chunk.hash, last: Box::new(last) })
@@ -880,4 +931,56 @@ async fn restore_into(
     .await
     .map_err(|e| Error::Cancelled(e.to_string()))??;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replicas_on_targets_down_or_unreachable_are_tried_last() {
+        let target = |id: &str, state: pb::TargetState| {
+            (id.to_owned(), TargetInfo { target_id: id.into(), state: state as i32, ..Default::default() })
+        };
+        let targets: HashMap<String, TargetInfo> = [
+            target("dead", pb::TargetState::Dead),
+            target("alive", pb::TargetState::Alive),
+            target("silent", pb::TargetState::Alive),
+            target("suspect", pb::TargetState::Suspect),
+        ]
+        .into_iter()
+        .collect();
+        let replicas: Vec<String> =
+            ["dead", "silent", "unknown", "suspect", "alive"].iter().map(|s| s.to_string()).collect();
+        let order = replica_order(&targets, &replicas, |id| id == "silent");
+        assert_eq!(order, ["alive", "dead", "unknown", "suspect", "silent"]);
+        // Nothing known against any: as listed.
+        let order = replica_order(&HashMap::new(), &replicas, |_| false);
+        assert_eq!(order, ["dead", "silent", "unknown", "suspect", "alive"]);
+    }
+
+    #[test]
+    fn a_lock_counts_only_on_the_file_still_at_its_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lock");
+        let file = std::fs::File::create(&path).unwrap();
+        assert!(is_at(&file, &path));
+        std::fs::remove_file(&path).unwrap();
+        assert!(!is_at(&file, &path), "unlinked");
+        std::fs::File::create(&path).unwrap();
+        assert!(!is_at(&file, &path), "replaced");
+    }
+
+    #[test]
+    fn a_part_without_a_manifest_is_refused() {
+        let info = CheckpointInfo { job: "j".into(), step: 3, world_size: 2, ..Default::default() };
+        let part = |rank, manifest| pb::RankManifest { rank, manifest };
+        let response = pb::GetManifestResponse {
+            checkpoint: Some(info),
+            parts: vec![part(0, Some(pb::Manifest::default())), part(1, None)],
+            ..Default::default()
+        };
+        let error = CheckpointManifest::from_response(response).unwrap_err();
+        assert!(error.to_string().contains("rank 1 has no manifest"), "{error}");
+    }
 }
