@@ -111,6 +111,11 @@ pub enum MountError {
     Permission { path: PathBuf, source: io::Error },
     #[error("mount {path}: {source}")]
     Io { path: PathBuf, source: io::Error },
+    #[error(
+        "/proc is not this process's pid namespace's (/proc/self is not pid {0}): the mount could not tell \
+         which process closes a file; mount a matching /proc (a container with its own pid namespace needs its own /proc)"
+    )]
+    ForeignProc(u32),
 }
 
 /// A mounted filesystem; unmounts when dropped.
@@ -150,6 +155,11 @@ pub fn mount(
     if is_mount_point(mountpoint) {
         return Err(MountError::Busy(mountpoint.to_path_buf()));
     }
+    // FUSE names requesters by pid in this process's pid namespace; judging a close reads them
+    // in /proc (`fs/judge.rs`), which must then be that namespace's.
+    if !proc_is_ours(Path::new("/proc")) {
+        return Err(MountError::ForeignProc(std::process::id()));
+    }
     let mut options = fuser::Config::default();
     options.mount_options = vec![
         fuser::MountOption::FSName("starckpt".into()),
@@ -169,6 +179,11 @@ pub fn mount(
     })?;
     raise_read_ahead(mountpoint, read_ahead_kb);
     Ok(Mount { session: Some(session), mountpoint: mountpoint.to_path_buf() })
+}
+
+/// Whether the proc filesystem at `proc` shows this process's pid namespace.
+fn proc_is_ours(proc: &Path) -> bool {
+    std::fs::read_link(proc.join("self")).is_ok_and(|me| me.as_os_str() == std::process::id().to_string().as_str())
 }
 
 /// The kernel starts a FUSE mount's read-ahead at 128 KiB, so a sequential reader's requests are
@@ -220,5 +235,19 @@ impl Drop for Mount {
         if let Some(session) = self.session.take() {
             let _ = session.umount_and_join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_proc_of_this_pid_namespace_is_ours() {
+        assert!(proc_is_ours(Path::new("/proc")));
+        let foreign = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink("1", foreign.path().join("self")).unwrap();
+        assert!(!proc_is_ours(foreign.path()), "another namespace's /proc/self");
+        assert!(!proc_is_ours(&foreign.path().join("none")), "no /proc");
     }
 }

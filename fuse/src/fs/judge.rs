@@ -24,14 +24,15 @@ impl DraftFile {
     ///
     /// While its flush is unanswered the thread cannot be gone; once answered, it may be (a
     /// killed thread other than its process's first leaves no `/proc` entry behind). A thread
-    /// not found is judged as its opener, dead: the file is given up rather than maybe
-    /// committed truncated.
+    /// not found is judged as its opener ([`verdict`]): the file is given up rather than maybe
+    /// committed truncated, unless only the opener wrote to it and is still running (then the
+    /// thread closed the file and ended on its own).
     pub(super) fn judge(self: &Arc<Self>, opener: u32, tid: u32) -> Option<(bool, Requester)> {
         *self.judging.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         let (sender, told) = std::sync::mpsc::sync_channel(1);
         let judged = Arc::clone(self);
         let judge = move || {
-            let (by_opener, requester) = verdict(tid, opener);
+            let (by_opener, requester) = verdict(tid, opener, judged.written_only_by(opener));
             if requester == Requester::Died && (by_opener || judged.written_by(tid)) {
                 judged.killed.store(true, Ordering::Relaxed);
             }
@@ -65,6 +66,12 @@ impl DraftFile {
             // Too many to keep, or one that cannot be told: any death gives the file up.
             _ => writers.any = true,
         }
+    }
+
+    /// Whether no process but `opener` wrote to this file (as far as can be told).
+    fn written_only_by(&self, opener: u32) -> bool {
+        let writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        !writers.any && writers.processes.iter().all(|&p| p == opener)
     }
 
     /// Whether the process of thread `tid` wrote to this file (or whether it did cannot be told).
@@ -163,10 +170,14 @@ fn tgid_of(tid: u32) -> Option<u32> {
 }
 
 /// Whether thread `tid` belongs to process `opener`, and how it stands. A thread not found is
-/// judged as the opener's, dead ([`DraftFile::judge`]).
-fn verdict(tid: u32, opener: u32) -> (bool, Requester) {
-    let by_opener = tgid_of(tid).is_none_or(|tgid| tgid == opener);
-    (by_opener, requester(tid))
+/// judged as the opener's: dead, unless `only_opener_wrote` and the opener is running (a killed
+/// thread's process is exiting: its signal kills every thread).
+fn verdict(tid: u32, opener: u32, only_opener_wrote: bool) -> (bool, Requester) {
+    match tgid_of(tid) {
+        Some(tgid) => (tgid == opener, requester(tid)),
+        None if only_opener_wrote && requester(opener) == Requester::Running => (true, Requester::Running),
+        None => (true, Requester::Died),
+    }
 }
 
 #[cfg(test)]
@@ -182,8 +193,8 @@ mod tests {
     #[test]
     fn a_running_thread_is_judged_by_its_process() {
         let me = std::process::id();
-        assert_eq!(verdict(me, me), (true, Requester::Running));
-        assert_eq!(verdict(me, me + 1), (false, Requester::Running));
+        assert_eq!(verdict(me, me, true), (true, Requester::Running));
+        assert_eq!(verdict(me, me + 1, true), (false, Requester::Running));
         let (sender, told) = std::sync::mpsc::channel();
         let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let other = std::thread::spawn(move || {
@@ -192,16 +203,22 @@ mod tests {
             let _ = stopped.recv();
         });
         let tid = told.recv().unwrap();
-        assert_eq!(verdict(tid, me), (true, Requester::Running), "a thread is judged as its process");
+        assert_eq!(verdict(tid, me, true), (true, Requester::Running), "a thread is judged as its process");
         stop.send(()).unwrap();
         other.join().unwrap();
     }
 
     #[test]
-    fn a_thread_gone_from_proc_is_judged_its_openers_death() {
+    fn a_thread_gone_from_proc_is_judged_by_who_wrote_and_how_its_opener_stands() {
         let tid = gone_thread();
-        assert_eq!(verdict(tid, std::process::id()), (true, Requester::Died));
-        assert_eq!(verdict(tid, 1), (true, Requester::Died), "whose it was cannot be told");
+        let me = std::process::id();
+        // Another process wrote to the file too: the gone thread may have been its, killed.
+        assert_eq!(verdict(tid, me, false), (true, Requester::Died));
+        assert_eq!(verdict(tid, 1, false), (true, Requester::Died), "whose it was cannot be told");
+        // Only the opener wrote, and it runs: the thread ended on its own.
+        assert_eq!(verdict(tid, me, true), (true, Requester::Running));
+        // Only the opener wrote, and it is gone too.
+        assert_eq!(verdict(tid, gone_thread(), true), (true, Requester::Died));
     }
 
     #[test]
