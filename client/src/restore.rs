@@ -611,6 +611,20 @@ impl Client {
         offset: u64,
         target: &mut [u8],
     ) -> Result<()> {
+        let concurrency = self.inner.config.restore_concurrency;
+        self.read_range_into_with(manifest, path, offset, target, concurrency).await
+    }
+
+    /// [`Client::read_range_into`] with at most `concurrency` chunks in flight: callers reading
+    /// several ranges at once share the client's `restore_concurrency` out among them.
+    pub async fn read_range_into_with(
+        &self,
+        manifest: &CheckpointManifest,
+        path: &str,
+        offset: u64,
+        target: &mut [u8],
+        concurrency: usize,
+    ) -> Result<()> {
         let file = manifest.require(path)?;
         let length = target.len() as u64;
         let end = offset.checked_add(length).filter(|end| *end <= file.size_bytes).ok_or_else(|| {
@@ -623,7 +637,7 @@ impl Client {
         let mut unfilled: &mut [u8] = target;
         let mut fetched = futures::stream::FuturesUnordered::new();
         loop {
-            while fetched.len() < self.inner.config.restore_concurrency.max(1) {
+            while fetched.len() < concurrency.max(1) {
                 let Some((start, chunk)) = chunks.next() else { break };
                 let from = offset.saturating_sub(start);
                 let to = (end - start).min(chunk.length_bytes);
@@ -856,30 +870,44 @@ async fn restore_into(
     concurrency: usize,
 ) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir(root).map_err(Error::io("create", root))?;
-    let mut dirs = std::collections::BTreeSet::from([root.to_path_buf()]);
-    for dir in &manifest.directories {
-        let path = dir.under(root);
-        std::fs::create_dir_all(&path).map_err(Error::io("create", &path))?;
-        dirs.extend(path.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
-    }
-    // Files are created up front and opened again per chunk write, so a checkpoint with more
-    // files than the descriptor limit still restores.
-    let mut paths = Vec::with_capacity(manifest.files.len());
-    for file in &manifest.files {
-        let path = file.path.under(root);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(Error::io("create", parent))?;
-            dirs.extend(parent.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
+    // The tree is made off the runtime (a checkpoint may have a million files): a signal that
+    // stops the restore is noticed meanwhile.
+    let root_dir = root.to_path_buf();
+    let directories: Vec<PathBuf> = manifest.directories.iter().map(|dir| dir.under(root)).collect();
+    let sized: Vec<(PathBuf, u64)> =
+        manifest.files.iter().map(|file| (file.path.under(root), file.size_bytes)).collect();
+    let (dirs, paths) = tokio::task::spawn_blocking(move || {
+        let root = root_dir.as_path();
+        std::fs::create_dir(root).map_err(Error::io("create", root))?;
+        let mut dirs = std::collections::BTreeSet::from([root.to_path_buf()]);
+        for path in directories {
+            std::fs::create_dir_all(&path).map_err(Error::io("create", &path))?;
+            dirs.extend(path.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
         }
-        // Each path once (the manifest says so), into a fresh tree: a file found there already
-        // is another path the file system takes for the same name (a case-insensitive one: `A`
-        // and `a`), which would get both files' bytes; an error instead.
-        let handle =
-            std::fs::OpenOptions::new().write(true).create_new(true).open(&path).map_err(Error::io("create", &path))?;
-        handle.set_len(file.size_bytes).map_err(Error::io("size", &path))?;
-        paths.push(Arc::new(path));
-    }
+        // Files are created up front and opened again per chunk write, so a checkpoint with
+        // more files than the descriptor limit still restores.
+        let mut paths = Vec::with_capacity(sized.len());
+        for (path, size) in sized {
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(Error::io("create", parent))?;
+                dirs.extend(parent.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
+            }
+            // Each path once (the manifest says so), into a fresh tree: a file found there
+            // already is another path the file system takes for the same name (a
+            // case-insensitive one: `A` and `a`), which would get both files' bytes; an error
+            // instead.
+            let handle = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .map_err(Error::io("create", &path))?;
+            handle.set_len(size).map_err(Error::io("size", &path))?;
+            paths.push(Arc::new(path));
+        }
+        Ok::<_, Error>((dirs, paths))
+    })
+    .await
+    .map_err(|e| Error::Cancelled(e.to_string()))??;
     let work = manifest.files.iter().zip(&paths).flat_map(|(file, path)| {
         let mut offset = 0u64;
         file.chunks.iter().map(move |chunk| {

@@ -602,8 +602,8 @@ impl Manifest {
     }
 
     /// Fills each writable, C-contiguous `buffer` with the verified bytes of `path` from
-    /// `offset` on (as many bytes as the buffer holds), `files_at_once` files in flight (each
-    /// fetching its chunks in parallel too).
+    /// `offset` on (as many bytes as the buffer holds), `files_at_once` files in flight, which
+    /// share the client's `restore_concurrency` chunks in flight out among them.
     #[pyo3(signature = (reads, files_at_once=8))]
     fn read_many(
         &self,
@@ -634,6 +634,8 @@ impl Manifest {
         if let Some(pair) = ranges.windows(2).find(|pair| pair[1].0 < pair[0].1) {
             return Err(raise("InvalidInputError", format!("the buffers for {} and {} overlap", pair[0].2, pair[1].2)));
         }
+        let files_at_once = files_at_once.max(1);
+        let per_file = self.client.config().restore_concurrency.div_ceil(files_at_once);
         let result = block_on(py, None, move || async move {
             let mut reads = futures::stream::iter(spans.into_iter().map(|(path, offset, address, len)| {
                 let target: &mut [u8] = if len == 0 {
@@ -643,9 +645,9 @@ impl Manifest {
                     // until this returns, and the buffers were checked not to overlap above.
                     unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) }
                 };
-                self.client.read_range_into(&self.manifest, path, offset, target)
+                self.client.read_range_into_with(&self.manifest, path, offset, target, per_file)
             }))
-            .buffer_unordered(files_at_once.max(1));
+            .buffer_unordered(files_at_once);
             while let Some(result) = reads.next().await {
                 result?;
             }
