@@ -29,7 +29,9 @@
 //!   as `/ckpt/job/100/step_100.pt`.
 //!
 //! A file ends at a close by the process that opened it (or that process's clean exit with it
-//! still open: `prog > /ckpt/job/step_5.out`), else once its last descriptor is closed. It is
+//! still open: `prog > /ckpt/job/step_5.out`; exit status 0 is taken at its word, even from a
+//! program whose exit cut short a thread still writing), else once its last descriptor is
+//! closed. It is
 //! given up instead when a process that wrote to it (its opener, or a child writing through an
 //! inherited descriptor: `{ prog; } > f`) is killed or exits with a failure status while holding
 //! it, when the mount cannot read how such a process stands, and when it is written to after it
