@@ -620,7 +620,7 @@ async fn malformed_grpc_requests_are_invalid_argument() {
     let cluster = Cluster::start(1);
     let mut client = ControlClient::connect(format!("http://{}", cluster.server.address)).await.unwrap();
     let epoch = client
-        .acquire_lease(AcquireLeaseRequest { job: "j".into(), run_id: "r".into() })
+        .acquire_lease(AcquireLeaseRequest { job: "j".into(), run_id: "r".into(), started_at_ms: 0 })
         .await
         .unwrap()
         .into_inner()

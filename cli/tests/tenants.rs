@@ -179,7 +179,7 @@ async fn a_tenant_cannot_commit_into_another_tenants_checkpoint() {
     let (mut acme, mut beta) = (holder(&channel, &acme), holder(&channel, &beta));
 
     let epoch = acme
-        .acquire_lease(AcquireLeaseRequest { job: "j".into(), run_id: "r".into() })
+        .acquire_lease(AcquireLeaseRequest { job: "j".into(), run_id: "r".into(), started_at_ms: 0 })
         .await
         .unwrap()
         .into_inner()

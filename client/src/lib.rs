@@ -233,6 +233,31 @@ pub fn run_id_from_env() -> Option<String> {
     })
 }
 
+/// When this process started, in Unix milliseconds (`/proc/self/stat`, or else when this was
+/// first asked): a lease is refused to a new run that started before the run holding it.
+pub fn process_started_at_ms() -> u64 {
+    static STARTED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *STARTED.get_or_init(|| {
+        proc_started_at_ms().unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+        })
+    })
+}
+
+/// Boot time (`/proc/stat` btime) plus the process's start in clock ticks after it (field 22 of
+/// `/proc/self/stat`).
+fn proc_started_at_ms() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let after_name = stat.rsplit_once(')')?.1;
+    // Fields from 3 on follow the command name: starttime is field 22.
+    let ticks: u64 = after_name.split_whitespace().nth(22 - 3)?.parse().ok()?;
+    let boot = std::fs::read_to_string("/proc/stat").ok()?;
+    let btime: u64 = boot.lines().find_map(|line| line.strip_prefix("btime "))?.trim().parse().ok()?;
+    // SAFETY: sysconf reads a constant of the system.
+    let per_second = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).ok().filter(|&t| t > 0)?;
+    Some(btime * 1000 + ticks * 1000 / per_second)
+}
+
 /// Data-plane transports by target id, rebuilt when a target's address changes.
 /// A target's current data address and the transport dialled to it.
 type KnownTarget = (String, Arc<dyn ChunkTransport>);
@@ -405,7 +430,11 @@ impl Client {
         if let Some(epoch) = leases.get(job.as_str()) {
             return Ok(*epoch);
         }
-        let request = pb::AcquireLeaseRequest { job: job.to_string(), run_id: self.inner.run_id.clone() };
+        let request = pb::AcquireLeaseRequest {
+            job: job.to_string(),
+            run_id: self.inner.run_id.clone(),
+            started_at_ms: process_started_at_ms(),
+        };
         let grant = self
             .rpc("acquire lease", Resend::Idempotent, request, |mut c, r| async move { c.acquire_lease(r).await })
             .await?;
@@ -648,5 +677,23 @@ impl Client {
         tracing::info!(target_id, old = failed_address, new = %target.data_address, "target moved; retrying at its new address");
         let transport = self.transport(target_id, &target.data_address).ok()?;
         Some((target.data_address, transport))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_started_before_now_and_after_boot() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+        let started = proc_started_at_ms().expect("/proc tells when this process started");
+        // Clock ticks are 10 ms; boot time is in whole seconds.
+        assert!(started <= now + 1000, "started {started} after now {now}");
+        assert!(
+            now.saturating_sub(started) < 24 * 3600 * 1000,
+            "a test process started over a day ago: {started} vs {now}"
+        );
+        assert_eq!(process_started_at_ms(), process_started_at_ms(), "asked once");
     }
 }

@@ -758,7 +758,7 @@ async fn commit_references(control: &std::net::SocketAddr, target: &str, job: &s
     use starckpt_proto::control::{self as pb, control_client::ControlClient};
     let mut control =
         ControlClient::connect(format!("http://{control}")).await.unwrap().max_encoding_message_size(64 << 20);
-    let lease = pb::AcquireLeaseRequest { job: job.into(), run_id: format!("{job}-run") };
+    let lease = pb::AcquireLeaseRequest { job: job.into(), run_id: format!("{job}-run"), started_at_ms: 0 };
     let epoch = control.acquire_lease(lease).await.unwrap().into_inner().epoch;
     let begin = pb::BeginCheckpointRequest { job: job.into(), step: 1, world_size: ranks, epoch };
     let checkpoint_id = control.begin_checkpoint(begin).await.unwrap().into_inner().checkpoint_id;

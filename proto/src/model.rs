@@ -568,6 +568,8 @@ impl TryFrom<pb::BeginCheckpointRequest> for BeginCheckpoint {
 pub struct AcquireLease {
     pub job: JobName,
     pub run_id: String,
+    /// When the asking process started (Unix ms); 0: not said.
+    pub started_at_ms: u64,
 }
 
 impl TryFrom<pb::AcquireLeaseRequest> for AcquireLease {
@@ -576,7 +578,11 @@ impl TryFrom<pb::AcquireLeaseRequest> for AcquireLease {
         if request.run_id.is_empty() || request.run_id.len() > MAX_RUN_ID_BYTES || request.run_id.contains('\0') {
             return Err(field("run_id", format!("must be 1..={MAX_RUN_ID_BYTES} bytes without NUL")));
         }
-        Ok(AcquireLease { job: JobName::try_from(request.job)?, run_id: request.run_id })
+        Ok(AcquireLease {
+            job: JobName::try_from(request.job)?,
+            run_id: request.run_id,
+            started_at_ms: request.started_at_ms,
+        })
     }
 }
 
@@ -881,7 +887,7 @@ mod tests {
         assert!(BeginCheckpoint::try_from(pb::BeginCheckpointRequest { world_size: 0, ..ok.clone() }).is_err());
         assert!(BeginCheckpoint::try_from(pb::BeginCheckpointRequest { step: u64::MAX, ..ok.clone() }).is_err());
         assert!(BeginCheckpoint::try_from(pb::BeginCheckpointRequest { epoch: 0, ..ok }).is_err());
-        let lease = pb::AcquireLeaseRequest { job: "j".into(), run_id: "run-1/0".into() };
+        let lease = pb::AcquireLeaseRequest { job: "j".into(), run_id: "run-1/0".into(), started_at_ms: 0 };
         assert!(AcquireLease::try_from(lease.clone()).is_ok());
         assert!(AcquireLease::try_from(pb::AcquireLeaseRequest { run_id: String::new(), ..lease.clone() }).is_err());
         assert!(AcquireLease::try_from(pb::AcquireLeaseRequest { run_id: "x".repeat(257), ..lease.clone() }).is_err());

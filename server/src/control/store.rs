@@ -530,7 +530,8 @@ pub(crate) mod conformance {
     }
 
     pub(crate) async fn lease(store: &dyn MetaStore, job: &str, run_id: &str) -> MetaResult<LeaseGrant> {
-        store.acquire_lease(&AcquireLease { job: JobName::try_from(job).unwrap(), run_id: run_id.into() }, 1).await
+        let request = AcquireLease { job: JobName::try_from(job).unwrap(), run_id: run_id.into(), started_at_ms: 0 };
+        store.acquire_lease(&request, 1).await
     }
 
     pub(crate) fn part(checkpoint_id: u64, rank: u32, path: &str, size: u64) -> CommitPart {
@@ -828,6 +829,31 @@ pub(crate) mod conformance {
             vec![(1, CheckpointState::Aborted), (2, CheckpointState::Aborted), (3, CheckpointState::Committed)]
         );
         assert_eq!(store.latest(&job("o")).await.unwrap().map(|c| c.step), Some(3));
+    }
+
+    pub async fn runs_that_started_earlier_never_take_over(store: &dyn MetaStore) {
+        let lease_at = |run: &'static str, started_at_ms: u64| async move {
+            let request = AcquireLease { job: job("z"), run_id: run.into(), started_at_ms };
+            store.acquire_lease(&request, started_at_ms + 1).await
+        };
+        // Run 1 started at 1000 and is preempted before its first save; run 2 replaces it.
+        assert_eq!(lease_at("run-2", 2000).await.unwrap().epoch, 1);
+        let pending = store.begin_checkpoint(&begin("z", 5, 1, 1), 2001).await.unwrap();
+        // A process of run 1 still alive makes its first save: it must not take the job over (and
+        // abort run 2's checkpoint), though the job never saw its run id.
+        assert!(matches!(lease_at("run-1", 1000).await, Err(MetaError::Fenced(_))));
+        let states: Vec<_> = store.list_checkpoints(&job("z"), true).await.unwrap().iter().map(|c| c.state).collect();
+        assert_eq!(states, vec![CheckpointState::Pending]);
+        store.commit_part(&part(pending.id, 0, "f", 1), 2002, 0).await.unwrap();
+        // Run 2's other ranks, whatever their own start, keep its epoch.
+        assert_eq!(lease_at("run-2", 1500).await.unwrap().epoch, 1);
+        // A run that started later takes over, as does one that does not say when it started.
+        assert_eq!(lease_at("run-3", 3000).await.unwrap().epoch, 2);
+        assert_eq!(lease_at("run-4", 0).await.unwrap().epoch, 3);
+        // A holder that did not say when it started (an older client) orders nothing.
+        assert_eq!(lease_at("run-0", 500).await.unwrap().epoch, 4);
+        // Superseded run ids stay fenced, whenever they started.
+        assert!(matches!(lease_at("run-3", 9000).await, Err(MetaError::Fenced(_))));
     }
 
     pub async fn fencing(store: &dyn MetaStore) {

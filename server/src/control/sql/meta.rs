@@ -111,15 +111,34 @@ impl MetaStore for SqlStore {
                 None => Err(MetaError::Corrupt(format!("job {job} has a lease row but no current lease"))),
             };
         }
+        if let Some((current, holder)) = &current {
+            let holder_started: i64 =
+                sqlx::query_scalar("SELECT started_at_ms FROM leases WHERE job = $1 AND epoch = $2")
+                    .bind(job)
+                    .bind(to_i64(*current, "epoch")?)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            let started = to_i64(request.started_at_ms, "started_at_ms")?;
+            if started > 0 && started < holder_started {
+                return Err(MetaError::Fenced(format!(
+                    "job {job}: run {:?} started (at {started} ms) before run {holder:?} (at {holder_started} ms), which \
+                     holds the lease (epoch {current}); a process of a run that was replaced may no longer write",
+                    request.run_id
+                )));
+            }
+        }
         let epoch = current.map_or(1, |(current, _)| current + 1);
         let now = to_i64(now_ms, "time")?;
-        sqlx::query("INSERT INTO leases (job, run_id, epoch, acquired_at_ms) VALUES ($1, $2, $3, $4)")
-            .bind(job)
-            .bind(&request.run_id)
-            .bind(to_i64(epoch, "epoch")?)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(
+            "INSERT INTO leases (job, run_id, epoch, acquired_at_ms, started_at_ms) VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(job)
+        .bind(&request.run_id)
+        .bind(to_i64(epoch, "epoch")?)
+        .bind(now)
+        .bind(to_i64(request.started_at_ms, "started_at_ms")?)
+        .execute(&mut *tx)
+        .await?;
         // The takeover and the abort of the older runs' half-written checkpoints are one transaction.
         let aborted = sqlx::query(
             "UPDATE checkpoints SET state = 'aborted', ended_at_ms = $1 WHERE job = $2 AND state = 'pending' AND epoch < $3",

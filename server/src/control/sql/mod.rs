@@ -32,8 +32,9 @@ use super::store::{MetaError, MetaResult, Role};
 
 const SCHEMA: &str = include_str!("schema.sql");
 /// 2: targets.failure_domain, the replication table. 3: targets.rdma_device. 5:
-/// control_planes.tier. Older databases are migrated on open (PostgreSQL support began at 3).
-const SCHEMA_VERSION: i64 = 5;
+/// control_planes.tier. 6: leases.started_at_ms. Older databases are migrated on open
+/// (PostgreSQL support began at 3).
+const SCHEMA_VERSION: i64 = 6;
 const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
      written_bytes, file_count, created_at_ms, committed_at_ms, \
      (SELECT string_agg(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags, \
@@ -92,6 +93,17 @@ impl Dialect {
             Dialect::Postgres => ("BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY", "BYTEA"),
         };
         SCHEMA.replace("{ID}", id).replace("{BYTES}", bytes)
+    }
+
+    /// A query counting the columns named `$2` of table `$1` (0 or 1).
+    fn column_count(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "SELECT COUNT(*) FROM pragma_table_info($1) WHERE name = $2",
+            Dialect::Postgres => {
+                "SELECT COUNT(*) FROM information_schema.columns WHERE table_schema = current_schema() \
+                 AND table_name = $1 AND column_name = $2"
+            }
+        }
     }
 }
 
@@ -251,7 +263,7 @@ impl SqlStore {
                     .await?;
             }
             Some(SCHEMA_VERSION) => {}
-            Some(old @ (1..=4)) => {
+            Some(old @ (1..=5)) => {
                 if old < 2 {
                     sqlx::query("ALTER TABLE targets ADD COLUMN failure_domain TEXT NOT NULL DEFAULT ''")
                         .execute(&mut *tx)
@@ -259,6 +271,17 @@ impl SqlStore {
                 }
                 if old < 3 {
                     sqlx::query("ALTER TABLE targets ADD COLUMN rdma_device TEXT NOT NULL DEFAULT ''")
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                // A table the schema above just made has the column already.
+                let has_start: i64 = sqlx::query_scalar(self.dialect.column_count())
+                    .bind("leases")
+                    .bind("started_at_ms")
+                    .fetch_one(&mut *tx)
+                    .await?;
+                if has_start == 0 {
+                    sqlx::query("ALTER TABLE leases ADD COLUMN started_at_ms BIGINT NOT NULL DEFAULT 0")
                         .execute(&mut *tx)
                         .await?;
                 }

@@ -21,12 +21,15 @@ CREATE TABLE IF NOT EXISTS targets (
 );
 
 -- Writer leases: one row per run that ever wrote a job. The job's current lease is its highest
--- epoch; a run id once superseded can never take the lease back (fencing of zombie writers).
+-- epoch; a run id once superseded can never take the lease back, nor can a new one that started
+-- before the holder (fencing of zombie writers).
 CREATE TABLE IF NOT EXISTS leases (
     job            TEXT NOT NULL,
     run_id         TEXT NOT NULL,
     epoch          BIGINT NOT NULL,
     acquired_at_ms BIGINT NOT NULL,
+    -- When the run's first asking process started (Unix ms); 0: not said.
+    started_at_ms  BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (job, run_id),
     UNIQUE (job, epoch)
 );

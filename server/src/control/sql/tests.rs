@@ -1,6 +1,7 @@
 use std::sync::Arc;
 
 use starckpt_proto::JobName;
+use starckpt_proto::model::AcquireLease;
 
 use super::*;
 use crate::control::store::{ControlPlaneMember, MetaStore, conformance};
@@ -41,6 +42,7 @@ on_both!(
     two_writers_of_a_rank,
     step_collisions,
     fencing,
+    runs_that_started_earlier_never_take_over,
     stale_pending_is_aborted,
     replication,
     retention_and_tags,
@@ -169,8 +171,13 @@ async fn old_database(path: &std::path::Path, version: i64) {
              gc_grace_ms BIGINT NOT NULL, seen_at_ms BIGINT NOT NULL, security TEXT NOT NULL DEFAULT '');
              INSERT INTO control_planes VALUES ('old/1', 1, 2, 3, 'no cluster key, bearer tokens required');";
     }
+    // Version 6 recorded when a run started; before, leases were only (job, run, epoch, time).
+    let leases = "CREATE TABLE leases (job TEXT NOT NULL, run_id TEXT NOT NULL, epoch BIGINT NOT NULL,
+         acquired_at_ms BIGINT NOT NULL, PRIMARY KEY (job, run_id), UNIQUE (job, epoch));
+         INSERT INTO leases VALUES ('old', 'run-old', 1, 5);";
     sqlx::raw_sql(&format!(
-        "CREATE TABLE schema_version (version INTEGER NOT NULL);
+        "{leases}
+         CREATE TABLE schema_version (version INTEGER NOT NULL);
          INSERT INTO schema_version (version) VALUES ({version});
          CREATE TABLE targets (target_id TEXT PRIMARY KEY, data_address TEXT NOT NULL,
              capacity_bytes BIGINT NOT NULL, used_bytes BIGINT NOT NULL, chunk_count BIGINT NOT NULL DEFAULT 0,
@@ -186,7 +193,7 @@ async fn old_database(path: &std::path::Path, version: i64) {
 
 #[tokio::test]
 async fn older_databases_are_migrated_and_keep_their_targets() {
-    for (version, domain) in [(1, ""), (2, "rack"), (3, "rack"), (4, "rack")] {
+    for (version, domain) in [(1, ""), (2, "rack"), (3, "rack"), (4, "rack"), (5, "rack")] {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("old.db");
         old_database(&path, version).await;
@@ -205,6 +212,15 @@ async fn older_databases_are_migrated_and_keep_their_targets() {
             tier: ControlPlaneMember::tier_of(Some("file:///t")),
         };
         assert_eq!(store.join_control_planes(&member, 10, 0, true).await.unwrap(), None, "from version {version}");
+        // The old run keeps its lease; a run that says when it started (version 6) takes over.
+        let lease = |run_id: &str, started_at_ms| AcquireLease {
+            job: JobName::try_from("old").unwrap(),
+            run_id: run_id.into(),
+            started_at_ms,
+        };
+        assert_eq!(store.acquire_lease(&lease("run-old", 0), 11).await.unwrap().epoch, 1, "from version {version}");
+        assert_eq!(store.acquire_lease(&lease("run-new", 9), 12).await.unwrap().epoch, 2, "from version {version}");
+        assert!(matches!(store.acquire_lease(&lease("run-older", 8), 13).await, Err(MetaError::Fenced(_))));
         drop(store);
         // Opening again finds the current version and changes nothing.
         let store = SqlStore::open(path.to_str().unwrap()).await.unwrap();
