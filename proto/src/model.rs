@@ -29,6 +29,10 @@ pub const MAX_FILES_PER_PART: usize = 1_000_000;
 /// part against the others, hold in memory: at ~80 bytes per 4 MiB chunk, 512 MiB describes
 /// ~25 TiB; larger checkpoints need larger chunks.
 pub const MAX_CHECKPOINT_MANIFEST_BYTES: u64 = 512 << 20;
+/// Largest encoded manifest of one rank's part. A reader gets at least one part per page of
+/// GetManifest, with the checkpoint's record and the target list, all under the 64 MiB gRPC
+/// message limit: a part close to that limit would commit, and then never be read back.
+pub const MAX_PART_MANIFEST_BYTES: usize = 48 << 20;
 /// Longest run id (the name all ranks of one training run share).
 pub const MAX_RUN_ID_BYTES: usize = 256;
 
@@ -607,6 +611,16 @@ impl TryFrom<pb::CommitPartRequest> for CommitPart {
     type Error = ModelError;
     fn try_from(request: pb::CommitPartRequest) -> Result<Self, Self::Error> {
         let manifest = request.manifest.ok_or_else(|| field("manifest", "missing"))?;
+        let encoded = prost::Message::encoded_len(&manifest);
+        if encoded > MAX_PART_MANIFEST_BYTES {
+            return Err(field(
+                "manifest",
+                format!(
+                    "{encoded} bytes encoded, over the {MAX_PART_MANIFEST_BYTES} a part may have (a reader could never \
+                     fetch it): save fewer files per rank, or use larger chunks"
+                ),
+            ));
+        }
         if i64::try_from(request.checkpoint_id).is_err() {
             return Err(field("checkpoint_id", "out of range"));
         }
@@ -878,6 +892,19 @@ mod tests {
         assert!(CommitPart::try_from(pb::CommitPartRequest { written_bytes: 16, ..ok.clone() }).is_err());
         assert!(CommitPart::try_from(pb::CommitPartRequest { manifest: None, ..ok.clone() }).is_err());
         assert!(CommitPart::try_from(pb::CommitPartRequest { checkpoint_id: u64::MAX, ..ok }).is_err());
+        // A part over the size a reader can fetch: ~14k files with ~3.8 KB paths.
+        let dir = vec!["d".repeat(250); 15].join("/");
+        let files = (0..14_000).map(|i| file(&format!("{dir}/{i}"), &[])).collect();
+        let huge = pb::Manifest { files, ..Default::default() };
+        assert!(prost::Message::encoded_len(&huge) > MAX_PART_MANIFEST_BYTES);
+        let refused = CommitPart::try_from(pb::CommitPartRequest {
+            checkpoint_id: 1,
+            rank: 0,
+            manifest: Some(huge),
+            written_bytes: 0,
+        })
+        .unwrap_err();
+        assert!(refused.to_string().contains("a reader could never fetch it"), "{refused}");
     }
 
     #[test]
