@@ -52,8 +52,9 @@ pub(super) struct DraftFile {
     pub(super) open_handles: AtomicU64,
     /// Unlinked while open: never committed.
     pub(super) abandoned: std::sync::atomic::AtomicBool,
-    /// Its opener died with it open (a flush said so), or whether it did cannot be told: never
-    /// ended; whatever would end it fails it instead ([`CkptFs::end`]).
+    /// Its opener, or another process that wrote to it, died with it open (a flush said so), or
+    /// whether one did cannot be told: never ended; whatever would end it fails it instead
+    /// ([`CkptFs::end`]).
     pub(super) killed: std::sync::atomic::AtomicBool,
     /// Flushes whose requester is still being judged ([`DraftFile::judge`]); release waits for them.
     pub(super) judging: (Mutex<u32>, std::sync::Condvar),
