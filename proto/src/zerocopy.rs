@@ -264,6 +264,13 @@ impl FrameWriter<OwnedWriteHalf> {
             // The descriptor stays open as long as `frames.writer` (a half of the socket) lives.
             match ZeroCopy::new(fd, mode, stats) {
                 Ok(zero_copy) => frames.zero_copy = Some(zero_copy),
+                // Its ring's pages count against the same locked-memory limit as a send's (for a
+                // process without CAP_IPC_LOCK, on recent kernels).
+                Err(error) if error.raw_os_error() == Some(libc::ENOMEM) => tracing::info!(
+                    %error,
+                    "zero-copy send refused: no io_uring ring within the locked-memory limit \
+                     (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK); writing plainly"
+                ),
                 Err(error) => tracing::debug!(%error, "no io_uring for zero-copy sends; writing plainly"),
             }
         }
