@@ -791,7 +791,7 @@ async fn commit_references(control: &std::net::SocketAddr, target: &str, job: &s
 async fn a_checkpoint_whose_parts_exceed_one_message_can_be_read() {
     let (_dir, cluster, client) = cluster(1, |_| {}).await;
     let target = client.targets().await.unwrap().remove(0).target_id;
-    // ~36 MiB per part: 600,000 references of 4 MiB chunks each (a 2.3 TiB part).
+    // ~48 MiB per part encoded: 600,000 references of 4 MiB chunks each (a 2.3 TiB part).
     let chunks_per_part = 600_000u64;
     commit_references(&cluster.control_address, &target, "huge", 2, chunks_per_part).await;
     let manifest = client.manifest("huge", None).await.unwrap();
