@@ -845,13 +845,13 @@ fn a_rank_that_never_commits_aborts_the_checkpoint_after_the_timeout() {
     all.push(source.to_str().unwrap());
     cluster.ok(&all);
     assert_eq!(cluster.json(&["ls", "slow"])[0]["state"], "pending");
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let listed = cluster.json(&["ls", "slow", "--all"]);
         if listed[0]["state"] == "aborted" {
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "the pending checkpoint was never aborted: {listed}");
+        assert!(Instant::now() < deadline, "the pending checkpoint was never aborted: {listed}");
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(cluster.json(&["ls"])[0]["latest_step"].is_null());
@@ -1210,9 +1210,9 @@ fn the_scrubber_removes_a_rotted_copy_and_re_replication_restores_it() {
     let mut bad = good.clone();
     bad[4096 + 7] ^= 0x10;
     std::fs::write(&rotten, &bad).unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + Duration::from_secs(15);
     while rotten.exists() {
-        assert!(std::time::Instant::now() < deadline, "the scrubber did not remove the corrupt copy");
+        assert!(Instant::now() < deadline, "the scrubber did not remove the corrupt copy");
         std::thread::sleep(Duration::from_millis(100));
     }
 
@@ -1424,9 +1424,9 @@ fn an_interrupted_restore_leaves_nothing_behind() {
 
     // SIGTERM as soon as the unfinished tree appears.
     let child = restore();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(30);
     while !restore_leftovers(&parent).iter().any(|n| n.contains("partial")) {
-        assert!(std::time::Instant::now() < deadline, "the restore never started its tree");
+        assert!(Instant::now() < deadline, "the restore never started its tree");
         std::thread::sleep(Duration::from_millis(1));
     }
     // SAFETY: kill(2) on a child we spawned, which has not been waited for.
@@ -1470,4 +1470,21 @@ fn a_second_control_plane_on_one_sqlite_file_is_refused() {
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert!(stderr.contains("in use by another control plane"), "{stderr}");
     assert_eq!(cluster.json(&["status"])["targets"].as_array().unwrap().len(), 1);
+}
+
+#[test]
+fn a_second_target_on_one_data_dir_is_refused() {
+    let cluster = Cluster::start(1);
+    let dir = cluster.target_dir(0);
+    let mut second = std::process::Command::new(common::BIN);
+    second
+        .args(["target", "--dir", dir.to_str().unwrap(), "--listen", "127.0.0.1:0", "--queue-depth", "8"])
+        .args(["--server", &cluster.servers()])
+        .env("STARCKPT_CLUSTER_KEY_FILE", common::cluster_key_file(dir.parent().unwrap()));
+    let stderr = common::refuses_to_start(second, "a second target on one data directory");
+    assert!(stderr.contains("in use by another target process"), "{stderr}");
+    // The first still serves.
+    let data = cluster.dir.path().join("one");
+    std::fs::write(&data, b"still served").unwrap();
+    cluster.ok(&["save", "--job", "locked", "--step", "1", data.to_str().unwrap()]);
 }

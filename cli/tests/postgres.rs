@@ -86,24 +86,9 @@ fn a_cluster_keeps_its_checkpoints_in_postgres() {
 /// Starts `starckpt server` on `db` (with `extra` flags) and expects it to exit with an error
 /// within 30 s; its stderr.
 fn server_refuses(db: &str, extra: &[&str]) -> String {
-    let mut child = std::process::Command::new(BIN)
-        .args(["server", "--listen", "127.0.0.1:0", "--db", db])
-        .args(extra)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the control plane started on {db}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let output = child.wait_with_output().unwrap();
-    assert!(!output.status.success());
-    String::from_utf8(output.stderr).unwrap()
+    let mut command = std::process::Command::new(BIN);
+    command.args(["server", "--listen", "127.0.0.1:0", "--db", db]).args(extra);
+    common::refuses_to_start(command, &format!("the control plane on {db}"))
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! They share no mutable state; a process may run either or both (`starckpt dev`).
 pub mod control;
 pub mod dev;
+pub mod lockfile;
 pub mod target;
 pub mod telemetry;
 pub mod testing;

@@ -606,3 +606,20 @@ pub fn scrape(address: &str) -> String {
 pub fn value(text: &str, series: &str) -> Option<f64> {
     text.lines().find(|line| line.starts_with(series)).and_then(|line| line.rsplit(' ').next()?.parse().ok())
 }
+
+/// Runs `command` and expects it to exit with an error within 30 s (a server that should refuse
+/// to start would otherwise serve on); its stderr.
+pub fn refuses_to_start(mut command: Command, what: &str) -> String {
+    let mut child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what} kept running");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = child.wait_with_output().unwrap();
+    assert!(!output.status.success(), "{what} exited 0");
+    String::from_utf8(output.stderr).unwrap()
+}

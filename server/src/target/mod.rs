@@ -226,6 +226,23 @@ fn bind_shm_socket(path: &Path) -> Option<dataplane::ShmListener> {
     }
 }
 
+/// Takes `DIR/target.lock` for the life of the returned file. Two target processes on one data
+/// directory would hand out the same free-pool files and delete each other's temporaries, so a
+/// second one is refused with a clear error rather than left to corrupt chunks
+/// ([`crate::lockfile`]: a crash never leaves it held).
+pub fn lock_data_dir(dir: &Path) -> anyhow::Result<std::fs::File> {
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    let path = dir.join("target.lock");
+    match crate::lockfile::try_hold(&path).with_context(|| format!("lock {}", path.display()))? {
+        Some(file) => Ok(file),
+        None => anyhow::bail!(
+            "{} is in use by another target process (it holds {}); give each target its own --dir",
+            dir.display(),
+            path.display()
+        ),
+    }
+}
+
 /// Removes a cut-short measurement's scratch directory. Its last operations (a rename, an
 /// fsync on the blocking pool) may still be finishing and create entries in it, so it is removed
 /// again until it stays gone, for up to about a second; a start removes whatever is left.
@@ -246,6 +263,7 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    let _dir_lock = lock_data_dir(&config.dir)?;
     let target_id = load_or_create_target_id(&config.dir)?;
     // Whatever a measurement cut short by a crash left behind.
     let scratch = config.dir.join("calibrating");
@@ -480,5 +498,23 @@ async fn heartbeat_loop(
             _ = &mut shutdown => return,
             _ = tokio::time::sleep(wait) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lock_data_dir;
+
+    #[test]
+    fn a_second_target_on_one_data_dir_is_refused_until_the_first_lets_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let first = lock_data_dir(&data).unwrap();
+        let refused = lock_data_dir(&data).unwrap_err().to_string();
+        assert!(refused.contains("in use by another target process"), "{refused}");
+        // Another directory is not affected.
+        let _other = lock_data_dir(&dir.path().join("other")).unwrap();
+        drop(first);
+        lock_data_dir(&data).unwrap();
     }
 }

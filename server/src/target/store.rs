@@ -125,20 +125,26 @@ fn judge_copy(path: &Path, hash: ChunkHash) -> Result<Copy, ChunkStoreError> {
     };
     let meta = file.metadata().map_err(io_error("stat", path))?;
     let bad = |reason: String| Ok(Copy::Bad { inode: meta.ino(), reason });
-    let limit = (HEADER_BYTES + starckpt_proto::frame::MAX_PAYLOAD_BYTES as usize + 4096) as u64;
-    if meta.len() < HEADER_BYTES as u64 || meta.len() > limit {
+    if meta.len() < HEADER_BYTES as u64 {
         return bad(format!("file is {} bytes", meta.len()));
     }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    file.read_to_end(&mut bytes).map_err(io_error("read", path))?;
-    let version = u16::from_le_bytes([bytes[8], bytes[9]]);
-    if bytes[0..8] == MAGIC[..] && bytes[64..72] == header_sum(&bytes) && !FORMAT_VERSIONS.contains(&version) {
+    let mut bytes = vec![0; HEADER_BYTES];
+    file.read_exact(&mut bytes).map_err(io_error("read", path))?;
+    // A header whose checksums hold but that says what this build cannot read was written by a
+    // newer one (a downgrade): an error to report, never a bad copy to delete.
+    if let Some(unknown) = unknown_to_this_build(&bytes) {
         return Err(ChunkStoreError::Io {
             op: "verify",
             path: path.to_path_buf(),
-            source: io::Error::other("a chunk format this build does not know"),
+            source: io::Error::other(format!("{unknown} this build does not know")),
         });
     }
+    let limit = (HEADER_BYTES + starckpt_proto::frame::MAX_PAYLOAD_BYTES as usize + 4096) as u64;
+    if meta.len() > limit {
+        return bad(format!("file is {} bytes", meta.len()));
+    }
+    bytes.reserve_exact(meta.len() as usize - HEADER_BYTES);
+    file.read_to_end(&mut bytes).map_err(io_error("read", path))?;
     let header = match decode_header(&bytes, &hash) {
         Ok(header) => header,
         Err(ChunkStoreError::Corrupt { reason, .. }) => return bad(reason),
@@ -152,6 +158,27 @@ fn judge_copy(path: &Path, hash: ChunkHash) -> Result<Copy, ChunkStoreError> {
     // content hash when it was written.
     let actual = ChunkHash::of(payload);
     if actual == header.stored_hash { Ok(Copy::Good { length }) } else { bad(format!("stored bytes hash to {actual}")) }
+}
+
+/// What a header with valid checksums names that this build cannot read: a format version, a
+/// codec or a length beyond this build's largest chunk. `None` when the header is readable or
+/// its checksums do not hold (then it is corrupt, not newer).
+fn unknown_to_this_build(header: &[u8]) -> Option<&'static str> {
+    if header[0..8] != MAGIC[..] || header[64..72] != header_sum(header) {
+        return None;
+    }
+    let version = u16::from_le_bytes([header[8], header[9]]);
+    if !FORMAT_VERSIONS.contains(&version) {
+        return Some("a chunk format");
+    }
+    if version != FORMAT_VERSION && header[104..112] != sum8(&header[72..104]) {
+        return None;
+    }
+    if Codec::from_wire(i32::from(header[10])).is_err() {
+        return Some("a codec");
+    }
+    let length = u64::from_le_bytes(header[24..32].try_into().expect("8 bytes"));
+    (length > u64::from(starckpt_proto::frame::MAX_PAYLOAD_BYTES)).then_some("a chunk length")
 }
 
 fn io_error(op: &'static str, path: &Path) -> impl FnOnce(io::Error) -> ChunkStoreError + use<> {

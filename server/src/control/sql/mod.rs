@@ -162,23 +162,15 @@ fn owner_lock(database: &std::path::Path) -> MetaResult<DatabaseLock> {
     let mut name = database.as_os_str().to_owned();
     name.push(".lock");
     let path = std::path::PathBuf::from(name);
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(|e| MetaError::InvalidArgument(format!("database lock file {}: {e}", path.display())))?;
-    match file.try_lock() {
-        Ok(()) => Ok(DatabaseLock { _file: file }),
-        Err(std::fs::TryLockError::WouldBlock) => Err(MetaError::FailedPrecondition(format!(
+    match crate::lockfile::try_hold(&path) {
+        Ok(Some(file)) => Ok(DatabaseLock { _file: file }),
+        Ok(None) => Err(MetaError::FailedPrecondition(format!(
             "database {} is in use by another control plane (it holds {}); an SQLite database serves \
              one control plane at a time: for several, use PostgreSQL",
             database.display(),
             path.display()
         ))),
-        Err(std::fs::TryLockError::Error(e)) => {
-            Err(MetaError::InvalidArgument(format!("database lock file {}: {e}", path.display())))
-        }
+        Err(e) => Err(MetaError::InvalidArgument(format!("database lock file {}: {e}", path.display()))),
     }
 }
 

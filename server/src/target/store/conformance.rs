@@ -214,6 +214,21 @@ async fn verify_and_repair_replace_only_bad_copies(kind: EngineKind) {
     newer[64..72].copy_from_slice(&sum);
     std::fs::write(&path, &newer).unwrap();
     assert!(matches!(store.check_copy(hash).await, Err(ChunkStoreError::Io { .. })));
+    // So is a known format naming a codec or a length this build does not know.
+    for (at, value) in [(10, 200u8), (31, 1)] {
+        let mut newer = good.clone();
+        newer[at] = value;
+        let sum = header_sum(&newer);
+        newer[64..72].copy_from_slice(&sum);
+        std::fs::write(&path, &newer).unwrap();
+        let refused = store.check_copy(hash).await;
+        assert!(matches!(refused, Err(ChunkStoreError::Io { .. })), "byte {at}: {refused:?}");
+    }
+    // A header whose checksum does not hold is corrupt, whatever it says.
+    let mut broken = good.clone();
+    broken[10] = 200;
+    std::fs::write(&path, &broken).unwrap();
+    assert!(matches!(store.check_copy(hash).await, Ok(Copy::Bad { .. })));
     std::fs::write(&path, &good).unwrap();
     // A repair of a missing copy stores it; a payload that is not the chunk is refused.
     store.delete(vec![hash], None).await.unwrap();
