@@ -25,7 +25,9 @@
 //!   copies. The tier keeps every chunk the import needs (its sweep fence), and re-replication
 //!   and readers' recoveries copy them back from there.
 //! - Hence `grace` must exceed the pending timeout, with room for the delay between this process
-//!   computing the cutoff and a target applying it; [`GcConfig::validate`] demands a minute.
+//!   computing the cutoff and a target applying it, and for the rest of the commit's transaction
+//!   after its check (the check itself is made with the writer lock held, so time spent waiting
+//!   for the lock counts against the timeout); [`GcConfig::validate`] demands a minute.
 //! - Clocks: only durations cross machines (the guard is "unused for", measured by the target on
 //!   its own clock), so offsets between machines do not matter. A target never counts a chunk as
 //!   older than its own uptime, nor than the time since its wall clock last jumped (`UseClock` in

@@ -138,6 +138,11 @@ struct Collector {
     /// tier's and recoveries' only read and write.
     collecting: Credentials,
     copying: Credentials,
+    /// Why garbage collection is paused, while it is: the control planes sharing the database
+    /// disagree on settings, or this host's clock has drifted from the database server's
+    /// ([`refresh_membership`]). Either breaks the argument that GC never deletes a chunk a
+    /// commit may still name (`gc.rs`).
+    gc_paused: std::sync::Mutex<Option<String>>,
 }
 
 /// How long recoveries skip a target one of them found unreachable.
@@ -164,6 +169,11 @@ impl Collector {
     /// another control plane is running one and `wait` is false.
     async fn run(&self, wait: bool) -> Result<Option<GcReport>, MetaError> {
         let _one_at_a_time = self.running.lock().await;
+        if let Some(why) = self.gc_paused.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Err(MetaError::FailedPrecondition(format!(
+                "garbage collection is paused until control planes agree again: {why}"
+            )));
+        }
         let Some(_leadership) = self.lead(Role::Gc, wait).await? else {
             tracing::debug!("another control plane is collecting garbage; this pass is skipped");
             return Ok(None);
@@ -356,6 +366,7 @@ impl ControlService {
             unreachable: Default::default(),
             collecting: minted(&config, Rights::ALL),
             copying: minted(&config, Rights::CLIENT),
+            gc_paused: Default::default(),
         });
         ControlService { store, config, collector, chunk_indexes: Default::default() }
     }
@@ -601,13 +612,20 @@ impl Control for ControlService {
                 }
             }
         }
-        let now = now_ms();
-        let begun_after = now.saturating_sub(self.config.pending_timeout.as_millis() as u64);
         fault("control.commit.record").map_err(|e| caller.told(meta_status(e)))?;
-        let record = self.store.commit_part(&part, now, begun_after).await.map_err(|e| caller.told(meta_status(e)))?;
+        // The time the store judged the commit by (read with its writer lock held).
+        let judged_at = std::sync::atomic::AtomicU64::new(0);
+        let clock = || {
+            let now = now_ms();
+            judged_at.store(now, std::sync::atomic::Ordering::Relaxed);
+            now
+        };
+        let timeout = self.config.pending_timeout.as_millis() as u64;
+        let record = self.store.commit_part(&part, &clock, timeout).await.map_err(|e| caller.told(meta_status(e)))?;
         fault("control.commit.reply").map_err(|e| caller.told(meta_status(e)))?;
         // The part that committed it (an identical part sent again answers the same, and is not
         // counted twice: it committed nothing).
+        let now = judged_at.load(std::sync::atomic::Ordering::Relaxed);
         if record.state == CheckpointState::Committed && record.committed_at_ms == Some(now) {
             tracing::info!(job = %record.job, step = record.step, bytes = record.total_bytes, "checkpoint committed");
             metrics::counter!("starckpt_control_checkpoints_committed_total").increment(1);
@@ -1006,24 +1024,16 @@ pub async fn run(
     // Where control planes may share the database (PostgreSQL), they must agree on settings and
     // on the time. SQLite is one host's: a control plane restarted with other settings (or on
     // another port) is the only one.
-    let shared = check_clock(&*store).await?;
+    let shared = match clock_check(&*store).await? {
+        None => false,
+        Some(skew) => {
+            skew.map_err(anyhow::Error::msg)?;
+            true
+        }
+    };
     if shared && let Some(conflict) = join(&*store, &member, true).await? {
         anyhow::bail!(conflict);
     }
-    // Alive: recorded every few seconds, whatever it finds. A conflict found now (one joined
-    // while this one looked gone, the database out of reach for a minute) is logged loudly.
-    let membership = every(shared.then_some(MEMBER_REFRESH), "membership", {
-        let (store, member) = (Arc::clone(&store), member.clone());
-        move || {
-            let (store, member) = (Arc::clone(&store), member.clone());
-            async move {
-                if let Some(conflict) = join(&*store, &member, false).await? {
-                    tracing::error!(%conflict, "control planes sharing this database disagree; GC may be unsafe");
-                }
-                Ok(())
-            }
-        }
-    });
     let reaper = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(reap_stale_pending(
         Arc::clone(&store),
         config.pending_timeout,
@@ -1049,6 +1059,16 @@ pub async fn run(
     }
     let service = ControlService::new(Arc::clone(&store), config);
     let collector = Arc::clone(&service.collector);
+    // Alive: recorded every few seconds, whatever it finds. A conflict found now (one joined
+    // while this one looked gone, the database out of reach for a minute) or a clock that has
+    // drifted pauses garbage collection until it is gone.
+    let membership = every(shared.then_some(MEMBER_REFRESH), "membership", {
+        let (collector, member) = (Arc::clone(&collector), member.clone());
+        move || {
+            let (collector, member) = (Arc::clone(&collector), member.clone());
+            async move { refresh_membership(&collector, &member).await }
+        }
+    });
     let periodic_repair = every(repair_interval, "re-replication", {
         let collector = Arc::clone(&collector);
         move || {
@@ -1105,14 +1125,35 @@ async fn join(store: &dyn MetaStore, member: &ControlPlaneMember, refuse: bool) 
     store.join_control_planes(member, now, live_since, refuse).await
 }
 
-/// Refuses to serve a database shared across hosts (PostgreSQL) from a host whose clock is more
-/// than [`MAX_CLOCK_SKEW`] off the database server's. Whether the database is such a one.
-async fn check_clock(store: &dyn MetaStore) -> anyhow::Result<bool> {
+/// Records this control plane as alive, and pauses garbage collection while a live control plane
+/// of the database runs with other settings or this host's clock is more than
+/// [`MAX_CLOCK_SKEW`] off the database server's (resumes it once neither holds).
+async fn refresh_membership(collector: &Collector, member: &ControlPlaneMember) -> Result<(), MetaError> {
+    let conflict = join(&*collector.store, member, false).await?;
+    let skew = clock_check(&*collector.store).await?.and_then(Result::err);
+    let why = conflict.or(skew);
+    let mut paused = collector.gc_paused.lock().unwrap_or_else(|p| p.into_inner());
+    match (&*paused, &why) {
+        (None, Some(why)) => {
+            tracing::error!(%why, "control planes sharing this database disagree: garbage collection paused")
+        }
+        (Some(_), None) => {
+            tracing::info!("control planes sharing this database agree again: garbage collection resumed")
+        }
+        _ => {}
+    }
+    *paused = why;
+    Ok(())
+}
+
+/// Where the database is shared across hosts (PostgreSQL): whether this host's clock is within
+/// [`MAX_CLOCK_SKEW`] of the database server's (a host further off must not serve it). None for
+/// one host's database (SQLite).
+async fn clock_check(store: &dyn MetaStore) -> Result<Option<Result<(), String>>, MetaError> {
     let before = now_ms();
-    let Some(database) = store.database_clock_ms().await? else { return Ok(false) };
+    let Some(database) = store.database_clock_ms().await? else { return Ok(None) };
     let after = now_ms();
-    clock_skew(before / 2 + after / 2, database).map_err(anyhow::Error::msg)?;
-    Ok(true)
+    Ok(Some(clock_skew(before / 2 + after / 2, database)))
 }
 
 /// Err when `local_ms` and `database_ms` (read at the same moment) differ by more than
@@ -1259,6 +1300,40 @@ mod tests {
         // Garbage collection likewise.
         let report = one_at_a_time(&first, &second, Role::Gc, |c, wait| async move { c.run(wait).await }).await;
         assert!(report.is_some());
+    }
+
+    /// A control plane that finds another of its database running with other settings (one that
+    /// joined while it looked gone) pauses garbage collection, an operator's pass included, and
+    /// resumes it once the other has left.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn control_planes_that_disagree_pause_garbage_collection() {
+        let Some(url) = crate::testing::fresh_postgres_database("disagreeing control planes").await.unwrap() else {
+            return;
+        };
+        let store = open_store(&url).await.unwrap();
+        let service = ControlService::new(Arc::clone(&store), ControlConfig::default());
+        let member = |id: &str, pending_timeout_ms| ControlPlaneMember {
+            id: format!("{id}/1"),
+            listener: id.into(),
+            pending_timeout_ms,
+            gc_grace_ms: 600_000,
+            security: String::new(),
+            tier: String::new(),
+        };
+        let (this, other) = (member("this", 300_000), member("other", 500_000));
+        assert_eq!(join(&*store, &this, true).await.unwrap(), None);
+        refresh_membership(&service.collector, &this).await.unwrap();
+        assert!(service.collector.run(true).await.unwrap().is_some(), "one control plane collects");
+
+        // The other accepts commits later than this one's grace allows for.
+        assert!(join(&*store, &other, false).await.unwrap().is_some());
+        refresh_membership(&service.collector, &this).await.unwrap();
+        let paused = service.collector.run(true).await.unwrap_err();
+        assert!(matches!(&paused, MetaError::FailedPrecondition(m) if m.contains("paused")), "{paused}");
+
+        store.leave_control_planes(&other.id).await.unwrap();
+        refresh_membership(&service.collector, &this).await.unwrap();
+        assert!(service.collector.run(true).await.unwrap().is_some(), "resumed once they agree");
     }
 
     /// With `role` held through `holder`'s database, `pass` on `other`'s collector is skipped

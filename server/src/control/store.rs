@@ -303,9 +303,16 @@ pub trait MetaStore: Send + Sync + 'static {
     async fn begin_checkpoint(&self, request: &BeginCheckpoint, now_ms: u64) -> MetaResult<CheckpointRecord>;
     /// Adds one rank's part; commits the checkpoint when it is the last, and applies the job's
     /// retention policy in the same transaction. Idempotent for an identical part; a different
-    /// part for the same rank is FailedPrecondition. A checkpoint begun before `begun_after_ms`
-    /// (the pending timeout) is aborted instead, and FailedPrecondition returned.
-    async fn commit_part(&self, part: &CommitPart, now_ms: u64, begun_after_ms: u64) -> MetaResult<CheckpointRecord>;
+    /// part for the same rank is FailedPrecondition. A checkpoint begun more than
+    /// `pending_timeout_ms` before `now_ms()` is aborted instead, and FailedPrecondition
+    /// returned: the clock is read once, with the writer lock held, so a commit that waited for
+    /// the lock is judged when it got it (GC's grace covers the timeout, not the wait: `gc.rs`).
+    async fn commit_part(
+        &self,
+        part: &CommitPart,
+        now_ms: &(dyn Fn() -> u64 + Sync),
+        pending_timeout_ms: u64,
+    ) -> MetaResult<CheckpointRecord>;
     async fn latest(&self, job: &JobName) -> MetaResult<Option<CheckpointRecord>>;
     async fn list_jobs(&self) -> MetaResult<Vec<JobRecord>>;
     async fn list_checkpoints(&self, job: &JobName, include_inactive: bool) -> MetaResult<Vec<CheckpointRecord>>;
@@ -605,23 +612,26 @@ pub(crate) mod conformance {
             Err(MetaError::FailedPrecondition(_))
         ));
 
-        let after_one = store.commit_part(&part(first.id, 0, "r0.pt", 10), 3, 0).await.unwrap();
+        let after_one = store.commit_part(&part(first.id, 0, "r0.pt", 10), &|| 3, u64::MAX).await.unwrap();
         assert_eq!((after_one.state, after_one.parts_committed), (CheckpointState::Pending, 1));
         assert_eq!(store.latest(&job("j")).await.unwrap(), None, "not visible before every rank");
         // Idempotent re-commit, also with the chunks placed elsewhere; out-of-range rank; unknown
         // checkpoint.
-        store.commit_part(&part(first.id, 0, "r0.pt", 10), 4, 0).await.unwrap();
+        store.commit_part(&part(first.id, 0, "r0.pt", 10), &|| 4, u64::MAX).await.unwrap();
         let mut moved = part(first.id, 0, "r0.pt", 10);
         moved.manifest.files[0].chunks.iter_mut().for_each(|c| c.replicas = vec!["elsewhere".into()]);
-        let same = store.commit_part(&moved, 4, 0).await.unwrap();
+        let same = store.commit_part(&moved, &|| 4, u64::MAX).await.unwrap();
         assert_eq!((same.state, same.parts_committed), (CheckpointState::Pending, 1));
         assert!(matches!(
-            store.commit_part(&part(first.id, 2, "r2.pt", 1), 4, 0).await,
+            store.commit_part(&part(first.id, 2, "r2.pt", 1), &|| 4, u64::MAX).await,
             Err(MetaError::InvalidArgument(_))
         ));
-        assert!(matches!(store.commit_part(&part(9999, 0, "x", 1), 4, 0).await, Err(MetaError::NotFound(_))));
+        assert!(matches!(
+            store.commit_part(&part(9999, 0, "x", 1), &|| 4, u64::MAX).await,
+            Err(MetaError::NotFound(_))
+        ));
 
-        let done = store.commit_part(&part(first.id, 1, "r1.pt", 5), 5, 0).await.unwrap();
+        let done = store.commit_part(&part(first.id, 1, "r1.pt", 5), &|| 5, u64::MAX).await.unwrap();
         assert_eq!(done.state, CheckpointState::Committed);
         assert_eq!((done.total_bytes, done.file_count, done.committed_at_ms), (15, 2, Some(5)));
         assert_eq!(done.written_bytes, 10 / 2 + 5 / 2);
@@ -629,7 +639,7 @@ pub(crate) mod conformance {
         assert_eq!((latest.step, latest.id), (100, first.id));
         // Committing again after the commit is still idempotent.
         assert_eq!(
-            store.commit_part(&part(first.id, 1, "r1.pt", 5), 6, 0).await.unwrap().state,
+            store.commit_part(&part(first.id, 1, "r1.pt", 5), &|| 6, u64::MAX).await.unwrap().state,
             CheckpointState::Committed
         );
 
@@ -646,7 +656,7 @@ pub(crate) mod conformance {
         let epoch = lease(store, "paged", "run-a").await.unwrap().epoch;
         let first = store.begin_checkpoint(&begin("paged", 100, 3, epoch), 1).await.unwrap();
         for rank in 0..3 {
-            store.commit_part(&part(first.id, rank, &format!("r{rank}.pt"), 10), 2, 0).await.unwrap();
+            store.commit_part(&part(first.id, rank, &format!("r{rank}.pt"), 10), &|| 2, u64::MAX).await.unwrap();
         }
         let paged = job("paged");
         let page = |of, from, max| store.get_manifest_page(&paged, of, from, max);
@@ -690,7 +700,7 @@ pub(crate) mod conformance {
             part
         };
         let as_other = CommitPart { namespace: Some(other.clone()), ..keyed(part(ours.id, 0, "f", 1), &acme) };
-        assert!(matches!(store.commit_part(&as_other, 2, 0).await, Err(MetaError::NotFound(_))));
+        assert!(matches!(store.commit_part(&as_other, &|| 2, u64::MAX).await, Err(MetaError::NotFound(_))));
         // Chunks addressed by plain BLAKE3, with another tenant's key, or with a key of another
         // cluster key would deduplicate across tenants, or be a key no one hands out now.
         let other_cluster = starckpt_proto::capability::ClusterKey::from_secret(b"another cluster's key").unwrap();
@@ -698,14 +708,14 @@ pub(crate) mod conformance {
         let plain = CommitPart { cluster_key: Some(key.clone()), ..part(ours.id, 0, "f", 1) };
         for unkeyed in [plain, keyed(part(ours.id, 0, "f", 1), &other), stale] {
             let unkeyed = CommitPart { namespace: Some(acme.clone()), ..unkeyed };
-            let refused = store.commit_part(&unkeyed, 2, 0).await;
+            let refused = store.commit_part(&unkeyed, &|| 2, u64::MAX).await;
             assert!(matches!(&refused, Err(MetaError::InvalidArgument(m)) if m.contains("acme's")), "{refused:?}");
         }
         let as_acme = CommitPart { namespace: Some(acme.clone()), ..keyed(part(ours.id, 0, "f", 1), &acme) };
-        assert_eq!(store.commit_part(&as_acme, 2, 0).await.unwrap().state, CheckpointState::Committed);
+        assert_eq!(store.commit_part(&as_acme, &|| 2, u64::MAX).await.unwrap().state, CheckpointState::Committed);
         // An operator (no namespace) commits anywhere, addressed as the job's chunks are.
         assert_eq!(
-            store.commit_part(&keyed(part(theirs.id, 0, "g", 2), &other), 3, 0).await.unwrap().state,
+            store.commit_part(&keyed(part(theirs.id, 0, "g", 2), &other), &|| 3, u64::MAX).await.unwrap().state,
             CheckpointState::Committed
         );
 
@@ -719,11 +729,11 @@ pub(crate) mod conformance {
     pub async fn step_collisions(store: &dyn MetaStore) {
         let epoch = lease(store, "c", "run-1").await.unwrap().epoch;
         let committed = store.begin_checkpoint(&begin("c", 1, 1, epoch), 1).await.unwrap();
-        store.commit_part(&part(committed.id, 0, "f", 1), 2, 0).await.unwrap();
+        store.commit_part(&part(committed.id, 0, "f", 1), &|| 2, u64::MAX).await.unwrap();
         assert!(matches!(store.begin_checkpoint(&begin("c", 1, 1, epoch), 3).await, Err(MetaError::AlreadyExists(_))));
 
         let active = store.begin_checkpoint(&begin("c", 2, 1, epoch), 3).await.unwrap();
-        store.commit_part(&part(active.id, 0, "f", 1), 4, 0).await.unwrap();
+        store.commit_part(&part(active.id, 0, "f", 1), &|| 4, u64::MAX).await.unwrap();
         let all = store.list_checkpoints(&job("c"), true).await.unwrap();
         assert_eq!(
             all.iter().map(|c| (c.step, c.state)).collect::<Vec<_>>(),
@@ -772,23 +782,23 @@ pub(crate) mod conformance {
     pub async fn two_writers_of_a_rank(store: &dyn MetaStore) {
         let epoch = lease(store, "w", "reused").await.unwrap().epoch;
         let old = store.begin_checkpoint(&begin("w", 5, 2, epoch), 1).await.unwrap();
-        store.commit_part(&part(old.id, 0, "old-r0", 10), 2, 0).await.unwrap();
+        store.commit_part(&part(old.id, 0, "old-r0", 10), &|| 2, u64::MAX).await.unwrap();
         // Relaunched under the same run id: the same epoch, the same pending checkpoint.
         assert_eq!(lease(store, "w", "reused").await.unwrap().epoch, epoch);
         let joined = store.begin_checkpoint(&begin("w", 5, 2, epoch), 3).await.unwrap();
         assert_eq!(joined.id, old.id);
-        let refused = store.commit_part(&part(old.id, 0, "new-r0", 10), 4, 0).await;
+        let refused = store.commit_part(&part(old.id, 0, "new-r0", 10), &|| 4, u64::MAX).await;
         assert!(
             matches!(&refused, Err(MetaError::FailedPrecondition(m)) if m.contains("two writers") && m.contains("aborted")),
             "{refused:?}"
         );
-        let late = store.commit_part(&part(old.id, 1, "new-r1", 10), 5, 0).await;
+        let late = store.commit_part(&part(old.id, 1, "new-r1", 10), &|| 5, u64::MAX).await;
         assert!(matches!(&late, Err(MetaError::FailedPrecondition(m)) if m.contains("aborted")), "{late:?}");
         assert_eq!(store.latest(&job("w")).await.unwrap(), None, "nothing mixed committed");
         // A committed checkpoint cannot be aborted: the second writer is refused, and told.
         let next = store.begin_checkpoint(&begin("w", 6, 1, epoch), 6).await.unwrap();
-        store.commit_part(&part(next.id, 0, "a", 10), 7, 0).await.unwrap();
-        let refused = store.commit_part(&part(next.id, 0, "b", 10), 8, 0).await;
+        store.commit_part(&part(next.id, 0, "a", 10), &|| 7, u64::MAX).await.unwrap();
+        let refused = store.commit_part(&part(next.id, 0, "b", 10), &|| 8, u64::MAX).await;
         assert!(
             matches!(&refused, Err(MetaError::FailedPrecondition(m)) if m.contains("two writers") && !m.contains("aborted")),
             "{refused:?}"
@@ -803,25 +813,25 @@ pub(crate) mod conformance {
         };
         // The same file from two ranks: the last part finds it and aborts the checkpoint.
         let first = store.begin_checkpoint(&begin("o", 1, 2, epoch), 1).await.unwrap();
-        store.commit_part(&part(first.id, 0, "model.pt", 10), 2, 0).await.unwrap();
-        let refused = store.commit_part(&part(first.id, 1, "model.pt", 10), 3, 0).await;
+        store.commit_part(&part(first.id, 0, "model.pt", 10), &|| 2, u64::MAX).await.unwrap();
+        let refused = store.commit_part(&part(first.id, 1, "model.pt", 10), &|| 3, u64::MAX).await;
         assert!(
             matches!(&refused, Err(MetaError::InvalidArgument(m)) if m.contains("ranks 0 and 1") && m.contains("aborted")),
             "{refused:?}"
         );
         assert_eq!(states().await, vec![(1, CheckpointState::Aborted)]);
-        let again = store.commit_part(&part(first.id, 0, "model.pt", 10), 3, 0).await;
+        let again = store.commit_part(&part(first.id, 0, "model.pt", 10), &|| 3, u64::MAX).await;
         assert!(matches!(&again, Err(MetaError::FailedPrecondition(m)) if m.contains("aborted")), "{again:?}");
         // A file of one rank where another has a directory.
         let second = store.begin_checkpoint(&begin("o", 2, 2, epoch), 4).await.unwrap();
-        store.commit_part(&part(second.id, 1, "a/b", 10), 5, 0).await.unwrap();
-        let refused = store.commit_part(&part(second.id, 0, "a", 10), 6, 0).await;
+        store.commit_part(&part(second.id, 1, "a/b", 10), &|| 5, u64::MAX).await.unwrap();
+        let refused = store.commit_part(&part(second.id, 0, "a", 10), &|| 6, u64::MAX).await;
         assert!(matches!(&refused, Err(MetaError::InvalidArgument(m)) if m.contains("directory")), "{refused:?}");
         // Files side by side in one directory commit.
         let third = store.begin_checkpoint(&begin("o", 3, 2, epoch), 7).await.unwrap();
-        store.commit_part(&part(third.id, 0, "a/x", 10), 8, 0).await.unwrap();
+        store.commit_part(&part(third.id, 0, "a/x", 10), &|| 8, u64::MAX).await.unwrap();
         assert_eq!(
-            store.commit_part(&part(third.id, 1, "a/y", 10), 9, 0).await.unwrap().state,
+            store.commit_part(&part(third.id, 1, "a/y", 10), &|| 9, u64::MAX).await.unwrap().state,
             CheckpointState::Committed
         );
         assert_eq!(
@@ -844,7 +854,7 @@ pub(crate) mod conformance {
         assert!(matches!(lease_at("run-1", 1000).await, Err(MetaError::Fenced(_))));
         let states: Vec<_> = store.list_checkpoints(&job("z"), true).await.unwrap().iter().map(|c| c.state).collect();
         assert_eq!(states, vec![CheckpointState::Pending]);
-        store.commit_part(&part(pending.id, 0, "f", 1), 2002, 0).await.unwrap();
+        store.commit_part(&part(pending.id, 0, "f", 1), &|| 2002, u64::MAX).await.unwrap();
         // Run 2's other ranks, whatever their own start, keep its epoch.
         assert_eq!(lease_at("run-2", 1500).await.unwrap().epoch, 1);
         // A run that started later takes over, as does one that does not say when it started.
@@ -862,7 +872,7 @@ pub(crate) mod conformance {
         assert_eq!(first, LeaseGrant { epoch: 1, aborted_checkpoints: 0 });
         assert_eq!(lease(store, "f", "run-1").await.unwrap().epoch, 1, "every rank of a run gets the same epoch");
         let old = store.begin_checkpoint(&begin("f", 10, 2, 1), 1).await.unwrap();
-        store.commit_part(&part(old.id, 0, "r0", 1), 2, 0).await.unwrap();
+        store.commit_part(&part(old.id, 0, "r0", 1), &|| 2, u64::MAX).await.unwrap();
 
         // The restarted run takes over: epoch 2, the half-written step 10 is aborted.
         let second = lease(store, "f", "run-2").await.unwrap();
@@ -871,9 +881,15 @@ pub(crate) mod conformance {
         assert_eq!(states, vec![CheckpointState::Aborted]);
 
         // The zombie rank 1 of run 1 can neither commit, begin, nor take the lease back.
-        assert!(matches!(store.commit_part(&part(old.id, 1, "r1", 1), 3, 0).await, Err(MetaError::Fenced(_))));
+        assert!(matches!(
+            store.commit_part(&part(old.id, 1, "r1", 1), &|| 3, u64::MAX).await,
+            Err(MetaError::Fenced(_))
+        ));
         // Rank 0 sending its part again (an answer lost) hears it too, not "waiting for ranks".
-        assert!(matches!(store.commit_part(&part(old.id, 0, "r0", 1), 3, 0).await, Err(MetaError::Fenced(_))));
+        assert!(matches!(
+            store.commit_part(&part(old.id, 0, "r0", 1), &|| 3, u64::MAX).await,
+            Err(MetaError::Fenced(_))
+        ));
         assert!(matches!(store.begin_checkpoint(&begin("f", 11, 2, 1), 3).await, Err(MetaError::Fenced(_))));
         assert!(matches!(lease(store, "f", "run-1").await, Err(MetaError::Fenced(_))));
         assert!(matches!(store.begin_checkpoint(&begin("f", 11, 2, 7), 3).await, Err(MetaError::InvalidArgument(_))));
@@ -885,8 +901,8 @@ pub(crate) mod conformance {
         // The new run saves step 10 again and commits it.
         let new = store.begin_checkpoint(&begin("f", 10, 2, 2), 4).await.unwrap();
         assert_ne!(new.id, old.id);
-        store.commit_part(&part(new.id, 0, "r0", 1), 5, 0).await.unwrap();
-        let done = store.commit_part(&part(new.id, 1, "r1", 1), 5, 0).await.unwrap();
+        store.commit_part(&part(new.id, 0, "r0", 1), &|| 5, u64::MAX).await.unwrap();
+        let done = store.commit_part(&part(new.id, 1, "r1", 1), &|| 5, u64::MAX).await.unwrap();
         assert_eq!((done.state, done.epoch), (CheckpointState::Committed, 2));
         assert_eq!(store.latest(&job("f")).await.unwrap().unwrap().id, new.id);
         // Leases are per job.
@@ -896,22 +912,22 @@ pub(crate) mod conformance {
     pub async fn stale_pending_is_aborted(store: &dyn MetaStore) {
         let epoch = lease(store, "s", "run").await.unwrap().epoch;
         let stale = store.begin_checkpoint(&begin("s", 1, 2, epoch), 100).await.unwrap();
-        store.commit_part(&part(stale.id, 0, "r0", 1), 101, 0).await.unwrap();
+        store.commit_part(&part(stale.id, 0, "r0", 1), &|| 101, u64::MAX).await.unwrap();
         let fresh = store.begin_checkpoint(&begin("s", 2, 1, epoch), 500).await.unwrap();
         let aborted = store.abort_stale_pending(300, 600).await.unwrap();
         assert_eq!(aborted.iter().map(|c| c.id).collect::<Vec<_>>(), vec![stale.id]);
         assert!(matches!(
-            store.commit_part(&part(stale.id, 1, "r1", 1), 601, 0).await,
+            store.commit_part(&part(stale.id, 1, "r1", 1), &|| 601, u64::MAX).await,
             Err(MetaError::FailedPrecondition(_))
         ));
-        store.commit_part(&part(fresh.id, 0, "f", 1), 602, 0).await.unwrap();
+        store.commit_part(&part(fresh.id, 0, "f", 1), &|| 602, u64::MAX).await.unwrap();
         assert_eq!(store.latest(&job("s")).await.unwrap().unwrap().step, 2);
         assert!(store.abort_stale_pending(1000, 1000).await.unwrap().is_empty(), "committed ones are never reaped");
     }
 
     async fn save(store: &dyn MetaStore, job: &str, step: u64, epoch: u64) -> u64 {
         let record = store.begin_checkpoint(&begin(job, step, 1, epoch), step).await.unwrap();
-        store.commit_part(&part(record.id, 0, "f", 1), step, 0).await.unwrap();
+        store.commit_part(&part(record.id, 0, "f", 1), &|| step, u64::MAX).await.unwrap();
         record.id
     }
 
@@ -985,7 +1001,7 @@ pub(crate) mod conformance {
         // A commit never deletes the checkpoint it commits (the writer is told "committed"): a
         // lower step survives until the next commit.
         let lower = store.begin_checkpoint(&begin("r", 5, 1, epoch), 30).await.unwrap();
-        let record = store.commit_part(&part(lower.id, 0, "f", 1), 31, 0).await.unwrap();
+        let record = store.commit_part(&part(lower.id, 0, "f", 1), &|| 31, u64::MAX).await.unwrap();
         assert_eq!(record.state, CheckpointState::Committed);
         assert_eq!(steps(&store.list_checkpoints(&job("r"), false).await.unwrap()), vec![5, 8]);
         save(store, "r", 9, epoch).await;
@@ -996,14 +1012,14 @@ pub(crate) mod conformance {
         let epoch = lease(store, "late", "run").await.unwrap().epoch;
         let record = store.begin_checkpoint(&begin("late", 1, 1, epoch), 100).await.unwrap();
         // Begun at 100; a commit that requires "begun after 150" is too late, even before the reaper.
-        let error = store.commit_part(&part(record.id, 0, "f", 1), 200, 150).await.unwrap_err();
+        let error = store.commit_part(&part(record.id, 0, "f", 1), &|| 200, 50).await.unwrap_err();
         assert!(matches!(error, MetaError::FailedPrecondition(_)), "{error}");
         let all = store.list_checkpoints(&job("late"), true).await.unwrap();
         assert_eq!(all[0].state, CheckpointState::Aborted);
         assert_eq!(store.latest(&job("late")).await.unwrap(), None);
         // A timely one commits.
-        let record = store.begin_checkpoint(&begin("late", 1, 1, epoch), 300).await.unwrap();
-        store.commit_part(&part(record.id, 0, "f", 1), 301, 250).await.unwrap();
+        let record = store.begin_checkpoint(&begin("late", 1, 1, epoch), 60_000).await.unwrap();
+        store.commit_part(&part(record.id, 0, "f", 1), &|| 60_001, 59751).await.unwrap();
         assert_eq!(store.latest(&job("late")).await.unwrap().unwrap().id, record.id);
     }
 
@@ -1016,15 +1032,15 @@ pub(crate) mod conformance {
     pub async fn live_chunks(store: &dyn MetaStore) {
         let epoch = lease(store, "g", "run").await.unwrap().epoch;
         let committed = store.begin_checkpoint(&begin("g", 1, 1, epoch), 1).await.unwrap();
-        store.commit_part(&part_with_hash(committed.id, 0, 1), 2, 0).await.unwrap();
+        store.commit_part(&part_with_hash(committed.id, 0, 1), &|| 2, u64::MAX).await.unwrap();
         let deleted = store.begin_checkpoint(&begin("g", 2, 1, epoch), 3).await.unwrap();
-        store.commit_part(&part_with_hash(deleted.id, 0, 2), 4, 0).await.unwrap();
+        store.commit_part(&part_with_hash(deleted.id, 0, 2), &|| 4, u64::MAX).await.unwrap();
         store.delete_checkpoint(&job("g"), 2, None, 5).await.unwrap();
         // A pending checkpoint's committed parts are live; an aborted one's are not.
         let pending = store.begin_checkpoint(&begin("g", 3, 2, epoch), 6).await.unwrap();
-        store.commit_part(&part_with_hash(pending.id, 0, 3), 7, 0).await.unwrap();
+        store.commit_part(&part_with_hash(pending.id, 0, 3), &|| 7, u64::MAX).await.unwrap();
         let aborted = store.begin_checkpoint(&begin("g", 4, 2, epoch), 8).await.unwrap();
-        store.commit_part(&part_with_hash(aborted.id, 0, 4), 9, 0).await.unwrap();
+        store.commit_part(&part_with_hash(aborted.id, 0, 4), &|| 9, u64::MAX).await.unwrap();
         store.delete_checkpoint(&job("g"), 4, None, 10).await.unwrap();
         let live = store.live_chunks().await.unwrap();
         assert_eq!(live, [ChunkHash([1; 32]), ChunkHash([3; 32])].into_iter().collect());
@@ -1050,7 +1066,7 @@ pub(crate) mod conformance {
         let mut ids = Vec::new();
         for step in [1, 2] {
             let record = store.begin_checkpoint(&begin("tj", step, 1, epoch), 1).await.unwrap();
-            store.commit_part(&part(record.id, 0, "f", 1), 2 + step, 0).await.unwrap();
+            store.commit_part(&part(record.id, 0, "f", 1), &|| 2 + step, u64::MAX).await.unwrap();
             ids.push(record.id);
         }
         let pending = store.begin_checkpoint(&begin("tj", 3, 2, epoch), 9).await.unwrap();
@@ -1212,7 +1228,7 @@ pub(crate) mod conformance {
         // A new run of the job takes the lease and saves on from there.
         let epoch = lease(store, "imp", "new-run").await.unwrap().epoch;
         let begun = store.begin_checkpoint(&begin("imp", 8, 1, epoch), 50).await.unwrap();
-        store.commit_part(&part(begun.id, 0, "x", 10), 60, 0).await.unwrap();
+        store.commit_part(&part(begun.id, 0, "x", 10), &|| 60, u64::MAX).await.unwrap();
         assert_eq!(store.latest(&job("imp")).await.unwrap().map(|r| r.step), Some(8));
         // No ranks: refused.
         let empty = ImportedCheckpoint { parts: vec![], step: 9, ..imported };
@@ -1229,17 +1245,17 @@ pub(crate) mod conformance {
             part
         };
         let a = store.begin_checkpoint(&begin("cc", 1, 1, epoch), 1).await.unwrap();
-        store.commit_part(&with(a.id, 1, &["t1", "t2"]), 2, 0).await.unwrap();
+        store.commit_part(&with(a.id, 1, &["t1", "t2"]), &|| 2, u64::MAX).await.unwrap();
         // The same chunk in another job, listed on another target, and a chunk of its own.
         let b = store.begin_checkpoint(&begin("cc2", 1, 1, other), 3).await.unwrap();
-        store.commit_part(&with(b.id, 1, &["t3"]), 4, 0).await.unwrap();
+        store.commit_part(&with(b.id, 1, &["t3"]), &|| 4, u64::MAX).await.unwrap();
         let c = store.begin_checkpoint(&begin("cc2", 2, 1, other), 5).await.unwrap();
-        store.commit_part(&with(c.id, 2, &["t1"]), 6, 0).await.unwrap();
+        store.commit_part(&with(c.id, 2, &["t1"]), &|| 6, u64::MAX).await.unwrap();
         // Pending and deleted checkpoints are not in the list.
         let pending = store.begin_checkpoint(&begin("cc", 2, 2, epoch), 7).await.unwrap();
-        store.commit_part(&with(pending.id, 5, &["t1"]), 8, 0).await.unwrap();
+        store.commit_part(&with(pending.id, 5, &["t1"]), &|| 8, u64::MAX).await.unwrap();
         let deleted = store.begin_checkpoint(&begin("cc", 3, 1, epoch), 9).await.unwrap();
-        store.commit_part(&with(deleted.id, 6, &["t1"]), 10, 0).await.unwrap();
+        store.commit_part(&with(deleted.id, 6, &["t1"]), &|| 10, u64::MAX).await.unwrap();
         store.delete_checkpoint(&job("cc"), 3, None, 11).await.unwrap();
 
         let chunks = store.committed_chunks(2).await.unwrap();
@@ -1262,9 +1278,9 @@ pub(crate) mod conformance {
         let tasks: Vec<_> = (0..8)
             .map(|rank| {
                 let store = std::sync::Arc::clone(&stores[rank as usize % stores.len()]);
-                tokio::spawn(
-                    async move { store.commit_part(&part(record.id, rank, &format!("r{rank}"), 1), 2, 0).await },
-                )
+                tokio::spawn(async move {
+                    store.commit_part(&part(record.id, rank, &format!("r{rank}"), 1), &|| 2, u64::MAX).await
+                })
             })
             .collect();
         for task in tasks {

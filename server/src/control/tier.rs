@@ -800,7 +800,7 @@ mod tests {
         let tier = Tier::open(&format!("file://{}", dir.path().join("tier").display())).await.unwrap();
         let epoch = lease(&store, "dm", "run").await.unwrap().epoch;
         let record = store.begin_checkpoint(&begin("dm", 1, 1, epoch), 1).await.unwrap();
-        store.commit_part(&part(record.id, 0, "empty", 0), 2, 0).await.unwrap();
+        store.commit_part(&part(record.id, 0, "empty", 0), &|| 2, u64::MAX).await.unwrap();
         store.begin_tier_sweep().await.unwrap(); // and its control plane dies
         let (credentials, config) = (Credentials::default(), TierConfig::default());
         let first = pass(&store, &tier, vec![], &credentials, &config, Sweep::IfDeleted).await.unwrap();

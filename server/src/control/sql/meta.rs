@@ -211,9 +211,18 @@ impl MetaStore for SqlStore {
         Ok(record)
     }
 
-    async fn commit_part(&self, part: &CommitPart, now_ms: u64, begun_after_ms: u64) -> MetaResult<CheckpointRecord> {
+    async fn commit_part(
+        &self,
+        part: &CommitPart,
+        now_ms: &(dyn Fn() -> u64 + Sync),
+        pending_timeout_ms: u64,
+    ) -> MetaResult<CheckpointRecord> {
         let id = to_i64(part.checkpoint_id, "checkpoint id")?;
         let mut tx = self.write().await?;
+        // Read with the writer lock held: a commit that waited for it (behind other writers, or
+        // another control plane's long transaction) is judged when it got it.
+        let now_ms = now_ms();
+        let begun_after_ms = now_ms.saturating_sub(pending_timeout_ms);
         let record = checkpoint_by_id(&mut tx, id).await?;
         // Another tenant's checkpoint is answered as one that does not exist: ids are sequential,
         // so anything else would tell a tenant which ids others use.

@@ -82,6 +82,29 @@ async fn concurrent_last_parts() {
     }
 }
 
+/// A commit that waited for the writer lock is judged against the pending timeout as of when it
+/// got the lock, not when it asked: GC's grace covers the timeout, not the wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_waited_for_the_writer_lock_is_judged_when_it_got_it() {
+    let (_dir, store) = open().await;
+    let store = Arc::new(store);
+    let epoch = conformance::lease(&*store, "waits", "run").await.unwrap().epoch;
+    let record = store.begin_checkpoint(&conformance::begin("waits", 1, 1, epoch), 10_000).await.unwrap();
+    let held = store.write().await.unwrap();
+    let committing = tokio::spawn({
+        let store = Arc::clone(&store);
+        // In time when asked (begun at 10 000, a 200 ms timeout), but it waits 300 ms for the lock.
+        let asked = std::time::Instant::now();
+        let clock = move || 10_000 + asked.elapsed().as_millis() as u64;
+        async move { store.commit_part(&conformance::part(record.id, 0, "f", 1), &clock, 200).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    held.rollback().await.unwrap();
+    let error = committing.await.unwrap().unwrap_err();
+    assert!(matches!(&error, MetaError::FailedPrecondition(m) if m.contains("past the pending timeout")), "{error}");
+    assert_eq!(store.latest(&JobName::try_from("waits").unwrap()).await.unwrap(), None);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_planes_starting_together_create_one_schema() {
     let Some(url) = crate::testing::fresh_postgres_database("schema race").await.unwrap() else { return };
