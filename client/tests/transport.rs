@@ -90,6 +90,7 @@ async fn operations(transport: &dyn ChunkTransport) {
     assert_eq!(transport.get(hash, 1000, 5000).await.unwrap().bytes, data.slice(1000..6000));
     let missing = ChunkHash::of(b"missing");
     assert_eq!(transport.has(&[hash, missing]).await.unwrap(), vec![true, false]);
+    assert_eq!(transport.stored(&[missing, hash]).await.unwrap(), vec![false, true]);
     let stat = transport.stat().await.unwrap();
     assert_eq!(stat.chunk_count, 1);
     assert!(stat.used_bytes >= 300_001 && stat.capacity_bytes > stat.used_bytes);

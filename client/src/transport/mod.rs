@@ -178,7 +178,13 @@ pub trait ChunkTransport: Send + Sync + 'static {
         let _ = dest;
         self.get(hash, 0, 0).await.map(Fetched::Payload)
     }
+    /// Which of `hashes` are stored, for a writer deduplicating against them: the target makes
+    /// a present one durable and refreshes its last use, so GC keeps it until the writer commits.
     async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError>;
+    /// Which of `hashes` are stored, and nothing more: an audit's question (re-replication
+    /// checking copies a committed checkpoint names, which GC keeps anyway), answered without the
+    /// fsyncs and last-use updates of [`ChunkTransport::has`].
+    async fn stored(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError>;
     /// Deletes chunks; with `unused_for`, only those not used (written, re-put, reported present)
     /// within that long (garbage collection's guard). Returns how many were removed.
     async fn delete(&self, hashes: &[ChunkHash], unused_for: Option<Duration>) -> Result<u64, TransportError>;
@@ -1055,8 +1061,13 @@ pub(crate) fn get_payload(response: &data::Response, bytes: Bytes) -> Result<Pay
     Ok(Payload { bytes, codec, length: response.chunk_length_bytes })
 }
 
-async fn has_frames<F: FrameTransport + ?Sized>(frames: &F, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError> {
-    let header = data::HasRequest { auth: frames.auth().await, hashes: hash_list(hashes)? }.encode_to_vec();
+async fn has_frames<F: FrameTransport + ?Sized>(
+    frames: &F,
+    hashes: &[ChunkHash],
+    existence_only: bool,
+) -> Result<Vec<bool>, TransportError> {
+    let header =
+        data::HasRequest { auth: frames.auth().await, hashes: hash_list(hashes)?, existence_only }.encode_to_vec();
     let (response, _) = frames.call(Opcode::Has, header, None).await?;
     if response.present.len() != hashes.len() {
         return Err(TransportError::Protocol(format!(
@@ -1141,7 +1152,11 @@ impl<T: FrameTransport> ChunkTransport for T {
     }
 
     async fn has(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError> {
-        has_frames(self, hashes).await
+        has_frames(self, hashes, false).await
+    }
+
+    async fn stored(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError> {
+        has_frames(self, hashes, true).await
     }
 
     async fn delete(&self, hashes: &[ChunkHash], unused_for: Option<Duration>) -> Result<u64, TransportError> {

@@ -547,6 +547,10 @@ impl ChunkTransport for AutoTransport {
         self.run(|t| async move { t.has(hashes).await }).await
     }
 
+    async fn stored(&self, hashes: &[ChunkHash]) -> Result<Vec<bool>, TransportError> {
+        self.run(|t| async move { t.stored(hashes).await }).await
+    }
+
     async fn delete(&self, hashes: &[ChunkHash], unused_for: Option<Duration>) -> Result<u64, TransportError> {
         self.run(|t| async move { t.delete(hashes, unused_for).await }).await
     }

@@ -8,7 +8,11 @@
 //!    it has been silent for `lost_after`, minutes by default, so a restarting target is not
 //!    copied around) and, on live targets, still there (batched HAS: the scrubber removes corrupt
 //!    copies), plus copies an earlier pass made on other live targets (found with HAS, in the
-//!    chunk's rendezvous order, which is where passes put them).
+//!    chunk's rendezvous order, which is where passes put them). Its HAS asks only which are
+//!    stored (`existence_only`, [`ChunkTransport::stored`]): a writer's HAS also fsyncs and
+//!    refreshes every chunk it finds, which for a pass over every committed chunk each minute
+//!    would be a metadata write and a directory fsync per chunk, for nothing (GC keeps every
+//!    chunk a committed checkpoint names without it).
 //! 3. For a chunk short of copies, reads one verified copy from a live target and puts it on the
 //!    next live targets in rendezvous order that lack it, preferring failure domains without a
 //!    copy, until it has enough (or no target is left), at most `copies_per_second`. It works on
@@ -175,7 +179,7 @@ pub async fn rereplicate(
         let listed_here: Vec<ChunkHash> =
             chunks.iter().filter(|(_, c)| c.replicas.contains(&target.id)).map(|(h, _)| *h).collect();
         for batch in listed_here.chunks(MAX_BATCH_HASHES) {
-            match target.transport.has(batch).await {
+            match target.transport.stored(batch).await {
                 Ok(present) => missing
                     .extend(batch.iter().zip(present).filter(|(_, here)| !here).map(|(h, _)| (target.id.as_str(), *h))),
                 Err(error) => {
@@ -381,7 +385,7 @@ async fn restore_copies(
         if holders.contains(&index) {
             continue;
         }
-        match live[index].transport.has(&[hash]).await {
+        match live[index].transport.stored(&[hash]).await {
             Ok(present) if present.first() == Some(&true) => holders.push(index),
             Ok(_) => {}
             Err(error) => {

@@ -1035,6 +1035,18 @@ impl ChunkStore {
         Ok(present)
     }
 
+    /// Which chunks are stored, and nothing more (an audit's question, OP_HAS `existence_only`):
+    /// no directory fsync and no last-use refresh, unlike [`ChunkStore::has`].
+    pub async fn stored(&self, hashes: Vec<ChunkHash>) -> Result<Vec<bool>, ChunkStoreError> {
+        let paths: Vec<PathBuf> = hashes.iter().map(|h| self.chunk_path(h)).collect();
+        let root = self.root.clone();
+        tokio::task::spawn_blocking(move || {
+            paths.iter().map(|path| path.try_exists().map_err(io_error("stat", path))).collect()
+        })
+        .await
+        .map_err(|e| ChunkStoreError::Io { op: "stat", path: root, source: io::Error::other(e) })?
+    }
+
     /// Sets each present chunk's last use to now, under its use lock; false for absent ones.
     async fn mark_used(&self, hashes: Vec<ChunkHash>) -> Result<Vec<bool>, ChunkStoreError> {
         let paths: Vec<PathBuf> = hashes.iter().map(|h| self.chunk_path(h)).collect();

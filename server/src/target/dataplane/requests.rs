@@ -195,7 +195,11 @@ async fn run(
         Opcode::Has => {
             let request: data::HasRequest = decode_for(served, prost_header)?;
             let hashes = parse_hashes(&request.hashes)?;
-            match store.has(hashes).await {
+            let answer = match request.existence_only {
+                true => store.stored(hashes).await,
+                false => store.has(hashes).await,
+            };
+            match answer {
                 Ok(present) => (data::Response { present, ..Default::default() }, None),
                 Err(error) => (store_error(error), None),
             }

@@ -156,8 +156,11 @@ async fn list_pages_and_guarded_delete(kind: EngineKind) {
     store.assume_uptime(2 * hour);
     let (all, _) = store.list(None, 10).await.unwrap();
     assert!(all.iter().all(|c| c.unused_for >= hour - Duration::from_secs(60)), "{all:?}");
-    // HAS and a repeated PUT refresh a chunk's last use, so GC's guarded delete keeps it.
+    // HAS and a repeated PUT refresh a chunk's last use, so GC's guarded delete keeps it; an
+    // audit's existence check does not.
     assert_eq!(store.has(vec![hashes[0]]).await.unwrap(), vec![true]);
+    let gone = ChunkHash::of(b"never stored");
+    assert_eq!(store.stored(vec![hashes[2], gone]).await.unwrap(), vec![true, false]);
     let mut again = store.write_buffer(3000).await;
     let data = (100..105).map(|seed| random(3000, seed)).find(|d| ChunkHash::of(d) == hashes[1]).unwrap();
     again.data_mut().copy_from_slice(&data);
