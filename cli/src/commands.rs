@@ -401,9 +401,13 @@ pub async fn restore(
     match from_tier {
         None => {
             let client = connect(server, None).await?;
-            let manifest = client.manifest(job, step).await?;
             let concurrency = client.config().restore_concurrency;
-            restore_from(&client, &manifest, to, force, concurrency, out).await
+            let client = &client;
+            client
+                .with_manifest(job, step, deleted_meanwhile, |manifest| async move {
+                    restore_from(client, &manifest, to, force, concurrency, out).await
+                })
+                .await
         }
         Some(url) => {
             let name = starckpt_proto::JobName::try_from(job)?;
@@ -414,6 +418,11 @@ pub async fn restore(
             restore_from(&tier, &manifest, to, force, concurrency, out).await
         }
     }
+}
+
+/// Whether a restore failed because its checkpoint was deleted while it ran.
+fn deleted_meanwhile(error: &anyhow::Error) -> bool {
+    matches!(error.downcast_ref::<starckpt_client::Error>(), Some(starckpt_client::Error::Deleted { .. }))
 }
 
 /// Restores `manifest` from `source` to `to`, with a progress bar; prints what it did.
@@ -427,6 +436,7 @@ async fn restore_from(
 ) -> anyhow::Result<()> {
     let job = &manifest.info.job;
     let total = manifest.total_bytes();
+    tracing::info!(job, step = manifest.info.step, bytes = total, to = %to.display(), "restoring");
     let bar = output::progress_bar(total, "restoring");
     let progress = Arc::new(starckpt_client::RestoreProgress::default());
     let verified = Arc::clone(&progress);

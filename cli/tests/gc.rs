@@ -182,3 +182,53 @@ fn a_grace_period_shorter_than_the_pending_timeout_is_refused() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("must exceed the pending timeout"), "{stderr}");
 }
+
+#[test]
+fn restore_latest_moves_on_when_retention_deletes_what_it_was_restoring() {
+    // A relaunched trainer's `restore --latest` reads step 1's manifest; before it reads the
+    // chunks (a fault point holds it 5 s), step 2 commits, retention deletes step 1 and GC
+    // collects its chunks. The restore hears that step 1 was deleted and restores step 2.
+    let cluster = Cluster::start(2);
+    let data = cluster.dir.path().join("data");
+    cluster.ok(&["retention", "job", "--keep-last", "1"]);
+    let first = write_file(&data.join("1"), "state.bin", 1 << 20, 31);
+    save(&cluster, "job", 1, &first);
+    let to = cluster.dir.path().join("restored");
+    let mut restore = Command::new(common::BIN)
+        .args(["-v", "restore", "--job", "job", "--latest", "--to", to.to_str().unwrap()])
+        .env("STARCKPT_SERVER", &cluster.server.address)
+        .env("FAILPOINTS", "client.restore.begin=1*sleep(5000)")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(restore.stderr.take().unwrap());
+    let (lines, logged) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in stderr.lines().map_while(Result::ok) {
+            let _ = lines.send(line);
+        }
+    });
+    let mut log = Vec::new();
+    while !log.iter().any(|line: &String| line.contains("restoring") && line.contains("step=1")) {
+        log.push(logged.recv_timeout(Duration::from_secs(60)).expect("the restore logs that it began"));
+    }
+
+    let second = write_file(&data.join("2"), "state.bin", 1 << 20, 32);
+    save(&cluster, "job", 2, &second);
+    assert_eq!(steps_in(&cluster.json(&["ls", "job", "--all"]), "deleted"), vec![1]);
+    cluster.age_all_chunks(LONG_AGO);
+    let report = cluster.json(&["gc"]);
+    assert_eq!(report["chunks_deleted"], 2 * 16, "step 1's chunks, both copies: {report}");
+
+    let output = restore.wait_with_output().unwrap();
+    reader.join().unwrap();
+    log.extend(logged.try_iter());
+    let log = log.join("\n");
+    assert!(output.status.success(), "{log}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("restored job step 2"), "{stdout}\n{log}");
+    assert!(log.contains("was deleted while it was being restored"), "{log}");
+    assert_eq!(std::fs::read(to.join("state.bin")).unwrap(), std::fs::read(&second).unwrap());
+}

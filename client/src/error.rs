@@ -43,6 +43,13 @@ pub enum Error {
          copied to a tier restores with `starckpt restore --from-tier URL`)"
     )]
     ChunkUnavailable { hash: ChunkHash, last: Box<Error> },
+    /// The checkpoint being read was deleted meanwhile (`starckpt delete`, retention), and a
+    /// chunk of it was collected with it.
+    #[error(
+        "{job} step {step} (checkpoint {checkpoint_id}) was deleted while it was being read, and its chunk \
+         {hash} collected ({said}); read a checkpoint committed now (`starckpt restore --latest`)"
+    )]
+    Deleted { job: String, step: u64, checkpoint_id: u64, hash: ChunkHash, said: String },
     #[error("no storage target accepted chunk {hash}: {last}")]
     NoTarget { hash: ChunkHash, last: Box<Error> },
     /// Fewer targets than the replication factor accepted a chunk.

@@ -32,6 +32,8 @@ pub const POINTS: &[&str] = &[
     // Target: before each GC unlink; before a bad copy found by scrub or read repair is removed.
     "target.delete.unlink",
     "target.remove_bad",
+    // Client, restore: the manifest in hand and the destination locked, before any chunk is read.
+    "client.restore.begin",
     // Client, restore --force over a tree: the atomic exchange answers as on a file system
     // without it; the old tree moved aside, before the new one is renamed into place; moving the
     // old one back after that failed.

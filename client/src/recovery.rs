@@ -29,7 +29,25 @@ const BUSY_RETRIES: usize = 3;
 type Checkpoint = (String, u64, u64);
 /// Whether a live target holds a verified copy of the chunk now, or why the control plane could
 /// not say.
-type Answer = std::result::Result<bool, String>;
+pub(crate) type Answer = std::result::Result<bool, Unanswered>;
+
+/// Why the control plane could not say whether it recovered a chunk.
+#[derive(Clone, Debug)]
+pub(crate) enum Unanswered {
+    /// The checkpoint is no longer the one committed at its step (deleted, its chunks collected
+    /// with it): what the control plane said.
+    Gone(String),
+    /// Anything else: the call failed.
+    Failed(String),
+}
+
+impl std::fmt::Display for Unanswered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unanswered::Gone(said) | Unanswered::Failed(said) => f.write_str(said),
+        }
+    }
+}
 
 /// The queues of chunks waiting for recovery, one per checkpoint.
 #[derive(Default)]
@@ -99,7 +117,7 @@ impl Client {
             let client = self.clone();
             tokio::spawn(async move { client.drain_recoveries(checkpoint).await });
         }
-        answer.await.unwrap_or_else(|_| Err("the recovery task ended without an answer".into()))
+        answer.await.unwrap_or_else(|_| Err(Unanswered::Failed("the recovery task ended without an answer".into())))
     }
 
     /// Makes `checkpoint`'s calls until its queue is empty.
@@ -119,7 +137,10 @@ impl Client {
                     _ => break,
                 }
             }
-            let answer = answer.map_err(|error| error.to_string());
+            let answer = answer.map_err(|error| match error {
+                Error::NotFound { message, .. } => Unanswered::Gone(message),
+                error => Unanswered::Failed(error.to_string()),
+            });
             for (index, (_, reader)) in batch.into_iter().enumerate() {
                 let answered = answer.as_ref().map(|recovered| recovered.get(index) == Some(&true));
                 let _ = reader.send(answered.map_err(Clone::clone));

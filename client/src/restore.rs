@@ -63,6 +63,10 @@ fn settle_chunk(data: Option<Bytes>, dest: Option<&mut [u8]>) -> Option<Bytes> {
     }
 }
 
+/// Manifests of the latest checkpoint [`Client::with_manifest`] tries, each deleted while in use
+/// but the last.
+pub const LATEST_ATTEMPTS: u32 = 3;
+
 /// A committed checkpoint's files (all ranks merged) and where its chunks live.
 #[derive(Clone, Debug)]
 pub struct CheckpointManifest {
@@ -333,6 +337,40 @@ impl Client {
         CheckpointManifest::from_response(whole)
     }
 
+    /// Runs `use_it` on the manifest of (job, step), or of the latest committed step. The latest
+    /// can be deleted while it is in use (a newer one committed and retention let it go, its
+    /// chunks collected: `use_it` fails with [`Error::Deleted`], which `deleted` recognises in
+    /// its error type); the latest then is used instead, [`LATEST_ATTEMPTS`] times at most. A
+    /// step named is never swapped for another.
+    pub async fn with_manifest<T, E, Fut>(
+        &self,
+        job: &str,
+        step: Option<u64>,
+        deleted: impl Fn(&E) -> bool,
+        mut use_it: impl FnMut(CheckpointManifest) -> Fut,
+    ) -> std::result::Result<T, E>
+    where
+        E: From<Error>,
+        Fut: Future<Output = std::result::Result<T, E>>,
+    {
+        let mut attempt = 1;
+        loop {
+            let manifest = self.manifest(job, step).await?;
+            let used = manifest.info.step;
+            match use_it(manifest).await {
+                Err(error) if step.is_none() && attempt < LATEST_ATTEMPTS && deleted(&error) => {
+                    tracing::warn!(
+                        job,
+                        step = used,
+                        "the latest checkpoint was deleted while it was being restored; restoring the latest again"
+                    );
+                    attempt += 1;
+                }
+                done => return done,
+            }
+        }
+    }
+
     /// Reads one chunk from its replicas in order, verifying its hash; the first verified copy
     /// wins. Errors name the chunk and each target that failed.
     pub async fn read_chunk(&self, manifest: &CheckpointManifest, chunk: &ChunkRef) -> Result<Bytes> {
@@ -382,6 +420,15 @@ impl Client {
                 self.fetch_listed(manifest, chunk, dest).await
             }
             Ok(false) => Err(error),
+            // Deleted since this reader fetched its manifest: no copy is to be had, and no
+            // repair brings one back.
+            Err(crate::recovery::Unanswered::Gone(said)) => Err(Error::Deleted {
+                job: manifest.info.job.clone(),
+                step: manifest.info.step,
+                checkpoint_id: manifest.info.checkpoint_id,
+                hash: chunk.hash,
+                said,
+            }),
             Err(recovering) => {
                 tracing::warn!(chunk = %chunk.hash, error = %recovering, "the control plane could not recover a chunk");
                 Err(error)
@@ -785,6 +832,7 @@ pub async fn restore_from(
     let staging = parent.join(format!("{}{}", partial_prefix(name), uuid::Uuid::new_v4().simple()));
     // Removed on every way out (errors, a dropped future) unless it became the destination.
     let guard = RemoveOnDrop(staging.clone());
+    crate::faults::point("client.restore.begin").map_err(Error::io("restore", to))?;
     restore_into(source, manifest, &staging, progress, concurrency).await?;
     if existing == Some(true) {
         // Swap atomically: `to` is always either the old tree or the complete new one. The old

@@ -475,6 +475,42 @@ async fn chunks_are_replicated_and_a_read_repairs_the_bad_copies_it_meets() {
 /// unfinished last chunk, nothing but those files can free one, so the next write fails, saying
 /// why, instead of waiting for ever; closing a file lets writes go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_deleted_while_it_is_read_is_reported_as_deleted() {
+    // A reader holds a manifest; the checkpoint is deleted and its chunks collected (removed here
+    // as GC would, past its grace period) before the reader gets to them. Its reads and restores
+    // say so, not that copies are lost and a repair could bring them back.
+    let (dir, cluster, client) = cluster(2, |c| c.chunk_size_bytes = 64 * 1024).await;
+    let data = random(300_000, 23);
+    let part = SavePart::new("doomed", 4).buffer("w.bin", Bytes::from(data)).unwrap();
+    assert!(client.save(part).await.unwrap().wait().await.unwrap().committed());
+    let manifest = client.manifest("doomed", Some(4)).await.unwrap();
+    let dirs = target_dirs(dir.path(), 2);
+    let remove_chunks = || {
+        for chunk in &manifest.file("w.bin").unwrap().chunks {
+            for target in &chunk.replicas {
+                std::fs::remove_file(chunk_file(&dirs[target], &chunk.hash)).unwrap();
+            }
+        }
+    };
+
+    // Lost while the checkpoint is committed: unavailable, a repair's business.
+    remove_chunks();
+    let lost = client.read_file(&manifest, "w.bin").await.unwrap_err();
+    assert!(matches!(lost, Error::ChunkUnavailable { .. }), "{lost}");
+
+    // Deleted since the manifest was read: the reader hears that.
+    client.delete("doomed", 4).await.unwrap();
+    let deleted = client.read_file(&manifest, "w.bin").await.unwrap_err();
+    assert!(matches!(&deleted, Error::Deleted { step: 4, .. }), "{deleted}");
+    assert!(deleted.to_string().contains("was deleted while it was being read"), "{deleted}");
+    let to = dir.path().join("restored");
+    let restore = client.restore(&manifest, &to, starckpt_client::RestoreOptions::default()).await.unwrap_err();
+    assert!(matches!(restore, Error::Deleted { .. }), "{restore}");
+    assert!(!to.exists(), "a failed restore leaves nothing at its destination");
+    cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_more_files_than_staging_buffers_fails_a_write_instead_of_hanging() {
     let (_dir, cluster, client) = cluster(1, |c| {
         c.chunk_size_bytes = 64 * 1024;

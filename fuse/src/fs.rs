@@ -154,6 +154,8 @@ fn errno(op: &str, what: &str, error: &Error) -> Errno {
     tracing::warn!(op, what, %error, "request failed");
     match error {
         Error::NotFound { .. } => Errno::ENOENT,
+        // What NFS answers for a file deleted under an open handle.
+        Error::Deleted { .. } => Errno::ESTALE,
         Error::AlreadyExists { .. } => Errno::EEXIST,
         Error::Fenced { .. } | Error::Denied { .. } => Errno::EPERM,
         Error::Rejected { .. } | Error::Invalid(_) | Error::InvalidInput(_) => Errno::EINVAL,

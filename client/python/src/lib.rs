@@ -114,7 +114,8 @@ fn error_class(err: &sdk::Error) -> &'static str {
     use sdk::Error as E;
     match err {
         E::Unreachable { .. } => "ConnectionError",
-        E::NotFound { .. } => "NotFoundError",
+        // The checkpoint read is gone: what a reader of a step that is not there hears.
+        E::NotFound { .. } | E::Deleted { .. } => "NotFoundError",
         E::AlreadyExists { .. } => "AlreadyExistsError",
         E::Rejected { .. } => "RejectedError",
         E::Fenced { .. } => "FencedError",
@@ -547,9 +548,12 @@ impl NativeClient {
         force: bool,
     ) -> PyResult<(usize, u64)> {
         let client = self.client()?;
-        let outcome = block_on(py, None, || async {
-            let manifest = client.manifest(&job, step).await?;
-            client.restore(&manifest, &to, sdk::RestoreOptions { force }).await
+        let deleted = |error: &sdk::Error| matches!(error, sdk::Error::Deleted { .. });
+        let outcome = block_on(py, None, || {
+            client.with_manifest(&job, step, deleted, |manifest| {
+                let (client, to) = (&client, &to);
+                async move { client.restore(&manifest, to, sdk::RestoreOptions { force }).await }
+            })
         })?
         .map_err(py_err)?;
         Ok((outcome.files, outcome.bytes))

@@ -373,12 +373,23 @@ impl ControlService {
 
     /// The chunks of committed checkpoint `id`, (job, step), for `RecoverChunks`: a restore that
     /// lost its copies asks once per chunk, so the index is kept a while rather than decoded from
-    /// the manifests per call. NotFound when (job, step) is not that checkpoint.
+    /// the manifests per call. NotFound when (job, step) is not that checkpoint, or it is no
+    /// longer committed (deleted since it was indexed: its chunks are not to be brought back).
     async fn checkpoint_chunks(&self, job: &JobName, step: u64, id: u64) -> Result<Arc<ChunkIndex>, Status> {
+        let key = (job.to_string(), step, id);
         let mut cached = self.chunk_indexes.lock().await;
         cached.retain(|(_, at, _)| at.elapsed() < CHUNK_INDEX_TTL);
-        if let Some((_, _, index)) = cached.iter().find(|(key, _, _)| *key == (job.to_string(), step, id)) {
-            return Ok(Arc::clone(index));
+        if let Some((_, _, index)) = cached.iter().find(|(cached, _, _)| *cached == key) {
+            let index = Arc::clone(index);
+            drop(cached);
+            // Still committed? One part read (the page holds at least one), none decoded again.
+            return match self.store.get_manifest_page(job, ManifestOf::Checkpoint(id), 0, 1).await {
+                Ok(_) => Ok(index),
+                Err(gone) => {
+                    self.chunk_indexes.lock().await.retain(|(cached, _, _)| *cached != key);
+                    Err(meta_status(gone))
+                }
+            };
         }
         let (record, parts) = self.store.get_manifest(job, Some(step)).await.map_err(meta_status)?;
         if record.id != id {
@@ -393,7 +404,7 @@ impl ControlService {
         if cached.len() >= CHUNK_INDEXES_KEPT {
             cached.remove(0);
         }
-        cached.push(((job.to_string(), step, id), std::time::Instant::now(), Arc::clone(&index)));
+        cached.push((key, std::time::Instant::now(), Arc::clone(&index)));
         Ok(index)
     }
 

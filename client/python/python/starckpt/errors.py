@@ -17,7 +17,8 @@ class ConnectionError(StarckptError, builtins.ConnectionError):
 
 
 class NotFoundError(StarckptError, LookupError):
-    """No such job, checkpoint, step or file (or no committed checkpoint at all)."""
+    """No such job, checkpoint, step or file (or no committed checkpoint at all), or the
+    checkpoint being read was deleted meanwhile and its chunks collected."""
 
 
 class AlreadyExistsError(StarckptError):
