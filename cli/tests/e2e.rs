@@ -1228,6 +1228,38 @@ fn the_scrubber_removes_a_rotted_copy_and_re_replication_restores_it() {
     assert_eq!(std::fs::read(restored.join("weights.bin")).unwrap(), std::fs::read(&source).unwrap());
 }
 
+#[test]
+fn a_corrupt_copy_the_scrubber_cannot_remove_does_not_stop_its_pass() {
+    let mut cluster = Cluster::start(2);
+    let source = cluster.dir.path().join("weights.bin");
+    std::fs::write(&source, random_bytes(1 << 20, 13)).unwrap();
+    cluster.ok(&["save", "--job", "scrub", "--step", "1", "--chunk-size", "262144", source.to_str().unwrap()]);
+    assert_eq!(cluster.chunk_files(0).len(), 4);
+
+    // Two copies on target 0 rot while it is down. It comes back scrubbing (its first pass at
+    // once, the next in an hour) and unable to remove the first corrupt copy it meets.
+    cluster.targets[0].kill();
+    let rotten: Vec<std::path::PathBuf> = cluster.chunk_files(0).into_iter().take(2).collect();
+    for path in &rotten {
+        let mut bytes = std::fs::read(path).unwrap();
+        bytes[4096 + 11] ^= 0x08;
+        std::fs::write(path, &bytes).unwrap();
+    }
+    let scrubbing = ["--scrub-mib-per-sec", "1024", "--scrub-pause-secs", "3600"];
+    cluster.targets[0] = cluster.start_target_env(0, &scrubbing, &[("FAILPOINTS", "target.remove_bad=1*return")]);
+
+    // The pass goes on past the one it could not remove, and removes the other.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while rotten.iter().all(|path| path.exists()) {
+        assert!(Instant::now() < deadline, "the scrub pass stopped at the copy it could not remove");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(rotten.iter().filter(|path| path.exists()).count(), 1, "the one whose removal failed is kept");
+    let log = std::fs::read_to_string(cluster.dir.path().join("target-0.log")).unwrap();
+    assert!(log.contains("could not remove a corrupt copy"), "{log}");
+}
+
 /// `starckpt bench` end to end: its own dev cluster, two ranks, two runs; JSON with every phase
 /// beside its baseline, and a PNG chart. Bad flags are refused. (No timing is asserted.)
 #[test]

@@ -72,9 +72,18 @@ async fn pass(store: &ChunkStore, config: &ScrubConfig) -> Result<(), ChunkStore
                 Ok(Copy::Bad { inode, reason }) => {
                     read_bytes += store.file_len(&listed.hash).await.unwrap_or(0);
                     tracing::error!(chunk = %listed.hash, %reason, "scrub found a corrupt copy; removing it");
-                    // Only that file: a good copy a repair swapped in meanwhile stays.
-                    if store.remove_copy_if(listed.hash, inode).await? {
-                        store.scrub_stats().corrupt_removed.fetch_add(1, Ordering::Relaxed);
+                    // Only that file: a good copy a repair swapped in meanwhile stays. One that
+                    // cannot be removed (an I/O error, an immutable file) is reported and the
+                    // pass goes on: stopping there would leave every chunk after it unchecked,
+                    // pass after pass.
+                    match store.remove_copy_if(listed.hash, inode).await {
+                        Ok(true) => {
+                            store.scrub_stats().corrupt_removed.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(false) => {}
+                        Err(error) => {
+                            tracing::error!(chunk = %listed.hash, %error, "could not remove a corrupt copy; it is kept")
+                        }
                     }
                 }
                 // Deleted (GC) since it was listed.
