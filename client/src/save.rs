@@ -493,10 +493,6 @@ impl Client {
         if part.rank >= part.world_size {
             return Err(Error::InvalidInput(format!("rank {} is outside world size {}", part.rank, part.world_size)));
         }
-        let (epoch, begin) = self.begin(&job, part.step, part.world_size).await?;
-        let addressing = addressing_from(&begin.chunk_key)?;
-        let placement = self.placement(&begin.placement, begin.replicas, addressing)?;
-
         let progress = Arc::new(SaveProgress::default());
         // Every message holds a staging buffer or a slice of a shared one, so the pool bounds the
         // memory behind this queue; a channel with fewer slots than messages would make staging
@@ -509,31 +505,44 @@ impl Client {
         if self.inner.config.upload_during_staging {
             gate.open();
         }
-        let uploads = tokio::spawn(upload_all(
-            self.clone(),
-            receiver,
-            gate_open,
-            placement,
-            Arc::clone(&progress),
-            self.inner.config.upload_concurrency.max(1),
-        ));
+        // The checkpoint is begun while the part is staged: the trainer waits for the slower of
+        // the two, not both (a job's ranks all begin at once, and their begins queue at the
+        // control plane's writer). Nothing reaches a target before the begin is answered (the
+        // uploads start after it), so every chunk a commit names is used after its checkpoint
+        // began, which garbage collection relies on (`server/src/control/gc.rs`).
+        let (begun_tx, begun) = tokio::sync::oneshot::channel();
+        let uploads = tokio::spawn({
+            let (client, job, progress) = (self.clone(), job.clone(), Arc::clone(&progress));
+            let (step, world_size, concurrency) = (part.step, part.world_size, self.inner.config.upload_concurrency);
+            async move {
+                let (epoch, begin) = client.begin(&job, step, world_size).await?;
+                let addressing = addressing_from(&begin.chunk_key)?;
+                let placement = client.placement(&begin.placement, begin.replicas, addressing)?;
+                let _ = begun_tx.send((epoch, begin.checkpoint_id, addressing));
+                upload_all(client, receiver, gate_open, placement, progress, concurrency.max(1)).await
+            }
+        });
         let staged = self.stage(&part.items, &borrowed, &chunks, &gate, &progress).await;
         drop(chunks);
         gate.open();
+        // A failed begin or upload drops the queue (failing the staging) and is the real cause.
+        let failed = |uploads: tokio::task::JoinHandle<Result<ChunkRefs>>, otherwise: Error| async move {
+            match uploads.await {
+                Ok(Err(upload_error)) => upload_error,
+                _ => otherwise,
+            }
+        };
         let files = match staged {
             Ok(files) => files,
-            Err(stage_error) => {
-                // An upload failure closes the channel and is the real cause; prefer it.
-                return Err(match uploads.await {
-                    Ok(Err(upload_error)) => upload_error,
-                    _ => stage_error,
-                });
-            }
+            Err(stage_error) => return Err(failed(uploads, stage_error).await),
+        };
+        let (epoch, checkpoint_id, addressing) = match begun.await {
+            Ok(begun) => begun,
+            Err(_) => return Err(failed(uploads, Error::Cancelled("the checkpoint was never begun".into())).await),
         };
         let total_bytes = files.iter().map(|f| f.size).sum();
         let client = self.clone();
         let task_progress = Arc::clone(&progress);
-        let checkpoint_id = begin.checkpoint_id;
         let task = tokio::spawn(async move {
             // Held until the part is committed (or failed): the next save waits for, or skips on, it.
             let _slot = slot;

@@ -255,6 +255,28 @@ async fn fill_sources_write_staging_buffers_themselves_and_their_errors_fail_the
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_save_stages_while_its_checkpoint_is_begun_and_fails_when_it_cannot_be() {
+    // The trainer waits for the slower of the staging copy and the begin, not both: staging
+    // starts before the control plane answers. One that never answers fails the save.
+    let (_dir, cluster, client) = cluster(1, |c| {
+        c.chunk_size_bytes = 64 * 1024;
+        c.failover_timeout = Duration::from_secs(1);
+        c.rpc_timeout = Duration::from_secs(1);
+    })
+    .await;
+    cluster.kill().await;
+    let filled = std::sync::atomic::AtomicU64::new(0);
+    let fill = |_: u64, out: &mut [u8]| {
+        filled.fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(())
+    };
+    let sources = [("tensor.bin", Lent::Fill { size: 200_000, fill: &fill })];
+    let error = client.save_lent(SavePart::new("unbegun", 1), &sources).await.unwrap_err();
+    assert!(matches!(error, Error::Unreachable { .. }), "{error}");
+    assert_eq!(filled.load(Ordering::Relaxed), 200_000, "staged while the begin was tried");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploads_wait_for_staging_unless_told_to_overlap_it() {
     // The first file's one chunk is staged before the second file's fill runs: the fill looks
     // for it on the targets' disks. Held back (the small-host default), it cannot be there yet;
