@@ -12,7 +12,7 @@ use starckpt_proto::{Addressing, ChunkHash, JobName};
 
 use super::queries::{
     abort_in, apply_retention, check_epoch, checkpoint_by_id, checkpoint_from_row, current_lease, decode_manifest,
-    get_u64, insert_part, part_manifests, part_manifests_from, retention_policy, tier_sweeps, to_i64,
+    get_u64, insert_part, joinable, part_manifests, part_manifests_from, retention_policy, tier_sweeps, to_i64,
 };
 use super::{CHECKPOINT_COLUMNS, Dialect, SqlStore, role_lock};
 use crate::control::store::{
@@ -155,6 +155,12 @@ impl MetaStore for SqlStore {
     }
 
     async fn begin_checkpoint(&self, request: &BeginCheckpoint, now_ms: u64) -> MetaResult<CheckpointRecord> {
+        // Every rank but the first joins a checkpoint another began, which writes nothing: it is
+        // answered from a read snapshot, not queued at the writer lock behind the job's other
+        // ranks and every other writer of the cluster.
+        if let Some(joined) = joinable(&mut self.read().await?, request).await? {
+            return Ok(joined);
+        }
         let step = to_i64(request.step, "step")?;
         let now = to_i64(now_ms, "time")?;
         let mut tx = self.write().await?;

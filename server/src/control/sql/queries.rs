@@ -5,7 +5,7 @@ use prost::Message;
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
 use starckpt_proto::control as pb;
-use starckpt_proto::model::Manifest;
+use starckpt_proto::model::{BeginCheckpoint, Manifest};
 
 use super::CHECKPOINT_COLUMNS;
 use crate::control::store::{CheckpointRecord, CheckpointState, MetaError, MetaResult, RetentionPolicy, TierSweeps};
@@ -58,6 +58,29 @@ pub(super) async fn current_lease(tx: &mut Transaction<'_, Any>, job: &str) -> M
         .fetch_optional(&mut **tx)
         .await?;
     row.map(|row| Ok((get_u64(&row, "epoch")?, row.try_get("run_id")?))).transpose()
+}
+
+/// The pending checkpoint a rank's begin joins, as of `tx`'s snapshot: the job's current epoch is
+/// the request's, and a checkpoint of that epoch and world size is pending at the step. None
+/// otherwise (the begin then runs under the writer lock, which also says what is wrong).
+pub(super) async fn joinable(
+    tx: &mut Transaction<'_, Any>,
+    request: &BeginCheckpoint,
+) -> MetaResult<Option<CheckpointRecord>> {
+    let job = request.job.as_str();
+    if current_lease(tx, job).await?.map(|(epoch, _)| epoch) != Some(request.epoch) {
+        return Ok(None);
+    }
+    let row = sqlx::query(&format!(
+        "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE job = $1 AND step = $2 AND epoch = $3 AND state = 'pending'"
+    ))
+    .bind(job)
+    .bind(to_i64(request.step, "step")?)
+    .bind(to_i64(request.epoch, "epoch")?)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let record = row.as_ref().map(checkpoint_from_row).transpose()?;
+    Ok(record.filter(|record| record.world_size == request.world_size))
 }
 
 /// Checks that `epoch` is the job's current one: Fenced if a newer run took over, InvalidArgument

@@ -4,7 +4,7 @@ use starckpt_proto::JobName;
 use starckpt_proto::model::AcquireLease;
 
 use super::*;
-use crate::control::store::{ControlPlaneMember, MetaStore, conformance};
+use crate::control::store::{CheckpointState, ControlPlaneMember, MetaStore, conformance};
 
 async fn open() -> (tempfile::TempDir, SqlStore) {
     let dir = tempfile::tempdir().unwrap();
@@ -103,6 +103,36 @@ async fn a_commit_that_waited_for_the_writer_lock_is_judged_when_it_got_it() {
     let error = committing.await.unwrap().unwrap_err();
     assert!(matches!(&error, MetaError::FailedPrecondition(m) if m.contains("past the pending timeout")), "{error}");
     assert_eq!(store.latest(&JobName::try_from("waits").unwrap()).await.unwrap(), None);
+}
+
+/// A rank joining the checkpoint its job's first rank began writes nothing, so it does not queue
+/// at the writer lock (held here as a long transaction of another writer would: GC's, another
+/// control plane's); a begin that must write does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_joining_a_begun_checkpoint_does_not_wait_for_the_writer_lock() {
+    let (_dir, store) = open().await;
+    let pg = postgres("a_rank_joining_a_begun_checkpoint").await.map(|(_, store)| store);
+    for store in std::iter::once(&store).chain(pg.as_ref()) {
+        let epoch = conformance::lease(store, "joins", "run").await.unwrap().epoch;
+        let first = store.begin_checkpoint(&conformance::begin("joins", 1, 2, epoch), 10_000).await.unwrap();
+        let held = store.write().await.unwrap();
+        let join = conformance::begin("joins", 1, 2, epoch);
+        let joining = store.begin_checkpoint(&join, 10_001);
+        let joined = tokio::time::timeout(Duration::from_secs(10), joining).await.expect("the join queued").unwrap();
+        assert_eq!((joined.id, joined.state), (first.id, CheckpointState::Pending));
+        // Another world size is an error the writer path gives; another step inserts: both wait.
+        for begin in [conformance::begin("joins", 1, 3, epoch), conformance::begin("joins", 2, 2, epoch)] {
+            let waiting = tokio::time::timeout(Duration::from_millis(300), store.begin_checkpoint(&begin, 10_002));
+            assert!(waiting.await.is_err(), "{:?}: a begin that writes did not wait", store.dialect());
+        }
+        held.rollback().await.unwrap();
+        let error = store.begin_checkpoint(&conformance::begin("joins", 1, 3, epoch), 10_003).await.unwrap_err();
+        assert!(matches!(&error, MetaError::FailedPrecondition(m) if m.contains("world size 2")), "{error}");
+        // A fenced writer's join is refused, not answered from the snapshot.
+        conformance::lease(store, "joins", "next run").await.unwrap();
+        let error = store.begin_checkpoint(&conformance::begin("joins", 1, 2, epoch), 10_004).await.unwrap_err();
+        assert!(matches!(error, MetaError::Fenced(_)), "{error}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
