@@ -536,8 +536,9 @@ impl NativeClient {
         })
     }
 
-    /// Restores (job, step) into the directory `to` (which must be empty or absent unless
-    /// `force`). Returns (files, bytes).
+    /// Restores (job, step), or the latest committed step, into the directory `to` (which must be
+    /// empty or absent unless `force`). Returns (files, bytes). The latest deleted while it is
+    /// restored (a newer one committed, and retention let it go) is given up for the new latest.
     #[pyo3(signature = (job, to, step=None, force=false))]
     fn restore(
         &self,

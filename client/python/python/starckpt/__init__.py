@@ -479,7 +479,9 @@ class Client:
 
     def restore(self, step: int | None = None, to: str | os.PathLike | None = None, force: bool = False) -> Path:
         """Writes every file of `step` (default: latest) under the directory `to`, verified; the
-        tree appears there only once complete. Returns the directory."""
+        tree appears there only once complete. Returns the directory. The latest deleted while it
+        is restored (a newer one committed, and retention let it go) is given up for the new
+        latest; a named step deleted meanwhile raises NotFoundError."""
         if to is None:
             raise InvalidInputError("restore needs a destination directory: to=...")
         destination = Path(to).absolute()
