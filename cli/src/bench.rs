@@ -111,6 +111,8 @@ pub struct BenchArgs {
 /// The phase a [`BenchArgs::perf_control`] profile covers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum PerfPhase {
+    /// From the first rank's save call until every rank's call returned (the trainers' stall).
+    Blocking,
     /// From the first rank's save call until every rank's part is committed.
     Committed,
     /// From the first read until every rank's tensors are restored and verified.
@@ -341,6 +343,7 @@ async fn run_once(
         })
         .collect::<Result<_, _>>()?;
     perf.start(PerfPhase::Committed);
+    perf.start(PerfPhase::Blocking);
     let start = meter.read();
     let started = Instant::now();
     // Each rank on its own task, as ranks are separate processes: their copies run in parallel,
@@ -360,6 +363,7 @@ async fn run_once(
         handles.push(handle);
     }
     let blocking = Timed { wall: stall, ..meter.since(&start) };
+    perf.end(PerfPhase::Blocking);
     let staging_waits = handles.iter().map(|h| h.progress().staging_waits.load(Ordering::Relaxed)).sum();
     let progress: Vec<_> = handles.iter().map(|h| Arc::clone(h.progress())).collect();
     let outcomes = futures::future::try_join_all(handles.into_iter().map(|h| h.wait())).await?;

@@ -26,6 +26,7 @@
 mod control;
 mod error;
 pub mod faults;
+mod host_staging;
 mod manager;
 pub mod placement;
 mod recovery;
@@ -83,6 +84,11 @@ pub struct ClientConfig {
     /// available cores. Measured on a 2-core VM (`starckpt bench --size 2GiB`, same run): off,
     /// stall 1.08x a memcpy and committed 1.57x the O_DIRECT write; on, 1.56x and 1.33x.
     pub upload_during_staging: bool,
+    /// While uploads wait for staging (`upload_during_staging` off), they also wait for the other
+    /// saves staging on this host (the job's other ranks), coordinated through a `flock` on this
+    /// file, 30 s at most (`host_staging.rs`). Default `/dev/shm/starckpt-staging.lock`; None:
+    /// each save waits for its own staging only.
+    pub host_staging_lock: Option<std::path::PathBuf>,
     /// Chunks uploading at once per save. Default 16 (64 MiB in flight at 4 MiB chunks): enough to
     /// keep several targets at queue depth 4+.
     pub upload_concurrency: usize,
@@ -147,6 +153,7 @@ impl ClientConfig {
             staging_bytes: 1 << 30,
             staging_threads: std::thread::available_parallelism().map_or(1, |n| (n.get() / 4).clamp(1, 4)),
             upload_during_staging: std::thread::available_parallelism().is_ok_and(|n| n.get() >= 8),
+            host_staging_lock: host_staging::default_path(),
             upload_concurrency: 16,
             restore_concurrency: 16,
             rpc_timeout: Duration::from_secs(30),

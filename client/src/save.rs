@@ -13,6 +13,8 @@
 //! waits for, and on 2 cores hashing and sending alongside it slowed it down 1.5-5x. Time to
 //! commit grows by the copy time (~0.1-0.2 s per GB). With cores to spare
 //! (`ClientConfig::upload_during_staging`, on from 8 cores) uploads start with the first chunk.
+//! Waiting, they also wait for the other saves staging on the host (the job's other ranks: they
+//! share its cores and memory bandwidth), through a host-wide `flock` (`host_staging.rs`).
 //!
 //! Memory is bounded by the staging pool: staging waits for a free buffer, and a buffer returns to
 //! the pool only when its chunk is durable on a target (or found there already). Pieces smaller
@@ -288,8 +290,9 @@ impl UploadGate {
         match pool.try_acquire() {
             Some(buf) => buf,
             None => {
+                // Counted before the gate opens: the uploads then know not to wait for staging.
+                self.1.staging_waits.fetch_add(1, Ordering::Release);
                 self.open();
-                self.1.staging_waits.fetch_add(1, Ordering::Relaxed);
                 pool.acquire().await
             }
         }
@@ -301,8 +304,8 @@ impl UploadGate {
         match chunks.try_send(chunk) {
             Ok(()) => Ok(()),
             Err(mpsc::error::TrySendError::Full(chunk)) => {
+                self.1.staging_waits.fetch_add(1, Ordering::Release);
                 self.open();
-                self.1.staging_waits.fetch_add(1, Ordering::Relaxed);
                 chunks.send(chunk).await.map_err(|_| closed())
             }
             Err(mpsc::error::TrySendError::Closed(_)) => Err(closed()),
@@ -510,6 +513,12 @@ impl Client {
         // control plane's writer). Nothing reaches a target before the begin is answered (the
         // uploads start after it), so every chunk a commit names is used after its checkpoint
         // began, which garbage collection relies on (`server/src/control/gc.rs`).
+        // Uploads that wait for staging also wait for the host's other saves to stage.
+        let host = self.inner.config.host_staging_lock.clone().filter(|_| !self.inner.config.upload_during_staging);
+        let staging_on_host = match &host {
+            Some(path) => crate::host_staging::Staging::begin(path).await,
+            None => None,
+        };
         let (begun_tx, begun) = tokio::sync::oneshot::channel();
         let uploads = tokio::spawn({
             let (client, job, progress) = (self.clone(), job.clone(), Arc::clone(&progress));
@@ -519,11 +528,11 @@ impl Client {
                 let addressing = addressing_from(&begin.chunk_key)?;
                 let placement = client.placement(&begin.placement, begin.replicas, addressing)?;
                 let _ = begun_tx.send((epoch, begin.checkpoint_id, addressing));
-                upload_all(client, receiver, gate_open, placement, progress, concurrency.max(1)).await
+                upload_all(client, receiver, gate_open, host, placement, progress, concurrency.max(1)).await
             }
         });
         let staged = self.stage(&part.items, &borrowed, &chunks, &gate, &progress).await;
-        drop(chunks);
+        drop((staging_on_host, chunks));
         gate.open();
         // A failed begin or upload drops the queue (failing the staging) and is the real cause.
         let failed = |uploads: tokio::task::JoinHandle<Result<ChunkRefs>>, otherwise: Error| async move {
@@ -960,12 +969,21 @@ async fn upload_all(
     client: Client,
     receiver: mpsc::Receiver<StagedChunk>,
     mut gate: tokio::sync::watch::Receiver<bool>,
+    host: Option<PathBuf>,
     placement: Placement,
     progress: Arc<SaveProgress>,
     concurrency: usize,
 ) -> Result<ChunkRefs> {
-    // A dropped gate (staging failed) also lets the queue drain.
-    let _ = gate.wait_for(|open| *open).await;
+    // A dropped gate (staging failed) also lets the queue drain. Opened because staging is done
+    // (not because it ran out of buffers, which only these uploads give back), the uploads wait
+    // for the host's other saves to stage too (`host_staging.rs`).
+    let staged = gate.wait_for(|open| *open).await.is_ok();
+    if staged
+        && progress.staging_waits.load(Ordering::Acquire) == 0
+        && let Some(path) = &host
+    {
+        crate::host_staging::wait_for_others(path, crate::host_staging::MAX_WAIT).await;
+    }
     let mut receiver = receiver;
     let staged = futures::stream::poll_fn(move |cx| receiver.poll_recv(cx));
     let mut uploads = staged

@@ -277,6 +277,41 @@ async fn a_save_stages_while_its_checkpoint_is_begun_and_fails_when_it_cannot_be
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_wait_for_the_other_saves_staging_on_the_host() {
+    // Two trainers' saves on one host (ranks of a job, or two jobs): A's copy is held up in its
+    // fill source; B has staged, and its uploads wait for A's copy to finish (they would compete
+    // with it for cores and memory bandwidth).
+    let (dir, cluster, client) = cluster(2, |c| c.chunk_size_bytes = 64 * 1024).await;
+    let mut config = client.config().clone();
+    config.upload_during_staging = false;
+    config.host_staging_lock = Some(dir.path().join("staging.lock"));
+    let (a, b) = (Client::connect(config.clone()).await.unwrap(), Client::connect(config).await.unwrap());
+    let (entered, copying) = std::sync::mpsc::channel::<()>();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(released);
+    let staging_a = tokio::spawn(async move {
+        let fill = |_: u64, out: &mut [u8]| {
+            let _ = entered.send(());
+            let _ = released.lock().unwrap().recv();
+            out.fill(7);
+            Ok(())
+        };
+        let sources = [("a.bin", Lent::Fill { size: 100_000, fill: &fill })];
+        a.save_lent(SavePart::new("host-a", 1), &sources).await.unwrap().wait().await
+    });
+    tokio::task::spawn_blocking(move || copying.recv().unwrap()).await.unwrap();
+    let part = SavePart::new("host-b", 1).buffer("b.bin", Bytes::from(random(200_000, 24))).unwrap();
+    let staged_b = b.save(part).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(staged_b.progress().uploaded_bytes.load(Ordering::Relaxed), 0, "B uploaded while A was copying");
+    assert!(!staging_a.is_finished());
+    drop(release);
+    assert!(staged_b.wait().await.unwrap().committed());
+    assert!(staging_a.await.unwrap().unwrap().committed());
+    cluster.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploads_wait_for_staging_unless_told_to_overlap_it() {
     // The first file's one chunk is staged before the second file's fill runs: the fill looks
     // for it on the targets' disks. Held back (the small-host default), it cannot be there yet;

@@ -65,6 +65,8 @@ pub async fn cluster_tuned(
     .await
     .unwrap();
     let mut client_config = ClientConfig::new(cluster.control_address.to_string());
+    // This cluster's saves wait for each other's staging, not for other tests' (`host_staging.rs`).
+    client_config.host_staging_lock = Some(dir.path().join("staging.lock"));
     if rdma {
         client_config.shm.enabled = false;
     }
