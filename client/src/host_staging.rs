@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// Longest an upload waits for other saves on the host to finish staging.
-pub(crate) const MAX_WAIT: Duration = Duration::from_secs(30);
+const MAX_WAIT: Duration = Duration::from_secs(30);
 
 /// The host-wide file, where `/dev/shm` exists (each container has its own: the ranks of one
 /// container coordinate).
@@ -70,8 +70,8 @@ impl Staging {
 }
 
 /// Waits until no save on this host is staging (none holds the shared lock on `path`), or
-/// `max_wait` has passed, polling without holding anything in between.
-pub(crate) async fn wait_for_others(path: &Path, max_wait: Duration) {
+/// [`MAX_WAIT`] has passed, polling without holding anything in between.
+pub(crate) async fn wait_for_others(path: &Path) {
     let Ok(file) = open(path) else { return };
     let started = Instant::now();
     let mut pause = Duration::from_millis(1);
@@ -81,7 +81,7 @@ pub(crate) async fn wait_for_others(path: &Path, max_wait: Duration) {
                 let _ = lock(&file, libc::LOCK_UN);
                 return;
             }
-            Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) && started.elapsed() < max_wait => {
+            Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) && started.elapsed() < MAX_WAIT => {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(10));
             }

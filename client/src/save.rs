@@ -508,17 +508,17 @@ impl Client {
         if self.inner.config.upload_during_staging {
             gate.open();
         }
-        // The checkpoint is begun while the part is staged: the trainer waits for the slower of
-        // the two, not both (a job's ranks all begin at once, and their begins queue at the
-        // control plane's writer). Nothing reaches a target before the begin is answered (the
-        // uploads start after it), so every chunk a commit names is used after its checkpoint
-        // began, which garbage collection relies on (`server/src/control/gc.rs`).
         // Uploads that wait for staging also wait for the host's other saves to stage.
         let host = self.inner.config.host_staging_lock.clone().filter(|_| !self.inner.config.upload_during_staging);
         let staging_on_host = match &host {
             Some(path) => crate::host_staging::Staging::begin(path).await,
             None => None,
         };
+        // The checkpoint is begun while the part is staged: the trainer waits for the slower of
+        // the two, not both (a job's ranks all begin at once, and their begins queue at the
+        // control plane's writer). Nothing reaches a target before the begin is answered (the
+        // uploads start after it), so every chunk a commit names is used after its checkpoint
+        // began, which garbage collection relies on (`server/src/control/gc.rs`).
         let (begun_tx, begun) = tokio::sync::oneshot::channel();
         let uploads = tokio::spawn({
             let (client, job, progress) = (self.clone(), job.clone(), Arc::clone(&progress));
@@ -982,7 +982,7 @@ async fn upload_all(
         && progress.staging_waits.load(Ordering::Acquire) == 0
         && let Some(path) = &host
     {
-        crate::host_staging::wait_for_others(path, crate::host_staging::MAX_WAIT).await;
+        crate::host_staging::wait_for_others(path).await;
     }
     let mut receiver = receiver;
     let staged = futures::stream::poll_fn(move |cx| receiver.poll_recv(cx));
