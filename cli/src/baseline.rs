@@ -118,6 +118,119 @@ pub fn direct(total: u64, dir: &Path) -> anyhow::Result<Direct> {
     Ok(Direct { write, read })
 }
 
+/// The same bytes through one loopback TCP connection into an O_DIRECT file, then back out of it
+/// over another: `nc | dd oflag=direct` and `dd iflag=direct | nc` with the disk and the socket
+/// overlapped (two 16 MiB blocks in turn), sent in 1 MiB writes. The least a TCP data plane on
+/// this host must do, with no hashing, chunking or metadata: the transport's limit beside the
+/// disk's, for the phases of a run whose chunks travel over TCP (the file is removed). Each
+/// direction's time comes with the CPU seconds both ends took (this process's).
+pub fn tcp_direct(total: u64, dir: &Path) -> anyhow::Result<[Timed; 2]> {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    let block = 16 << 20;
+    let blocks = (total as usize).div_ceil(block);
+    let path = dir.join(".starckpt-baseline-tcp.bin");
+    let _remove = RemoveOnDrop(&path);
+    let open = |write: bool| {
+        std::fs::OpenOptions::new()
+            .read(!write)
+            .write(write)
+            .create(write)
+            .truncate(write)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .with_context(|| format!("open {} with O_DIRECT", path.display()))
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").context("listen on loopback")?;
+    let address = listener.local_addr()?;
+    let send = |socket: &mut TcpStream, bytes: &[u8]| -> anyhow::Result<()> {
+        bytes.chunks(1 << 20).try_for_each(|piece| socket.write_all(piece)).context("send over loopback")
+    };
+
+    let timed =
+        |started: Instant, cpu: f64| Timed { wall: started.elapsed(), cpu: cpu_seconds() - cpu, disk_busy: None };
+
+    // Sent from memory, received and written to the device.
+    let file = open(true)?;
+    let (started, cpu) = (Instant::now(), cpu_seconds());
+    std::thread::scope(|scope| -> anyhow::Result<()> {
+        let sender = scope.spawn(|| -> anyhow::Result<()> {
+            let mut source = vec![0u8; block];
+            rand::rngs::SmallRng::seed_from_u64(7).fill_bytes(&mut source);
+            let mut socket = TcpStream::connect(address).context("connect over loopback")?;
+            (0..blocks).try_for_each(|_| send(&mut socket, &source))
+        });
+        let (mut socket, _) = listener.accept().context("accept on loopback")?;
+        overlapped(
+            blocks,
+            block,
+            |_, buf| socket.read_exact(buf).context("receive over loopback"),
+            |index, buf| file.write_all_at(buf, (index * block) as u64).context("write the baseline file"),
+        )?;
+        file.sync_all()?;
+        sender.join().map_err(|_| anyhow::anyhow!("the sender panicked"))?
+    })?;
+    let write = timed(started, cpu);
+    drop(file);
+
+    // Read from the device and sent, received into memory.
+    let file = open(false)?;
+    let (started, cpu) = (Instant::now(), cpu_seconds());
+    std::thread::scope(|scope| -> anyhow::Result<()> {
+        let receiver = scope.spawn(|| -> anyhow::Result<()> {
+            let mut into = vec![1u8; block];
+            let mut socket = TcpStream::connect(address).context("connect over loopback")?;
+            (0..blocks).try_for_each(|_| socket.read_exact(&mut into).context("receive over loopback"))
+        });
+        let (mut socket, _) = listener.accept().context("accept on loopback")?;
+        overlapped(
+            blocks,
+            block,
+            |index, buf| file.read_exact_at(buf, (index * block) as u64).context("read the baseline file"),
+            |_, buf| send(&mut socket, buf),
+        )?;
+        receiver.join().map_err(|_| anyhow::anyhow!("the receiver panicked"))?
+    })?;
+    Ok([write, timed(started, cpu)])
+}
+
+/// Moves `blocks` blocks of `block` bytes from `fill` to `drain`, block `i` into and out of one
+/// of two page-aligned buffers, the drain of one block overlapping the fill of the next.
+fn overlapped(
+    blocks: usize,
+    block: usize,
+    mut fill: impl FnMut(usize, &mut [u8]) -> anyhow::Result<()>,
+    mut drain: impl FnMut(usize, &[u8]) -> anyhow::Result<()> + Send,
+) -> anyhow::Result<()> {
+    use starckpt_proto::buf::AlignedBuf;
+    let (full_tx, full) = std::sync::mpsc::sync_channel::<(usize, AlignedBuf)>(1);
+    let (free_tx, free) = std::sync::mpsc::sync_channel::<AlignedBuf>(2);
+    for _ in 0..2 {
+        let mut buf = AlignedBuf::new(block);
+        buf.full_mut().fill(1);
+        buf.set_len(block);
+        free_tx.send(buf)?;
+    }
+    std::thread::scope(|scope| {
+        let drainer = scope.spawn(move || -> anyhow::Result<()> {
+            for (index, buf) in full {
+                drain(index, buf.as_ref())?;
+                // The filler may be gone (it failed): its error is the one reported.
+                let _ = free_tx.send(buf);
+            }
+            Ok(())
+        });
+        let filled = (0..blocks).try_for_each(|index| {
+            let mut buf = free.recv().context("the drain stopped")?;
+            fill(index, buf.as_mut())?;
+            full_tx.send((index, buf)).context("the drain stopped")
+        });
+        drop(full_tx);
+        let drained = drainer.join().map_err(|_| anyhow::anyhow!("the drain panicked"))?;
+        drained.and(filled)
+    })
+}
+
 /// Buffered write of `state` into one file, then fsync: `torch.save(state, path)` followed by the
 /// fsync that makes it a checkpoint (the file is removed).
 pub fn buffered_fsync(state: &[Bytes], dir: &Path) -> anyhow::Result<Duration> {

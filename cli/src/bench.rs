@@ -65,6 +65,8 @@ pub struct BenchArgs {
     io_engine: EngineKind,
     /// Directory of the built-in cluster's data and of the baselines' files (default: a temporary
     /// directory). With --cluster, put it on the targets' disk so the baselines measure that disk.
+    /// The built-in cluster's data stays in `DIR/cluster` after the run, until the next run there
+    /// removes it (its chunks would deduplicate the next run's same bytes).
     #[arg(long)]
     data: Option<PathBuf>,
     /// Also draw throughput per phase, starckpt beside its baselines, as a PNG chart here.
@@ -72,7 +74,9 @@ pub struct BenchArgs {
     chart: Option<PathBuf>,
     #[command(flatten)]
     compression: crate::CompressArg,
-    /// Reach the targets over TCP even where they share this host (default: shared memory there).
+    /// Reach the targets over TCP even where they share this host (default: shared memory there),
+    /// and measure the same bytes over a loopback TCP connection into and out of an O_DIRECT file
+    /// beside them (the transport's limit).
     #[arg(long)]
     no_shm: bool,
     /// The built-in cluster's targets copy each staged chunk out of this process's staging memory
@@ -459,6 +463,12 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                 config.queue_depth = queue_depth;
             };
             let dir = data_dir.join("cluster");
+            match std::fs::remove_dir_all(&dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    bail!("remove the previous run's cluster in {}: {e}", dir.display())
+                }
+                _ => {}
+            }
             Some(DevCluster::start_with(&dir, "127.0.0.1:0", args.targets, args.io_engine, configure).await?)
         }
     };
@@ -540,6 +550,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let mut direct_read = Vec::new();
     let mut layout_read = Vec::new();
     let mut buffered = Vec::new();
+    let (mut tcp_write, mut tcp_read) = (Vec::new(), Vec::new());
     // A warm-up save, untimed: connections opened and the job's lease taken before run 1.
     let (job_name, ranks) = (&job, args.ranks);
     let warm_up = clients.iter().enumerate().map(|(rank, client)| async move {
@@ -563,6 +574,13 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         meter.settle();
         let torch_save = baseline::buffered_fsync(&flat, &data_dir)?;
         meter.settle();
+        // Chunks sent over TCP: what the same bytes cost over the loopback, into and out of the disk.
+        if args.no_shm {
+            let [write, read] = baseline::tcp_direct(total, &data_dir)?;
+            meter.settle();
+            tcp_write.push(write);
+            tcp_read.push(read);
+        }
         let baselines = [copy, direct.write, torch_save, direct.read];
         for (all, this) in [&mut memcpy, &mut direct_write, &mut buffered, &mut direct_read].into_iter().zip(baselines)
         {
@@ -579,7 +597,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         }
         say(format!(
             "run {}: blocking {:.2?} ({} staging waits), committed {:.2?} (sent {:.3} of the bytes), restore \
-             {:.2?} | memcpy {:.2?}, O_DIRECT write {:.2?}, buffered write+fsync {:.2?}, O_DIRECT read {:.2?}",
+             {:.2?} | memcpy {:.2?}, O_DIRECT write {:.2?}, buffered write+fsync {:.2?}, O_DIRECT read {:.2?}{}",
             n + 1,
             run.blocking.wall,
             run.staging_waits,
@@ -589,7 +607,12 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             copy,
             direct.write,
             torch_save,
-            direct.read
+            direct.read,
+            match (args.no_shm, tcp_write.last(), tcp_read.last()) {
+                (true, Some(write), Some(read)) =>
+                    format!(", over loopback TCP: write {:.2?}, read {:.2?}", write.wall, read.wall),
+                _ => String::new(),
+            }
         ));
         runs.push(run);
     }
@@ -601,6 +624,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let (memcpy, direct_write, direct_read, buffered) =
         (median(memcpy), median(direct_write), median(direct_read), median(buffered));
     let layout_read = (!layout_read.is_empty()).then(|| median(layout_read));
+    let tcp = (!tcp_write.is_empty()).then(|| (median(tcp_write), median(tcp_read)));
     if let Some(cluster) = cluster {
         cluster.shutdown().await?;
     }
@@ -611,10 +635,16 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         ("blocking", blocking, "memcpy into touched memory", memcpy),
         ("committed", committed, "O_DIRECT write + fsync", direct_write),
         ("committed", committed, "buffered write + fsync (torch.save)", buffered),
-        ("restore", restore, "O_DIRECT read", direct_read),
     ];
+    if let Some((tcp_write, _)) = tcp {
+        rows.push(("committed", committed, "loopback TCP to O_DIRECT write", tcp_write));
+    }
+    rows.push(("restore", restore, "O_DIRECT read", direct_read));
     if let Some(layout_read) = layout_read {
         rows.push(("restore", restore, "O_DIRECT read of its chunk files", layout_read));
+    }
+    if let Some((_, tcp_read)) = tcp {
+        rows.push(("restore", restore, "O_DIRECT read to loopback TCP", tcp_read));
     }
     if json {
         let phase = |t: Timed| {
@@ -624,6 +654,8 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             })
         };
         let baseline = |t: Timed| json!({"seconds": t.wall.as_secs_f64(), "gb_per_s": gbps(t)});
+        let measured =
+            |t: Timed| json!({"seconds": t.wall.as_secs_f64(), "gb_per_s": gbps(t), "cpu_seconds_per_gb": t.cpu / gb});
         say!(
             "{}",
             serde_json::to_string_pretty(&json!({
@@ -637,6 +669,8 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                     "memcpy": baseline(memcpy), "odirect_write_fsync": baseline(direct_write),
                     "buffered_write_fsync": baseline(buffered), "odirect_read": baseline(direct_read),
                     "odirect_read_chunk_files": layout_read.map(baseline),
+                    "loopback_tcp_odirect_write": tcp.map(|(write, _)| measured(write)),
+                    "odirect_read_loopback_tcp": tcp.map(|(_, read)| measured(read)),
                 },
                 "ratios": {
                     "blocking_vs_memcpy": ratio(blocking.wall, memcpy.wall),
@@ -644,6 +678,8 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                     "committed_vs_buffered_write_fsync": ratio(committed.wall, buffered.wall),
                     "restore_vs_odirect_read": ratio(restore.wall, direct_read.wall),
                     "restore_vs_odirect_read_chunk_files": layout_read.map(|l| ratio(restore.wall, l.wall)),
+                    "committed_vs_loopback_tcp_odirect_write": tcp.map(|(w, _)| ratio(committed.wall, w.wall)),
+                    "restore_vs_odirect_read_loopback_tcp": tcp.map(|(_, r)| ratio(restore.wall, r.wall)),
                 },
             }))?
         );
@@ -678,6 +714,16 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                 ratio(ours.wall, base.wall)
             );
         }
+        if let Some((write, read)) = tcp {
+            say!(
+                "loopback TCP baselines: {:.2} CPU s/GB to O_DIRECT write, {:.2} from O_DIRECT read (both ends, {:.2} \
+                 and {:.2} cores)",
+                write.cpu / gb,
+                read.cpu / gb,
+                write.cores(),
+                read.cores()
+            );
+        }
         if args.compression.compress.is_some() {
             say!("compression: {compression_ratio:.3}x (bytes uploaded ÷ bytes sent and stored, all runs)");
         }
@@ -695,18 +741,18 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         );
     }
     if let Some(path) = &args.chart {
-        let bars = [
-            ("blocking", vec![("memcpy", gbps(memcpy)), ("starckpt", gbps(blocking))]),
-            (
-                "committed",
-                vec![
-                    ("O_DIRECT write", gbps(direct_write)),
-                    ("buffered+fsync", gbps(buffered)),
-                    ("starckpt", gbps(committed)),
-                ],
-            ),
-            ("restore", vec![("O_DIRECT read", gbps(direct_read)), ("starckpt", gbps(restore))]),
+        let mut bars = [
+            ("blocking", vec![("memcpy", gbps(memcpy))]),
+            ("committed", vec![("O_DIRECT write", gbps(direct_write)), ("buffered+fsync", gbps(buffered))]),
+            ("restore", vec![("O_DIRECT read", gbps(direct_read))]),
         ];
+        if let Some((tcp_write, tcp_read)) = tcp {
+            bars[1].1.push(("TCP to O_DIRECT", gbps(tcp_write)));
+            bars[2].1.push(("O_DIRECT to TCP", gbps(tcp_read)));
+        }
+        for ((_, phase), ours) in bars.iter_mut().zip([blocking, committed, restore]) {
+            phase.push(("starckpt", gbps(ours)));
+        }
         let title = format!(
             "starckpt bench: {} from {} rank(s), {} copies per chunk",
             output::bytes(total),
