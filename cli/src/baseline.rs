@@ -143,6 +143,12 @@ pub fn tcp_direct(total: u64, dir: &Path) -> anyhow::Result<[Timed; 2]> {
     };
     let listener = TcpListener::bind("127.0.0.1:0").context("listen on loopback")?;
     let address = listener.local_addr()?;
+    // Connected before it is accepted (the kernel queues it), so no end waits for a peer that failed.
+    let connect = || -> anyhow::Result<(TcpStream, TcpStream)> {
+        let client = TcpStream::connect(address).context("connect over loopback")?;
+        let (server, _) = listener.accept().context("accept on loopback")?;
+        Ok((client, server))
+    };
     let send = |socket: &mut TcpStream, bytes: &[u8]| -> anyhow::Result<()> {
         bytes.chunks(1 << 20).try_for_each(|piece| socket.write_all(piece)).context("send over loopback")
     };
@@ -153,14 +159,15 @@ pub fn tcp_direct(total: u64, dir: &Path) -> anyhow::Result<[Timed; 2]> {
     // Sent from memory, received and written to the device.
     let file = open(true)?;
     let (started, cpu) = (Instant::now(), cpu_seconds());
+    let (mut client, socket) = connect()?;
     std::thread::scope(|scope| -> anyhow::Result<()> {
-        let sender = scope.spawn(|| -> anyhow::Result<()> {
+        // Owned here, so an error closes it before the scope waits for the other end.
+        let mut socket = socket;
+        let sender = scope.spawn(move || -> anyhow::Result<()> {
             let mut source = vec![0u8; block];
             rand::rngs::SmallRng::seed_from_u64(7).fill_bytes(&mut source);
-            let mut socket = TcpStream::connect(address).context("connect over loopback")?;
-            (0..blocks).try_for_each(|_| send(&mut socket, &source))
+            (0..blocks).try_for_each(|_| send(&mut client, &source))
         });
-        let (mut socket, _) = listener.accept().context("accept on loopback")?;
         overlapped(
             blocks,
             block,
@@ -176,13 +183,14 @@ pub fn tcp_direct(total: u64, dir: &Path) -> anyhow::Result<[Timed; 2]> {
     // Read from the device and sent, received into memory.
     let file = open(false)?;
     let (started, cpu) = (Instant::now(), cpu_seconds());
+    let (mut client, socket) = connect()?;
     std::thread::scope(|scope| -> anyhow::Result<()> {
-        let receiver = scope.spawn(|| -> anyhow::Result<()> {
+        // Owned here, so an error closes it before the scope waits for the other end.
+        let mut socket = socket;
+        let receiver = scope.spawn(move || -> anyhow::Result<()> {
             let mut into = vec![1u8; block];
-            let mut socket = TcpStream::connect(address).context("connect over loopback")?;
-            (0..blocks).try_for_each(|_| socket.read_exact(&mut into).context("receive over loopback"))
+            (0..blocks).try_for_each(|_| client.read_exact(&mut into).context("receive over loopback"))
         });
-        let (mut socket, _) = listener.accept().context("accept on loopback")?;
         overlapped(
             blocks,
             block,
