@@ -123,7 +123,7 @@ pub fn direct(total: u64, dir: &Path) -> anyhow::Result<Direct> {
 /// overlapped (two 16 MiB blocks in turn), sent in 1 MiB writes. The least a TCP data plane on
 /// this host must do, with no hashing, chunking or metadata: the transport's limit beside the
 /// disk's, for the phases of a run whose chunks travel over TCP (the file is removed). Each
-/// direction's time comes with the CPU seconds both ends took (this process's).
+/// direction's time comes with the CPU seconds both ends took.
 pub fn tcp_direct(total: u64, dir: &Path) -> anyhow::Result<[Timed; 2]> {
     use std::io::{Read, Write};
     use std::net::{TcpListener, TcpStream};
@@ -142,64 +142,71 @@ pub fn tcp_direct(total: u64, dir: &Path) -> anyhow::Result<[Timed; 2]> {
             .with_context(|| format!("open {} with O_DIRECT", path.display()))
     };
     let listener = TcpListener::bind("127.0.0.1:0").context("listen on loopback")?;
-    let address = listener.local_addr()?;
-    // Connected before it is accepted (the kernel queues it), so no end waits for a peer that failed.
-    let connect = || -> anyhow::Result<(TcpStream, TcpStream)> {
-        let client = TcpStream::connect(address).context("connect over loopback")?;
-        let (server, _) = listener.accept().context("accept on loopback")?;
-        Ok((client, server))
-    };
     let send = |socket: &mut TcpStream, bytes: &[u8]| -> anyhow::Result<()> {
         bytes.chunks(1 << 20).try_for_each(|piece| socket.write_all(piece)).context("send over loopback")
     };
 
-    let timed =
-        |started: Instant, cpu: f64| Timed { wall: started.elapsed(), cpu: cpu_seconds() - cpu, disk_busy: None };
-
     // Sent from memory, received and written to the device.
     let file = open(true)?;
-    let (started, cpu) = (Instant::now(), cpu_seconds());
-    let (mut client, socket) = connect()?;
-    std::thread::scope(|scope| -> anyhow::Result<()> {
-        // Owned here, so an error closes it before the scope waits for the other end.
-        let mut socket = socket;
-        let sender = scope.spawn(move || -> anyhow::Result<()> {
+    let write = over_loopback(
+        &listener,
+        |mut sender| {
             let mut source = vec![0u8; block];
             rand::rngs::SmallRng::seed_from_u64(7).fill_bytes(&mut source);
-            (0..blocks).try_for_each(|_| send(&mut client, &source))
-        });
-        overlapped(
-            blocks,
-            block,
-            |_, buf| socket.read_exact(buf).context("receive over loopback"),
-            |index, buf| file.write_all_at(buf, (index * block) as u64).context("write the baseline file"),
-        )?;
-        file.sync_all()?;
-        sender.join().map_err(|_| anyhow::anyhow!("the sender panicked"))?
-    })?;
-    let write = timed(started, cpu);
+            (0..blocks).try_for_each(|_| send(&mut sender, &source))
+        },
+        |socket| {
+            overlapped(
+                blocks,
+                block,
+                |_, buf| socket.read_exact(buf).context("receive over loopback"),
+                |index, buf| file.write_all_at(buf, (index * block) as u64).context("write the baseline file"),
+            )?;
+            Ok(file.sync_all()?)
+        },
+    )?;
     drop(file);
 
     // Read from the device and sent, received into memory.
     let file = open(false)?;
-    let (started, cpu) = (Instant::now(), cpu_seconds());
-    let (mut client, socket) = connect()?;
-    std::thread::scope(|scope| -> anyhow::Result<()> {
-        // Owned here, so an error closes it before the scope waits for the other end.
-        let mut socket = socket;
-        let receiver = scope.spawn(move || -> anyhow::Result<()> {
+    let read = over_loopback(
+        &listener,
+        |mut receiver| {
             let mut into = vec![1u8; block];
-            (0..blocks).try_for_each(|_| client.read_exact(&mut into).context("receive over loopback"))
-        });
-        overlapped(
-            blocks,
-            block,
-            |index, buf| file.read_exact_at(buf, (index * block) as u64).context("read the baseline file"),
-            |_, buf| send(&mut socket, buf),
-        )?;
-        receiver.join().map_err(|_| anyhow::anyhow!("the receiver panicked"))?
+            (0..blocks).try_for_each(|_| receiver.read_exact(&mut into).context("receive over loopback"))
+        },
+        |socket| {
+            overlapped(
+                blocks,
+                block,
+                |index, buf| file.read_exact_at(buf, (index * block) as u64).context("read the baseline file"),
+                |_, buf| send(socket, buf),
+            )
+        },
+    )?;
+    Ok([write, read])
+}
+
+/// Runs the two ends of one loopback connection to `listener` at once, `peer` on a thread of its
+/// own and `here` on this one, and times them with the CPU seconds both took (this process's).
+/// The connection is made before it is accepted (the kernel queues it), so neither end waits for
+/// a peer that failed to start; the end that fails closes its socket, which ends the other.
+fn over_loopback(
+    listener: &std::net::TcpListener,
+    peer: impl FnOnce(std::net::TcpStream) -> anyhow::Result<()> + Send,
+    here: impl FnOnce(&mut std::net::TcpStream) -> anyhow::Result<()>,
+) -> anyhow::Result<Timed> {
+    let (started, cpu) = (Instant::now(), cpu_seconds());
+    let client = std::net::TcpStream::connect(listener.local_addr()?).context("connect over loopback")?;
+    let (mut socket, _) = listener.accept().context("accept on loopback")?;
+    std::thread::scope(|scope| {
+        let peer = scope.spawn(move || peer(client));
+        let here = here(&mut socket);
+        drop(socket);
+        let peer = peer.join().map_err(|_| anyhow::anyhow!("the other end panicked"))?;
+        here.and(peer)
     })?;
-    Ok([write, timed(started, cpu)])
+    Ok(Timed { wall: started.elapsed(), cpu: cpu_seconds() - cpu, disk_busy: None })
 }
 
 /// Moves `blocks` blocks of `block` bytes from `fill` to `drain`, block `i` into and out of one
