@@ -1,6 +1,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
 //! The targets' scrubber through real processes: a rotted copy is found and removed, and
-//! re-replication makes it again; a copy it cannot remove does not stop its pass.
+//! re-replication makes it again; a copy it cannot remove, or a part of the store it cannot list,
+//! does not stop its pass.
 
 mod common;
 
@@ -75,4 +76,36 @@ fn a_corrupt_copy_the_scrubber_cannot_remove_does_not_stop_its_pass() {
     assert_eq!(rotten.iter().filter(|path| path.exists()).count(), 1, "the one whose removal failed is kept");
     let log = std::fs::read_to_string(cluster.dir.path().join("target-0.log")).unwrap();
     assert!(log.contains("could not remove a corrupt copy"), "{log}");
+}
+
+#[test]
+fn a_part_of_the_store_the_scrubber_cannot_list_does_not_stop_its_pass() {
+    let mut cluster = Cluster::start(2);
+    let source = cluster.dir.path().join("weights.bin");
+    std::fs::write(&source, random_bytes(1 << 20, 14)).unwrap();
+    cluster.ok(&["save", "--job", "scrub", "--step", "1", "--chunk-size", "262144", source.to_str().unwrap()]);
+
+    // While target 0 is down, its last copy in hash order rots, and a chunk name ahead of it
+    // becomes a file that cannot be stat'ed (a link to itself: ELOOP, as a bad inode gives EIO),
+    // so every listing from the start fails there.
+    cluster.targets[0].kill();
+    let mut files = cluster.chunk_files(0);
+    files.sort();
+    let rotten = files.last().unwrap().clone();
+    let mut bytes = std::fs::read(&rotten).unwrap();
+    bytes[4096 + 5] ^= 0x04;
+    std::fs::write(&rotten, &bytes).unwrap();
+    let looped = cluster.target_dir(0).join("chunks").join("00").join("0".repeat(64));
+    std::os::unix::fs::symlink(&looped, &looped).unwrap();
+    let scrubbing = ["--scrub-mib-per-sec", "1024", "--scrub-pause-secs", "3600"];
+    cluster.targets[0] = cluster.start_target_with(0, &scrubbing);
+
+    // The pass reports the unreadable name and goes on to the corrupt copy after it.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while rotten.exists() {
+        assert!(Instant::now() < deadline, "the scrub pass stopped at the part it could not list");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = std::fs::read_to_string(cluster.dir.path().join("target-0.log")).unwrap();
+    assert!(log.contains("scrub could not list part of the store"), "{log}");
 }

@@ -44,9 +44,10 @@ pub async fn run(store: Arc<ChunkStore>, config: ScrubConfig) {
     }
     loop {
         match pass(&store, &config).await {
-            Ok(()) => {
+            Ok(0) => {
                 store.scrub_stats().passes.fetch_add(1, Ordering::Relaxed);
             }
+            Ok(skipped) => tracing::warn!(skipped, "scrub pass finished past parts of the store it could not read"),
             Err(error) => tracing::warn!(%error, "scrub pass stopped early"),
         }
         // At least a second between passes, so an empty store is not listed in a loop.
@@ -54,14 +55,21 @@ pub async fn run(store: Arc<ChunkStore>, config: ScrubConfig) {
     }
 }
 
-/// One pass over every stored chunk. Err if it could not go on (listing failed); the counters
-/// say what it got through.
-async fn pass(store: &ChunkStore, config: &ScrubConfig) -> Result<(), ChunkStoreError> {
+/// One pass over every stored chunk. A fan-out directory or chunk file that cannot be listed is
+/// reported and passed (a pass that stopped there would never check the chunks after it); Ok
+/// says how many were, 0 for a complete pass. Err if it could not go on at all; the counters say
+/// what it got through.
+async fn pass(store: &ChunkStore, config: &ScrubConfig) -> Result<usize, ChunkStoreError> {
     let started = Instant::now();
     let mut read_bytes = 0u64;
     let mut after = None;
+    let mut skipped = 0;
     loop {
-        let (page, complete) = store.list(after, 256).await?;
+        let (page, complete, unreadable) = store.list_past_unreadable(after, 256).await?;
+        for error in unreadable {
+            tracing::error!(%error, "scrub could not list part of the store; its chunks go unchecked this pass");
+            skipped += 1;
+        }
         for listed in page {
             after = Some(listed.hash);
             match store.check_copy(listed.hash).await {
@@ -97,7 +105,7 @@ async fn pass(store: &ChunkStore, config: &ScrubConfig) -> Result<(), ChunkStore
             }
         }
         if complete {
-            return Ok(());
+            return Ok(skipped);
         }
     }
 }

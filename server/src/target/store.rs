@@ -1066,16 +1066,50 @@ impl ChunkStore {
     }
 
     /// One page of stored chunks in ascending hash order, starting after `after`, at most `limit`
-    /// long; the flag is true when no chunks follow.
+    /// long; the flag is true when no chunks follow (false: there may be more). Fails on the first part of the store it
+    /// cannot read: a listing others act on (GC, re-replication) is whole or nothing.
     pub async fn list(
         &self,
         after: Option<ChunkHash>,
         limit: usize,
     ) -> Result<(Vec<ListedChunk>, bool), ChunkStoreError> {
+        let (page, complete, _) = self.list_pages(after, limit, false).await?;
+        Ok((page, complete))
+    }
+
+    /// [`ChunkStore::list`] past what cannot be read: a fan-out directory that cannot be listed,
+    /// or a chunk file that cannot be stat'ed, is left out and its error returned beside the page,
+    /// so a caller that goes through every chunk (the scrubber) gets past a bad spot instead of
+    /// stopping there pass after pass.
+    pub async fn list_past_unreadable(
+        &self,
+        after: Option<ChunkHash>,
+        limit: usize,
+    ) -> Result<(Vec<ListedChunk>, bool, Vec<ChunkStoreError>), ChunkStoreError> {
+        self.list_pages(after, limit, true).await
+    }
+
+    async fn list_pages(
+        &self,
+        after: Option<ChunkHash>,
+        limit: usize,
+        skip_unreadable: bool,
+    ) -> Result<(Vec<ListedChunk>, bool, Vec<ChunkStoreError>), ChunkStoreError> {
         let (chunks, clock) = (self.root.join("chunks"), Arc::clone(&self.clock));
-        tokio::task::spawn_blocking(move || list_chunks(&chunks, &clock, after, limit))
-            .await
-            .map_err(|e| ChunkStoreError::Io { op: "list", path: PathBuf::new(), source: io::Error::other(e) })?
+        tokio::task::spawn_blocking(move || {
+            let mut unreadable = Vec::new();
+            let mut skip = |error| {
+                if !skip_unreadable {
+                    return Err(error);
+                }
+                unreadable.push(error);
+                Ok(())
+            };
+            let (page, complete) = list_chunks(&chunks, &clock, after, limit, &mut skip)?;
+            Ok((page, complete, unreadable))
+        })
+        .await
+        .map_err(|e| ChunkStoreError::Io { op: "list", path: PathBuf::new(), source: io::Error::other(e) })?
     }
 
     /// fsyncs the fan-out directories holding `hashes`, each once.
@@ -1230,25 +1264,40 @@ fn touch(path: &Path) -> io::Result<bool> {
     if error.kind() == io::ErrorKind::NotFound { Ok(false) } else { Err(error) }
 }
 
+/// `unreadable` is told of each fan-out directory that cannot be listed and each chunk file that
+/// cannot be stat'ed: Ok leaves it out and goes on, Err ends the listing with that error.
 fn list_chunks(
     chunks: &Path,
     clock: &UseClock,
     after: Option<ChunkHash>,
     limit: usize,
+    unreadable: &mut dyn FnMut(ChunkStoreError) -> Result<(), ChunkStoreError>,
 ) -> Result<(Vec<ListedChunk>, bool), ChunkStoreError> {
     let mut page = Vec::new();
     for byte in after.map_or(0, |h| h.0[0])..=255u8 {
+        // A full page ends before the next directory, not in it: the next page starts in the
+        // directory of this one's last chunk, so no directory is read (or found unreadable) by
+        // two pages. Chunks may or may not follow.
+        if page.len() == limit {
+            return Ok((page, false));
+        }
         let dir = chunks.join(format!("{byte:02x}"));
         let mut hashes = Vec::new();
-        for entry in std::fs::read_dir(&dir).map_err(io_error("list", &dir))? {
-            let entry = entry.map_err(io_error("list", &dir))?;
-            // Anything that is not a chunk name (an operator's stray file) is not ours to list.
-            let Some(hash) = entry.file_name().to_str().and_then(|name| ChunkHash::from_hex(name).ok()) else {
-                continue;
-            };
-            if after.is_none_or(|after| hash > after) {
-                hashes.push(hash);
+        let listed = std::fs::read_dir(&dir).and_then(|entries| {
+            for entry in entries {
+                // Anything that is not a chunk name (an operator's stray file) is not ours to list.
+                let Some(hash) = entry?.file_name().to_str().and_then(|name| ChunkHash::from_hex(name).ok()) else {
+                    continue;
+                };
+                if after.is_none_or(|after| hash > after) {
+                    hashes.push(hash);
+                }
             }
+            Ok(())
+        });
+        if let Err(source) = listed {
+            unreadable(ChunkStoreError::Io { op: "list", path: dir, source })?;
+            continue;
         }
         hashes.sort_unstable();
         for hash in hashes {
@@ -1256,10 +1305,13 @@ fn list_chunks(
                 return Ok((page, false));
             }
             let path = dir.join(hash.to_hex());
-            let last_use = match std::fs::metadata(&path) {
-                Ok(meta) => meta.modified().map_err(io_error("stat", &path))?,
+            let last_use = match std::fs::metadata(&path).and_then(|meta| meta.modified()) {
+                Ok(modified) => modified,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(source) => return Err(ChunkStoreError::Io { op: "stat", path, source }),
+                Err(source) => {
+                    unreadable(ChunkStoreError::Io { op: "stat", path, source })?;
+                    continue;
+                }
             };
             page.push(ListedChunk { hash, unused_for: clock.unused_for(last_use) });
         }

@@ -778,3 +778,52 @@ async fn uring_registers_pool_buffers_once_and_moves_others_unregistered() {
     }
     assert_eq!(store.engine.fixed_buffers(), registered, "one-off buffers are not registered");
 }
+
+/// A fan-out directory that cannot be listed and a chunk file that cannot be stat'ed: a listing
+/// others act on fails, the scrubber's listing leaves them out, reports each once, and goes on.
+#[tokio::test]
+async fn listing_past_unreadable_parts_of_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(EngineKind::Std, dir.path()).await;
+    let mut hashes = Vec::new();
+    for seed in 0..8 {
+        hashes.push(put(&store, &random(3000, 200 + seed)).await.0);
+    }
+    // The first chunk's directory becomes a file: listing it fails (ENOTDIR).
+    let chunks = dir.path().join("chunks");
+    let bad_dir = chunks.join(format!("{:02x}", hashes[0].0[0]));
+    let lost: Vec<ChunkHash> = hashes.iter().copied().filter(|h| h.0[0] == hashes[0].0[0]).collect();
+    std::fs::rename(&bad_dir, dir.path().join("moved-aside")).unwrap();
+    std::fs::write(&bad_dir, b"not a directory").unwrap();
+    // A chunk name in another directory that loops on itself: stat'ing it fails (ELOOP).
+    let byte = (0..=255u8).find(|b| *b != hashes[0].0[0]).unwrap();
+    let mut looped = ChunkHash([byte; 32]);
+    looped.0[1] = 0;
+    let looped_path = chunks.join(format!("{byte:02x}")).join(looped.to_hex());
+    std::os::unix::fs::symlink(&looped_path, &looped_path).unwrap();
+
+    assert!(matches!(store.list(None, 100).await, Err(ChunkStoreError::Io { op: "list" | "stat", .. })));
+    let (mut listed, mut errors, mut after) = (Vec::new(), Vec::new(), None);
+    loop {
+        let (page, complete, unreadable) = store.list_past_unreadable(after, 2).await.unwrap();
+        after = page.last().map(|c| c.hash).or(after);
+        listed.extend(page.into_iter().map(|c| c.hash));
+        errors.extend(unreadable);
+        if complete {
+            break;
+        }
+    }
+    let mut readable: Vec<ChunkHash> = hashes.iter().copied().filter(|h| !lost.contains(h)).collect();
+    readable.sort();
+    assert_eq!(listed, readable);
+    let errors: Vec<(&str, PathBuf)> = errors
+        .into_iter()
+        .map(|e| match e {
+            ChunkStoreError::Io { op, path, .. } => (op, path),
+            other => panic!("{other}"),
+        })
+        .collect();
+    let mut expected = vec![("list", bad_dir), ("stat", looped_path)];
+    expected.sort_by(|a, b| a.1.cmp(&b.1));
+    assert_eq!(errors, expected);
+}
