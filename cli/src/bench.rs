@@ -15,6 +15,9 @@
 //!   memory;
 //! - committed: until the checkpoint is committed (every chunk durable on its targets) ÷ an
 //!   O_DIRECT sequential write+fsync, and ÷ a buffered write+fsync (what `torch.save` does);
+//! - persist: the part of committed after the stall (from the last rank's `save` returning until
+//!   committed: the uploads, which wait for staging, and the commit) ÷ the same O_DIRECT write,
+//!   so the data path's own pace shows apart from the staging copy the trainer waits for;
 //! - restore: every rank reading its tensors into touched buffers, every chunk verified ÷ an
 //!   O_DIRECT sequential read.
 
@@ -298,6 +301,8 @@ fn median(mut values: Vec<Timed>) -> Timed {
 struct Run {
     blocking: Timed,
     committed: Timed,
+    /// From the stall's end until committed.
+    persist: Timed,
     restore: Timed,
     /// Times a rank's staging waited for uploads (staging memory or queue slots ran out).
     staging_waits: u64,
@@ -366,12 +371,13 @@ async fn run_once(
         stall = stall.max(elapsed);
         handles.push(handle);
     }
+    let stall_ended = meter.read();
     let blocking = Timed { wall: stall, ..meter.since(&start) };
     perf.end(PerfPhase::Blocking);
     let staging_waits = handles.iter().map(|h| h.progress().staging_waits.load(Ordering::Relaxed)).sum();
     let progress: Vec<_> = handles.iter().map(|h| Arc::clone(h.progress())).collect();
     let outcomes = futures::future::try_join_all(handles.into_iter().map(|h| h.wait())).await?;
-    let committed = meter.since(&start);
+    let (committed, persist) = (meter.since(&start), meter.since(&stall_ended));
     perf.end(PerfPhase::Committed);
     if !outcomes.iter().any(|o| o.committed()) {
         bail!("step {step} did not commit");
@@ -413,7 +419,7 @@ async fn run_once(
         progress.iter().map(|p| count(p).load(Ordering::Relaxed)).sum::<u64>()
     };
     let (uploaded_bytes, stored_bytes) = (sum(|p| &p.uploaded_bytes), sum(|p| &p.stored_bytes));
-    Ok(Run { blocking, committed, restore, staging_waits, uploaded_bytes, stored_bytes, chunks })
+    Ok(Run { blocking, committed, persist, restore, staging_waits, uploaded_bytes, stored_bytes, chunks })
 }
 
 pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
@@ -596,12 +602,13 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             layout_read.push(Timed::wall(baseline::direct_read_files(&files, in_flight)?));
         }
         say(format!(
-            "run {}: blocking {:.2?} ({} staging waits), committed {:.2?} (sent {:.3} of the bytes), restore \
-             {:.2?} | memcpy {:.2?}, O_DIRECT write {:.2?}, buffered write+fsync {:.2?}, O_DIRECT read {:.2?}{}",
+            "run {}: blocking {:.2?} ({} staging waits), committed {:.2?} (persist {:.2?}, sent {:.3} of the bytes), \
+             restore {:.2?} | memcpy {:.2?}, O_DIRECT write {:.2?}, buffered write+fsync {:.2?}, O_DIRECT read {:.2?}{}",
             n + 1,
             run.blocking.wall,
             run.staging_waits,
             run.committed.wall,
+            run.persist.wall,
             run.stored_bytes as f64 / run.uploaded_bytes.max(1) as f64,
             run.restore.wall,
             copy,
@@ -618,6 +625,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     }
     let blocking = median(runs.iter().map(|r| r.blocking).collect());
     let committed = median(runs.iter().map(|r| r.committed).collect());
+    let persist = median(runs.iter().map(|r| r.persist).collect());
     let restore = median(runs.iter().map(|r| r.restore).collect());
     let (uploaded, stored) = runs.iter().fold((0u64, 0u64), |(u, s), r| (u + r.uploaded_bytes, s + r.stored_bytes));
     let compression_ratio = uploaded as f64 / stored.max(1) as f64;
@@ -638,6 +646,10 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     ];
     if let Some((tcp_write, _)) = tcp {
         rows.push(("committed", committed, "loopback TCP to O_DIRECT write", tcp_write));
+    }
+    rows.push(("persist", persist, "O_DIRECT write + fsync", direct_write));
+    if let Some((tcp_write, _)) = tcp {
+        rows.push(("persist", persist, "loopback TCP to O_DIRECT write", tcp_write));
     }
     rows.push(("restore", restore, "O_DIRECT read", direct_read));
     if let Some(layout_read) = layout_read {
@@ -664,7 +676,8 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                 "targets": targets, "replicas": args.replicas, "chunk_bytes": args.chunk_size, "runs": args.runs, "fresh_files": preallocate == 0,
                 "built_in_cluster": args.cluster.is_none(),
                 "compression": args.compression.compress, "compression_ratio": compression_ratio,
-                "starckpt": {"blocking": phase(blocking), "committed": phase(committed), "restore": phase(restore)},
+                "starckpt": {"blocking": phase(blocking), "committed": phase(committed), "persist": phase(persist),
+                    "restore": phase(restore)},
                 "baselines": {
                     "memcpy": baseline(memcpy), "odirect_write_fsync": baseline(direct_write),
                     "buffered_write_fsync": baseline(buffered), "odirect_read": baseline(direct_read),
@@ -676,6 +689,8 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                     "blocking_vs_memcpy": ratio(blocking.wall, memcpy.wall),
                     "committed_vs_odirect_write": ratio(committed.wall, direct_write.wall),
                     "committed_vs_buffered_write_fsync": ratio(committed.wall, buffered.wall),
+                    "persist_vs_odirect_write": ratio(persist.wall, direct_write.wall),
+                    "persist_vs_loopback_tcp_odirect_write": tcp.map(|(w, _)| ratio(persist.wall, w.wall)),
                     "restore_vs_odirect_read": ratio(restore.wall, direct_read.wall),
                     "restore_vs_odirect_read_chunk_files": layout_read.map(|l| ratio(restore.wall, l.wall)),
                     "committed_vs_loopback_tcp_odirect_write": tcp.map(|(w, _)| ratio(committed.wall, w.wall)),
