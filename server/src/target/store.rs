@@ -1066,8 +1066,9 @@ impl ChunkStore {
     }
 
     /// One page of stored chunks in ascending hash order, starting after `after`, at most `limit`
-    /// long; the flag is true when no chunks follow (false: there may be more). Fails on the first part of the store it
-    /// cannot read: a listing others act on (GC, re-replication) is whole or nothing.
+    /// long; the flag is true when no chunks follow (false: there may be more). Fails on the
+    /// first part of the store it cannot read: a listing others act on (GC, re-replication) is
+    /// whole or nothing.
     pub async fn list(
         &self,
         after: Option<ChunkHash>,
