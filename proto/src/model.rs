@@ -544,6 +544,10 @@ pub struct BeginCheckpoint {
     pub step: u64,
     pub world_size: u32,
     pub epoch: u64,
+    /// Set by the control plane, not the caller: a pending checkpoint begun before this (past the
+    /// pending timeout, so it can no longer commit) is not joined but aborted, and a new one
+    /// begun. 0 joins any.
+    pub begun_after_ms: u64,
 }
 
 impl TryFrom<pb::BeginCheckpointRequest> for BeginCheckpoint {
@@ -563,6 +567,7 @@ impl TryFrom<pb::BeginCheckpointRequest> for BeginCheckpoint {
             step: request.step,
             world_size: request.world_size,
             epoch: request.epoch,
+            begun_after_ms: 0,
         })
     }
 }

@@ -563,6 +563,7 @@ impl Control for ControlService {
         let mut request = BeginCheckpoint::try_from(request.into_inner()).map_err(invalid)?;
         request.job = caller.new_job(request.job.as_str())?;
         let now = now_ms();
+        request.begun_after_ms = now.saturating_sub(self.config.pending_timeout.as_millis() as u64);
         let placement: Vec<pb::TargetInfo> = self
             .store
             .list_targets()

@@ -533,7 +533,7 @@ pub(crate) mod conformance {
     }
 
     pub(crate) fn begin(job: &str, step: u64, world_size: u32, epoch: u64) -> BeginCheckpoint {
-        BeginCheckpoint { job: JobName::try_from(job).unwrap(), step, world_size, epoch }
+        BeginCheckpoint { job: JobName::try_from(job).unwrap(), step, world_size, epoch, begun_after_ms: 0 }
     }
 
     pub(crate) async fn lease(store: &dyn MetaStore, job: &str, run_id: &str) -> MetaResult<LeaseGrant> {
@@ -1021,6 +1021,31 @@ pub(crate) mod conformance {
         let record = store.begin_checkpoint(&begin("late", 1, 1, epoch), 60_000).await.unwrap();
         store.commit_part(&part(record.id, 0, "f", 1), &|| 60_001, 59751).await.unwrap();
         assert_eq!(store.latest(&job("late")).await.unwrap().unwrap().id, record.id);
+    }
+
+    pub async fn expired_pending_is_not_joined(store: &dyn MetaStore) {
+        let epoch = lease(store, "exp", "run").await.unwrap().epoch;
+        let first = store.begin_checkpoint(&begin("exp", 1, 2, epoch), 100).await.unwrap();
+        store.commit_part(&part(first.id, 0, "f", 1), &|| 110, u64::MAX).await.unwrap();
+        // Within the pending timeout, a rank joins the checkpoint its peer began.
+        let mut late = begin("exp", 1, 2, epoch);
+        late.begun_after_ms = 100;
+        assert_eq!(store.begin_checkpoint(&late, 200).await.unwrap().id, first.id);
+        // Past it, the checkpoint can no longer commit: a begin aborts it and begins another
+        // rather than hand out one whose commit is certain to be refused, before the reaper runs.
+        late.begun_after_ms = 101;
+        let second = store.begin_checkpoint(&late, 201).await.unwrap();
+        assert_ne!(second.id, first.id);
+        assert_eq!((second.state, second.parts_committed, second.created_at_ms), (CheckpointState::Pending, 0, 201));
+        let all = store.list_checkpoints(&job("exp"), true).await.unwrap();
+        let state = |id| all.iter().find(|c| c.id == id).map(|c| c.state);
+        assert_eq!(state(first.id), Some(CheckpointState::Aborted));
+        // The new one is joined as any other, and commits whole.
+        assert_eq!(store.begin_checkpoint(&late, 202).await.unwrap().id, second.id);
+        store.commit_part(&part(second.id, 0, "f", 1), &|| 203, 100).await.unwrap();
+        let record = store.commit_part(&part(second.id, 1, "g", 1), &|| 204, 100).await.unwrap();
+        assert_eq!(record.state, CheckpointState::Committed);
+        assert_eq!(store.latest(&job("exp")).await.unwrap().unwrap().id, second.id);
     }
 
     fn part_with_hash(checkpoint_id: u64, rank: u32, byte: u8) -> CommitPart {

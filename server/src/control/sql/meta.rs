@@ -12,7 +12,8 @@ use starckpt_proto::{Addressing, ChunkHash, JobName};
 
 use super::queries::{
     abort_in, apply_retention, check_epoch, checkpoint_by_id, checkpoint_from_row, current_lease, decode_manifest,
-    get_u64, insert_part, joinable, part_manifests, part_manifests_from, retention_policy, tier_sweeps, to_i64,
+    expired, get_u64, insert_part, joinable, part_manifests, part_manifests_from, retention_policy, tier_sweeps,
+    to_i64,
 };
 use super::{CHECKPOINT_COLUMNS, Dialect, SqlStore, role_lock};
 use crate::control::store::{
@@ -181,7 +182,7 @@ impl MetaStore for SqlStore {
                         request.job, request.step
                     )));
                 }
-                _ if existing.epoch == request.epoch => {
+                _ if existing.epoch == request.epoch && !expired(&existing, request) => {
                     if existing.world_size != request.world_size {
                         return Err(MetaError::FailedPrecondition(format!(
                             "{} step {} was begun with world size {}, not {}",
@@ -192,7 +193,8 @@ impl MetaStore for SqlStore {
                 }
                 _ => {
                     // Older epochs' pending checkpoints are aborted when a new run takes the lease;
-                    // one left over (from a database written before that rule) is aborted here.
+                    // one left over (from a database written before that rule) is aborted here,
+                    // as is one past the pending timeout that the reaper has not got to yet.
                     sqlx::query("UPDATE checkpoints SET state = 'aborted', ended_at_ms = $1 WHERE id = $2")
                         .bind(now)
                         .bind(existing.id as i64)

@@ -47,6 +47,7 @@ on_both!(
     replication,
     retention_and_tags,
     late_commit_is_refused,
+    expired_pending_is_not_joined,
     committed_chunks,
     live_chunks,
     tiering,
