@@ -6,7 +6,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{Cluster, cli_with_env, random_bytes, tree};
@@ -325,32 +325,61 @@ fn sigkill_everything_mid_save_keeps_the_previous_checkpoint() {
     assert!(all.as_array().unwrap().iter().any(|c| c["step"] == 2 && c["state"] == "aborted"), "{all}");
 }
 
-#[test]
-fn a_save_waits_for_its_control_plane_to_be_restarted() {
-    // The control plane dies after committing the part, before answering; a supervisor starts it
-    // again. The client sends the part again once it answers, and hears it committed.
-    let mut cluster = Cluster::start_with_env(2, &[], &[("FAILPOINTS", "control.commit.reply=return(crash)")]);
+/// A cluster whose control plane dies after committing a part, before answering it, and a save of
+/// `source` (one file of `bytes`) to (`job`, step 1) under way against it: wait for
+/// [`Cluster::wait_server_exit`], start the control plane again, then read the save's output.
+fn save_through_a_crash_before_the_commit_answer(job: &str, bytes: usize) -> (Cluster, PathBuf, std::process::Child) {
+    let cluster = Cluster::start_with_env(2, &[], &[("FAILPOINTS", "control.commit.reply=return(crash)")]);
     let source = cluster.dir.path().join("source");
     std::fs::create_dir_all(&source).unwrap();
-    std::fs::write(source.join("weights.bin"), random_bytes(9 << 20, 1)).unwrap();
+    std::fs::write(source.join("weights.bin"), random_bytes(bytes, 1)).unwrap();
     let saver = std::process::Command::new(common::BIN)
-        .args(["save", "--job", "llm", "--step", "1", source.to_str().unwrap(), "--json"])
+        .args(["save", "--job", job, "--step", "1", source.to_str().unwrap(), "--json"])
         .env("STARCKPT_SERVER", &cluster.server.address)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    (cluster, source, saver)
+}
+
+/// The save's output: it succeeded, and says its checkpoint committed.
+fn committed_save(saver: std::process::Child) -> String {
+    let output = saver.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "save failed: {stderr}");
+    let saved: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(saved["committed"], true, "{saved}");
+    stderr
+}
+
+#[test]
+fn a_save_waits_for_its_control_plane_to_be_restarted() {
+    // The control plane dies after committing the part, before answering; a supervisor starts it
+    // again. The client sends the part again once it answers, and hears it committed.
+    let (mut cluster, source, saver) = save_through_a_crash_before_the_commit_answer("llm", 9 << 20);
     cluster.wait_server_exit();
     std::thread::sleep(Duration::from_millis(500));
     cluster.restart_server();
-    let output = saver.wait_with_output().unwrap();
-    assert!(output.status.success(), "save failed: {}", String::from_utf8_lossy(&output.stderr));
-    let saved: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-    assert_eq!(saved["committed"], true, "{saved}");
+    committed_save(saver);
     assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 1);
     let restored = cluster.dir.path().join("restored");
     cluster.ok(&["restore", "--job", "llm", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(tree(&source), tree(&restored));
+}
+
+#[test]
+fn a_part_sent_again_to_a_checkpoint_deleted_meanwhile_is_reported_committed() {
+    // As above, but before the part sent again reaches the restarted control plane (held back 3 s
+    // there), the checkpoint is deleted: the save did commit, and says so rather than fail.
+    let (mut cluster, _source, saver) = save_through_a_crash_before_the_commit_answer("gone", 1 << 20);
+    cluster.wait_server_exit();
+    cluster.restart_server_env(&[("FAILPOINTS", "control.commit.record=sleep(3000)")]);
+    cluster.ok(&["rm", "gone", "1"]);
+    let stderr = committed_save(saver);
+    assert!(stderr.contains("deleted since"), "the save warns: {stderr}");
+    let all = cluster.json(&["ls", "gone", "--all"]);
+    assert_eq!(all[0]["state"], "deleted", "{all}");
 }
 
 #[test]

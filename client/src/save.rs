@@ -217,7 +217,9 @@ impl SaveProgress {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CommitState {
-    /// Every rank's part is in: the checkpoint is complete and visible to `latest`.
+    /// Every rank's part is in: the checkpoint is complete and visible to `latest` (until it is
+    /// deleted: a part sent again after its answer was lost, to a checkpoint that committed and
+    /// was deleted meanwhile, is answered so too, with a warning).
     Committed,
     /// This part is in; other ranks have not committed yet.
     WaitingForRanks { parts_committed: u32, world_size: u32 },
@@ -385,6 +387,12 @@ impl Client {
         crate::faults::point("client.commit.reply").map_err(injected).map_err(self.status("commit part"))?;
         match pb::CheckpointState::try_from(response.state) {
             Ok(pb::CheckpointState::Committed) => Ok(CommitState::Committed),
+            // This part, sent again after its answer was lost, had committed the checkpoint (or
+            // been in it when another rank's did); it has been deleted since.
+            Ok(pb::CheckpointState::Deleted) => {
+                tracing::warn!(checkpoint_id, rank, "checkpoint committed, and deleted since (retention or rm)");
+                Ok(CommitState::Committed)
+            }
             Ok(pb::CheckpointState::Pending) => Ok(CommitState::WaitingForRanks {
                 parts_committed: response.parts_committed,
                 world_size: response.world_size,

@@ -648,6 +648,15 @@ pub(crate) mod conformance {
         assert_eq!(parts.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), vec![0, 1]);
         assert_eq!(parts[1].1.files[0].path.as_str(), "r1.pt");
         assert_eq!(parts[0].1.metadata.get("rank").map(String::as_str), Some("0"));
+
+        // Deleted since, a part sent again (its answer lost) is answered with what became of the
+        // checkpoint it committed; a different part is refused.
+        store.delete_checkpoint(&job("j"), 100, None, 7).await.unwrap();
+        let again = store.commit_part(&part(first.id, 0, "r0.pt", 10), &|| 8, u64::MAX).await.unwrap();
+        assert_eq!((again.id, again.state, again.parts_committed), (first.id, CheckpointState::Deleted, 2));
+        let other = store.commit_part(&part(first.id, 0, "other.pt", 10), &|| 9, u64::MAX).await.unwrap_err();
+        assert!(matches!(other, MetaError::FailedPrecondition(_)), "{other}");
+        assert_eq!(store.latest(&job("j")).await.unwrap(), None);
     }
 
     /// A checkpoint's parts read a page at a time: a byte budget below one part still moves on one

@@ -280,9 +280,12 @@ impl MetaStore for SqlStore {
                     if aborted { "; the checkpoint is aborted" } else { "" }
                 )));
             }
-            // Sent again (its answer was lost): answered as the first while the checkpoint lives.
-            // One aborted since is no save waiting for ranks: the writer hears why.
-            if matches!(record.state, CheckpointState::Pending | CheckpointState::Committed) {
+            // Sent again (its answer was lost): answered as the first while the checkpoint lives,
+            // and with its state once it was committed and then deleted (by retention, or `rm`):
+            // the part is in, and the writer hears what became of it. One aborted since is no save
+            // waiting for ranks: the writer hears why.
+            if matches!(record.state, CheckpointState::Pending | CheckpointState::Committed | CheckpointState::Deleted)
+            {
                 return Ok(record);
             }
             check_epoch(&mut tx, &record.job, record.epoch).await?;
