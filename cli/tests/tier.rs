@@ -376,6 +376,32 @@ fn a_new_cluster_adopts_the_checkpoints_of_a_tier() {
 }
 
 /// Every file under `dir`.
+#[test]
+fn an_import_waits_for_the_garbage_collection_pass_under_way() {
+    // A pass that marked before an import commits must not sweep after it: its mark does not
+    // hold the imported checkpoint's chunks (server/src/control/gc.rs). The pass here is held 3 s
+    // between its mark and its sweep.
+    let tier = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", tier.path().display());
+    let flags = ["--tier", url.as_str(), "--tier-interval-secs", "0"];
+    let cluster = Cluster::start_with_env(2, &flags, &[("FAILPOINTS", "control.gc.mark=sleep(3000)")]);
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("weights.bin"), random_bytes((5 << 20) + 3, 7)).unwrap();
+    cluster.json(&["save", "--job", "llm", "--step", "1", source.to_str().unwrap()]);
+    assert_eq!(cluster.json(&["tier"])["checkpoints_tiered"], 1);
+    // Deleted by mistake: the tier still holds it until its next pass.
+    cluster.ok(&["rm", "llm", "1"]);
+    let mut pass = cluster.spawn(&["gc"]);
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    let report = cluster.json(&["tier", "--import"]);
+    assert!(pass.try_wait().unwrap().is_some(), "the import committed while a garbage-collection pass was under way");
+    assert_eq!(report["imported"].as_array().unwrap().len(), 1, "{report}");
+    let to = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "llm", "--latest", "--to", to.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&to));
+}
+
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap() {

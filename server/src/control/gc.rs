@@ -20,10 +20,12 @@
 //!   commit came after `M`, so `t0 > M − pending_timeout > M − grace`: the chunk is too recent
 //!   to be swept. This is the "save that deduplicates against a chunk while GC runs" and the
 //!   "commit that lands during a sweep" of the retention tests.
-//! - Not covered: a checkpoint imported from the object-store tier (`tier.rs` `import`) commits
-//!   chunks nobody used since, so a sweep that marked before the import may delete the targets'
-//!   copies. The tier keeps every chunk the import needs (its sweep fence), and re-replication
-//!   and readers' recoveries copy them back from there.
+//! - A checkpoint imported from the object-store tier (`tier.rs` `import`) commits chunks nobody
+//!   may have used for a long time, so the argument above does not hold for it. Instead an import
+//!   takes GC's turn ([`Role::Gc`](super::store::Role), as a pass does): no pass marks before
+//!   an import commits and sweeps after it. (A pass before the import may have deleted the
+//!   targets' copies: the tier keeps every chunk the import needs, its sweep fence, and
+//!   re-replication and readers' recoveries copy them back from there.)
 //! - Hence `grace` must exceed the pending timeout, with room for the delay between this process
 //!   computing the cutoff and a target applying it, and for the rest of the commit's transaction
 //!   after its check (the check itself is made with the writer lock held, so time spent waiting

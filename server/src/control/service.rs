@@ -927,7 +927,13 @@ impl Control for ControlService {
         };
         self.collector.the_tier().map_err(meta_status)?;
         let collector = Arc::clone(&self.collector);
-        let import = async move { tier::import(collector.store.as_ref(), collector.the_tier()?, job).await };
+        let import = async move {
+            // GC's turn, as a pass takes it: no pass may mark before the import commits and sweep
+            // after (its mark would not hold the imported checkpoints' chunks, `gc.rs`).
+            let _one_at_a_time = collector.running.lock().await;
+            let _leadership = collector.lead(Role::Gc, true).await?;
+            tier::import(collector.store.as_ref(), collector.the_tier()?, job).await
+        };
         let report = detached("import from the tier", import).await?.map_err(meta_status)?;
         Ok(Response::new(pb::ImportTierResponse {
             imported: report.imported.iter().map(checkpoint_info).collect(),

@@ -495,7 +495,8 @@ pub enum Role {
     /// (more copies than wanted, the bandwidth spent several times over) and scan every chunk.
     Repair,
     /// Garbage collection: safe beside another pass (`gc.rs`), but each would list every chunk
-    /// of every target.
+    /// of every target. Imports from the object-store tier take it too: a pass must not run
+    /// across one (`gc.rs`).
     Gc,
 }
 
