@@ -649,15 +649,26 @@ pub(crate) mod conformance {
         assert_eq!(parts.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), vec![0, 1]);
         assert_eq!(parts[1].1.files[0].path.as_str(), "r1.pt");
         assert_eq!(parts[0].1.metadata.get("rank").map(String::as_str), Some("0"));
+    }
 
-        // Deleted since, a part sent again (its answer lost) is answered with what became of the
-        // checkpoint it committed; a different part is refused.
-        store.delete_checkpoint(&job("j"), 100, None, 7).await.unwrap();
-        let again = store.commit_part(&part(first.id, 0, "r0.pt", 10), &|| 8, u64::MAX).await.unwrap();
-        assert_eq!((again.id, again.state, again.parts_committed), (first.id, CheckpointState::Deleted, 2));
-        let other = store.commit_part(&part(first.id, 0, "other.pt", 10), &|| 9, u64::MAX).await.unwrap_err();
+    /// A part sent again (its answer lost) after its checkpoint committed and was deleted is
+    /// answered with what became of the checkpoint; a different part is refused.
+    pub async fn resent_part_of_a_deleted_checkpoint(store: &dyn MetaStore) {
+        let epoch = lease(store, "del", "run").await.unwrap().epoch;
+        let first = store.begin_checkpoint(&begin("del", 1, 2, epoch), 1).await.unwrap();
+        store.commit_part(&part(first.id, 0, "r0.pt", 10), &|| 2, u64::MAX).await.unwrap();
+        let done = store.commit_part(&part(first.id, 1, "r1.pt", 5), &|| 3, u64::MAX).await.unwrap();
+        assert_eq!(done.state, CheckpointState::Committed);
+        store.delete_checkpoint(&job("del"), 1, None, 4).await.unwrap();
+        for rank in [0, 1] {
+            let path = format!("r{rank}.pt");
+            let size = if rank == 0 { 10 } else { 5 };
+            let again = store.commit_part(&part(first.id, rank, &path, size), &|| 5, u64::MAX).await.unwrap();
+            assert_eq!((again.id, again.state, again.parts_committed), (first.id, CheckpointState::Deleted, 2));
+        }
+        let other = store.commit_part(&part(first.id, 0, "other.pt", 10), &|| 6, u64::MAX).await.unwrap_err();
         assert!(matches!(other, MetaError::FailedPrecondition(_)), "{other}");
-        assert_eq!(store.latest(&job("j")).await.unwrap(), None);
+        assert_eq!(store.latest(&job("del")).await.unwrap(), None);
     }
 
     /// A checkpoint's parts read a page at a time: a byte budget below one part still moves on one

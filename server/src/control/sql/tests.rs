@@ -36,6 +36,7 @@ macro_rules! on_both {
 on_both!(
     targets,
     multi_rank_commit,
+    resent_part_of_a_deleted_checkpoint,
     manifest_pages,
     tenant_namespaces,
     overlapping_parts,
