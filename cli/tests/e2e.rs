@@ -1341,17 +1341,20 @@ fn an_interrupted_restore_leaves_nothing_behind() {
     let parent = cluster.dir.path().join("out");
     std::fs::create_dir(&parent).unwrap();
     let restored = parent.join("restored");
-    let restore = || {
+    let restore_with = |failpoints: &str| {
         std::process::Command::new(common::BIN)
             .args(["restore", "--job", "intr", "--latest", "--to", restored.to_str().unwrap()])
             .env("STARCKPT_SERVER", &cluster.server.address)
+            .env("FAILPOINTS", failpoints)
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap()
     };
+    let restore = || restore_with("");
 
-    // SIGTERM as soon as the unfinished tree appears.
-    let child = restore();
+    // SIGTERM as soon as the unfinished tree appears, while the tree is still being made (the
+    // fault point holds its making there): what is still making it must not make it again.
+    let child = restore_with("client.restore.tree=sleep(1500)");
     let deadline = Instant::now() + Duration::from_secs(30);
     while !restore_leftovers(&parent).iter().any(|n| n.contains("partial")) {
         assert!(Instant::now() < deadline, "the restore never started its tree");

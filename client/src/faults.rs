@@ -34,6 +34,8 @@ pub const POINTS: &[&str] = &[
     "target.remove_bad",
     // Client, restore: the manifest in hand and the destination locked, before any chunk is read.
     "client.restore.begin",
+    // Client, restore: the unfinished tree's root made, before its directories and files.
+    "client.restore.tree",
     // Client, restore --force over a tree: the atomic exchange answers as on a file system
     // without it; the old tree moved aside, before the new one is renamed into place; moving the
     // old one back after that failed.

@@ -172,7 +172,9 @@ pub struct RestoreOutcome {
     pub bytes: u64,
 }
 
-/// Removes a directory tree when dropped.
+/// Removes a directory tree when dropped. A restore's unfinished tree is held by the restore and
+/// by the blocking task building it, so it goes when the last of them does: removed while that
+/// task still ran, the tree would be made again by it.
 struct RemoveOnDrop(PathBuf);
 
 impl Drop for RemoveOnDrop {
@@ -831,9 +833,9 @@ pub async fn restore_from(
     let _lock = DestinationLock::take(&parent, name, to)?;
     let staging = parent.join(format!("{}{}", partial_prefix(name), uuid::Uuid::new_v4().simple()));
     // Removed on every way out (errors, a dropped future) unless it became the destination.
-    let guard = RemoveOnDrop(staging.clone());
+    let guard = Arc::new(RemoveOnDrop(staging.clone()));
     crate::faults::point("client.restore.begin").map_err(Error::io("restore", to))?;
-    restore_into(source, manifest, &staging, progress, concurrency).await?;
+    restore_into(source, manifest, &guard, progress, concurrency).await?;
     if existing == Some(true) {
         // Swap atomically: `to` is always either the old tree or the complete new one. The old
         // tree ends up at the staging name, which the guard removes.
@@ -871,7 +873,10 @@ pub async fn restore_from(
     } else {
         // Missing or empty: a rename replaces an empty directory atomically.
         std::fs::rename(&staging, to).map_err(Error::io("rename into place", to))?;
-        std::mem::forget(guard);
+        // Only this restore holds it now: the task that built the tree has ended.
+        if let Some(guard) = Arc::into_inner(guard) {
+            std::mem::forget(guard);
+        }
     }
     std::fs::File::open(&parent).and_then(|d| d.sync_all()).map_err(Error::io("fsync", &parent))?;
     Ok(RestoreOutcome { files: manifest.files.len(), bytes: manifest.total_bytes() })
@@ -913,22 +918,31 @@ fn destination(to: &Path) -> Result<PathBuf> {
 async fn restore_into(
     source: &impl ChunkSource,
     manifest: &CheckpointManifest,
-    root: &Path,
+    tree: &Arc<RemoveOnDrop>,
     progress: &RestoreProgress,
     concurrency: usize,
 ) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     // The tree is made off the runtime (a checkpoint may have a million files): a signal that
-    // stops the restore is noticed meanwhile.
-    let root_dir = root.to_path_buf();
+    // stops the restore is noticed meanwhile. The task holds the tree, so a restore dropped
+    // meanwhile removes it only once the task has ended; the task stops early when it sees that
+    // it is the tree's last holder.
+    let held = Arc::clone(tree);
+    let root = tree.0.as_path();
     let directories: Vec<PathBuf> = manifest.directories.iter().map(|dir| dir.under(root)).collect();
     let sized: Vec<(PathBuf, u64)> =
         manifest.files.iter().map(|file| (file.path.under(root), file.size_bytes)).collect();
     let (dirs, paths) = tokio::task::spawn_blocking(move || {
-        let root = root_dir.as_path();
+        let root = held.0.as_path();
+        let abandoned =
+            || (Arc::strong_count(&held) == 1).then(|| Error::Cancelled("the restore was stopped".to_owned()));
         std::fs::create_dir(root).map_err(Error::io("create", root))?;
+        crate::faults::point("client.restore.tree").map_err(Error::io("create", root))?;
         let mut dirs = std::collections::BTreeSet::from([root.to_path_buf()]);
         for path in directories {
+            if let Some(stopped) = abandoned() {
+                return Err(stopped);
+            }
             std::fs::create_dir_all(&path).map_err(Error::io("create", &path))?;
             dirs.extend(path.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
         }
@@ -936,6 +950,9 @@ async fn restore_into(
         // more files than the descriptor limit still restores.
         let mut paths = Vec::with_capacity(sized.len());
         for (path, size) in sized {
+            if let Some(stopped) = abandoned() {
+                return Err(stopped);
+            }
             if let Some(parent) = path.parent() {
                 std::fs::create_dir_all(parent).map_err(Error::io("create", parent))?;
                 dirs.extend(parent.ancestors().take_while(|p| p.starts_with(root)).map(Path::to_path_buf));
