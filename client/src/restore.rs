@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bytes::Bytes;
 use futures::StreamExt;
@@ -172,9 +172,7 @@ pub struct RestoreOutcome {
     pub bytes: u64,
 }
 
-/// Removes a directory tree when dropped. A restore's unfinished tree is held by the restore and
-/// by the blocking task building it, so it goes when the last of them does: removed while that
-/// task still ran, the tree would be made again by it.
+/// Removes a directory tree when dropped.
 struct RemoveOnDrop(PathBuf);
 
 impl Drop for RemoveOnDrop {
@@ -193,6 +191,33 @@ fn partial_prefix(name: &str) -> String {
 /// there.
 fn replaced_prefix(name: &str) -> String {
     format!(".{name}.starckpt-replaced-")
+}
+
+/// A restore's unfinished tree, beside its destination: removed when dropped unless it was
+/// placed, then the destination's lock is let go. Held by the restore and by the blocking task
+/// making the tree, so both go when the last of them does: removed while that task still ran,
+/// the tree would be made again by it, and let go of, the destination would be open to another
+/// restore while this one's task still wrote beside it.
+struct Unfinished {
+    tree: PathBuf,
+    placed: AtomicBool,
+    _lock: DestinationLock,
+}
+
+impl Unfinished {
+    /// Whether the restore that made it has been dropped (only the task making the tree holds
+    /// it now).
+    fn abandoned(self: &Arc<Self>) -> bool {
+        Arc::strong_count(self) == 1
+    }
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        if !self.placed.load(Ordering::Relaxed) {
+            let _ = std::fs::remove_dir_all(&self.tree);
+        }
+    }
 }
 
 /// Held while a restore into one destination runs: an exclusive lock on a file beside it
@@ -830,15 +855,15 @@ pub async fn restore_from(
         _ => PathBuf::from("."),
     };
     std::fs::create_dir_all(&parent).map_err(Error::io("create", &parent))?;
-    let _lock = DestinationLock::take(&parent, name, to)?;
+    let lock = DestinationLock::take(&parent, name, to)?;
     let staging = parent.join(format!("{}{}", partial_prefix(name), uuid::Uuid::new_v4().simple()));
     // Removed on every way out (errors, a dropped future) unless it became the destination.
-    let guard = Arc::new(RemoveOnDrop(staging.clone()));
+    let unfinished = Arc::new(Unfinished { tree: staging.clone(), placed: AtomicBool::new(false), _lock: lock });
     crate::faults::point("client.restore.begin").map_err(Error::io("restore", to))?;
-    restore_into(source, manifest, &guard, progress, concurrency).await?;
+    restore_into(source, manifest, &unfinished, progress, concurrency).await?;
     if existing == Some(true) {
         // Swap atomically: `to` is always either the old tree or the complete new one. The old
-        // tree ends up at the staging name, which the guard removes.
+        // tree ends up at the staging name, which is removed when `unfinished` goes.
         // The fault point plays a file system without the exchange.
         let unsupported = |_| std::io::Error::from_raw_os_error(libc::EINVAL);
         match crate::faults::point("client.restore.exchange").map_err(unsupported).and_then(|()| exchange(&staging, to))
@@ -873,10 +898,7 @@ pub async fn restore_from(
     } else {
         // Missing or empty: a rename replaces an empty directory atomically.
         std::fs::rename(&staging, to).map_err(Error::io("rename into place", to))?;
-        // Only this restore holds it now: the task that built the tree has ended.
-        if let Some(guard) = Arc::into_inner(guard) {
-            std::mem::forget(guard);
-        }
+        unfinished.placed.store(true, Ordering::Relaxed);
     }
     std::fs::File::open(&parent).and_then(|d| d.sync_all()).map_err(Error::io("fsync", &parent))?;
     Ok(RestoreOutcome { files: manifest.files.len(), bytes: manifest.total_bytes() })
@@ -918,24 +940,22 @@ fn destination(to: &Path) -> Result<PathBuf> {
 async fn restore_into(
     source: &impl ChunkSource,
     manifest: &CheckpointManifest,
-    tree: &Arc<RemoveOnDrop>,
+    unfinished: &Arc<Unfinished>,
     progress: &RestoreProgress,
     concurrency: usize,
 ) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     // The tree is made off the runtime (a checkpoint may have a million files): a signal that
-    // stops the restore is noticed meanwhile. The task holds the tree, so a restore dropped
-    // meanwhile removes it only once the task has ended; the task stops early when it sees that
-    // it is the tree's last holder.
-    let held = Arc::clone(tree);
-    let root = tree.0.as_path();
+    // stops the restore is noticed meanwhile. The task holds the unfinished tree, so a restore
+    // dropped meanwhile removes it only once the task has ended, which it does early then.
+    let held = Arc::clone(unfinished);
+    let root = unfinished.tree.as_path();
     let directories: Vec<PathBuf> = manifest.directories.iter().map(|dir| dir.under(root)).collect();
     let sized: Vec<(PathBuf, u64)> =
         manifest.files.iter().map(|file| (file.path.under(root), file.size_bytes)).collect();
     let (dirs, paths) = tokio::task::spawn_blocking(move || {
-        let root = held.0.as_path();
-        let abandoned =
-            || (Arc::strong_count(&held) == 1).then(|| Error::Cancelled("the restore was stopped".to_owned()));
+        let root = held.tree.as_path();
+        let abandoned = || held.abandoned().then(|| Error::Cancelled("the restore was stopped".to_owned()));
         std::fs::create_dir(root).map_err(Error::io("create", root))?;
         crate::faults::point("client.restore.tree").map_err(Error::io("create", root))?;
         let mut dirs = std::collections::BTreeSet::from([root.to_path_buf()]);
