@@ -14,12 +14,16 @@
 //! - blocking: until every rank's `save` returned (the trainer's stall) ÷ a memcpy into touched
 //!   memory;
 //! - committed: until the checkpoint is committed (every chunk durable on its targets) ÷ an
-//!   O_DIRECT sequential write+fsync, and ÷ a buffered write+fsync (what `torch.save` does);
+//!   O_DIRECT sequential write+fsync from one buffer written again and again, and from touched
+//!   memory that holds all the bytes (`baseline::Direct::write_from_all`), as staging does; and
+//!   ÷ a buffered write+fsync (what `torch.save` does);
 //! - persist: the part of committed after the stall (from the last rank's `save` returning until
 //!   committed: the uploads, which wait for staging, and the commit) ÷ the same O_DIRECT write,
-//!   so the data path's own pace shows apart from the staging copy the trainer waits for;
+//!   so the data path's own pace shows apart from the staging copy the trainer waits for (÷ both
+//!   O_DIRECT writes);
 //! - restore: every rank reading its tensors into touched buffers, every chunk verified ÷ an
-//!   O_DIRECT sequential read.
+//!   O_DIRECT sequential read into one buffer filled again and again, and ÷ one into touched
+//!   memory that holds all the bytes (`baseline::Direct::read_into_all`), as the restore's do.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -554,6 +558,8 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let mut memcpy = Vec::new();
     let mut direct_write = Vec::new();
     let mut direct_read = Vec::new();
+    let mut direct_read_all = Vec::new();
+    let mut direct_write_all = Vec::new();
     let mut layout_read = Vec::new();
     let mut buffered = Vec::new();
     let (mut tcp_write, mut tcp_read) = (Vec::new(), Vec::new());
@@ -587,9 +593,16 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             tcp_write.push(write);
             tcp_read.push(read);
         }
-        let baselines = [copy, direct.write, torch_save, direct.read];
-        for (all, this) in [&mut memcpy, &mut direct_write, &mut buffered, &mut direct_read].into_iter().zip(baselines)
-        {
+        let baselines = [copy, direct.write, torch_save, direct.read, direct.write_from_all, direct.read_into_all];
+        let all = [
+            &mut memcpy,
+            &mut direct_write,
+            &mut buffered,
+            &mut direct_read,
+            &mut direct_write_all,
+            &mut direct_read_all,
+        ];
+        for (all, this) in all.into_iter().zip(baselines) {
             all.push(Timed::wall(this));
         }
         let run = run_once(&clients, &job, u64::from(n) + 1, &state, &perf, &meter).await?;
@@ -631,6 +644,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let compression_ratio = uploaded as f64 / stored.max(1) as f64;
     let (memcpy, direct_write, direct_read, buffered) =
         (median(memcpy), median(direct_write), median(direct_read), median(buffered));
+    let (direct_write_all, direct_read_all) = (median(direct_write_all), median(direct_read_all));
     let layout_read = (!layout_read.is_empty()).then(|| median(layout_read));
     let tcp = (!tcp_write.is_empty()).then(|| (median(tcp_write), median(tcp_read)));
     if let Some(cluster) = cluster {
@@ -642,16 +656,19 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     let mut rows = vec![
         ("blocking", blocking, "memcpy into touched memory", memcpy),
         ("committed", committed, "O_DIRECT write + fsync", direct_write),
+        ("committed", committed, "O_DIRECT write from memory for all", direct_write_all),
         ("committed", committed, "buffered write + fsync (torch.save)", buffered),
     ];
     if let Some((tcp_write, _)) = tcp {
         rows.push(("committed", committed, "loopback TCP to O_DIRECT write", tcp_write));
     }
     rows.push(("persist", persist, "O_DIRECT write + fsync", direct_write));
+    rows.push(("persist", persist, "O_DIRECT write from memory for all", direct_write_all));
     if let Some((tcp_write, _)) = tcp {
         rows.push(("persist", persist, "loopback TCP to O_DIRECT write", tcp_write));
     }
     rows.push(("restore", restore, "O_DIRECT read", direct_read));
+    rows.push(("restore", restore, "O_DIRECT read into memory for all", direct_read_all));
     if let Some(layout_read) = layout_read {
         rows.push(("restore", restore, "O_DIRECT read of its chunk files", layout_read));
     }
@@ -680,7 +697,9 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                     "restore": phase(restore)},
                 "baselines": {
                     "memcpy": baseline(memcpy), "odirect_write_fsync": baseline(direct_write),
+                    "odirect_write_fsync_from_all_memory": baseline(direct_write_all),
                     "buffered_write_fsync": baseline(buffered), "odirect_read": baseline(direct_read),
+                    "odirect_read_into_all_memory": baseline(direct_read_all),
                     "odirect_read_chunk_files": layout_read.map(baseline),
                     "loopback_tcp_odirect_write": tcp.map(|(write, _)| measured(write)),
                     "odirect_read_loopback_tcp": tcp.map(|(_, read)| measured(read)),
@@ -688,10 +707,13 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                 "ratios": {
                     "blocking_vs_memcpy": ratio(blocking.wall, memcpy.wall),
                     "committed_vs_odirect_write": ratio(committed.wall, direct_write.wall),
+                    "committed_vs_odirect_write_from_all_memory": ratio(committed.wall, direct_write_all.wall),
                     "committed_vs_buffered_write_fsync": ratio(committed.wall, buffered.wall),
                     "persist_vs_odirect_write": ratio(persist.wall, direct_write.wall),
+                    "persist_vs_odirect_write_from_all_memory": ratio(persist.wall, direct_write_all.wall),
                     "persist_vs_loopback_tcp_odirect_write": tcp.map(|(w, _)| ratio(persist.wall, w.wall)),
                     "restore_vs_odirect_read": ratio(restore.wall, direct_read.wall),
+                    "restore_vs_odirect_read_into_all_memory": ratio(restore.wall, direct_read_all.wall),
                     "restore_vs_odirect_read_chunk_files": layout_read.map(|l| ratio(restore.wall, l.wall)),
                     "committed_vs_loopback_tcp_odirect_write": tcp.map(|(w, _)| ratio(committed.wall, w.wall)),
                     "restore_vs_odirect_read_loopback_tcp": tcp.map(|(_, r)| ratio(restore.wall, r.wall)),
@@ -758,8 +780,15 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
     if let Some(path) = &args.chart {
         let mut bars = [
             ("blocking", vec![("memcpy", gbps(memcpy))]),
-            ("committed", vec![("O_DIRECT write", gbps(direct_write)), ("buffered+fsync", gbps(buffered))]),
-            ("restore", vec![("O_DIRECT read", gbps(direct_read))]),
+            (
+                "committed",
+                vec![
+                    ("O_DIRECT write", gbps(direct_write)),
+                    ("write from all", gbps(direct_write_all)),
+                    ("buffered+fsync", gbps(buffered)),
+                ],
+            ),
+            ("restore", vec![("O_DIRECT read", gbps(direct_read)), ("read into all", gbps(direct_read_all))]),
         ];
         if let Some((tcp_write, tcp_read)) = tcp {
             bars[1].1.push(("TCP to O_DIRECT", gbps(tcp_write)));

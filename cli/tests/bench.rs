@@ -56,9 +56,15 @@ fn bench_reports_every_phase_beside_its_baseline() {
     // Persist is the part of committed after the stall, in every run, so in their medians too.
     let seconds = |phase: &str| report["starckpt"][phase]["seconds"].as_f64().unwrap();
     assert!(seconds("persist") < seconds("committed"), "{report}");
-    for baseline in
-        ["memcpy", "odirect_write_fsync", "buffered_write_fsync", "odirect_read", "odirect_read_chunk_files"]
-    {
+    for baseline in [
+        "memcpy",
+        "odirect_write_fsync",
+        "odirect_write_fsync_from_all_memory",
+        "buffered_write_fsync",
+        "odirect_read",
+        "odirect_read_into_all_memory",
+        "odirect_read_chunk_files",
+    ] {
         assert!(report["baselines"][baseline]["seconds"].as_f64().unwrap() > 0.0, "{baseline}: {report}");
     }
     for tcp in ["loopback_tcp_odirect_write", "odirect_read_loopback_tcp"] {
@@ -67,9 +73,12 @@ fn bench_reports_every_phase_beside_its_baseline() {
     for ratio in [
         "blocking_vs_memcpy",
         "committed_vs_odirect_write",
+        "committed_vs_odirect_write_from_all_memory",
         "committed_vs_buffered_write_fsync",
         "persist_vs_odirect_write",
+        "persist_vs_odirect_write_from_all_memory",
         "restore_vs_odirect_read",
+        "restore_vs_odirect_read_into_all_memory",
         "restore_vs_odirect_read_chunk_files",
     ] {
         let value = report["ratios"][ratio].as_f64().unwrap();
