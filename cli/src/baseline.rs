@@ -81,66 +81,62 @@ impl Drop for RemoveOnDrop<'_> {
 }
 
 pub struct Direct {
-    /// Written from one 16 MiB buffer, again and again.
     pub write: Duration,
-    /// Read into one 16 MiB buffer, again and again.
     pub read: Duration,
-    /// Written from touched memory that holds all `total` bytes, each block from its own place.
-    pub write_from_all: Duration,
-    /// Read into touched memory that holds all `total` bytes, each block into its own place, as a
-    /// restore must put them. On some hosts a device reads from, or writes into, a small buffer
-    /// used again and again much faster than memory as large as the data (a virtual disk's host
-    /// copies through memory it has in cache; a NIC or drive reaches the CPU's cache), so these
-    /// two are the limits a save and a restore of `total` bytes can be held to there.
-    pub read_into_all: Duration,
 }
 
-/// O_DIRECT sequential writes of `total` bytes in 16 MiB blocks, each fsync'd, and O_DIRECT reads
-/// of them back: from and into one block's buffer, then from and into memory that holds them all
-/// ([`Direct`]). In `dir`; the file is removed.
+/// O_DIRECT sequential write of `total` bytes in 16 MiB blocks, fsync'd, then O_DIRECT read of
+/// them back, from and into one 16 MiB buffer, in `dir` (the file is removed).
 pub fn direct(total: u64, dir: &Path) -> anyhow::Result<Direct> {
+    direct_from(total, dir, false)
+}
+
+/// [`direct`] from and into touched memory that holds all `total` bytes, each block in its own
+/// place, as a save's staging and a restore's tensors hold them. On some hosts a device reads
+/// from, or writes into, a small buffer used again and again much faster than memory as large as
+/// the data (a virtual disk's host copies through memory it has in cache; a NIC or drive reaches
+/// the CPU's cache), so this is the limit a save and a restore of `total` bytes are held to there.
+pub fn direct_all(total: u64, dir: &Path) -> anyhow::Result<Direct> {
+    direct_from(total, dir, true)
+}
+
+fn direct_from(total: u64, dir: &Path, whole: bool) -> anyhow::Result<Direct> {
     use starckpt_proto::buf::AlignedBuf;
     let block = 16 << 20;
-    let mut buf = AlignedBuf::new(block);
-    rand::rngs::SmallRng::seed_from_u64(7).fill_bytes(buf.full_mut());
     let blocks = (total as usize).div_ceil(block);
-    let mut all = AlignedBuf::new(blocks * block);
-    for place in all.full_mut().chunks_exact_mut(block) {
-        place.copy_from_slice(buf.full_mut());
+    let mut buf = AlignedBuf::new(if whole { blocks * block } else { block });
+    let mut random = rand::rngs::SmallRng::seed_from_u64(7);
+    for place in buf.full_mut().chunks_exact_mut(block) {
+        random.fill_bytes(place);
     }
+    // Where block `i` is in `buf`.
+    let place = |i: usize| if whole { i * block } else { 0 };
     let path = dir.join(".starckpt-baseline-odirect.bin");
     let _remove = RemoveOnDrop(&path);
-    // Block `i` of the pass is at `place(i)` of its buffer.
-    let pass = |buf: &mut AlignedBuf, place: &dyn Fn(usize) -> usize| -> anyhow::Result<[Duration; 2]> {
-        // A new file each time, so each write allocates its blocks as the first one did.
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(&path)
-            .with_context(|| format!("open {} with O_DIRECT", path.display()))?;
-        let started = Instant::now();
-        for i in 0..blocks {
-            let at = place(i);
-            file.write_all_at(&buf.full_mut()[at..at + block], (i * block) as u64)
-                .with_context(|| format!("write {}", path.display()))?;
-        }
-        file.sync_all()?;
-        let write = started.elapsed();
-        drop(file);
-        let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path)?;
-        let started = Instant::now();
-        for i in 0..blocks {
-            let at = place(i);
-            file.read_exact_at(&mut buf.full_mut()[at..at + block], (i * block) as u64)
-                .with_context(|| format!("read {}", path.display()))?;
-        }
-        Ok([write, started.elapsed()])
-    };
-    let [write, read] = pass(&mut buf, &|_| 0)?;
-    let [write_from_all, read_into_all] = pass(&mut all, &|i| i * block)?;
-    Ok(Direct { write, read, write_from_all, read_into_all })
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+        .with_context(|| format!("open {} with O_DIRECT", path.display()))?;
+    let started = Instant::now();
+    for i in 0..blocks {
+        let at = place(i);
+        file.write_all_at(&buf.full_mut()[at..at + block], (i * block) as u64)
+            .with_context(|| format!("write {}", path.display()))?;
+    }
+    file.sync_all()?;
+    let write = started.elapsed();
+    drop(file);
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path)?;
+    let started = Instant::now();
+    for i in 0..blocks {
+        let at = place(i);
+        file.read_exact_at(&mut buf.full_mut()[at..at + block], (i * block) as u64)
+            .with_context(|| format!("read {}", path.display()))?;
+    }
+    Ok(Direct { write, read: started.elapsed() })
 }
 
 /// The same bytes through one loopback TCP connection into an O_DIRECT file, then back out of it

@@ -15,7 +15,7 @@
 //!   memory;
 //! - committed: until the checkpoint is committed (every chunk durable on its targets) ÷ an
 //!   O_DIRECT sequential write+fsync from one buffer written again and again, and from touched
-//!   memory that holds all the bytes (`baseline::Direct::write_from_all`), as staging does; and
+//!   memory that holds all the bytes (`baseline::direct_all`), as staging does; and
 //!   ÷ a buffered write+fsync (what `torch.save` does);
 //! - persist: the part of committed after the stall (from the last rank's `save` returning until
 //!   committed: the uploads, which wait for staging, and the commit) ÷ the same O_DIRECT write,
@@ -23,7 +23,7 @@
 //!   O_DIRECT writes);
 //! - restore: every rank reading its tensors into touched buffers, every chunk verified ÷ an
 //!   O_DIRECT sequential read into one buffer filled again and again, and ÷ one into touched
-//!   memory that holds all the bytes (`baseline::Direct::read_into_all`), as the restore's do.
+//!   memory that holds all the bytes (`baseline::direct_all`), as the restore's do.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -582,6 +582,8 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         // starting on an idle disk.
         meter.settle();
         let direct = baseline::direct(total, &data_dir)?;
+        meter.settle();
+        let direct_all = baseline::direct_all(total, &data_dir)?;
         let copy = baseline::memcpy(&flat);
         meter.settle();
         let torch_save = baseline::buffered_fsync(&flat, &data_dir)?;
@@ -593,7 +595,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             tcp_write.push(write);
             tcp_read.push(read);
         }
-        let baselines = [copy, direct.write, torch_save, direct.read, direct.write_from_all, direct.read_into_all];
+        let baselines = [copy, direct.write, torch_save, direct.read, direct_all.write, direct_all.read];
         let all = [
             &mut memcpy,
             &mut direct_write,
