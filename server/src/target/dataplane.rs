@@ -90,8 +90,8 @@ pub struct DataPlaneLimits {
     pub zero_copy_send: ZeroCopySend,
     /// Bytes of slot regions same-host clients may share with this target at once (the target
     /// maps them and may fault them in: memory it is charged for). An attach past it is answered
-    /// busy and that client goes over TCP until a region is given back. Default 4 GiB: 128 of the
-    /// SDK's regions (8 slots of 4 MiB), one per client process.
+    /// busy and that client goes over TCP until a region is given back. Default 4 GiB: ~500 of the
+    /// SDK's regions (2 slots of 4 MiB + 4 KiB), one per client process.
     pub max_shm_region_bytes: u64,
 }
 
