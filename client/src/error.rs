@@ -62,7 +62,8 @@ pub enum Error {
     Io { op: &'static str, path: PathBuf, source: std::io::Error },
     #[error("{0}")]
     InvalidInput(String),
-    #[error("save was cancelled: {0}")]
+    /// A save or restore stopped before it finished (its task was dropped or stopped).
+    #[error("cancelled: {0}")]
     Cancelled(String),
 }
 

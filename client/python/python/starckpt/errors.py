@@ -70,7 +70,7 @@ class StarckptIOError(StarckptError, OSError):
 
 
 class CancelledError(StarckptError):
-    """The save was cancelled before it committed."""
+    """A save or restore was stopped before it finished (a save that raises this never committed)."""
 
 
 class ClosedError(StarckptError):

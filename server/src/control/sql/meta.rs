@@ -182,7 +182,7 @@ impl MetaStore for SqlStore {
                         request.job, request.step
                     )));
                 }
-                _ if existing.epoch == request.epoch && !expired(&existing, request) => {
+                _ if existing.epoch == request.epoch && !expired(&existing, request.begun_after_ms) => {
                     if existing.world_size != request.world_size {
                         return Err(MetaError::FailedPrecondition(format!(
                             "{} step {} was begun with world size {}, not {}",
@@ -319,7 +319,7 @@ impl MetaStore for SqlStore {
         if record.state != CheckpointState::Pending {
             return Err(ended(&record));
         }
-        if record.created_at_ms < begun_after_ms {
+        if expired(&record, begun_after_ms) {
             abort_in(tx, id, now_ms).await?;
             return Err(MetaError::FailedPrecondition(format!(
                 "checkpoint {} ({} step {}) was begun {} s ago, past the pending timeout; it is aborted (save again)",

@@ -80,13 +80,13 @@ pub(super) async fn joinable(
     .fetch_optional(&mut **tx)
     .await?;
     let record = row.as_ref().map(checkpoint_from_row).transpose()?;
-    Ok(record.filter(|record| record.world_size == request.world_size && !expired(record, request)))
+    Ok(record.filter(|record| record.world_size == request.world_size && !expired(record, request.begun_after_ms)))
 }
 
-/// Whether `record`, a pending checkpoint, was begun too long ago for `request` to join it: it can
-/// no longer commit (`MetaStore::commit_part` refuses a commit past the pending timeout).
-pub(super) fn expired(record: &CheckpointRecord, request: &BeginCheckpoint) -> bool {
-    record.created_at_ms < request.begun_after_ms
+/// Whether `record`, a pending checkpoint, was begun before `begun_after_ms` (now less the pending
+/// timeout): it can no longer commit, so no rank may join it and `MetaStore::commit_part` aborts it.
+pub(super) fn expired(record: &CheckpointRecord, begun_after_ms: u64) -> bool {
+    record.created_at_ms < begun_after_ms
 }
 
 /// Checks that `epoch` is the job's current one: Fenced if a newer run took over, InvalidArgument
