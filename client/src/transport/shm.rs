@@ -49,8 +49,8 @@ pub struct ShmConfig {
     /// and a slot freed is the first lent again, so few slots keep the memory the device writes
     /// into, and the client then hashes and copies out of, small enough to stay in cache. With
     /// 8, restores over shared memory ran at 0.77-0.89x the speed they have with 2 on a VM whose
-    /// disk fills a small buffer faster than a large one (README, "What bounds them"). Puts of
-    /// staged chunks name staging memory, not slots.
+    /// disk fills a small buffer faster than a large one (docs/performance.md, "What bounds each
+    /// phase"). Puts of staged chunks name staging memory, not slots.
     pub slots: u32,
 }
 

@@ -30,7 +30,7 @@ pub struct ShmListener {
     /// shared memory gets transparent huge pages (`shm::shared_huge_pages`). Into 4 KiB shared
     /// pages a read is one segment per page, and the virtual disks this was measured on serve
     /// that far slower than the copy costs (restore 1.5-1.7x the O_DIRECT read, against 1.2-1.3x
-    /// with the copy and 1.16-1.18x placed into huge pages; README "starckpt bench").
+    /// with the copy and 1.16-1.18x placed into huge pages; docs/performance.md).
     pub placed_reads: Option<bool>,
     /// Whether a PUT of a staged chunk from a client running as this target's user (or as root)
     /// is written to the device straight from the client's staging memory (no copy; the client
