@@ -184,10 +184,18 @@ fn verdict(tid: u32, opener: u32, only_opener_wrote: bool) -> (bool, Requester) 
 mod tests {
     use super::*;
 
-    /// The id of a thread that has exited (and so left `/proc`).
+    /// The id of a thread that has exited and left `/proc`. A join returns when the kernel
+    /// clears the thread's id, before it is reaped: until then `/proc/<tid>` still shows it,
+    /// exiting with status 0 (a busy machine saw that).
     fn gone_thread() -> u32 {
         // SAFETY: gettid(2) cannot fail.
-        std::thread::spawn(|| unsafe { libc::gettid() } as u32).join().unwrap()
+        let tid = std::thread::spawn(|| unsafe { libc::gettid() } as u32).join().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::path::Path::new(&format!("/proc/{tid}")).exists() {
+            assert!(std::time::Instant::now() < deadline, "thread {tid} still in /proc after 10 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        tid
     }
 
     #[test]
