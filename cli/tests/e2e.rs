@@ -370,11 +370,11 @@ fn a_save_waits_for_its_control_plane_to_be_restarted() {
 
 #[test]
 fn a_part_sent_again_to_a_checkpoint_deleted_meanwhile_is_reported_committed() {
-    // As above, but before the part sent again reaches the restarted control plane (held back 3 s
+    // As above, but before the part sent again reaches the restarted control plane (held back 10 s
     // there), the checkpoint is deleted: the save did commit, and says so rather than fail.
     let (mut cluster, _source, saver) = save_through_a_crash_before_the_commit_answer("gone", 1 << 20);
     cluster.wait_server_exit();
-    cluster.restart_server_env(&[("FAILPOINTS", "control.commit.record=sleep(3000)")]);
+    cluster.restart_server_env(&[("FAILPOINTS", "control.commit.record=sleep(10000)")]);
     cluster.ok(&["rm", "gone", "1"]);
     let stderr = committed_save(saver);
     assert!(stderr.contains("deleted since"), "the save warns: {stderr}");
@@ -859,9 +859,10 @@ fn a_restarted_two_rank_run_fences_the_preempted_one() {
 #[test]
 fn a_rank_that_never_commits_aborts_the_checkpoint_after_the_timeout() {
     let mut cluster = Cluster::start(1);
-    // Restart the control plane with a 1-second pending timeout.
+    // Restart the control plane with a 5-second pending timeout: short, but long enough for the
+    // save below to commit its part and `ls` to see it pending on a busy machine.
     cluster.server.kill();
-    cluster.server = common::start_server_with(cluster.dir.path(), &["--pending-timeout-secs", "1"]);
+    cluster.server = common::start_server_with(cluster.dir.path(), &["--pending-timeout-secs", "5"]);
     cluster.targets[0].kill();
     cluster.targets[0] = cluster.start_target(0);
     cluster.wait_alive(1);
@@ -874,7 +875,7 @@ fn a_rank_that_never_commits_aborts_the_checkpoint_after_the_timeout() {
     all.push(source.to_str().unwrap());
     cluster.ok(&all);
     assert_eq!(cluster.json(&["ls", "slow"])[0]["state"], "pending");
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let listed = cluster.json(&["ls", "slow", "--all"]);
         if listed[0]["state"] == "aborted" {

@@ -186,7 +186,7 @@ fn a_grace_period_shorter_than_the_pending_timeout_is_refused() {
 #[test]
 fn restore_latest_moves_on_when_retention_deletes_what_it_was_restoring() {
     // A relaunched trainer's `restore --latest` reads step 1's manifest; before it reads the
-    // chunks (a fault point holds it 5 s), step 2 commits, retention deletes step 1 and GC
+    // chunks (a fault point holds it 15 s), step 2 commits, retention deletes step 1 and GC
     // collects its chunks. The restore hears that step 1 was deleted and restores step 2.
     let cluster = Cluster::start(2);
     let data = cluster.dir.path().join("data");
@@ -197,7 +197,7 @@ fn restore_latest_moves_on_when_retention_deletes_what_it_was_restoring() {
     let mut restore = Command::new(common::BIN)
         .args(["-v", "restore", "--job", "job", "--latest", "--to", to.to_str().unwrap()])
         .env("STARCKPT_SERVER", &cluster.server.address)
-        .env("FAILPOINTS", "client.restore.begin=1*sleep(5000)")
+        .env("FAILPOINTS", "client.restore.begin=1*sleep(15000)")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

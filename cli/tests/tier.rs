@@ -393,10 +393,22 @@ fn an_import_waits_for_the_garbage_collection_pass_under_way() {
     // Deleted by mistake: the tier still holds it until its next pass.
     cluster.ok(&["rm", "llm", "1"]);
     let mut pass = cluster.spawn(&["gc"]);
-    std::thread::sleep(std::time::Duration::from_millis(1000));
+    let log = cluster.dir.path().join("server.log");
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !read_log().contains("garbage collection pass marked the live chunks") {
+        assert!(std::time::Instant::now() < deadline, "the garbage-collection pass never marked");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     let report = cluster.json(&["tier", "--import"]);
-    assert!(pass.try_wait().unwrap().is_some(), "the import committed while a garbage-collection pass was under way");
+    assert!(pass.wait().unwrap().success());
     assert_eq!(report["imported"].as_array().unwrap().len(), 1, "{report}");
+    let log = read_log();
+    let (done, imported) = (log.find("garbage collection pass done"), log.find("imported from the object-store tier"));
+    assert!(
+        matches!((done, imported), (Some(done), Some(imported)) if done < imported),
+        "the import committed while a garbage-collection pass was under way:\n{log}"
+    );
     let to = cluster.dir.path().join("restored");
     cluster.ok(&["restore", "--job", "llm", "--latest", "--to", to.to_str().unwrap()]);
     assert_eq!(tree(&source), tree(&to));

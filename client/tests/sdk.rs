@@ -438,13 +438,7 @@ async fn a_client_asks_for_a_new_capability_when_targets_refuse_its_own() {
     cluster.shutdown().await.unwrap();
     std::fs::remove_file(dir.path().join("cluster.key")).unwrap();
     let cluster = DevCluster::start(dir.path(), &address, 2, EngineKind::Uring).await.unwrap();
-    for _ in 0..200 {
-        let targets = client.targets().await.unwrap();
-        if targets.iter().filter(|t| t.state == starckpt_client::TargetState::Alive as i32).count() == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::wait_alive(&client, 2).await;
     let manifest = client.manifest("rekey", Some(1)).await.unwrap();
     assert_eq!(&client.read_file(&manifest, "w").await.unwrap()[..], &data[..]);
     let part = SavePart::new("rekey", 2).buffer("w", Bytes::from(random(300_000, 61))).unwrap();
@@ -499,13 +493,7 @@ async fn chunks_are_replicated_and_a_read_repairs_the_bad_copies_it_meets() {
     assert_eq!(&client.read_file(&manifest, "w.bin").await.unwrap()[..], &data[..]);
     let repaired =
         || chunks.iter().all(|c| copy_verifies(&chunk_file(&dirs[&c.replicas[0]], &c.hash), &c.hash, c.length_bytes));
-    for _ in 0..100 {
-        if repaired() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(repaired(), "every bad copy was rewritten");
+    common::eventually("every bad copy rewritten", repaired).await;
 
     // A chunk bad on every replica is an error, never unverified bytes.
     let chunk = &chunks[3];
@@ -699,7 +687,13 @@ async fn save_fails_cleanly_when_every_target_is_gone() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(starckpt_server::control::run(listener, store, Default::default(), async {
+    // Slow heartbeats, so the dead target still counts as alive however long this takes.
+    let config = starckpt_server::control::ControlConfig {
+        heartbeat_interval: Duration::from_secs(30),
+        liveness_timeout: Duration::from_secs(120),
+        ..Default::default()
+    };
+    let server = tokio::spawn(starckpt_server::control::run(listener, store, config, async {
         let _ = stopped.await;
     }));
     // The dead target registered moments ago, so it is still "alive" to the control plane.
@@ -742,13 +736,11 @@ async fn reads_and_saves_follow_a_target_that_moved() {
         (stop, task)
     };
     let wait_for_address = |client: Client, address: String| async move {
-        for _ in 0..200 {
-            if client.targets().await.unwrap().iter().any(|t| t.data_address == address) {
-                return;
-            }
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !client.targets().await.unwrap().iter().any(|t| t.data_address == address) {
+            assert!(std::time::Instant::now() < deadline, "target never registered at {address}");
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
-        panic!("target never registered at {address}");
     };
 
     let first = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1004,9 +996,16 @@ async fn a_save_while_the_previous_one_uploads_waits_or_skips() {
     use starckpt_proto::control::RegisterTargetRequest;
     use starckpt_proto::control::control_client::ControlClient;
 
-    // The only target accepts connections and never answers, so an upload stays in flight.
+    // The only target accepts connections and never answers, so an upload stays in flight. It
+    // never heartbeats either: slow heartbeats keep it alive to the control plane throughout.
     let dir = tempfile::tempdir().unwrap();
-    let cluster = DevCluster::start(dir.path(), "127.0.0.1:0", 0, EngineKind::Uring).await.unwrap();
+    let slow_heartbeats = |control: &mut starckpt_server::control::ControlConfig| {
+        control.heartbeat_interval = Duration::from_secs(30);
+        control.liveness_timeout = Duration::from_secs(120);
+    };
+    let cluster = DevCluster::start_tuned(dir.path(), "127.0.0.1:0", 0, EngineKind::Uring, slow_heartbeats, |_| {})
+        .await
+        .unwrap();
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let silent_address = silent.local_addr().unwrap().to_string();
     tokio::spawn(async move {
@@ -1041,7 +1040,9 @@ async fn a_save_while_the_previous_one_uploads_waits_or_skips() {
     let proof = cluster.cluster_key.mint(rights, expires, Some(&scope("silent-1", &silent_address)));
     control.register_target(registration(proof)).await.unwrap();
     let mut config = ClientConfig::new(cluster.control_address.to_string());
-    config.tcp.request_timeout = Duration::from_millis(1500);
+    // Long enough that the checks below, made while the first save uploads, come before it
+    // gives up on a busy machine.
+    config.tcp.request_timeout = Duration::from_secs(5);
     let client = Client::connect(config).await.unwrap();
     let part = |step| SavePart::new("bp", step).buffer("f", Bytes::from(random(10_000, step))).unwrap();
 
@@ -1121,13 +1122,7 @@ async fn compressed_chunks_round_trip_repair_and_dedup_across_codecs() {
     // Read repair sends the decoded bytes, so a rewritten copy is stored uncompressed.
     let repaired =
         || w.iter().all(|c| copy_verifies(&chunk_file(&dirs[&c.replicas[0]], &c.hash), &c.hash, c.length_bytes));
-    for _ in 0..100 {
-        if repaired() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(repaired(), "every rotten compressed copy was rewritten");
+    common::eventually("every rotten compressed copy rewritten", repaired).await;
 
     // The same bytes saved by a client that does not compress: found present, nothing sent.
     let mut config = ClientConfig::new(cluster.control_address.to_string());

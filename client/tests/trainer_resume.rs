@@ -5,11 +5,12 @@
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
-use std::time::Duration;
 
-use starckpt_client::{CheckpointState, Client, ClientConfig, TargetState};
+use starckpt_client::{CheckpointState, Client, ClientConfig};
 use starckpt_server::dev::DevCluster;
 use starckpt_server::target::EngineKind;
+
+mod common;
 
 /// `cargo test` builds the examples next to the test binaries.
 fn trainer_binary() -> PathBuf {
@@ -48,12 +49,7 @@ async fn the_example_trainer_resumes_after_sigkill_mid_upload() {
     let cluster = DevCluster::start(dir.path(), "127.0.0.1:0", 2, EngineKind::Uring).await.unwrap();
     let server = cluster.control_address.to_string();
     let client = Client::connect(ClientConfig::new(server.clone())).await.unwrap();
-    for _ in 0..100 {
-        if client.targets().await.unwrap().iter().filter(|t| t.state == TargetState::Alive as i32).count() == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::wait_alive(&client, 2).await;
 
     // First run: kill it the moment step 6 is staged, while its upload is under way.
     let (mut child, mut stdout) = start_trainer(&server);

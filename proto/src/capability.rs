@@ -467,17 +467,22 @@ mod tests {
         assert_eq!(b.verify(&token, Rights::READ, None, now), Ok(()));
     }
 
+    /// Lifetime of the capabilities of the two tests below, long enough that a busy machine does
+    /// not take half of it between two calls meant to fall in the first half.
+    const LIFETIME: Duration = Duration::from_secs(4);
+    const PAST_HALF_LIFE: Duration = Duration::from_millis(2500);
+
     #[tokio::test]
     async fn minted_credentials_are_per_target_and_renew_at_half_life() {
         let key = key("0123456789abcdef0123");
-        let minted = Credentials::minted(key.clone(), Rights::ALL, Duration::from_millis(200));
+        let minted = Credentials::minted(key.clone(), Rights::ALL, LIFETIME);
         assert!(minted.fresh(None).await.is_empty(), "minted ones are for a named target");
         let first = minted.fresh(Some("t1")).await;
         assert_eq!(key.verify(&first, Rights::ADMIN, Some("t1"), SystemTime::now()), Ok(()));
         assert_eq!(minted.fresh(Some("t1")).await, first, "reused while more than half its life is left");
         let other = minted.fresh(Some("t2")).await;
         assert_eq!(key.verify(&other, Rights::ADMIN, Some("t2"), SystemTime::now()), Ok(()));
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        tokio::time::sleep(PAST_HALF_LIFE).await;
         assert_ne!(minted.fresh(Some("t1")).await, first, "renewed past half its life");
         assert!(Credentials::default().fresh(Some("t1")).await.is_empty());
         assert!(!minted.invalidate(Instant::now()));
@@ -501,19 +506,19 @@ mod tests {
         let key = key("0123456789abcdef0123");
         let signer = key.clone();
         let (credentials, asked) = asking(move |n| {
-            let capability = signer.mint(Rights::CLIENT, SystemTime::now() + Duration::from_millis(200), None);
-            if n < 2 { Ok((capability, Duration::from_millis(200))) } else { Err("control plane down".into()) }
+            let capability = signer.mint(Rights::CLIENT, SystemTime::now() + LIFETIME, None);
+            if n < 2 { Ok((capability, LIFETIME)) } else { Err("control plane down".into()) }
         });
         let count = || asked.load(std::sync::atomic::Ordering::SeqCst);
         let got = credentials.fresh(None).await;
         assert_eq!(key.verify(&got, Rights::WRITE, None, SystemTime::now()), Ok(()));
         assert_eq!(credentials.fresh(Some("any")).await, got);
         assert_eq!(count(), 1);
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        tokio::time::sleep(PAST_HALF_LIFE).await;
         let renewed = credentials.fresh(None).await;
         assert_ne!(renewed, got);
         assert_eq!(count(), 2);
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        tokio::time::sleep(PAST_HALF_LIFE).await;
         assert_eq!(credentials.fresh(None).await, renewed, "a failed renewal keeps what is held");
         assert_eq!(credentials.fresh(None).await, renewed);
         assert_eq!(count(), 3, "and waits before it asks again");

@@ -75,13 +75,7 @@ pub async fn cluster_tuned(
     }
     config(&mut client_config);
     let client = Client::connect(client_config).await.unwrap();
-    for _ in 0..100 {
-        let alive = client.targets().await.unwrap().iter().filter(|t| t.state == TargetState::Alive as i32).count();
-        if alive == targets {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_alive(&client, targets).await;
     if rdma {
         // The suite must really run over RDMA, not quietly over TCP.
         for target in client.targets().await.unwrap() {
@@ -90,4 +84,28 @@ pub async fn cluster_tuned(
         }
     }
     (dir, cluster, client)
+}
+
+/// Waits until `targets` targets are alive, failing the test after 60 s.
+pub async fn wait_alive(client: &Client, targets: usize) {
+    let alive =
+        |listed: &[starckpt_client::TargetInfo]| listed.iter().filter(|t| t.state == TargetState::Alive as i32).count();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let listed = client.targets().await.unwrap();
+        if alive(&listed) == targets {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{targets} targets never all alive: {listed:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Polls `done` every 50 ms until it holds, failing the test with `what` after 30 s.
+pub async fn eventually(what: &str, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "never happened: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

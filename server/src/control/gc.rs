@@ -123,6 +123,7 @@ pub async fn collect(
     let started = Instant::now();
     let marked_at = Instant::now();
     let live = store.live_chunks().await?;
+    tracing::info!(live_chunks = live.len(), "garbage collection pass marked the live chunks");
     fault("control.gc.mark")?;
     let mut report = GcReport { live_chunks: live.len() as u64, ..GcReport::default() };
     let mut throttle = Throttle { per_second: config.deletes_per_second, started: Instant::now(), granted: 0 };
