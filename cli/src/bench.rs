@@ -90,6 +90,11 @@ pub struct BenchArgs {
     /// before writing it (`starckpt target --shm-copy-writes`), instead of writing it from there.
     #[arg(long, conflicts_with = "no_shm")]
     shm_copy_writes: bool,
+    /// Shared-memory slots each rank's client keeps per target (`ShmConfig::slots`): GETs in
+    /// flight to one target at once. Default: the client's.
+    #[arg(long, conflicts_with = "no_shm",
+          value_parser = clap::value_parser!(u32).range(1..=starckpt_proto::shm::MAX_SLOTS as i64))]
+    shm_slots: Option<u32>,
     /// Hash and upload chunks while the rest is still being copied into staging (true), or once
     /// the copy is done (false): a shorter time to commit against a longer stall where cores are
     /// few. Default: the client's (`ClientConfig::upload_during_staging`: on from 8 cores).
@@ -512,6 +517,9 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         config.run_id = Some(run_id.clone());
         config.compression = args.compression.config()?;
         config.shm.enabled = !args.no_shm;
+        if let Some(slots) = args.shm_slots {
+            config.shm.slots = slots;
+        }
         config.tcp.zero_copy_send = args.zero_copy_send;
         if let Some(overlap) = args.upload_during_staging {
             config.upload_during_staging = overlap;
@@ -609,10 +617,13 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
         }
         let run = run_once(&clients, &job, u64::from(n) + 1, &state, &perf, &meter).await?;
         // The built-in cluster's chunk files of this checkpoint, read raw as many at once as the
-        // restore fetched them.
+        // restore fetched them (over shared memory, at most a slot per target and rank each).
         if cluster.is_some() {
             let files = chunk_files(&data_dir.join("cluster"), args.targets, &run.chunks)?;
-            let in_flight = ClientConfig::new("").restore_concurrency * args.ranks as usize;
+            let shm = &clients[0].config().shm;
+            let per_rank = clients[0].config().restore_concurrency;
+            let per_rank = if shm.enabled { per_rank.min(args.targets * shm.slots as usize) } else { per_rank };
+            let in_flight = per_rank * args.ranks as usize;
             meter.settle();
             layout_read.push(Timed::wall(baseline::direct_read_files(&files, in_flight)?));
         }
@@ -694,6 +705,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                 "cores": cores, "disk": meter.disk(),
                 "targets": targets, "replicas": args.replicas, "chunk_bytes": args.chunk_size, "runs": args.runs, "fresh_files": preallocate == 0,
                 "built_in_cluster": args.cluster.is_none(),
+                "shm_slots": (!args.no_shm).then(|| args.shm_slots.unwrap_or(ClientConfig::new("").shm.slots)),
                 "compression": args.compression.compress, "compression_ratio": compression_ratio,
                 "starckpt": {"blocking": phase(blocking), "committed": phase(committed), "persist": phase(persist),
                     "restore": phase(restore)},

@@ -34,7 +34,9 @@ fn bench_reports_every_phase_beside_its_baseline() {
     let dir = tempfile::tempdir().unwrap();
     let chart = dir.path().join("bench.png");
     let data = dir.path().join("data");
-    let report = bench(&["--ranks", "2", "--runs", "2", "--targets", "2"], &data, Some(&chart));
+    let args = ["--ranks", "2", "--runs", "2", "--targets", "2", "--shm-slots", "3"];
+    let report = bench(&args, &data, Some(&chart));
+    assert_eq!(report["shm_slots"], 3, "{report}");
     let bytes = report["bytes"].as_u64().unwrap();
     assert!(bytes > 60 << 20 && bytes <= 64 << 20, "{report}");
     assert_eq!(report["ranks"], 2);
@@ -88,7 +90,16 @@ fn bench_reports_every_phase_beside_its_baseline() {
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     only_the_cluster_is_left(&data);
 
-    for bad in [&["--size", "1MiB"][..], &["--ranks", "0"], &["--size", "lots"], &["--io-engine", "magic"]] {
+    let bad_flags = [
+        &["--size", "1MiB"][..],
+        &["--ranks", "0"],
+        &["--size", "lots"],
+        &["--io-engine", "magic"],
+        &["--shm-slots", "0"],
+        &["--shm-slots", "257"],
+        &["--shm-slots", "2", "--no-shm"],
+    ];
+    for bad in bad_flags {
         let output = std::process::Command::new(common::BIN).arg("bench").args(bad).output().unwrap();
         assert!(!output.status.success(), "{bad:?} should fail");
         assert!(!String::from_utf8_lossy(&output.stderr).contains("panicked"), "{bad:?}");
@@ -102,6 +113,7 @@ fn bench_over_tcp_reports_the_loopback_baselines() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let report = bench(&["--runs", "1", "--targets", "1", "--no-shm"], &data, None);
+    assert!(report["shm_slots"].is_null(), "{report}");
     for baseline in ["loopback_tcp_odirect_write", "odirect_read_loopback_tcp"] {
         assert!(report["baselines"][baseline]["seconds"].as_f64().unwrap() > 0.0, "{baseline}: {report}");
         // Both ends of the connection run in the bench's process.
