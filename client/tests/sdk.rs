@@ -679,20 +679,17 @@ async fn handle_reports_dedup_and_metadata_round_trips() {
 async fn save_fails_cleanly_when_every_target_is_gone() {
     let (_dir, cluster, client) = cluster(1, |_| {}).await;
     // Kill the targets and the control plane together; a fresh control plane on the same data
-    // still lists the target as alive for a few seconds, so the client tries it and must fail
-    // with a clear error instead of committing anything.
+    // still lists the target as alive for a while (here, with slow heartbeats, for the whole
+    // test), so the client tries it and must fail with a clear error instead of committing
+    // anything.
     let data_dir = cluster.data_dir.clone();
     cluster.kill().await;
     let store = starckpt_server::control::open_store(&data_dir.join("meta.db").to_string_lossy()).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    // Slow heartbeats, so the dead target still counts as alive however long this takes.
-    let config = starckpt_server::control::ControlConfig {
-        heartbeat_interval: Duration::from_secs(30),
-        liveness_timeout: Duration::from_secs(120),
-        ..Default::default()
-    };
+    let mut config = starckpt_server::control::ControlConfig::default();
+    common::slow_heartbeats(&mut config);
     let server = tokio::spawn(starckpt_server::control::run(listener, store, config, async {
         let _ = stopped.await;
     }));
@@ -996,16 +993,11 @@ async fn a_save_while_the_previous_one_uploads_waits_or_skips() {
     use starckpt_proto::control::RegisterTargetRequest;
     use starckpt_proto::control::control_client::ControlClient;
 
-    // The only target accepts connections and never answers, so an upload stays in flight. It
-    // never heartbeats either: slow heartbeats keep it alive to the control plane throughout.
+    // The only target accepts connections and never answers (nor heartbeats), so an upload
+    // stays in flight.
     let dir = tempfile::tempdir().unwrap();
-    let slow_heartbeats = |control: &mut starckpt_server::control::ControlConfig| {
-        control.heartbeat_interval = Duration::from_secs(30);
-        control.liveness_timeout = Duration::from_secs(120);
-    };
-    let cluster = DevCluster::start_tuned(dir.path(), "127.0.0.1:0", 0, EngineKind::Uring, slow_heartbeats, |_| {})
-        .await
-        .unwrap();
+    let slow = common::slow_heartbeats;
+    let cluster = DevCluster::start_tuned(dir.path(), "127.0.0.1:0", 0, EngineKind::Uring, slow, |_| {}).await.unwrap();
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let silent_address = silent.local_addr().unwrap().to_string();
     tokio::spawn(async move {

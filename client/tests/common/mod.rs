@@ -109,3 +109,10 @@ pub async fn eventually(what: &str, done: impl Fn() -> bool) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Heartbeats so slow that a target registered by hand, which never heartbeats, or one just
+/// killed, stays alive to the control plane for the whole test, however busy the machine.
+pub fn slow_heartbeats(control: &mut ControlConfig) {
+    control.heartbeat_interval = Duration::from_secs(30);
+    control.liveness_timeout = Duration::from_secs(120);
+}
