@@ -1062,6 +1062,27 @@ fn a_silent_target_turns_suspect_then_dead_and_gets_no_new_chunks() {
     wait_for(&frozen, "alive");
 }
 
+/// A control plane whose database is slow to take writes (each heartbeat's write held back
+/// 0.9 s, most of the 1 s interval) still counts its targets alive: a heartbeat counts from its
+/// arrival, and targets keep their rate while answers are slow. (Before, every target turned
+/// suspect for part of each heartbeat, and saves begun then failed: "no live storage targets".)
+#[test]
+fn targets_stay_alive_while_the_database_is_slow_to_record_heartbeats() {
+    let slow = [("FAILPOINTS", "control.heartbeat.record=return(900)")];
+    let cluster = Cluster::start_with_env(2, &[], &slow);
+    let until = Instant::now() + Duration::from_secs(8);
+    while Instant::now() < until {
+        let status = cluster.json(&["status"]);
+        for target in status["targets"].as_array().unwrap() {
+            assert_eq!(target["state"], "alive", "{status}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let file = cluster.dir.path().join("f.bin");
+    std::fs::write(&file, random_bytes(1 << 20, 13)).unwrap();
+    assert_eq!(cluster.json(&["save", "--job", "slowdb", "--step", "1", file.to_str().unwrap()])["committed"], true);
+}
+
 /// A target whose device stops completing writes, its process up and answering, stops
 /// heartbeating: it turns suspect, then dead, and saves place their chunks elsewhere. (Without
 /// this, every chunk placed there waited out a request timeout, and the target kept getting new

@@ -48,6 +48,9 @@ pub const POINTS: &[&str] = &[
     "control.commit.record",
     "control.commit.txn",
     "control.commit.reply",
+    // Control plane: a heartbeat arrived, before it is written (`delay`: a database that is slow
+    // to take writes).
+    "control.heartbeat.record",
     // Control plane GC: live set marked, before sweeping; before each batch of deletes.
     "control.gc.mark",
     "control.gc.delete",
@@ -103,6 +106,23 @@ pub fn point(_name: &'static str) -> std::io::Result<()> {
     Ok(())
 }
 
+/// A fault point that delays: set to `return(MS)`, it waits MS milliseconds without holding up
+/// the other tasks of the runtime (the `fail` crate's `sleep` blocks the thread it runs on).
+#[cfg(feature = "testing")]
+pub async fn delay(name: &'static str) {
+    debug_assert!(POINTS.contains(&name), "fault point {name} is not listed in POINTS");
+    let Some(arg) = fail::eval(name, |arg| arg) else { return };
+    match arg.as_deref().map(str::parse::<u64>) {
+        Some(Ok(millis)) => tokio::time::sleep(std::time::Duration::from_millis(millis)).await,
+        _ => eprintln!("fault point {name}: set it to return(MS), not {arg:?}; not delayed"),
+    }
+}
+
+/// Without the `testing` feature there is no delay.
+#[cfg(not(feature = "testing"))]
+#[inline(always)]
+pub async fn delay(_name: &'static str) {}
+
 #[cfg(all(test, feature = "testing"))]
 mod tests {
     use super::*;
@@ -115,5 +135,16 @@ mod tests {
         assert!(error.to_string().contains("fault point client.put: injected error"), "{error}");
         assert!(point("client.put").is_ok(), "the count of one is spent");
         fail::remove("client.put");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_delay_point_waits_as_long_as_it_is_told() {
+        let started = tokio::time::Instant::now();
+        delay("control.heartbeat.record").await;
+        assert_eq!(started.elapsed(), std::time::Duration::ZERO, "unset, it does not wait");
+        fail::cfg("control.heartbeat.record", "1*return(1500)").unwrap();
+        delay("control.heartbeat.record").await;
+        assert_eq!(started.elapsed(), std::time::Duration::from_millis(1500));
+        fail::remove("control.heartbeat.record");
     }
 }

@@ -143,16 +143,64 @@ struct Collector {
     /// ([`refresh_membership`]). Either breaks the argument that GC never deletes a chunk a
     /// commit may still name (`gc.rs`).
     gc_paused: std::sync::Mutex<Option<String>>,
+    heard: Heard,
+}
+
+/// When this control plane last heard each target it knows registered (ms since the epoch),
+/// ahead of the database: a heartbeat counts from its arrival, not from when its write commits,
+/// which a database busy with a storm of commits can hold back past the age that turns a target
+/// suspect. Other control planes sharing the database see the written times. One entry per
+/// target that ever heartbeated here (each needs the cluster key's proof).
+#[derive(Default)]
+struct Heard(std::sync::Mutex<HashMap<String, u64>>);
+
+impl Heard {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A heartbeat of `target` arrived at `at`: counted now if the target is known here.
+    fn arrived(&self, target: &str, at: u64) {
+        if let Some(last) = self.lock().get_mut(target) {
+            *last = (*last).max(at);
+        }
+    }
+
+    /// `target`'s registration or heartbeat of `at` is written: known from now on.
+    fn written(&self, target: &str, at: u64) {
+        let mut heard = self.lock();
+        let last = heard.entry(target.to_owned()).or_insert(at);
+        *last = (*last).max(at);
+    }
+
+    fn forget(&self, target: &str) {
+        self.lock().remove(target);
+    }
+
+    /// `targets` as listed, each last heard when its written heartbeat or one heard here says.
+    fn apply(&self, mut targets: Vec<TargetRecord>) -> Vec<TargetRecord> {
+        let heard = self.lock();
+        for target in &mut targets {
+            if let Some(&at) = heard.get(&target.target_id) {
+                target.last_heartbeat_ms = target.last_heartbeat_ms.max(at);
+            }
+        }
+        targets
+    }
 }
 
 /// How long recoveries skip a target one of them found unreachable.
 const UNREACHABLE_SKIPPED_FOR: Duration = Duration::from_secs(30);
 
 impl Collector {
+    /// Every registered target, last heard as [`Heard`] says.
+    async fn list_targets(&self) -> Result<Vec<TargetRecord>, MetaError> {
+        Ok(self.heard.apply(self.store.list_targets().await?))
+    }
+
     /// Every registered target, with its data address when it is alive.
     async fn targets(&self, now: u64) -> Result<Vec<(TargetRecord, Option<std::net::SocketAddr>)>, MetaError> {
         Ok(self
-            .store
             .list_targets()
             .await?
             .into_iter()
@@ -367,6 +415,7 @@ impl ControlService {
             collecting: minted(&config, Rights::ALL),
             copying: minted(&config, Rights::CLIENT),
             gc_paused: Default::default(),
+            heard: Heard::default(),
         });
         ControlService { store, config, collector, chunk_indexes: Default::default() }
     }
@@ -503,7 +552,9 @@ impl Control for ControlService {
         let scope = starckpt_proto::capability::registration_scope(&request.target_id, &request.data_address);
         self.check_target_proof(&request.target_id, &scope, &request.proof)?;
         let registration = TargetRegistration::try_from(request).map_err(invalid)?;
-        self.store.upsert_target(&registration, now_ms()).await.map_err(meta_status)?;
+        let now = now_ms();
+        self.store.upsert_target(&registration, now).await.map_err(meta_status)?;
+        self.collector.heard.written(&registration.target_id, now);
         tracing::info!(target_id = %registration.target_id, address = %registration.data_address, "target registered");
         Ok(Response::new(pb::RegisterTargetResponse {
             heartbeat_interval_ms: self.config.heartbeat_interval.as_millis() as u64,
@@ -517,10 +568,21 @@ impl Control for ControlService {
         let request = request.into_inner();
         validate_target_id(&request.target_id).map_err(invalid)?;
         self.check_target_proof(&request.target_id, &request.target_id, &request.proof)?;
-        self.store
-            .heartbeat(&request.target_id, request.capacity_bytes, request.used_bytes, request.chunk_count, now_ms())
-            .await
-            .map_err(meta_status)?;
+        let now = now_ms();
+        let heard = &self.collector.heard;
+        heard.arrived(&request.target_id, now);
+        starckpt_client::faults::delay("control.heartbeat.record").await;
+        let written = self
+            .store
+            .heartbeat(&request.target_id, request.capacity_bytes, request.used_bytes, request.chunk_count, now)
+            .await;
+        match written {
+            Ok(()) => heard.written(&request.target_id, now),
+            // Not registered (any more): it registers again, and is known from then on.
+            Err(MetaError::NotFound(_)) => heard.forget(&request.target_id),
+            Err(_) => {}
+        }
+        written.map_err(meta_status)?;
         Ok(Response::new(pb::HeartbeatResponse {}))
     }
 
@@ -531,7 +593,7 @@ impl Control for ControlService {
         // Any caller: the targets' addresses are what every writer is sent (BeginCheckpoint).
         self.caller(&request)?;
         let now = now_ms();
-        let targets = self.store.list_targets().await.map_err(meta_status)?;
+        let targets = self.collector.list_targets().await.map_err(meta_status)?;
         // The cluster's last pass, whichever control plane ran it.
         let last = self.store.last_repair_pass().await.map_err(meta_status)?;
         Ok(Response::new(pb::ListTargetsResponse {
@@ -565,7 +627,7 @@ impl Control for ControlService {
         let now = now_ms();
         request.begun_after_ms = now.saturating_sub(self.config.pending_timeout.as_millis() as u64);
         let placement: Vec<pb::TargetInfo> = self
-            .store
+            .collector
             .list_targets()
             .await
             .map_err(|e| caller.told(meta_status(e)))?
@@ -717,7 +779,7 @@ impl Control for ControlService {
             .flat_map(|c| c.replicas.iter().map(String::as_str))
             .collect();
         let now = now_ms();
-        let targets = self.store.list_targets().await.map_err(|e| caller.told(meta_status(e)))?;
+        let targets = self.collector.list_targets().await.map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::GetManifestResponse {
             checkpoint: Some(checkpoint_info_for(&caller, &record)),
             parts: parts

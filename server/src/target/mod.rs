@@ -444,6 +444,7 @@ async fn heartbeat_loop(
             info!("the device completes operations again; heartbeating");
         }
         let (server, client) = &mut clients[current];
+        let sent = std::time::Instant::now();
         let outcome = if registered {
             client
                 .heartbeat(HeartbeatRequest {
@@ -493,7 +494,15 @@ async fn heartbeat_loop(
                 current = (current + 1) % clients.len();
             }
         }
-        let wait = if registered { interval } else { Duration::from_millis(500) };
+        // Heartbeats keep their rate while the control plane is slow to answer (its database
+        // busy): one interval from the last one sent, not from its answer, and at least a quarter
+        // of it apart, so one slow answer does not make the control plane count this target
+        // silent for the interval plus that answer's time.
+        let wait = if registered {
+            interval.saturating_sub(sent.elapsed()).max(interval / 4)
+        } else {
+            Duration::from_millis(500)
+        };
         tokio::select! {
             _ = &mut shutdown => return,
             _ = tokio::time::sleep(wait) => {}
