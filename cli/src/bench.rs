@@ -705,7 +705,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
                 "cores": cores, "disk": meter.disk(),
                 "targets": targets, "replicas": args.replicas, "chunk_bytes": args.chunk_size, "runs": args.runs, "fresh_files": preallocate == 0,
                 "built_in_cluster": args.cluster.is_none(),
-                "shm_slots": (!args.no_shm).then(|| args.shm_slots.unwrap_or(ClientConfig::new("").shm.slots)),
+                "shm_slots": (!args.no_shm).then(|| clients[0].config().shm.slots),
                 "compression": args.compression.compress, "compression_ratio": compression_ratio,
                 "starckpt": {"blocking": phase(blocking), "committed": phase(committed), "persist": phase(persist),
                     "restore": phase(restore)},
