@@ -419,6 +419,14 @@ enum Command {
         /// Memory the read-ahead of all open files together may hold (e.g. 256MiB, 1GiB).
         #[arg(long, default_value = "256MiB", value_parser = crate::demo::parse_size)]
         read_ahead_budget: u64,
+        /// Local directory holding a copy of each file being written until its checkpoint
+        /// commits (seeks back, pre-sized files, reads of a draft). Default: the system's
+        /// temporary directory. Its files are unlinked from the moment they are made.
+        #[arg(long, env = "STARCKPT_SPILL_DIR")]
+        spill_dir: Option<PathBuf>,
+        /// Bytes the spill directory may hold for this mount (e.g. 64GiB).
+        #[arg(long, default_value = "64GiB", value_parser = crate::demo::parse_size)]
+        spill_limit: u64,
     },
     /// Targets, their capacity and health.
     Status,
@@ -651,8 +659,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Repair => commands::repair(&remote, &out).await,
         Command::Tier { import: false, .. } => commands::tier(&remote, &out).await,
         Command::Tier { import: true, job } => commands::import_tier(&remote, job.as_deref(), &out).await,
-        Command::Mount { mountpoint, threads, read_ahead_chunks, read_ahead_budget } => {
-            let config = starckpt_fuse::MountConfig { read_ahead_chunks, read_ahead_budget, ..Default::default() };
+        Command::Mount { mountpoint, threads, read_ahead_chunks, read_ahead_budget, spill_dir, spill_limit } => {
+            let defaults = starckpt_fuse::MountConfig::default();
+            let config = starckpt_fuse::MountConfig {
+                read_ahead_chunks,
+                read_ahead_budget,
+                spill_dir: spill_dir.unwrap_or(defaults.spill_dir.clone()),
+                spill_limit_bytes: spill_limit,
+                ..defaults
+            };
             commands::mount(&remote, &mountpoint, threads, config).await
         }
         Command::Status => commands::status(&remote, &out).await,

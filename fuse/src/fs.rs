@@ -25,9 +25,13 @@ use crate::read::{Reader, Reads};
 use crate::tree::{Child, StepTree, join, parse_step_name, split, step_name, step_of};
 
 mod judge;
+mod names;
+mod spill;
 mod write;
 
 use judge::{Requester, opener_of};
+use names::{JobFile, META_DIR, Removal};
+pub use names::{KIND_KEY, TRACKER_KEY_PREFIX};
 use write::{Draft, DraftFile, Writer};
 
 /// Tunables of a mount.
@@ -50,6 +54,13 @@ pub struct MountConfig {
     /// Largest write request to negotiate; the kernel may allow less (see the crate docs on
     /// `max_pages_limit`). Default 16 MiB.
     pub max_write: u32,
+    /// Where files being written keep their local copy until their checkpoint commits
+    /// (`fs/spill.rs`). Default: the system's temporary directory (`$TMPDIR`, else `/tmp`):
+    /// local disk on a training host, and never shared with another host.
+    pub spill_dir: std::path::PathBuf,
+    /// Bytes those copies may hold together. Default 64 GiB: a few ranks' shards of a large
+    /// model being written at once; past it files written in order go on without a copy.
+    pub spill_limit_bytes: u64,
 }
 
 impl Default for MountConfig {
@@ -61,6 +72,8 @@ impl Default for MountConfig {
             read_ahead_budget: 256 << 20,
             cached_manifests: 64,
             max_write: 16 << 20,
+            spill_dir: std::env::temp_dir().join("starckpt-spill"),
+            spill_limit_bytes: 64 << 30,
         }
     }
 }
@@ -73,8 +86,20 @@ pub const NAME_KEY: &str = "starckpt.fuse.name";
 enum Node {
     Root,
     Job(String),
-    /// `<job>/latest`, a symlink to the latest committed step's directory.
-    Latest(String),
+    /// `<job>/.starckpt/`, the mount's own pointers ([`META_DIR`]).
+    Meta(String),
+    /// `<job>/.starckpt/latest` (None) or `<job>/.starckpt/<step>`: a symlink to the name the
+    /// latest (or that step's) committed checkpoint shows under.
+    Pointer {
+        job: String,
+        step: Option<u64>,
+    },
+    /// A tracker file of a job (`latest`, `latest_checkpointed_iteration.txt`): a name with no
+    /// step number, directly in the job directory (`fs/names.rs`).
+    JobFile {
+        job: String,
+        name: String,
+    },
     /// A directory of a committed checkpoint ("" is the step directory itself). `checkpoint` is
     /// its id: a step deleted and saved again is another checkpoint, whose nodes (and inodes,
     /// and cached pages) are not this one's; this one's then answer ESTALE.
@@ -107,10 +132,14 @@ enum Handle {
     /// A file being written, and the process that opened the handle (its thread group id): only
     /// that process's close ends the file ([`CkptFs::flush`]).
     Write(Arc<DraftFile>, u32),
+    /// A file being written, opened to read what was written so far.
+    DraftRead(Arc<DraftFile>),
     /// An open directory: its listing as of `opendir`, which `readdir` pages through. Built once
     /// per open, not per page (the kernel asks for ~4 KiB of names at a time, so rebuilding it
     /// for each page made listing N entries cost N²/100 node lookups), and stable while open.
     Dir(Arc<Vec<(u64, FileType, String)>>),
+    /// A tracker file ([`Node::JobFile`]).
+    JobFile(Arc<JobFile>),
 }
 
 #[derive(Default)]
@@ -126,9 +155,12 @@ struct State {
     files: HashMap<u64, Arc<DraftFile>>,
     single_files: HashMap<(String, String), u64>,
     next_draft: u64,
-    /// Names this mount committed under, other than `<step>`: (job, name) → (step, checkpoint id,
-    /// file index).
-    aliases: HashMap<(String, String), (u64, u64, Option<usize>)>,
+    /// Committed checkpoints' names and kinds, by checkpoint id (`fs/names.rs`).
+    labels: HashMap<u64, Arc<names::Label>>,
+    /// Tracker files written through this mount and not recorded with a checkpoint since.
+    job_files: HashMap<(String, String), Arc<JobFile>>,
+    /// Committed checkpoints being removed file by file, by checkpoint id.
+    removals: HashMap<u64, Removal>,
     trees: HashMap<(String, u64), Arc<StepTree>>,
     jobs: Option<(Instant, Vec<String>)>,
     steps: HashMap<String, (Instant, Vec<CheckpointInfo>)>,
@@ -139,6 +171,7 @@ pub struct CkptFs {
     runtime: tokio::runtime::Handle,
     config: MountConfig,
     reads: Reads,
+    spills: Arc<spill::Spills>,
     state: Mutex<State>,
     uid: u32,
     gid: u32,
@@ -176,7 +209,18 @@ impl CkptFs {
         // SAFETY: getuid/getgid have no preconditions.
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
         let reads = Reads::new(client.clone(), runtime.clone(), config.read_ahead_chunks, config.read_ahead_budget);
-        CkptFs { client, runtime, config, reads, state: Mutex::new(state), uid, gid, mounted_at: SystemTime::now() }
+        let spills = spill::Spills::new(config.spill_dir.clone(), config.spill_limit_bytes);
+        CkptFs {
+            client,
+            runtime,
+            config,
+            reads,
+            spills,
+            state: Mutex::new(state),
+            uid,
+            gid,
+            mounted_at: SystemTime::now(),
+        }
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -329,19 +373,28 @@ impl CkptFs {
         let dynamic = self.config.listing_ttl;
         Ok(match node {
             Node::Root | Node::Job(_) => (self.attr(ino, FileType::Directory, 0, 0o755, self.mounted_at), dynamic),
-            Node::Latest(job) => {
-                let latest = self.steps(job)?.into_iter().max_by_key(|c| c.step).ok_or(Errno::ENOENT)?;
-                let target = step_name(latest.step);
-                let attr =
-                    self.attr(ino, FileType::Symlink, target.len() as u64, 0o777, time_of(latest.committed_at_ms));
-                (attr, dynamic)
+            Node::Meta(_) => (self.attr(ino, FileType::Directory, 0, 0o555, self.mounted_at), dynamic),
+            Node::Pointer { job, step } => {
+                let target = self.pointer(job, *step)?;
+                (self.attr(ino, FileType::Symlink, target.len() as u64, 0o777, self.mounted_at), dynamic)
+            }
+            Node::JobFile { job, name } => {
+                let in_memory = self.state().job_files.get(&(job.clone(), name.clone())).map(|f| f.size());
+                let size = match in_memory {
+                    Some(size) => size,
+                    None => self.trackers(job)?.get(name).ok_or(Errno::ENOENT)?.len() as u64,
+                };
+                (self.attr(ino, FileType::RegularFile, size, 0o644, self.mounted_at), Duration::ZERO)
             }
             Node::StepDir { job, step, checkpoint, dir } => {
                 let info = self.step_info(job, *step)?.ok_or(Errno::ENOENT)?;
                 if info.checkpoint_id != *checkpoint {
                     return Err(Errno::ESTALE);
                 }
-                if !dir.is_empty() && !self.tree_at(job, *step, *checkpoint)?.dirs.contains_key(dir) {
+                if !dir.is_empty()
+                    && (!self.tree_at(job, *step, *checkpoint)?.dirs.contains_key(dir)
+                        || self.removed(*checkpoint, dir))
+                {
                     return Err(Errno::ENOENT);
                 }
                 (
@@ -352,6 +405,9 @@ impl CkptFs {
             Node::StepFile { job, step, checkpoint, index } => {
                 let tree = self.tree_at(job, *step, *checkpoint)?;
                 let file = tree.manifest.files.get(*index).ok_or(Errno::ENOENT)?;
+                if self.removed(*checkpoint, file.path.as_str()) {
+                    return Err(Errno::ENOENT);
+                }
                 let perm = if file.mode == 0 { 0o444 } else { (file.mode & 0o555) as u16 };
                 let time = time_of(tree.manifest.info.committed_at_ms);
                 (self.attr(ino, FileType::RegularFile, file.size_bytes, perm, time), self.config.committed_ttl)
@@ -360,7 +416,10 @@ impl CkptFs {
             Node::DraftFile { file } => {
                 let file = self.state().files.get(file).cloned().ok_or(Errno::ENOENT)?;
                 let mode = file.mode.load(Ordering::Relaxed) as u16;
-                let attr = self.attr(ino, FileType::RegularFile, file.size.load(Ordering::Relaxed), mode, file.created);
+                let mtime = file.mtime.lock().unwrap_or_else(|p| p.into_inner()).unwrap_or(file.created);
+                let mut attr =
+                    self.attr(ino, FileType::RegularFile, file.size.load(Ordering::Relaxed), mode, file.created);
+                attr.mtime = mtime;
                 (attr, Duration::ZERO)
             }
         })
@@ -393,7 +452,7 @@ impl CkptFs {
             }
             Node::Job(job) => {
                 let key = (job.clone(), name.to_owned());
-                let alias = {
+                {
                     let state = self.state();
                     if let Some(draft) = state.draft_names.get(&key) {
                         return Ok(Node::DraftDir { draft: *draft, path: String::new() });
@@ -401,37 +460,37 @@ impl CkptFs {
                     if let Some(file) = state.single_files.get(&key) {
                         return Ok(Node::DraftFile { file: *file });
                     }
-                    state.aliases.get(&key).copied()
-                };
-                if let Some((step, checkpoint, index)) = alias {
-                    // A name given to a checkpoint names it while it is the one at its step:
-                    // once that step is deleted or saved again elsewhere, the name is gone.
-                    if self.step_info(job, step)?.is_none_or(|info| info.checkpoint_id != checkpoint) {
-                        let mut state = self.state();
-                        if state.aliases.get(&key) == Some(&(step, checkpoint, index)) {
-                            state.aliases.remove(&key);
-                        }
-                        return Err(Errno::ENOENT);
+                    if state.job_files.contains_key(&key) {
+                        return Ok(Node::JobFile { job: job.clone(), name: name.to_owned() });
                     }
+                }
+                if name == META_DIR {
+                    return Ok(Node::Meta(job.clone()));
+                }
+                if let Some(named) = self.named_as(job, name)? {
+                    let (step, checkpoint) = (named.info.step, named.info.checkpoint_id);
                     let job = job.clone();
-                    return Ok(match index {
-                        Some(index) => Node::StepFile { job, step, checkpoint, index },
-                        None => Node::StepDir { job, step, checkpoint, dir: String::new() },
+                    return Ok(if named.label.file {
+                        Node::StepFile { job, step, checkpoint, index: 0 }
+                    } else {
+                        Node::StepDir { job, step, checkpoint, dir: String::new() }
                     });
                 }
-                if name == "latest" {
-                    return if self.steps(job)?.is_empty() {
-                        Err(Errno::ENOENT)
-                    } else {
-                        Ok(Node::Latest(job.clone()))
-                    };
+                if step_of(name).is_none() && self.trackers(job)?.contains_key(name) {
+                    return Ok(Node::JobFile { job: job.clone(), name: name.to_owned() });
                 }
-                let step = parse_step_name(name).ok_or(Errno::ENOENT)?;
-                let info = self.step_info(job, step)?.ok_or(Errno::ENOENT)?;
-                Ok(Node::StepDir { job: job.clone(), step, checkpoint: info.checkpoint_id, dir: String::new() })
+                Err(Errno::ENOENT)
+            }
+            Node::Meta(job) => {
+                let step = if name == "latest" { None } else { Some(parse_step_name(name).ok_or(Errno::ENOENT)?) };
+                self.pointer(job, step)?;
+                Ok(Node::Pointer { job: job.clone(), step })
             }
             Node::StepDir { job, step, checkpoint, dir } => {
                 let (job, step, checkpoint) = (job.clone(), *step, *checkpoint);
+                if self.removed(checkpoint, &join(dir, name)) {
+                    return Err(Errno::ENOENT);
+                }
                 match self.tree_at(&job, step, checkpoint)?.child(dir, name) {
                     Some(Child::Dir) => Ok(Node::StepDir { job, step, checkpoint, dir: join(dir, name) }),
                     Some(Child::File(index)) => Ok(Node::StepFile { job, step, checkpoint, index: *index }),
@@ -450,7 +509,9 @@ impl CkptFs {
                     Err(Errno::ENOENT)
                 }
             }
-            Node::Latest(_) | Node::StepFile { .. } | Node::DraftFile { .. } => Err(Errno::ENOTDIR),
+            Node::Pointer { .. } | Node::JobFile { .. } | Node::StepFile { .. } | Node::DraftFile { .. } => {
+                Err(Errno::ENOTDIR)
+            }
         }
     }
 
@@ -504,13 +565,12 @@ impl CkptFs {
             Some(checkpoint) => self.block_on(self.client.delete_seen(job, step, checkpoint)),
             None => self.block_on(self.client.delete(job, step)),
         };
-        if let (Some(checkpoint), Err(Error::NotFound { .. })) = (only, &deleted) {
-            self.state().aliases.retain(|(j, _), (s, c, _)| !(j == job && *s == step && *c == checkpoint));
-        }
         deleted.map_err(|e| errno("delete", &format!("{job}/{step}"), &e))?;
         let mut state = self.state();
-        state.aliases.retain(|(j, _), (s, _, _)| !(j == job && *s == step));
         state.trees.remove(&(job.to_owned(), step));
+        if let Some(checkpoint) = only {
+            state.removals.remove(&checkpoint);
+        }
         drop(state);
         self.forget_listings(job);
         Ok(())
@@ -531,21 +591,29 @@ impl CkptFs {
                 }
             }
             Node::Job(job) => {
-                let steps = self.steps(job)?;
-                if !steps.is_empty() {
-                    push(Node::Latest(job.clone()), FileType::Symlink, "latest".into());
+                let trackers = self.trackers(job)?;
+                for named in self.named(job)? {
+                    let (step, checkpoint, job) = (named.info.step, named.info.checkpoint_id, job.clone());
+                    let name = named.label.name.clone();
+                    if named.label.file {
+                        push(Node::StepFile { job, step, checkpoint, index: 0 }, FileType::RegularFile, name);
+                    } else {
+                        push(Node::StepDir { job, step, checkpoint, dir: String::new() }, FileType::Directory, name);
+                    }
                 }
-                for info in steps {
-                    let (step, checkpoint) = (info.step, info.checkpoint_id);
-                    let node = Node::StepDir { job: job.clone(), step, checkpoint, dir: String::new() };
-                    push(node, FileType::Directory, step_name(info.step));
+                for name in trackers.into_keys() {
+                    push(Node::JobFile { job: job.clone(), name: name.clone() }, FileType::RegularFile, name);
                 }
                 let pick = |map: &HashMap<(String, String), u64>| -> Vec<(String, u64)> {
                     map.iter().filter(|((j, _), _)| j == job).map(|((_, n), id)| (n.clone(), *id)).collect()
                 };
                 let (drafts, singles) = {
                     let state = self.state();
-                    (pick(&state.draft_names), pick(&state.single_files))
+                    let mut drafts = pick(&state.draft_names);
+                    // A draft no process that wrote it is still writing (one killed midway) is
+                    // not listed: see `Draft::writers`.
+                    drafts.retain(|(_, id)| state.drafts.get(id).is_some_and(Draft::attended));
+                    (drafts, pick(&state.single_files))
                 };
                 for (name, draft) in drafts {
                     push(Node::DraftDir { draft, path: String::new() }, FileType::Directory, name);
@@ -554,10 +622,23 @@ impl CkptFs {
                     push(Node::DraftFile { file }, FileType::RegularFile, name);
                 }
             }
+            Node::Meta(job) => {
+                let steps = self.steps(job)?;
+                if !steps.is_empty() {
+                    push(Node::Pointer { job: job.clone(), step: None }, FileType::Symlink, "latest".into());
+                }
+                for info in steps {
+                    let node = Node::Pointer { job: job.clone(), step: Some(info.step) };
+                    push(node, FileType::Symlink, step_name(info.step));
+                }
+            }
             Node::StepDir { job, step, checkpoint, dir } => {
                 let tree = self.tree_at(job, *step, *checkpoint)?;
                 let (step, checkpoint) = (*step, *checkpoint);
                 for (name, child) in tree.dirs.get(dir).ok_or(Errno::ENOENT)? {
+                    if self.removed(checkpoint, &join(dir, name)) {
+                        continue;
+                    }
                     match child {
                         Child::Dir => {
                             let node = Node::StepDir { job: job.clone(), step, checkpoint, dir: join(dir, name) };
@@ -590,6 +671,16 @@ impl CkptFs {
             _ => return Err(Errno::ENOTDIR),
         }
         Ok(entries)
+    }
+
+    /// Where `<job>/.starckpt/latest` (`step` None) or `<job>/.starckpt/<step>` points.
+    fn pointer(&self, job: &str, step: Option<u64>) -> Result<String, Errno> {
+        let step = match step {
+            Some(step) => step,
+            None => self.steps(job)?.iter().map(|c| c.step).max().ok_or(Errno::ENOENT)?,
+        };
+        let name = self.name_of_step(job, step)?.ok_or(Errno::ENOENT)?;
+        Ok(format!("../{name}"))
     }
 
     fn open_reader(&self, job: &str, step: u64, checkpoint: u64, index: usize) -> Result<Arc<Reader>, Errno> {
@@ -670,7 +761,7 @@ impl Filesystem for CkptFs {
         _gid: Option<u32>,
         size: Option<u64>,
         _atime: Option<TimeOrNow>,
-        _mtime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
         _ctime: Option<SystemTime>,
         _fh: Option<FileHandle>,
         _crtime: Option<SystemTime>,
@@ -683,14 +774,32 @@ impl Filesystem for CkptFs {
             match &node {
                 Node::DraftFile { file } => {
                     let file = self.state().files.get(file).cloned().ok_or(Errno::ENOENT)?;
-                    if let Some(size) = size
-                        && size != file.size.load(Ordering::Relaxed)
-                    {
-                        // Truncating or extending would rewrite bytes already streamed out.
-                        return Err(Errno::ENOTSUP);
-                    }
+                    let mode = mode.map(|mode| mode & 0o7777);
+                    self.block_on(async {
+                        let mut writer = file.writer.lock().await;
+                        if let Some(size) = size
+                            && size != file.size.load(Ordering::Relaxed)
+                        {
+                            file.truncate(self, &mut writer, size).await?;
+                        }
+                        if let (Some(mode), Writer::Done(done)) = (mode, &mut *writer) {
+                            done.mode = mode;
+                        }
+                        Ok::<(), Errno>(())
+                    })?;
                     if let Some(mode) = mode {
-                        file.mode.store(u64::from(mode & 0o7777), Ordering::Relaxed);
+                        file.mode.store(u64::from(mode), Ordering::Relaxed);
+                    }
+                    if let Some(mtime) = mtime {
+                        *file.mtime.lock().unwrap_or_else(|p| p.into_inner()) = Some(match mtime {
+                            TimeOrNow::SpecificTime(time) => time,
+                            TimeOrNow::Now => SystemTime::now(),
+                        });
+                    }
+                }
+                Node::JobFile { job, name } => {
+                    if let Some(size) = size {
+                        self.truncate_job_file(job, name, size)?;
                     }
                 }
                 // Times and modes of directories being written are not kept; accept them.
@@ -699,7 +808,17 @@ impl Filesystem for CkptFs {
                         return Err(Errno::EISDIR);
                     }
                 }
-                Node::StepDir { .. } | Node::StepFile { .. } | Node::Latest(_) => return Err(Errno::EROFS),
+                // A committed checkpoint's bytes never change. What `cp -a`, `rsync -a`, `tar -x`
+                // and `shutil.copystat` (Lightning's move of a finished file into place) set
+                // after a file is complete (times, owner, permission bits) is accepted and not
+                // kept: the checkpoint was committed as written.
+                Node::StepDir { .. } | Node::StepFile { .. } => {
+                    if size.is_some() {
+                        return Err(Errno::EROFS);
+                    }
+                    tracing::debug!(?node, "times, owner and mode of a committed checkpoint are not kept");
+                }
+                Node::Meta(_) | Node::Pointer { .. } => return Err(Errno::EROFS),
             }
             self.node_attr(ino.0, &node)
         });
@@ -711,9 +830,7 @@ impl Filesystem for CkptFs {
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
         let result = self.node(ino).and_then(|node| match node {
-            Node::Latest(job) => {
-                self.steps(&job)?.into_iter().map(|c| c.step).max().map(step_name).ok_or(Errno::ENOENT)
-            }
+            Node::Pointer { job, step } => self.pointer(&job, step),
             _ => Err(Errno::EINVAL),
         });
         match result {
@@ -722,7 +839,7 @@ impl Filesystem for CkptFs {
         }
     }
 
-    fn mkdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, _mode: u32, _umask: u32, reply: ReplyEntry) {
+    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, _mode: u32, _umask: u32, reply: ReplyEntry) {
         let result = (|| {
             let name = name_str(name)?;
             match self.node(parent)? {
@@ -742,13 +859,15 @@ impl Filesystem for CkptFs {
                     let mut state = self.state();
                     let id = state.next_draft;
                     state.next_draft += 1;
-                    let draft = Draft {
+                    let mut draft = Draft {
                         job: job.clone(),
                         name: name.to_owned(),
                         dirs: [String::new()].into_iter().collect(),
                         files: BTreeMap::new(),
                         committing: false,
+                        writers: Vec::new(),
                     };
+                    draft.wrote(req.pid());
                     state.drafts.insert(id, draft);
                     state.draft_names.insert((job, name.to_owned()), id);
                     Ok(Node::DraftDir { draft: id, path: String::new() })
@@ -764,6 +883,7 @@ impl Filesystem for CkptFs {
                     if d.dirs.contains(&full) || d.files.contains_key(&full) {
                         return Err(Errno::EEXIST);
                     }
+                    d.wrote(req.pid());
                     d.dirs.insert(full.clone());
                     Ok(Node::DraftDir { draft, path: full })
                 }
@@ -787,6 +907,29 @@ impl Filesystem for CkptFs {
         _flags: i32,
         reply: ReplyCreate,
     ) {
+        // A name with no step number in a job directory is a tracker file (`fs/names.rs`).
+        if let (Ok(Node::Job(job)), Some(name)) = (self.node(parent), name.to_str())
+            && step_of(name).is_none()
+        {
+            let result = (|| {
+                if name == META_DIR || RelPath::try_from(name).is_err() {
+                    return Err(Errno::EINVAL);
+                }
+                if self.job_name_taken(&job, name)? {
+                    return Err(Errno::EEXIST);
+                }
+                let fh = self.create_job_file(&job, name);
+                let node = Node::JobFile { job: job.clone(), name: name.to_owned() };
+                let ino = self.remember(node.clone());
+                self.node_attr(ino, &node).map(|(attr, ttl)| (fh, attr, ttl))
+            })();
+            return match result {
+                Ok((fh, attr, ttl)) => {
+                    reply.created(&ttl, &attr, Generation(0), FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO)
+                }
+                Err(e) => reply.error(e),
+            };
+        }
         let result = (|| {
             let name = name_str(name)?;
             let opener = opener_of(req.pid())?;
@@ -829,6 +972,7 @@ impl Filesystem for CkptFs {
                     if d.committing || d.files.contains_key(&full) {
                         return Err(Errno::EBUSY);
                     }
+                    d.wrote(req.pid());
                     d.files.insert(full, id);
                     state.files.insert(id, Arc::clone(&file));
                     Ok((Node::DraftFile { file: id }, file, opener))
@@ -844,7 +988,7 @@ impl Filesystem for CkptFs {
                 match self.node_attr(ino, &node) {
                     Ok((attr, ttl)) => {
                         let fh = self.add_created(file, opener);
-                        reply.created(&ttl, &attr, Generation(0), FileHandle(fh), FopenFlags::empty())
+                        reply.created(&ttl, &attr, Generation(0), FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO)
                     }
                     Err(e) => {
                         // No handle reaches the kernel, so no release will come for it.
@@ -868,15 +1012,24 @@ impl Filesystem for CkptFs {
                 Ok((self.add_handle(Handle::Read(reader)), FopenFlags::FOPEN_KEEP_CACHE))
             }
             Node::DraftFile { file } => {
+                let file = self.state().files.get(&file).cloned().ok_or(Errno::ENOENT)?;
+                // What was written is read from its spill copy, which the kernel must not cache
+                // past a write through another handle.
                 if !wants_write(flags) {
-                    // Its bytes are on the targets but not yet part of any checkpoint.
-                    return Err(Errno::ENOTSUP);
+                    if file.spill.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+                        return Err(Errno::ENOTSUP);
+                    }
+                    return Ok((self.add_handle(Handle::DraftRead(file)), FopenFlags::FOPEN_DIRECT_IO));
                 }
                 let opener = opener_of(req.pid())?;
-                let file = self.state().files.get(&file).cloned().ok_or(Errno::ENOENT)?;
-                Ok((self.add_handle(Handle::Write(file, opener)), FopenFlags::empty()))
+                self.block_on(async { file.reopen(&mut *file.writer.lock().await) })?;
+                Ok((self.add_handle(Handle::Write(file, opener)), FopenFlags::FOPEN_DIRECT_IO))
             }
-            Node::Latest(_) => Err(Errno::ELOOP),
+            Node::JobFile { job, name } => {
+                let truncate = flags.0 & libc::O_TRUNC != 0;
+                Ok((self.open_job_file(&job, &name, wants_write(flags), truncate)?, FopenFlags::FOPEN_DIRECT_IO))
+            }
+            Node::Pointer { .. } => Err(Errno::ELOOP),
             _ => Err(Errno::EISDIR),
         });
         match result {
@@ -898,7 +1051,15 @@ impl Filesystem for CkptFs {
     ) {
         let reader = match self.state().handles.get(&fh.0) {
             Some(Handle::Read(reader)) => Arc::clone(reader),
-            Some(Handle::Write(..) | Handle::Dir(_)) | None => return reply.error(Errno::EBADF),
+            Some(Handle::Write(file, _) | Handle::DraftRead(file)) => {
+                let file = Arc::clone(file);
+                return match file.read_at(offset, size) {
+                    Ok(data) => reply.data(&data),
+                    Err(e) => reply.error(e),
+                };
+            }
+            Some(Handle::JobFile(job_file)) => return reply.data(&job_file.read_at(offset, size)),
+            Some(Handle::Dir(_)) | None => return reply.error(Errno::EBADF),
         };
         match self.reads.read(&reader, offset, size) {
             Ok(data) => reply.data(&data),
@@ -918,19 +1079,26 @@ impl Filesystem for CkptFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        if let Some(Handle::JobFile(job_file)) = self.state().handles.get(&fh.0) {
+            let job_file = Arc::clone(job_file);
+            return match job_file.write_at(offset, data) {
+                Ok(()) => reply.written(data.len() as u32),
+                Err(e) => reply.error(e),
+            };
+        }
         let Some(file) = self.write_handle(fh) else { return reply.error(Errno::EBADF) };
         file.wrote_from(req.pid());
         // A one-file checkpoint written to after its commit, to be taken back.
         let mut undo = None;
         let result = self.block_on(async {
             let mut writer = file.writer.lock().await;
-            let Writer::Open(stream) = &mut *writer else {
-                // Closed files are final; reopening to append is not supported. A file whose
-                // write failed stays failed. Bytes written after it ended (through a descriptor
-                // shared before its opener closed one: `cmd >&2` inside `{ ...; } > f`, or a
-                // child still writing) are not in it: a draft holding it cannot commit, and a
-                // one-file checkpoint its opener's close committed is deleted again. A draft the
-                // user renamed to commit stays committed.
+            if !matches!(&*writer, Writer::Open(_) | Writer::Spilled) {
+                // Closed files are final (a new open for writing reopens one: `open`). A file
+                // whose write failed stays failed. Bytes written after it ended (through a
+                // descriptor shared before its opener closed one: `cmd >&2` inside
+                // `{ ...; } > f`, or a child still writing) are not in it: a draft holding it
+                // cannot commit, and a one-file checkpoint its opener's close committed is
+                // deleted again. A draft the user renamed to commit stays committed.
                 return Err(match &mut *writer {
                     Writer::Failed(code) => *code,
                     Writer::Done(_) => {
@@ -942,25 +1110,10 @@ impl Filesystem for CkptFs {
                         *writer = Writer::Failed(Errno::EIO);
                         Errno::EIO
                     }
-                    Writer::Committed(None) | Writer::Open(_) => Errno::ENOTSUP,
+                    Writer::Committed(None) | Writer::Open(_) | Writer::Spilled => Errno::ENOTSUP,
                 });
-            };
-            let failed = if offset != stream.size() {
-                // Only appends: bytes behind the write head are already on their way to targets.
-                Errno::ENOTSUP
-            } else {
-                match stream.write(data).await {
-                    Ok(()) => {
-                        file.size.store(stream.size(), Ordering::Relaxed);
-                        return Ok(());
-                    }
-                    Err(e) => errno("write", &file.path(), &e),
-                }
-            };
-            // The file is not what its writer wrote (a seek back to patch a header, or bytes a
-            // failed write may have half appended): never committed, and its close says so.
-            *writer = Writer::Failed(failed);
-            Err(failed)
+            }
+            file.write_at(&mut writer, offset, data).await
         });
         if let Some((step, checkpoint)) = undo {
             let path = file.path();
@@ -975,7 +1128,22 @@ impl Filesystem for CkptFs {
         }
     }
 
-    fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+    fn flush(&self, req: &Request, ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+        let job_file = match self.state().handles.get(&fh.0) {
+            Some(Handle::JobFile(file)) => Some(Arc::clone(file)),
+            _ => None,
+        };
+        if let Some(job_file) = job_file {
+            // A tracker file closed: it may name the checkpoint it completes.
+            let result = match self.node(ino) {
+                Ok(Node::JobFile { job, name }) => self.publish_job_file(&job, &name, &job_file),
+                _ => Ok(()),
+            };
+            return match result {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(e),
+            };
+        }
         let Some((file, opener)) = self.write_handle_opened(fh) else { return reply.ok() };
         // close() of a descriptor, which ends the file when its opener closes it with data
         // written. Not when it is closed for a writer killed mid-write (or before writing
@@ -994,7 +1162,7 @@ impl Filesystem for CkptFs {
         // A writer's death still being judged (a child whose exit was told late) gives the file
         // up rather than this close ending it.
         file.judged();
-        match self.finish(&file) {
+        match self.finish(&file).and_then(|()| self.completes_draft(&file)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
@@ -1005,6 +1173,14 @@ impl Filesystem for CkptFs {
         let result = self.block_on(async {
             match &mut *file.writer.lock().await {
                 Writer::Open(stream) => stream.sync().await.map_err(|e| errno("fsync", &file.path(), &e)),
+                // Durable on the targets means uploaded: the whole file from its copy, which
+                // then streams on from its end.
+                writer @ Writer::Spilled => {
+                    let mut stream = self.upload_rest(&file, Writer::Spilled).await?;
+                    stream.sync().await.map_err(|e| errno("fsync", &file.path(), &e))?;
+                    *writer = Writer::Open(stream);
+                    Ok(())
+                }
                 Writer::Failed(code) => Err(*code),
                 Writer::Done(_) | Writer::Committed(_) => Ok(()),
             }
@@ -1032,32 +1208,44 @@ impl Filesystem for CkptFs {
         reply.ok();
     }
 
-    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let result = (|| {
             let name = name_str(name)?;
             match self.node(parent)? {
                 Node::Job(job) => {
                     let key = (job.clone(), name.to_owned());
-                    let state = self.state();
-                    let single = state.single_files.get(&key).and_then(|id| state.files.get(id)).cloned();
-                    let alias = state.aliases.get(&key).copied();
-                    drop(state);
+                    let single = {
+                        let state = self.state();
+                        state.single_files.get(&key).and_then(|id| state.files.get(id)).cloned()
+                    };
                     if let Some(file) = single {
                         self.discard_single(&file);
                         return Ok(());
                     }
-                    match alias {
+                    match self.resolve(&Node::Job(job.clone()), name)? {
                         // A one-file checkpoint by its name: deleting the file deletes it (that
                         // checkpoint only, never a newer one saved at its step since).
-                        Some((step, checkpoint, Some(_))) => self.delete_step(&job, step, Some(checkpoint)),
-                        Some((_, _, None)) => Err(Errno::EISDIR),
-                        None if name == "latest" => Err(Errno::EROFS),
-                        None => match self.resolve(&Node::Job(job), name) {
-                            Ok(_) => Err(Errno::EISDIR),
-                            Err(e) => Err(e),
-                        },
+                        Node::StepFile { step, checkpoint, .. } => self.delete_step(&job, step, Some(checkpoint)),
+                        Node::JobFile { .. } => {
+                            // Only a tracker this mount holds unrecorded can go; one recorded with
+                            // checkpoints is theirs.
+                            self.state().job_files.remove(&key).map(|_| ()).ok_or(Errno::EROFS)
+                        }
+                        Node::Meta(_) => Err(Errno::EISDIR),
+                        _ => Err(Errno::EISDIR),
                     }
                 }
+                // `rm -r` of a committed checkpoint: see `Removal`.
+                Node::StepDir { job, step, checkpoint, dir } => {
+                    match self.resolve(&Node::StepDir { job, step, checkpoint, dir: dir.clone() }, name)? {
+                        Node::StepFile { .. } => {
+                            let remover = opener_of(req.pid())?;
+                            self.note_removed(checkpoint, remover, join(&dir, name))
+                        }
+                        _ => Err(Errno::EISDIR),
+                    }
+                }
+                Node::Meta(_) => Err(Errno::EROFS),
                 Node::DraftDir { draft, path } => {
                     let full = join(&path, name);
                     let mut state = self.state();
@@ -1072,7 +1260,6 @@ impl Filesystem for CkptFs {
                     state.files.remove(&id);
                     Ok(())
                 }
-                Node::StepDir { .. } => Err(Errno::EROFS),
                 Node::Root => Err(Errno::EISDIR),
                 _ => Err(Errno::ENOTDIR),
             }
@@ -1083,7 +1270,7 @@ impl Filesystem for CkptFs {
         }
     }
 
-    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let result = (|| {
             let name = name_str(name)?;
             match self.node(parent)? {
@@ -1121,9 +1308,31 @@ impl Filesystem for CkptFs {
                         state.draft_names.remove(&(job, name.to_owned()));
                         Ok(())
                     }
-                    Node::Latest(_) => Err(Errno::ENOTDIR),
+                    Node::Meta(_) => Err(Errno::EROFS),
                     _ => Err(Errno::ENOTDIR),
                 },
+                Node::StepDir { job, step, checkpoint, dir } => {
+                    let full = join(&dir, name);
+                    match self.resolve(&Node::StepDir { job: job.clone(), step, checkpoint, dir }, name)? {
+                        Node::StepDir { .. } => {
+                            let tree = self.tree_at(&job, step, checkpoint)?;
+                            let prefix = format!("{full}/");
+                            let left = tree
+                                .manifest
+                                .files
+                                .iter()
+                                .map(|f| f.path.as_str())
+                                .chain(tree.dirs.keys().map(String::as_str))
+                                .any(|p| p.starts_with(&prefix) && !self.removed(checkpoint, p));
+                            if left {
+                                return Err(Errno::ENOTEMPTY);
+                            }
+                            let remover = opener_of(req.pid())?;
+                            self.note_removed(checkpoint, remover, full)
+                        }
+                        _ => Err(Errno::ENOTDIR),
+                    }
+                }
                 Node::DraftDir { draft, path } => {
                     let full = join(&path, name);
                     let mut state = self.state();
@@ -1138,7 +1347,7 @@ impl Filesystem for CkptFs {
                     d.dirs.remove(&full);
                     Ok(())
                 }
-                Node::StepDir { .. } => Err(Errno::EROFS),
+                Node::Meta(_) => Err(Errno::EROFS),
                 _ => Err(Errno::ENOTDIR),
             }
         })();
@@ -1175,7 +1384,7 @@ impl Filesystem for CkptFs {
                             if self.job_name_taken(&job, newname)? {
                                 return Err(Errno::EEXIST);
                             }
-                            self.commit_draft(draft, step, newname)
+                            self.commit_draft(draft, step, newname, Default::default())
                         }
                         Node::DraftFile { .. } => Err(Errno::ENOTSUP),
                         _ => Err(Errno::EROFS),
@@ -1186,39 +1395,12 @@ impl Filesystem for CkptFs {
                         return Err(Errno::EXDEV);
                     }
                     let (from, to) = (join(&path, name), join(&new_path, newname));
-                    RelPath::try_from(to.as_str()).map_err(|_| Errno::EINVAL)?;
-                    let mut state = self.state();
-                    let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
-                    if d.committing {
-                        return Err(Errno::EBUSY);
+                    let moved = self.rename_in_draft(draft, &from, &to)?;
+                    // `.metadata.tmp` renamed to `.metadata` (DCP) completes the draft.
+                    match moved {
+                        Some(file) => self.completes_draft(&file),
+                        None => Ok(()),
                     }
-                    if d.dirs.contains(&from) {
-                        // Moving directories inside a draft is not needed by the save tools.
-                        return Err(Errno::ENOTSUP);
-                    }
-                    if d.dirs.contains(&to) {
-                        return Err(Errno::EISDIR);
-                    }
-                    let id = *d.files.get(&from).ok_or(Errno::ENOENT)?;
-                    let file = state.files.get(&id).cloned().ok_or(Errno::ENOENT)?;
-                    let new_path = RelPath::try_from(to.as_str()).map_err(|_| Errno::EINVAL)?;
-                    // A file still being written keeps its path until it finishes; a finished
-                    // one takes the new path into its chunk list's record.
-                    // Both under the writer lock, which ending the file takes to read its path.
-                    let mut writer = file.writer.try_lock().map_err(|_| Errno::EBUSY)?;
-                    match &mut *writer {
-                        Writer::Done(done) => done.path = new_path,
-                        Writer::Open(_) => {}
-                        _ => return Err(Errno::EBUSY),
-                    }
-                    *file.path.lock().unwrap_or_else(|p| p.into_inner()) = to.clone();
-                    drop(writer);
-                    let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
-                    d.files.remove(&from);
-                    if let Some(replaced) = d.files.insert(to, id) {
-                        state.files.remove(&replaced);
-                    }
-                    Ok(())
                 }
                 (Node::StepDir { .. }, _) | (_, Node::StepDir { .. }) => Err(Errno::EROFS),
                 _ => Err(Errno::EXDEV),

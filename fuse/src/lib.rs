@@ -5,65 +5,95 @@
 //! ## Layout
 //!
 //! ```text
-//! /ckpt/<job>/                   a job with committed checkpoints (or one `mkdir`ed here)
-//! /ckpt/<job>/<step>/<files…>    a committed checkpoint, read-only (<step> in decimal)
-//! /ckpt/<job>/latest             symlink to the latest committed <step>
-//! /ckpt/<job>/<anything>/        a checkpoint being written by this mount (a draft)
+//! /ckpt/<job>/                       a job with committed checkpoints (or one `mkdir`ed here)
+//! /ckpt/<job>/<name>/<files…>        a committed checkpoint, read-only, under the name it was
+//!                                    written as (checkpoint-500, global_step500, iter_0000500,
+//!                                    step-500); one saved with the SDK or CLI: its decimal step
+//! /ckpt/<job>/<name>                 a committed one-file checkpoint (epoch=3-step=500.ckpt)
+//! /ckpt/<job>/<tracker>              a tracker file a framework wrote (latest,
+//!                                    latest_checkpointed_iteration.txt): read back as written
+//! /ckpt/<job>/<anything>/            a checkpoint being written (a draft)
+//! /ckpt/<job>/.starckpt/latest       the mount's own pointers, never listed (so `rm -r`, rsync and
+//! /ckpt/<job>/.starckpt/<step>       framework listings never meet them): symlinks to ../<name>
 //! ```
 //!
-//! Pending and aborted checkpoints are never listed as steps.
+//! A checkpoint's name is kept in its manifest's metadata (`starckpt.fuse.name`, and
+//! `starckpt.fuse.kind`: file or dir), so every mount, and this one after a restart, lists it as
+//! written. Its step is the **last number in its name** (`checkpoint-500` → 500). Pending and
+//! aborted checkpoints are never listed. A draft is listed while a process that wrote into it is
+//! running; one whose writers are all gone uncommitted (a trainer killed mid-save) is no longer
+//! listed, so a framework resuming by listing (HF `get_last_checkpoint`) sees only complete
+//! checkpoints, though its name still resolves (`mv` of a tree `cp` wrote; writing it again).
 //!
-//! ## Writing a checkpoint
+//! ## Writing a checkpoint: how each framework finishes one
 //!
-//! - **A directory, committed by rename.** `mkdir /ckpt/job/step_100.tmp`, write files (and
-//!   subdirectories) into it, close them, then `mv /ckpt/job/step_100.tmp /ckpt/job/step_100`: the
-//!   rename commits the whole tree atomically as one checkpoint. The step is the **last number in
-//!   the new name** (`step_100` → 100; a name without digits is `EINVAL`). Afterwards the tree is
-//!   `/ckpt/job/100/`; this mount also keeps resolving the name it was committed under.
-//!   Renaming while a file in it is still open for writing is `EBUSY`; a step that already has a
-//!   committed checkpoint is `EEXIST`. This is the write-to-temp-then-rename convention of
-//!   Orbax and 3FS.
-//! - **A single file.** A file created directly in `/ckpt/<job>/` (`torch.save(sd,
-//!   "/ckpt/job/step_100.pt")`) becomes a one-file checkpoint, step = the last number in its name,
-//!   when it is closed (committed in `flush`, so `close()` reports a failure). It then also appears
-//!   as `/ckpt/job/100/step_100.pt`.
+//! | writer | what it does | what commits it |
+//! |---|---|---|
+//! | a tool, Orbax, 3FS-style | writes `x.tmp/`, renames it | the rename (`EBUSY` while a file in it is open for writing, `EEXIST` for a step committed already) |
+//! | DCP `FileSystemWriter` (torchtitan, `dcp.save(sd, checkpoint_id=p)`) | writes `step-N/` in place, `.metadata.tmp` last, renamed to `.metadata` | `.metadata` at the top of the draft |
+//! | Orbax | `commit_success.txt` last | that file |
+//! | HF `Trainer` | `checkpoint-N/` in place: model, optimizer, scheduler, RNG, then `trainer_state.json` | `trainer_state.json` at the top of a `checkpoint-*` draft |
+//! | DeepSpeed `save_checkpoint` | `global_stepN/` in place, then writes the file `latest` = `global_stepN` | the tracker file naming the draft |
+//! | Megatron (legacy) | `iter_000000N/mp_rank_00/...`, then `latest_checkpointed_iteration.txt` = `N` | the tracker file naming the draft's step |
+//! | `torch.save(sd, "/ckpt/job/model_5.pt")`, Lightning (a temporary file elsewhere, then `shutil.move`: copy, `copystat`) | one file in the job directory | its close (in `flush`, so `close()` reports a failure) |
+//!
+//! A file created directly in the job directory whose name has **no number** is a tracker file
+//! (at most 64 KiB: `EFBIG`). Closed, its content (trimmed) names a draft, by name or by step,
+//! which is committed with the tracker's content in its metadata; the tracker then reads as the
+//! newest committed checkpoint carrying it recorded it. One naming no draft is kept by this mount
+//! only (in memory), with a warning in the log.
 //!
 //! A file ends at a close by the process that opened it (or that process's clean exit with it
 //! still open: `prog > /ckpt/job/step_5.out`; exit status 0 is taken at its word, even from a
 //! program whose exit cut short a thread still writing), else once its last descriptor is
-//! closed. It is
-//! given up instead when a process that wrote to it (its opener, or a child writing through an
-//! inherited descriptor: `{ prog; } > f`) is killed or exits with a failure status while holding
-//! it, when the mount cannot read how such a process stands, and when it is written to after it
-//! ended (through a descriptor still open elsewhere: a child still writing, or a shell's
-//! `cmd >&2`, which closes one copy of its stdout and writes on through another). Given up, a
-//! file in a draft fails the draft's rename (`EIO`); a one-file checkpoint is not committed, or,
-//! when its close committed it already, is deleted again and the late write fails with `EIO`;
-//! its name is free again either way. A draft the user renamed stays committed: a late write to
-//! one of its files fails with `ENOTSUP`.
+//! closed. It is given up instead when a process that wrote to it (its opener, or a child
+//! writing through an inherited descriptor: `{ prog; } > f`) is killed or exits with a failure
+//! status while holding it, when the mount cannot read how such a process stands, and when it
+//! is written to after it ended through a descriptor still open elsewhere (a child still
+//! writing, or a shell's `cmd >&2`). A file given up in a draft drops the whole draft (nothing of
+//! it is committed; its name is free again); a one-file checkpoint is not committed, or, when
+//! its close committed it already, is deleted again and the late write fails with `EIO`. A
+//! draft committed stays committed: a late write to one of its files fails with `ENOTSUP`.
 //!
-//! Files are written sequentially: bytes go to a staging buffer and each full chunk is uploaded at
-//! once (memory per open file: one chunk plus the uploads in flight, all from the SDK's bounded
-//! staging pool). `fsync` returns once every byte written so far is durable on the targets. A
-//! checkpoint must be committed within the control plane's GC grace period (1 h by default) of its
-//! first bytes; past that, unreferenced chunks may have been collected and the commit fails with
-//! `EIO` rather than commit a hole.
+//! ## Files being written
+//!
+//! What real writers do before they close a file works: `ftruncate` to pre-size, grow or shrink
+//! (safetensors), writes at any offset and seeks back to patch a header (zip writers, HDF5),
+//! reading back what was written (read-your-writes in a draft), renaming files and directories
+//! inside a draft, `utime`/`chmod`/`chown` (`cp -a`, `rsync -a`, `tar -x`, `shutil.copy2`), and
+//! opening a closed file of a draft again to write it. Bytes written in order stream to the
+//! targets as they come (one chunk of staging memory per open file, from the SDK's bounded pool)
+//! and are also copied to a local **spill area** (`--spill-dir`, default `$TMPDIR/starckpt-spill`;
+//! `--spill-limit`, default 64 GiB; unlinked 0600 files), kept until the checkpoint commits. A
+//! write out of order drops the stream, and the file is uploaded from its copy when it ends.
+//! Past the spill limit a file written in order streams on without a copy (it can then not be
+//! patched or read back: `ENOTSUP`); one that needs its copy gets `ENOSPC`. `fsync` returns
+//! once every byte written so far is durable on the targets. A checkpoint must be committed
+//! within the control plane's GC grace period (1 h by default) of its first bytes; past that
+//! the commit fails with `EIO` rather than commit a hole.
+//!
+//! Drafts live in the mount process: killing the mount in the middle of a draft commits nothing
+//! and loses the draft (not yet kept at the control plane).
+//!
+//! ## Removing
+//!
+//! `rm -r`/`shutil.rmtree` of a committed checkpoint (HF `save_total_limit`) removes its files
+//! and directories one by one: each is hidden from the remover's own view while it runs, and the
+//! checkpoint is deleted at the control plane, whole, when its top directory is removed. Other
+//! readers never see it half deleted; a remover that dies midway leaves it whole. Unlinking a
+//! one-file checkpoint deletes it (Lightning's `save_top_k`). Times, owner and permission bits
+//! set on a committed file are accepted and not kept; its bytes never change.
 //!
 //! ## What is refused, at once
 //!
 //! | operation                                        | errno     |
 //! |--------------------------------------------------|-----------|
-//! | write, truncate, chmod, create in a committed checkpoint | `EROFS` |
-//! | a write not at the end of the file (random or sparse writes), truncating a file being written | `ENOTSUP` |
-//! | reading a file of a draft before it is committed | `ENOTSUP` |
+//! | write, truncate, create, mkdir in a committed checkpoint | `EROFS` |
+//! | a rename to a name without a step number to commit | `EINVAL`  |
+//! | a tracker file over 64 KiB                       | `EFBIG`   |
 //! | hard links, symlinks                             | `EPERM`   |
 //! | a file directly in `/ckpt/` (outside a job)      | `EPERM`   |
-//! | a name without a step number where one is needed | `EINVAL`  |
 //! | opening for writing from a process this mount's `/proc` does not show (another pid namespace, `hidepid`): whether it finished its file could not be told | `EACCES` |
-//!
-//! `rmdir /ckpt/job/<step>` (or unlinking a one-file checkpoint by its name) deletes that
-//! checkpoint (its chunks are freed by GC). Killing the mount in the middle of a write commits
-//! nothing: drafts live only in the mount process.
 //!
 //! ## Caching
 //!

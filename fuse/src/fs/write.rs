@@ -11,8 +11,9 @@ use fuser::Errno;
 use starckpt_client::{StreamedFile, StreamingFile};
 use starckpt_proto::RelPath;
 
-use super::{CkptFs, NAME_KEY, Node, errno, remap};
-use crate::tree::{step_name, step_of};
+use super::spill::{Spill, SpillError};
+use super::{CkptFs, KIND_KEY, NAME_KEY, Node, errno, remap};
+use crate::tree::step_of;
 
 /// A directory tree being written, committed by renaming its top.
 pub(super) struct Draft {
@@ -24,10 +25,36 @@ pub(super) struct Draft {
     pub(super) files: BTreeMap<String, u64>,
     /// A rename-to-commit is in progress: changes inside are refused (EBUSY).
     pub(super) committing: bool,
+    /// The processes that made its directories and files ([`Draft::wrote`]). Once none of them
+    /// lives, and it is still not committed, it is not listed any more (a trainer killed midway
+    /// left it; one resuming must see only complete checkpoints), though its name still resolves
+    /// (`mv` of a tree `cp` wrote, writing it again).
+    pub(super) writers: Vec<super::names::Process>,
+}
+
+impl Draft {
+    /// Notes that thread `tid` made something in the draft.
+    pub(super) fn wrote(&mut self, tid: u32) {
+        const MAX_DRAFT_WRITERS: usize = 64;
+        let Some(process) = super::names::Process::of(tid) else { return };
+        if !self.writers.contains(&process) && self.writers.len() < MAX_DRAFT_WRITERS {
+            self.writers.push(process);
+        }
+    }
+
+    /// Whether a process that wrote it still runs (or none is known).
+    pub(super) fn attended(&self) -> bool {
+        self.writers.is_empty() || self.writers.iter().any(super::names::Process::live)
+    }
 }
 
 pub(super) enum Writer {
+    /// Written in order so far: bytes `[0, stream.size())` are streaming to the targets; the
+    /// file may be longer (pre-sized with `ftruncate`: zeros past the stream's head).
     Open(StreamingFile),
+    /// Written out of order (or cut below what was streamed): its bytes are only in its spill
+    /// copy, uploaded from there when it ends.
+    Spilled,
     Done(StreamedFile),
     Failed(Errno),
     /// Part of a committed checkpoint: a one-file checkpoint (at its first flush; its step and
@@ -61,11 +88,180 @@ pub(super) struct DraftFile {
     /// The processes that wrote to it ([`DraftFile::wrote_from`]): any of them dying with it
     /// open gives it up, not only its opener.
     pub(super) writers: Mutex<super::judge::Writers>,
+    /// Its local copy ([`super::spill`]), kept until its checkpoint commits; None once the spill
+    /// area had no room for it.
+    pub(super) spill: Mutex<Option<Spill>>,
+    /// Modification time set by `utime` (`cp -a`, `rsync -a`, `tar -x`); None: its creation.
+    pub(super) mtime: Mutex<Option<SystemTime>>,
 }
+
+/// Files whose arrival at the top of a draft completes it ([`CkptFs::completes_draft`]), and
+/// the prefix the draft's name must have for that ("" for any): what each framework writes
+/// last. DCP's `FileSystemWriter` (torchtitan) writes `.metadata` last (as `.metadata.tmp`,
+/// renamed); Orbax, `commit_success.txt`; HF `Trainer._save_checkpoint`, `trainer_state.json`
+/// into `checkpoint-<step>/` after the model, optimizer, scheduler and RNG states.
+pub(super) const COMPLETION_MARKERS: &[(&str, &str)] =
+    &[(".metadata", ""), ("commit_success.txt", ""), ("trainer_state.json", "checkpoint-")];
+
+/// Bytes read from a spill copy at a time when a file written out of order is uploaded.
+const UPLOAD_PIECE_BYTES: usize = 4 << 20;
 
 impl DraftFile {
     pub(super) fn path(&self) -> String {
         self.path.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn spill(&self) -> std::sync::MutexGuard<'_, Option<Spill>> {
+        self.spill.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Lets its spill copy go (its bytes are a committed checkpoint's now, or it is given up).
+    pub(super) fn drop_spill(&self) {
+        self.spill().take();
+    }
+
+    fn size(&self) -> u64 {
+        self.size.load(Ordering::Relaxed)
+    }
+
+    fn grow(&self, end: u64) {
+        self.size.fetch_max(end, Ordering::Relaxed);
+    }
+
+    /// Bytes `[offset, offset + len)` as written so far (read-your-writes in a draft), from its
+    /// spill copy: `ENOTSUP` when it has none.
+    pub(super) fn read_at(&self, offset: u64, len: u32) -> Result<Vec<u8>, Errno> {
+        let spill = self.spill();
+        let Some(spill) = spill.as_ref() else { return Err(Errno::ENOTSUP) };
+        spill.read_at(offset, len, self.size()).map_err(|e| {
+            tracing::error!(job = %self.job, path = %self.path(), "reading the spill copy: {e}");
+            Errno::EIO
+        })
+    }
+
+    /// Copies a write into the spill copy. A file written in order goes on without its copy
+    /// when the spill area is full (`required` false); one that needs it fails (`ENOSPC`).
+    fn copy_out(&self, offset: u64, data: &[u8], required: bool) -> Result<(), Errno> {
+        let mut spill = self.spill();
+        let Some(copy) = spill.as_mut() else { return Err(if required { Errno::ENOTSUP } else { Errno::EIO }) };
+        match copy.write_at(offset, data) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let (errno, why) = match e {
+                    SpillError::Full => (Errno::ENOSPC, "the spill area is full".to_owned()),
+                    SpillError::Io(e) => (Errno::EIO, e.to_string()),
+                };
+                if required {
+                    tracing::error!(job = %self.job, path = %self.path(), "a write out of order needs the spill copy: {why}");
+                    return Err(errno);
+                }
+                tracing::warn!(
+                    job = %self.job, path = %self.path(),
+                    "{why}: the file goes on streaming without its copy (it cannot be patched or read back before it commits)"
+                );
+                *spill = None;
+                Ok(())
+            }
+        }
+    }
+
+    /// Writes `data` at `offset`, `writer` (this file's) held. In order, the bytes stream to
+    /// the targets and are copied into the spill copy; out of order, the stream is dropped and the
+    /// spill copy holds the file. A failed write fails the file: it is not what its writer wrote.
+    pub(super) async fn write_at(&self, writer: &mut Writer, offset: u64, data: &[u8]) -> Result<(), Errno> {
+        let end = offset + data.len() as u64;
+        let result = match writer {
+            Writer::Open(stream) if offset == stream.size() => {
+                // The copy first: a write that does not reach it leaves the file as it was.
+                let _ = self.copy_out(offset, data, false);
+                match stream.write(data).await {
+                    Ok(()) => Ok(()),
+                    Err(e) => Err(errno("write", &self.path(), &e)),
+                }
+            }
+            Writer::Open(_) | Writer::Spilled => {
+                let copied = self.copy_out(offset, data, true);
+                if copied.is_ok() && matches!(writer, Writer::Open(_)) {
+                    tracing::debug!(job = %self.job, path = %self.path(), offset, "written out of order: uploaded from the spill copy at its end");
+                    // The chunks streamed so far are never committed; GC frees them.
+                    *writer = Writer::Spilled;
+                }
+                copied
+            }
+            _ => unreachable!("write_at is called on files being written"),
+        };
+        match result {
+            Ok(()) => {
+                self.grow(end);
+                Ok(())
+            }
+            Err(code) => {
+                *writer = Writer::Failed(code);
+                Err(code)
+            }
+        }
+    }
+
+    /// `ftruncate`/`truncate` to `len`, `writer` held: pre-sizing (zeros past the stream's head),
+    /// growing, shrinking, and emptying a file to write it again (`open(O_TRUNC)` of a file of
+    /// the draft, finished or not).
+    pub(super) async fn truncate(&self, fs: &CkptFs, writer: &mut Writer, len: u64) -> Result<(), Errno> {
+        let path = self.path();
+        let set_copy = |required: bool| -> Result<(), Errno> {
+            let mut spill = self.spill();
+            match spill.as_mut().map(|copy| copy.set_len(len)) {
+                Some(Ok(())) => Ok(()),
+                None if !required => Ok(()),
+                None => Err(Errno::ENOTSUP),
+                Some(Err(SpillError::Full)) if !required => {
+                    tracing::warn!(job = %self.job, %path, "the spill area is full: the file goes on streaming without its copy");
+                    *spill = None;
+                    Ok(())
+                }
+                Some(Err(SpillError::Full)) => Err(Errno::ENOSPC),
+                Some(Err(SpillError::Io(e))) => {
+                    tracing::error!(job = %self.job, %path, "resizing the spill copy: {e}");
+                    Err(Errno::EIO)
+                }
+            }
+        };
+        match writer {
+            Writer::Committed(_) => return Err(Errno::EROFS),
+            _ if len == 0 => {
+                // Written again from nothing: a new stream, and a new copy (the spill area may
+                // have had no room for the old one).
+                let stream = fs.client.streaming_file(&self.job).await.map_err(|e| errno("truncate", &path, &e))?;
+                let copy = Spill::new(&fs.spills).map_err(|e| {
+                    tracing::error!(job = %self.job, %path, "a spill copy in {}: {e}", fs.spills.dir().display());
+                    Errno::EIO
+                })?;
+                *self.spill() = Some(copy);
+                *writer = Writer::Open(stream);
+                self.killed.store(false, Ordering::Relaxed);
+            }
+            Writer::Open(stream) if len >= stream.size() => set_copy(false)?,
+            Writer::Open(_) | Writer::Spilled | Writer::Done(_) => {
+                set_copy(true)?;
+                *writer = Writer::Spilled;
+            }
+            Writer::Failed(code) => return Err(*code),
+        }
+        self.size.store(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// A finished file opened for writing again (to patch it): written on from its spill copy.
+    pub(super) fn reopen(&self, writer: &mut Writer) -> Result<(), Errno> {
+        match writer {
+            Writer::Done(_) if self.spill().is_some() => {
+                *writer = Writer::Spilled;
+                Ok(())
+            }
+            Writer::Done(_) => Err(Errno::ENOTSUP),
+            Writer::Committed(_) => Err(Errno::EROFS),
+            Writer::Failed(code) => Err(*code),
+            Writer::Open(_) | Writer::Spilled => Ok(()),
+        }
     }
 }
 
@@ -80,6 +276,10 @@ impl CkptFs {
         mode: u32,
     ) -> Result<Arc<DraftFile>, Errno> {
         let writer = self.block_on(self.client.streaming_file(job)).map_err(|e| errno("create", &path, &e))?;
+        let spill = Spill::new(&self.spills).map_err(|e| {
+            tracing::error!(job, %path, "cannot make a spill copy in {}: {e}", self.spills.dir().display());
+            Errno::EIO
+        })?;
         Ok(Arc::new(DraftFile {
             job: job.to_owned(),
             draft,
@@ -93,6 +293,8 @@ impl CkptFs {
             killed: std::sync::atomic::AtomicBool::new(false),
             judging: Default::default(),
             writers: Default::default(),
+            spill: Mutex::new(Some(spill)),
+            mtime: Mutex::new(None),
         }))
     }
 
@@ -116,19 +318,153 @@ impl CkptFs {
     /// for the writer's next run, as is one whose write failed.
     pub(super) fn release_write(&self, file: &Arc<DraftFile>) {
         file.judged();
-        let failed_single = self.block_on(async {
+        let (last, ended, failed) = self.block_on(async {
             let mut writer = file.writer.lock().await;
             if file.open_handles.fetch_sub(1, Ordering::Relaxed) != 1 {
-                return false;
+                return (false, false, false);
             }
             // A failed commit stays listed (a rename or a new open may retry it); a failed
             // file is dropped.
-            let _ = self.end(file, &mut writer).await;
-            file.draft.is_none() && matches!(&*writer, Writer::Failed(_))
+            let ended = self.end(file, &mut writer).await.is_ok();
+            (true, ended, matches!(&*writer, Writer::Failed(_)))
         });
-        if failed_single {
-            self.discard_single(file);
+        if !last {
+            return;
         }
+        match file.draft {
+            None if failed => self.discard_single(file),
+            Some(draft) if failed && file.killed.load(Ordering::Relaxed) => self.abandon_draft(draft, file),
+            Some(_) if ended => {
+                if let Err(e) = self.completes_draft(file) {
+                    tracing::error!(job = %file.job, path = %file.path(), "the completion marker's commit failed: {e:?}");
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Renames `from` to `to` inside draft `draft`: a file (over another file), or a directory
+    /// with everything in it. Returns the file moved, if it was one.
+    pub(super) fn rename_in_draft(&self, draft: u64, from: &str, to: &str) -> Result<Option<Arc<DraftFile>>, Errno> {
+        RelPath::try_from(to).map_err(|_| Errno::EINVAL)?;
+        if from == to {
+            return Ok(None);
+        }
+        let mut state = self.state();
+        let d = state.drafts.get(&draft).ok_or(Errno::ENOENT)?;
+        if d.committing {
+            return Err(Errno::EBUSY);
+        }
+        let is_dir = d.dirs.contains(from);
+        if !is_dir && !d.files.contains_key(from) {
+            return Err(Errno::ENOENT);
+        }
+        if d.dirs.contains(to) && !is_dir {
+            return Err(Errno::EISDIR);
+        }
+        if is_dir && d.files.contains_key(to) {
+            return Err(Errno::ENOTDIR);
+        }
+        let prefix = format!("{from}/");
+        if is_dir && to.starts_with(&prefix) {
+            return Err(Errno::EINVAL);
+        }
+        let to_prefix = format!("{to}/");
+        if is_dir && d.dirs.contains(to) && d.files.keys().chain(d.dirs.iter()).any(|p| p.starts_with(&to_prefix)) {
+            return Err(Errno::ENOTEMPTY);
+        }
+        let (parent, _) = crate::tree::split(to);
+        if !d.dirs.contains(parent) {
+            return Err(Errno::ENOENT);
+        }
+        let renamed = |path: &str| -> Option<String> {
+            if path == from {
+                Some(to.to_owned())
+            } else {
+                path.strip_prefix(&prefix).map(|rest| format!("{to}/{rest}"))
+            }
+        };
+        let moves: Vec<(String, String, u64)> =
+            d.files.iter().filter_map(|(path, id)| Some((path.clone(), renamed(path)?, *id))).collect();
+        // Each moved file's new path goes into its chunk list's record under its writer lock,
+        // which ending the file takes to read its path: all or none.
+        let files: Vec<Arc<DraftFile>> = moves.iter().filter_map(|(_, _, id)| state.files.get(id).cloned()).collect();
+        let mut writers = Vec::with_capacity(files.len());
+        for file in &files {
+            let writer = file.writer.try_lock().map_err(|_| Errno::EBUSY)?;
+            if !matches!(&*writer, Writer::Done(_) | Writer::Open(_) | Writer::Spilled) {
+                return Err(Errno::EBUSY);
+            }
+            writers.push(writer);
+        }
+        for ((_, new_path, _), (file, writer)) in moves.iter().zip(files.iter().zip(writers.iter_mut())) {
+            if let Writer::Done(done) = &mut **writer {
+                done.path = RelPath::try_from(new_path.as_str()).map_err(|_| Errno::EINVAL)?;
+            }
+            *file.path.lock().unwrap_or_else(|p| p.into_inner()) = new_path.clone();
+        }
+        drop(writers);
+        let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
+        let mut replaced = Vec::new();
+        for (old_path, _, _) in &moves {
+            d.files.remove(old_path);
+        }
+        for (_, new_path, id) in &moves {
+            if let Some(old) = d.files.insert(new_path.clone(), *id) {
+                replaced.push(old);
+            }
+        }
+        if is_dir {
+            let dirs: Vec<String> = d.dirs.iter().filter_map(|p| renamed(p)).collect();
+            d.dirs.retain(|p| renamed(p).is_none());
+            d.dirs.extend(dirs);
+        }
+        for old in replaced {
+            state.files.remove(&old);
+        }
+        Ok(if is_dir { None } else { files.into_iter().next() })
+    }
+
+    /// A draft one of whose writers died writing it: nothing of it is committed, and it is gone
+    /// from the job directory (its name free again), as a half-written checkpoint on a local
+    /// disk would not be: a framework resuming lists only what is complete.
+    pub(super) fn abandon_draft(&self, draft: u64, file: &DraftFile) {
+        let mut state = self.state();
+        let Some(d) = state.drafts.get(&draft) else { return };
+        if d.committing {
+            return;
+        }
+        let Some(d) = state.drafts.remove(&draft) else { return };
+        tracing::warn!(
+            job = %d.job, draft = %d.name, path = %file.path(),
+            "a writer died writing this file: the checkpoint being written is dropped, nothing of it committed"
+        );
+        state.draft_names.remove(&(d.job.clone(), d.name.clone()));
+        for id in d.files.values() {
+            state.files.remove(id);
+        }
+    }
+
+    /// After a file of a draft ended, or was renamed: a completion marker at the top of a
+    /// draft written in place commits it under its own name, at the step its name ends in.
+    /// The markers are what the frameworks write last: DCP's `.metadata` (`FileSystemWriter`
+    /// writes `.metadata.tmp` and renames it), and Orbax's `commit_success.txt`.
+    pub(super) fn completes_draft(&self, file: &DraftFile) -> Result<(), Errno> {
+        let Some(draft) = file.draft else { return Ok(()) };
+        let path = file.path();
+        let name = match self.state().drafts.get(&draft) {
+            Some(d) if !d.committing => d.name.clone(),
+            _ => return Ok(()),
+        };
+        if !COMPLETION_MARKERS.iter().any(|(marker, prefix)| path == *marker && name.starts_with(prefix)) {
+            return Ok(());
+        }
+        let Some(step) = step_of(&name) else {
+            tracing::warn!(job = %file.job, draft = %name, "a completion marker landed in a draft whose name has no step number: rename it to commit it");
+            return Ok(());
+        };
+        tracing::info!(job = %file.job, draft = %name, marker = %file.path(), "completion marker written: committing");
+        self.commit_draft(draft, step, &name, BTreeMap::new())
     }
 
     /// Ends a file's writes: its bytes durable, its chunk list final. A one-file checkpoint is
@@ -144,15 +480,19 @@ impl CkptFs {
         // Read under the writer lock: a rename inside the draft takes that lock too.
         let path = file.path();
         match std::mem::replace(writer, Writer::Failed(Errno::EIO)) {
-            Writer::Open(_) if file.killed.load(Ordering::Relaxed) => {
+            Writer::Open(_) | Writer::Spilled if file.killed.load(Ordering::Relaxed) => {
                 tracing::warn!(job = %file.job, %path, "its writer died mid-write: the file is given up");
+                file.drop_spill();
             }
-            Writer::Open(stream) => {
+            open @ (Writer::Open(_) | Writer::Spilled) => {
                 let Ok(rel) = RelPath::try_from(path.as_str()) else { return Err(Errno::EINVAL) };
                 let mode = file.mode.load(Ordering::Relaxed) as u32;
-                match stream.finish(rel, mode).await {
-                    Ok(done) => *writer = Writer::Done(done),
-                    Err(e) => *writer = Writer::Failed(errno("write", &path, &e)),
+                match self.upload_rest(file, open).await {
+                    Ok(stream) => match stream.finish(rel, mode).await {
+                        Ok(done) => *writer = Writer::Done(done),
+                        Err(e) => *writer = Writer::Failed(errno("write", &path, &e)),
+                    },
+                    Err(code) => *writer = Writer::Failed(code),
                 }
             }
             other => *writer = other,
@@ -162,7 +502,8 @@ impl CkptFs {
             && let Writer::Done(done) = &*writer
         {
             let step = step_of(&path).ok_or(Errno::EINVAL)?;
-            let metadata = [(NAME_KEY.to_owned(), path.clone())].into_iter().collect();
+            let metadata =
+                [(NAME_KEY.to_owned(), path.clone()), (KIND_KEY.to_owned(), "file".to_owned())].into_iter().collect();
             let checkpoint =
                 match self.client.commit_streamed(&file.job, step, vec![done.clone()], vec![], metadata).await {
                     Ok(outcome) => outcome.checkpoint_id,
@@ -176,6 +517,7 @@ impl CkptFs {
                 }
             } else {
                 *writer = Writer::Committed(Some((step, checkpoint)));
+                file.drop_spill();
                 self.committed_single(file, step, checkpoint);
             }
         }
@@ -183,6 +525,32 @@ impl CkptFs {
             Writer::Failed(code) => Err(*code),
             _ => Ok(()),
         }
+    }
+
+    /// The stream of a file that ends, with every byte of it: the zeros past the head of a
+    /// pre-sized file, or, for a file written out of order, all of its spill copy.
+    pub(super) async fn upload_rest(&self, file: &DraftFile, writer: Writer) -> Result<StreamingFile, Errno> {
+        let path = file.path();
+        let size = file.size();
+        let (mut stream, from_copy) = match writer {
+            Writer::Open(stream) => (stream, false),
+            _ => (self.client.streaming_file(&file.job).await.map_err(|e| errno("write", &path, &e))?, true),
+        };
+        let mut piece = Vec::new();
+        while stream.size() < size {
+            let len = (size - stream.size()).min(UPLOAD_PIECE_BYTES as u64) as u32;
+            if from_copy {
+                piece = file.read_at(stream.size(), len)?;
+            } else {
+                piece.clear();
+                piece.resize(len as usize, 0);
+            }
+            if piece.is_empty() {
+                return Err(Errno::EIO);
+            }
+            stream.write(&piece).await.map_err(|e| errno("write", &path, &e))?;
+        }
+        Ok(stream)
     }
 
     /// Bookkeeping after a one-file checkpoint committed: the name now resolves to the committed
@@ -202,13 +570,18 @@ impl CkptFs {
             remap(&mut state, &Node::DraftFile { file: id }, new);
         }
         state.trees.remove(&(file.job.clone(), step));
-        state.aliases.insert(key, (step, checkpoint, Some(0)));
         state.jobs = None;
         state.steps.remove(&file.job);
     }
 
     /// Commits draft `id` as step `step` of its job, under `name`.
-    pub(super) fn commit_draft(&self, id: u64, step: u64, name: &str) -> Result<(), Errno> {
+    pub(super) fn commit_draft(
+        &self,
+        id: u64,
+        step: u64,
+        name: &str,
+        metadata: BTreeMap<String, String>,
+    ) -> Result<(), Errno> {
         let (job, files, dirs) = {
             let mut state = self.state();
             let draft = state.drafts.get_mut(&id).ok_or(Errno::ENOENT)?;
@@ -221,7 +594,7 @@ impl CkptFs {
             let files: Vec<Arc<DraftFile>> = ids.iter().filter_map(|f| state.files.get(f).cloned()).collect();
             (job, files, dirs)
         };
-        let result = self.commit_draft_files(id, step, name, &job, &files, &dirs);
+        let result = self.commit_draft_files(id, (step, name), &job, (&files, &dirs), metadata);
         if result.is_err()
             && let Some(draft) = self.state().drafts.get_mut(&id)
         {
@@ -233,11 +606,10 @@ impl CkptFs {
     pub(super) fn commit_draft_files(
         &self,
         id: u64,
-        step: u64,
-        name: &str,
+        (step, name): (u64, &str),
         job: &str,
-        files: &[Arc<DraftFile>],
-        dirs: &BTreeSet<String>,
+        (files, dirs): (&[Arc<DraftFile>], &BTreeSet<String>),
+        mut metadata: BTreeMap<String, String>,
     ) -> Result<(), Errno> {
         let job = job.to_owned();
         let mut streamed = Vec::with_capacity(files.len());
@@ -249,7 +621,7 @@ impl CkptFs {
             // kernel sends it after close() returns). One that no close ended (closed without
             // data, or last by a child) ends with its release: wait for that a little.
             let deadline = Instant::now() + Duration::from_secs(1);
-            let open = || matches!(&*self.block_on(file.writer.lock()), Writer::Open(_));
+            let open = || matches!(&*self.block_on(file.writer.lock()), Writer::Open(_) | Writer::Spilled);
             while open() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(10));
             }
@@ -258,7 +630,10 @@ impl CkptFs {
             let writer = self.block_on(file.writer.lock());
             match &*writer {
                 Writer::Done(done) => streamed.push(done.clone()),
-                Writer::Open(_) => return Err(Errno::EBUSY),
+                Writer::Open(_) | Writer::Spilled => {
+                    tracing::warn!(job, path = %file.path(), "a file of the checkpoint is still open for writing: not committed");
+                    return Err(Errno::EBUSY);
+                }
                 Writer::Failed(code) => return Err(*code),
                 Writer::Committed(_) => return Err(Errno::EINVAL),
             }
@@ -266,7 +641,8 @@ impl CkptFs {
         }
         let directories: Vec<RelPath> =
             dirs.iter().filter(|d| !d.is_empty()).filter_map(|d| RelPath::try_from(d.as_str()).ok()).collect();
-        let metadata = [(NAME_KEY.to_owned(), name.to_owned())].into_iter().collect();
+        metadata.insert(NAME_KEY.to_owned(), name.to_owned());
+        metadata.insert(KIND_KEY.to_owned(), "dir".to_owned());
         let checkpoint = self
             .block_on(self.client.commit_streamed(&job, step, streamed, directories, metadata))
             .map_err(|e| errno("commit", &format!("{job}/{name}"), &e))?
@@ -275,6 +651,9 @@ impl CkptFs {
         // it (ENOTSUP), and its close has nothing left to report.
         for mut writer in writers {
             *writer = Writer::Committed(None);
+        }
+        for file in files {
+            file.drop_spill();
         }
         // The kernel may still hold inodes of the draft: each becomes its committed counterpart.
         self.state().trees.remove(&(job.clone(), step));
@@ -313,9 +692,6 @@ impl CkptFs {
             if let Some(old) = old {
                 remap(&mut state, &old, new);
             }
-        }
-        if name != step_name(step) {
-            state.aliases.insert((job.clone(), name.to_owned()), (step, checkpoint, None));
         }
         state.jobs = None;
         state.steps.remove(&job);
