@@ -1023,6 +1023,13 @@ impl Filesystem for CkptFs {
                 }
                 let opener = opener_of(req.pid())?;
                 self.block_on(async { file.reopen(&mut *file.writer.lock().await) })?;
+                // Writing a draft again (a trainer resumed into a checkpoint directory its killed
+                // run left) makes it attended again.
+                if let Some(draft) = file.draft
+                    && let Some(d) = self.state().drafts.get_mut(&draft)
+                {
+                    d.wrote(req.pid());
+                }
                 Ok((self.add_handle(Handle::Write(file, opener)), FopenFlags::FOPEN_DIRECT_IO))
             }
             Node::JobFile { job, name } => {
