@@ -427,6 +427,11 @@ enum Command {
         /// Bytes the spill directory may hold for this mount (e.g. 64GiB).
         #[arg(long, default_value = "64GiB", value_parser = crate::demo::parse_size)]
         spill_limit: u64,
+        /// Local directory journaling drafts (the closed files of checkpoints being written), so
+        /// a mount started again at the same point finds them. Default:
+        /// $TMPDIR/starckpt-drafts/<mount point>.
+        #[arg(long, env = "STARCKPT_DRAFTS_DIR")]
+        drafts_dir: Option<PathBuf>,
     },
     /// Targets, their capacity and health.
     Status,
@@ -659,13 +664,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Repair => commands::repair(&remote, &out).await,
         Command::Tier { import: false, .. } => commands::tier(&remote, &out).await,
         Command::Tier { import: true, job } => commands::import_tier(&remote, job.as_deref(), &out).await,
-        Command::Mount { mountpoint, threads, read_ahead_chunks, read_ahead_budget, spill_dir, spill_limit } => {
+        Command::Mount {
+            mountpoint,
+            threads,
+            read_ahead_chunks,
+            read_ahead_budget,
+            spill_dir,
+            spill_limit,
+            drafts_dir,
+        } => {
             let defaults = starckpt_fuse::MountConfig::default();
             let config = starckpt_fuse::MountConfig {
                 read_ahead_chunks,
                 read_ahead_budget,
                 spill_dir: spill_dir.unwrap_or(defaults.spill_dir.clone()),
                 spill_limit_bytes: spill_limit,
+                drafts_dir,
                 ..defaults
             };
             commands::mount(&remote, &mountpoint, threads, config).await

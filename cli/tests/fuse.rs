@@ -33,6 +33,10 @@ impl Mounted {
         let log = std::fs::File::create(cluster.dir.path().join("mount.log")).unwrap();
         let mut child = Command::new(common::BIN)
             .args(["mount", point.to_str().unwrap()])
+            // The journal of drafts goes with the cluster's directory (a restart at the same point
+            // uses the same one).
+            .arg("--drafts-dir")
+            .arg(cluster.dir.path().join(format!("drafts-{}", point.file_name().unwrap().to_string_lossy())))
             .args(flags)
             .envs(env.iter().copied())
             .env("STARCKPT_SERVER", &cluster.server.address)
@@ -406,6 +410,42 @@ fn killing_the_mount_mid_write_commits_nothing_and_unmount_paths_work() {
     // A missing mount point is a clear error.
     let stderr = cluster.fails(&["mount", "/definitely/not/here"]);
     assert!(stderr.contains("does not exist"), "{stderr}");
+}
+
+/// A mount SIGKILLed in the middle of two saves (a tree being copied for a rename, a DCP step
+/// directory written in place) and started again lists both drafts with every file that was
+/// closed in them, and the saves' last steps (the rename, `.metadata`) commit them whole.
+#[test]
+fn a_restarted_mount_finds_its_drafts_and_commits_them() {
+    let cluster = Cluster::start(2);
+    let point = cluster.dir.path().join("ckpt");
+    let mut mount = Mounted::start(&cluster, &point);
+    let m = point.to_str().unwrap().to_owned();
+    let source = cluster.dir.path().join("source");
+    make_tree(&source);
+    let src = source.to_str().unwrap();
+    sh_ok(&format!("mkdir -p {m}/job/copy.tmp && cp -a {src}/. {m}/job/copy.tmp/"));
+    sh_ok(&format!("mkdir {m}/job/step-7 && cp {src}/optim.pt {m}/job/step-7/__0_0.distcp"));
+    mount.child.kill().unwrap();
+    mount.child.wait().unwrap();
+    sh_ok(&format!("umount -l {m}"));
+    assert!(cluster.json(&["ls", "job", "--all"]).as_array().unwrap().is_empty(), "nothing committed yet");
+
+    let _mount = Mounted::start(&cluster, &point);
+    let listed = sh_ok(&format!("ls -a {m}/job"));
+    assert_eq!(listed.split_whitespace().collect::<Vec<_>>(), [".", "..", "copy.tmp", "step-7"], "{listed}");
+    let size = std::fs::metadata(point.join("job/copy.tmp/model/weights.bin")).unwrap().len();
+    assert_eq!(size, 5 << 20);
+    sh_ok(&format!("mv {m}/job/copy.tmp {m}/job/step_3"));
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "job", "--step", "3", "--to", restored.to_str().unwrap()]);
+    assert_eq!(tree(&source), tree(&restored));
+    // DCP's last step, after the restart: the rest of the directory was kept.
+    python(&format!("open('{m}/job/step-7/.metadata', 'wb').write(b'meta')"));
+    sh_ok(&format!("cmp {m}/job/step-7/__0_0.distcp {src}/optim.pt"));
+    let steps: Vec<u64> =
+        cluster.json(&["ls", "job"]).as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [3, 7]);
 }
 
 /// A chunk read that fails (every copy's target down) is EIO for that read only: the same open

@@ -24,6 +24,7 @@ use starckpt_proto::{JobName, RelPath};
 use crate::read::{Reader, Reads};
 use crate::tree::{Child, StepTree, join, parse_step_name, split, step_name, step_of};
 
+mod journal;
 mod judge;
 mod names;
 mod spill;
@@ -61,6 +62,10 @@ pub struct MountConfig {
     /// Bytes those copies may hold together. Default 64 GiB: a few ranks' shards of a large
     /// model being written at once; past it files written in order go on without a copy.
     pub spill_limit_bytes: u64,
+    /// Where drafts are journaled so that they survive a restart of the mount (`fs/journal.rs`).
+    /// Default (None): `$TMPDIR/starckpt-drafts/<mount point>`, set by [`crate::mount`], so a
+    /// mount started again at the same point finds its drafts.
+    pub drafts_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for MountConfig {
@@ -74,6 +79,7 @@ impl Default for MountConfig {
             max_write: 16 << 20,
             spill_dir: std::env::temp_dir().join("starckpt-spill"),
             spill_limit_bytes: 64 << 30,
+            drafts_dir: None,
         }
     }
 }
@@ -172,6 +178,7 @@ pub struct CkptFs {
     config: MountConfig,
     reads: Reads,
     spills: Arc<spill::Spills>,
+    journal: Option<journal::Journal>,
     state: Mutex<State>,
     uid: u32,
     gid: u32,
@@ -210,17 +217,27 @@ impl CkptFs {
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
         let reads = Reads::new(client.clone(), runtime.clone(), config.read_ahead_chunks, config.read_ahead_budget);
         let spills = spill::Spills::new(config.spill_dir.clone(), config.spill_limit_bytes);
-        CkptFs {
+        let journal = config.drafts_dir.as_ref().and_then(|dir| match journal::Journal::open(dir) {
+            Ok(journal) => Some(journal),
+            Err(e) => {
+                tracing::error!(dir = %dir.display(), "no journal of drafts: they will not survive a restart of the mount: {e}");
+                None
+            }
+        });
+        let fs = CkptFs {
             client,
             runtime,
             config,
             reads,
             spills,
+            journal,
             state: Mutex::new(state),
             uid,
             gid,
             mounted_at: SystemTime::now(),
-        }
+        };
+        fs.restore_drafts();
+        fs
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -866,6 +883,7 @@ impl Filesystem for CkptFs {
                         files: BTreeMap::new(),
                         committing: false,
                         writers: Vec::new(),
+                        journaled: BTreeMap::new(),
                     };
                     draft.wrote(req.pid());
                     state.drafts.insert(id, draft);
@@ -885,6 +903,8 @@ impl Filesystem for CkptFs {
                     }
                     d.wrote(req.pid());
                     d.dirs.insert(full.clone());
+                    drop(state);
+                    self.journal_draft(draft);
                     Ok(Node::DraftDir { draft, path: full })
                 }
                 Node::StepDir { .. } => Err(Errno::EROFS),
@@ -1264,7 +1284,12 @@ impl Filesystem for CkptFs {
                         return Err(Errno::EISDIR);
                     }
                     let id = d.files.remove(&full).ok_or(Errno::ENOENT)?;
+                    let journaled = d.journaled.remove(&full).is_some();
                     state.files.remove(&id);
+                    drop(state);
+                    if journaled {
+                        self.journal_draft(draft);
+                    }
                     Ok(())
                 }
                 Node::Root => Err(Errno::EISDIR),
@@ -1312,7 +1337,9 @@ impl Filesystem for CkptFs {
                             return Err(Errno::ENOTEMPTY);
                         }
                         state.drafts.remove(&draft);
-                        state.draft_names.remove(&(job, name.to_owned()));
+                        state.draft_names.remove(&(job.clone(), name.to_owned()));
+                        drop(state);
+                        self.forget_draft(&job, name);
                         Ok(())
                     }
                     Node::Meta(_) => Err(Errno::EROFS),
@@ -1352,6 +1379,8 @@ impl Filesystem for CkptFs {
                         return Err(Errno::ENOTEMPTY);
                     }
                     d.dirs.remove(&full);
+                    drop(state);
+                    self.journal_draft(draft);
                     Ok(())
                 }
                 Node::Meta(_) => Err(Errno::EROFS),

@@ -72,8 +72,12 @@
 //! within the control plane's GC grace period (1 h by default) of its first bytes; past that
 //! the commit fails with `EIO` rather than commit a hole.
 //!
-//! Drafts live in the mount process: killing the mount in the middle of a draft commits nothing
-//! and loses the draft (not yet kept at the control plane).
+//! Drafts survive a restart of the mount: each draft's directories and the chunk lists of its
+//! closed files are journaled on local disk (`--drafts-dir`, default
+//! `$TMPDIR/starckpt-drafts/<mount point>`, `fs/journal.rs`) before the close that changed them
+//! returns, and a mount started again at the same point lists them, so the framework's next step
+//! commits them. Killing the mount commits nothing; a file still open then is lost (it never
+//! ended). The journal is on the mount's host, not yet at the control plane.
 //!
 //! ## Removing
 //!
@@ -201,6 +205,13 @@ pub fn mount(
     options.n_threads = Some(threads.max(1));
     options.clone_fd = true;
     let read_ahead_kb = config.max_write / 1024;
+    let mut config = config;
+    if config.drafts_dir.is_none() {
+        // By mount point: a mount started again at the same point finds its drafts.
+        let point = mountpoint.canonicalize().unwrap_or_else(|_| mountpoint.to_path_buf());
+        let name = point.to_string_lossy().replace('/', "_");
+        config.drafts_dir = Some(std::env::temp_dir().join("starckpt-drafts").join(name));
+    }
     let fs = CkptFs::new(client, runtime, config);
     let session = fuser::spawn_mount(fs, mountpoint, &options).map_err(|source| {
         let path = mountpoint.to_path_buf();

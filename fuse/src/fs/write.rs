@@ -30,6 +30,8 @@ pub(super) struct Draft {
     /// left it; one resuming must see only complete checkpoints), though its name still resolves
     /// (`mv` of a tree `cp` wrote, writing it again).
     pub(super) writers: Vec<super::names::Process>,
+    /// Its closed files as the journal keeps them (`fs/journal.rs`), by path.
+    pub(super) journaled: BTreeMap<String, StreamedFile>,
 }
 
 impl Draft {
@@ -107,6 +109,26 @@ pub(super) const COMPLETION_MARKERS: &[(&str, &str)] =
 const UPLOAD_PIECE_BYTES: usize = 4 << 20;
 
 impl DraftFile {
+    /// A file closed before the mount restarted: its chunk list, no spill copy.
+    fn closed(job: &str, draft: u64, done: StreamedFile) -> DraftFile {
+        DraftFile {
+            job: job.to_owned(),
+            draft: Some(draft),
+            path: Mutex::new(done.path.to_string()),
+            mode: AtomicU64::new(u64::from(done.mode)),
+            size: AtomicU64::new(done.size),
+            created: SystemTime::now(),
+            open_handles: AtomicU64::new(0),
+            abandoned: std::sync::atomic::AtomicBool::new(false),
+            killed: std::sync::atomic::AtomicBool::new(false),
+            judging: Default::default(),
+            writers: Default::default(),
+            spill: Mutex::new(None),
+            mtime: Mutex::new(None),
+            writer: tokio::sync::Mutex::new(Writer::Done(done)),
+        }
+    }
+
     pub(super) fn path(&self) -> String {
         self.path.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -419,9 +441,23 @@ impl CkptFs {
             d.dirs.retain(|p| renamed(p).is_none());
             d.dirs.extend(dirs);
         }
+        let journaled: Vec<(String, StreamedFile)> = moves
+            .iter()
+            .filter_map(|(old_path, new_path, _)| {
+                let mut file = d.journaled.remove(old_path)?;
+                file.path = RelPath::try_from(new_path.as_str()).ok()?;
+                Some((new_path.clone(), file))
+            })
+            .collect();
+        if !is_dir {
+            d.journaled.remove(to);
+        }
+        d.journaled.extend(journaled);
         for old in replaced {
             state.files.remove(&old);
         }
+        drop(state);
+        self.journal_draft(draft);
         Ok(if is_dir { None } else { files.into_iter().next() })
     }
 
@@ -442,6 +478,81 @@ impl CkptFs {
         state.draft_names.remove(&(d.job.clone(), d.name.clone()));
         for id in d.files.values() {
             state.files.remove(id);
+        }
+        drop(state);
+        self.forget_draft(&d.job, &d.name);
+    }
+
+    /// Notes in the journal that `path` of draft `draft` was closed as `done`.
+    pub(super) fn journal_closed(&self, draft: u64, path: &str, done: &StreamedFile) {
+        if let Some(d) = self.state().drafts.get_mut(&draft) {
+            d.journaled.insert(path.to_owned(), done.clone());
+        }
+        self.journal_draft(draft);
+    }
+
+    /// Writes draft `draft` to the journal as it is now. A failure is logged: the draft goes
+    /// on, but would not survive a restart of the mount.
+    pub(super) fn journal_draft(&self, draft: u64) {
+        let Some(journal) = &self.journal else { return };
+        let snapshot = self
+            .state()
+            .drafts
+            .get(&draft)
+            .map(|d| (d.job.clone(), d.name.clone(), d.dirs.clone(), d.journaled.clone()));
+        if let Some((job, name, dirs, files)) = snapshot
+            && let Err(e) = journal.record(&job, &name, &dirs, &files)
+        {
+            tracing::error!(
+                job,
+                draft = name,
+                "the draft could not be journaled; it would not survive a restart of the mount: {e}"
+            );
+        }
+    }
+
+    /// Takes a draft out of the journal.
+    pub(super) fn forget_draft(&self, job: &str, name: &str) {
+        if let Some(journal) = &self.journal {
+            journal.forget(job, name);
+        }
+    }
+
+    /// The drafts a previous run of this mount kept in its journal, back with their closed files.
+    pub(super) fn restore_drafts(&self) {
+        let Some(journal) = &self.journal else { return };
+        for kept in journal.load() {
+            let mut state = self.state();
+            if state.draft_names.contains_key(&(kept.job.clone(), kept.name.clone())) {
+                continue;
+            }
+            let id = state.next_draft;
+            state.next_draft += 1;
+            let mut files = BTreeMap::new();
+            let mut journaled = BTreeMap::new();
+            for done in kept.files {
+                let file_id = state.next_draft;
+                state.next_draft += 1;
+                let path = done.path.to_string();
+                state.files.insert(file_id, Arc::new(DraftFile::closed(&kept.job, id, done.clone())));
+                files.insert(path.clone(), file_id);
+                journaled.insert(path, done);
+            }
+            tracing::info!(job = %kept.job, draft = %kept.name, files = files.len(), "a draft kept across a restart of the mount is back");
+            state.local_jobs.insert(kept.job.clone());
+            state.draft_names.insert((kept.job.clone(), kept.name.clone()), id);
+            state.drafts.insert(
+                id,
+                Draft {
+                    job: kept.job,
+                    name: kept.name,
+                    dirs: kept.dirs,
+                    files,
+                    committing: false,
+                    writers: Vec::new(),
+                    journaled,
+                },
+            );
         }
     }
 
@@ -489,7 +600,12 @@ impl CkptFs {
                 let mode = file.mode.load(Ordering::Relaxed) as u32;
                 match self.upload_rest(file, open).await {
                     Ok(stream) => match stream.finish(rel, mode).await {
-                        Ok(done) => *writer = Writer::Done(done),
+                        Ok(done) => {
+                            if let Some(draft) = file.draft {
+                                self.journal_closed(draft, &path, &done);
+                            }
+                            *writer = Writer::Done(done);
+                        }
                         Err(e) => *writer = Writer::Failed(errno("write", &path, &e)),
                     },
                     Err(code) => *writer = Writer::Failed(code),
@@ -662,6 +778,9 @@ impl CkptFs {
         let draft_files: HashMap<u64, String> = match state.drafts.remove(&id) {
             Some(draft) => {
                 state.draft_names.remove(&(draft.job.clone(), draft.name.clone()));
+                if let Some(journal) = &self.journal {
+                    journal.forget(&draft.job, &draft.name);
+                }
                 for file in draft.files.values() {
                     state.files.remove(file);
                 }
