@@ -737,6 +737,22 @@ impl Filesystem for CkptFs {
         Ok(())
     }
 
+    fn destroy(&mut self) {
+        // A save that returned success but left a draft its framework never finished (no
+        // marker, no rename) is not a checkpoint: say so loudly where an operator looks.
+        let state = self.state();
+        for d in state.drafts.values().filter(|d| !d.files.is_empty()) {
+            tracing::warn!(
+                job = %d.job, draft = %d.name, files = d.files.len(),
+                journal = ?self.config.drafts_dir,
+                "unmounted with a checkpoint still being written: it is NOT committed (a mount started again at the same point lists it, with its closed files)"
+            );
+        }
+        for (job, name) in state.single_files.keys() {
+            tracing::warn!(%job, file = %name, "unmounted with a one-file checkpoint not committed (never closed, or a temporary name never renamed)");
+        }
+    }
+
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let result = self.node(parent).and_then(|parent| self.resolve(&parent, name_str(name)?));
         match result {
@@ -930,6 +946,7 @@ impl Filesystem for CkptFs {
         // A name with no step number in a job directory is a tracker file (`fs/names.rs`).
         if let (Ok(Node::Job(job)), Some(name)) = (self.node(parent), name.to_str())
             && step_of(name).is_none()
+            && !crate::tree::temporary(name)
         {
             let result = (|| {
                 if name == META_DIR || RelPath::try_from(name).is_err() {
@@ -956,8 +973,12 @@ impl Filesystem for CkptFs {
             let mode = mode & !umask & 0o7777;
             match self.node(parent)? {
                 Node::Job(job) => {
-                    // A one-file checkpoint: its step is the name's last number.
-                    step_of(name).ok_or(Errno::EINVAL)?;
+                    // A one-file checkpoint: its step is the name's last number. One with a
+                    // temporary name (`.tmpXXXX`, `model_5.pt.tmp`) waits for the rename to its
+                    // final name instead of its close.
+                    if !crate::tree::temporary(name) {
+                        step_of(name).ok_or(Errno::EINVAL)?;
+                    }
                     RelPath::try_from(name).map_err(|_| Errno::EINVAL)?;
                     if self.job_name_taken(&job, name)? {
                         return Err(Errno::EEXIST);
@@ -1422,7 +1443,9 @@ impl Filesystem for CkptFs {
                             }
                             self.commit_draft(draft, step, newname, Default::default())
                         }
-                        Node::DraftFile { .. } => Err(Errno::ENOTSUP),
+                        // The write-to-a-temporary-then-rename idiom (`os.replace(p + ".tmp", p)`,
+                        // safetensors' `.tmpXXXXXX`): the rename names the one-file checkpoint.
+                        Node::DraftFile { file } => self.rename_single(&job, name, file, newname),
                         _ => Err(Errno::EROFS),
                     }
                 }

@@ -37,6 +37,10 @@
 //! | Megatron (legacy) | `iter_000000N/mp_rank_00/...`, then `latest_checkpointed_iteration.txt` = `N` | the tracker file naming the draft's step |
 //! | `torch.save(sd, "/ckpt/job/model_5.pt")`, Lightning (a temporary file elsewhere, then `shutil.move`: copy, `copystat`) | one file in the job directory | its close (in `flush`, so `close()` reports a failure) |
 //!
+//! A one-file checkpoint under a temporary name (hidden, or ending `.tmp`, `.temp`, `.part`, `~`:
+//! safetensors' `.tmpXXXXXX`, `os.replace(p + ".tmp", p)`) is committed by the rename to its final
+//! name instead (at once if it was closed first, else at its close).
+//!
 //! A file created directly in the job directory whose name has **no number** is a tracker file
 //! (at most 64 KiB: `EFBIG`). Closed, its content (trimmed) names a draft, by name or by step,
 //! which is committed with the tracker's content in its metadata; the tracker then reads as the

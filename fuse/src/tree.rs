@@ -76,6 +76,13 @@ pub fn step_of(name: &str) -> Option<u64> {
     name[start..end].parse().ok()
 }
 
+/// Whether a file name in a job directory marks a file written to be renamed into place (a
+/// hidden name, or a `.tmp`, `.temp`, `.part` or `~` suffix): such a one-file checkpoint is
+/// committed by that rename, not by its close.
+pub fn temporary(name: &str) -> bool {
+    name.starts_with('.') || [".tmp", ".temp", ".part", "~"].iter().any(|suffix| name.ends_with(suffix))
+}
+
 /// A committed step's directory name: its decimal step.
 pub fn step_name(step: u64) -> String {
     step.to_string()
@@ -98,6 +105,8 @@ mod tests {
         assert_eq!(step_of("ckpt-7.tmp"), Some(7));
         assert_eq!(step_of("000042"), Some(42));
         assert_eq!(step_of("weights"), None);
+        assert!(temporary(".tmpab12cd") && temporary("model_5.pt.tmp") && temporary("x.part"));
+        assert!(!temporary("model_5.pt") && !temporary("latest"));
         assert_eq!(step_of("99999999999999999999999"), None);
         assert_eq!(parse_step_name("100"), Some(100));
         assert_eq!(parse_step_name("0100"), None);

@@ -258,6 +258,14 @@ save_file(t, job + "/checkpoint-7/model.safetensors")   # ftruncate to its size,
 assert torch.equal(load_file(job + "/checkpoint-7/model.safetensors")["a"], t["a"])  # a draft, read back
 os.rename(job + "/checkpoint-7", job + "/ckpt-7")
 assert torch.equal(load_file(job + "/ckpt-7/model.safetensors")["a"], t["a"])
+# Straight into the job directory: safetensors writes `.tmpXXXXXX` and renames it into place
+# while it is still open; the classic atomic write renames `NAME.tmp` after closing it.
+save_file(t, job + "/model-9.safetensors")
+assert torch.equal(load_file(job + "/model-9.safetensors")["a"], t["a"])
+torch.save(t, job + "/weights_10.pt.tmp")
+os.replace(job + "/weights_10.pt.tmp", job + "/weights_10.pt")
+assert torch.equal(torch.load(job + "/weights_10.pt")["a"], t["a"])
+assert sorted(os.listdir(job)) == ["ckpt-7", "model-9.safetensors", "weights_10.pt"], os.listdir(job)
 big = {{f"layer{{i}}": torch.randn(4 << 20) for i in range(20)}}   # 320 MiB
 torch.save(big, job + "/model_8.pt")
 back = torch.load(job + "/model_8.pt")
@@ -265,7 +273,7 @@ assert all(torch.equal(back[k], big[k]) for k in big)
 print("ok")
 """
     assert run(["-c", script], cluster).stdout.strip() == "ok"
-    assert committed(cluster, job) == {7: "committed", 8: "committed"}
+    assert committed(cluster, job) == {7: "committed", 8: "committed", 9: "committed", 10: "committed"}
 
 
 def test_cp_rsync_and_tar_into_drafts(cluster, mounted, job, tmp_path):

@@ -615,6 +615,7 @@ impl CkptFs {
         }
         if file.draft.is_none()
             && !file.abandoned.load(Ordering::Relaxed)
+            && !crate::tree::temporary(&path)
             && let Writer::Done(done) = &*writer
         {
             let step = step_of(&path).ok_or(Errno::EINVAL)?;
@@ -667,6 +668,43 @@ impl CkptFs {
             stream.write(&piece).await.map_err(|e| errno("write", &path, &e))?;
         }
         Ok(stream)
+    }
+
+    /// Renames one-file checkpoint `file` (not committed yet) of `job` from `name` to `new_name`.
+    /// A finished file under a final name is committed now; one still open commits at its close.
+    pub(super) fn rename_single(&self, job: &str, name: &str, file: u64, new_name: &str) -> Result<(), Errno> {
+        RelPath::try_from(new_name).map_err(|_| Errno::EINVAL)?;
+        let final_name = !crate::tree::temporary(new_name);
+        if final_name && step_of(new_name).is_none() {
+            return Err(Errno::EINVAL);
+        }
+        if self.job_name_taken(job, new_name)? {
+            return Err(Errno::EEXIST);
+        }
+        let file = self.state().files.get(&file).cloned().ok_or(Errno::ENOENT)?;
+        let new_path = RelPath::try_from(new_name).map_err(|_| Errno::EINVAL)?;
+        let done = self.block_on(async {
+            let mut writer = file.writer.lock().await;
+            match &mut *writer {
+                Writer::Done(done) => done.path = new_path,
+                Writer::Open(_) | Writer::Spilled => {}
+                Writer::Failed(code) => return Err(*code),
+                Writer::Committed(_) => return Err(Errno::EROFS),
+            }
+            {
+                let mut state = self.state();
+                let key = (job.to_owned(), name.to_owned());
+                let id = state.single_files.remove(&key).ok_or(Errno::ENOENT)?;
+                state.single_files.insert((job.to_owned(), new_name.to_owned()), id);
+            }
+            *file.path.lock().unwrap_or_else(|p| p.into_inner()) = new_name.to_owned();
+            Ok(matches!(&*writer, Writer::Done(_)))
+        })?;
+        if done && final_name {
+            // Its close came first: the rename is what ends it.
+            self.finish(&file)?;
+        }
+        Ok(())
     }
 
     /// Bookkeeping after a one-file checkpoint committed: the name now resolves to the committed
