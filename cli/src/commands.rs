@@ -55,6 +55,8 @@ pub struct ServerArgs {
     pub gc_interval: Option<Duration>,
     pub gc_grace: Duration,
     pub gc_deletes_per_sec: u32,
+    /// How long a draft's record lives without being put again.
+    pub draft_ttl: Duration,
     pub lost_after: Duration,
     pub repair_interval: Option<Duration>,
     /// The object-store tier's URL.
@@ -67,7 +69,7 @@ pub struct ServerArgs {
 }
 
 pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<()> {
-    let gc = GcConfig { grace: args.gc_grace, deletes_per_second: args.gc_deletes_per_sec };
+    let gc = GcConfig { grace: args.gc_grace, deletes_per_second: args.gc_deletes_per_sec, draft_ttl: args.draft_ttl };
     // Checked before anything binds, so a bad flag is one clear line.
     gc.validate(args.pending_timeout).map_err(anyhow::Error::msg)?;
     // Held until the process exits: one control plane per SQLite file.

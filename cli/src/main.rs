@@ -180,6 +180,10 @@ enum Command {
         /// GC deletes at most this many chunks per second.
         #[arg(long, default_value_t = 2000)]
         gc_deletes_per_sec: u32,
+        /// A draft (a checkpoint a mount writes in place) whose mount has not recorded it for
+        /// this many hours is forgotten, and its chunks collected: the mount is gone.
+        #[arg(long, default_value_t = 168, value_parser = clap::value_parser!(u64).range(1..=MAX_SECS / 3600))]
+        draft_ttl_hours: u64,
         /// A target silent this many seconds is lost: the copies it held are made again on live
         /// targets by the re-replication pass.
         #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(..=MAX_SECS))]
@@ -536,6 +540,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             gc_interval_secs,
             gc_grace_secs,
             gc_deletes_per_sec,
+            draft_ttl_hours,
             lost_after_secs,
             repair_interval_secs,
             tier,
@@ -556,6 +561,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     gc_grace_secs.unwrap_or(pending_timeout.saturating_mul(2).max(pending_timeout + 60)),
                 ),
                 gc_deletes_per_sec,
+                draft_ttl: Duration::from_secs(draft_ttl_hours * 3600),
                 lost_after: Duration::from_secs(lost_after_secs),
                 repair_interval: (repair_interval_secs > 0).then(|| Duration::from_secs(repair_interval_secs)),
                 tier,

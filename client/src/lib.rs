@@ -24,6 +24,7 @@
 //! ```
 
 mod control;
+mod drafts;
 mod error;
 pub mod faults;
 mod host_staging;
@@ -45,6 +46,7 @@ use starckpt_proto::buf::BufPool;
 use starckpt_proto::control::{self as pb};
 
 use control::{Control, ControlPlanes, Resend};
+pub use drafts::DraftInfo;
 pub use error::{Error, Result};
 pub use manager::{CheckpointManager, CheckpointPolicy, FinalReport, IfBusy, preemption_signal};
 pub use restore::{CheckpointManifest, ChunkSource, RestoreOptions, RestoreOutcome, RestoreProgress, restore_from};

@@ -31,6 +31,7 @@ pub mod address;
 pub mod buf;
 pub mod capability;
 pub mod codec;
+pub mod draft;
 pub mod frame;
 pub mod model;
 pub mod rdma;

@@ -595,6 +595,22 @@ impl TryFrom<pb::AcquireLeaseRequest> for AcquireLease {
     }
 }
 
+/// A part's manifest (or a draft's) validated, no larger encoded than a reader can fetch.
+pub fn part_manifest(manifest: Option<pb::Manifest>) -> Result<Manifest, ModelError> {
+    let manifest = manifest.ok_or_else(|| field("manifest", "missing"))?;
+    let encoded = prost::Message::encoded_len(&manifest);
+    if encoded > MAX_PART_MANIFEST_BYTES {
+        return Err(field(
+            "manifest",
+            format!(
+                "{encoded} bytes encoded, over the {MAX_PART_MANIFEST_BYTES} a part may have (a reader could never \
+                 fetch it): save fewer files per rank, or use larger chunks"
+            ),
+        ));
+    }
+    Manifest::try_from(manifest)
+}
+
 /// A validated CommitPart request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CommitPart {
@@ -615,21 +631,10 @@ pub struct CommitPart {
 impl TryFrom<pb::CommitPartRequest> for CommitPart {
     type Error = ModelError;
     fn try_from(request: pb::CommitPartRequest) -> Result<Self, Self::Error> {
-        let manifest = request.manifest.ok_or_else(|| field("manifest", "missing"))?;
-        let encoded = prost::Message::encoded_len(&manifest);
-        if encoded > MAX_PART_MANIFEST_BYTES {
-            return Err(field(
-                "manifest",
-                format!(
-                    "{encoded} bytes encoded, over the {MAX_PART_MANIFEST_BYTES} a part may have (a reader could never \
-                     fetch it): save fewer files per rank, or use larger chunks"
-                ),
-            ));
-        }
+        let manifest = part_manifest(request.manifest)?;
         if i64::try_from(request.checkpoint_id).is_err() {
             return Err(field("checkpoint_id", "out of range"));
         }
-        let manifest = Manifest::try_from(manifest)?;
         if request.written_bytes > manifest.total_bytes() {
             return Err(field(
                 "written_bytes",

@@ -2,8 +2,9 @@
 //!
 //! A pass marks, then sweeps:
 //!
-//! 1. **Mark.** Note the time `M`, then read every chunk hash named by a part of a PENDING or
-//!    COMMITTED checkpoint ([`MetaStore::live_chunks`], one snapshot).
+//! 1. **Mark.** Forget drafts not recorded again for the draft TTL (their mount is gone), note
+//!    the time `M`, then read every chunk hash named by a part of a PENDING or COMMITTED
+//!    checkpoint or by a draft's record ([`MetaStore::live_chunks`], one snapshot).
 //! 2. **Sweep**, target by target (live ones; a dead target's garbage waits for a later pass):
 //!    page through its chunks (data-plane LIST), and delete, in throttled batches, those that are
 //!    not marked and were last used (written, re-put, or reported present by HAS) before
@@ -20,6 +21,13 @@
 //!   commit came after `M`, so `t0 > M − pending_timeout > M − grace`: the chunk is too recent
 //!   to be swept. This is the "save that deduplicates against a chunk while GC runs" and the
 //!   "commit that lands during a sweep" of the retention tests.
+//! - A draft (a checkpoint a mount writes in place, `fuse/src/fs/journal.rs`) commits chunks
+//!   uploaded when its files were written, maybe long before it began. Those in its record at
+//!   the snapshot are marked. One recorded after the snapshot was uploaded (or reported present)
+//!   when its file was written, which is recent unless the file stayed open for longer than
+//!   `grace`; such a chunk may be swept, and the mount's commit, which asks the targets for every
+//!   chunk after it begins (a HAS, counted as a use), then fails (`EIO`) instead of committing a
+//!   hole.
 //! - A checkpoint imported from the object-store tier (`tier.rs` `import`) commits chunks nobody
 //!   may have used for a long time, so the argument above does not hold for it. Instead an import
 //!   takes GC's turn ([`Role::Gc`](super::store::Role), as a pass does): no pass marks before
@@ -59,6 +67,19 @@ pub struct GcConfig {
     /// Chunk deletions per second, over all targets: GC must not starve saves and restores of
     /// disk operations.
     pub deletes_per_second: u32,
+    /// A draft's record not put again for this long is forgotten, and its chunks with it: the
+    /// mount that held it is gone. At least `grace`.
+    pub draft_ttl: Duration,
+}
+
+impl Default for GcConfig {
+    fn default() -> Self {
+        GcConfig {
+            grace: Duration::from_secs(60 * 60),
+            deletes_per_second: 2000,
+            draft_ttl: Duration::from_secs(7 * 24 * 60 * 60),
+        }
+    }
 }
 
 impl GcConfig {
@@ -68,6 +89,12 @@ impl GcConfig {
                 "GC grace period {:?} must exceed the pending timeout {pending_timeout:?} by at least 60 s \
                  (a save may commit until its pending timeout, naming chunks it relied on)",
                 self.grace
+            ));
+        }
+        if self.draft_ttl < self.grace {
+            return Err(format!(
+                "draft TTL {:?} must be at least the GC grace period {:?}",
+                self.draft_ttl, self.grace
             ));
         }
         if self.deletes_per_second == 0 {
@@ -121,6 +148,17 @@ pub async fn collect(
     config: &GcConfig,
 ) -> MetaResult<GcReport> {
     let started = Instant::now();
+    let now = super::store::now_ms();
+    for draft in store.expire_drafts(now.saturating_sub(config.draft_ttl.as_millis() as u64)).await? {
+        tracing::warn!(
+            job = %draft.key.job,
+            draft = draft.key.name,
+            writer = draft.key.writer,
+            files = draft.file_count,
+            bytes = draft.total_bytes,
+            "a draft nobody recorded for the draft TTL is forgotten, and its chunks may be collected"
+        );
+    }
     let marked_at = Instant::now();
     let live = store.live_chunks().await?;
     tracing::info!(live_chunks = live.len(), "garbage collection pass marked the live chunks");

@@ -2,6 +2,7 @@
 //!
 //! Entry point: [`service::run`]. The binary (`starckpt server`) only parses flags and calls it.
 pub mod auth;
+mod drafts;
 pub mod gc;
 pub mod repair;
 pub mod service;

@@ -100,7 +100,7 @@ impl Default for ControlConfig {
             heartbeat_interval: Duration::from_secs(1),
             liveness_timeout: Duration::from_secs(5),
             pending_timeout: Duration::from_secs(30 * 60),
-            gc: GcConfig { grace: Duration::from_secs(60 * 60), deletes_per_second: 2000 },
+            gc: GcConfig::default(),
             gc_interval: Some(Duration::from_secs(10 * 60)),
             default_replicas: 2,
             repair: RepairConfig::default(),
@@ -344,7 +344,7 @@ fn is_alive(record: &TargetRecord, now: u64, liveness_timeout: Duration) -> bool
 }
 
 pub struct ControlService {
-    store: Arc<dyn MetaStore>,
+    pub(super) store: Arc<dyn MetaStore>,
     config: ControlConfig,
     collector: Arc<Collector>,
     /// [`ControlService::checkpoint_chunks`]' recent answers: ((job, step, id), when, index).
@@ -459,7 +459,7 @@ impl ControlService {
 
     /// How the chunks of `job` are addressed: with its tenant's key, derived from the cluster
     /// key (starckpt_proto::address).
-    fn addressing(&self, job: &JobName) -> Addressing {
+    pub(super) fn job_addressing(&self, job: &JobName) -> Addressing {
         Addressing::of_job(self.config.cluster_key.as_ref(), job)
     }
 
@@ -486,16 +486,17 @@ impl ControlService {
     }
 }
 
-fn invalid(error: ModelError) -> Status {
+pub(super) fn invalid(error: ModelError) -> Status {
     Status::invalid_argument(error.to_string())
 }
 
-fn meta_status(error: MetaError) -> Status {
+pub(super) fn meta_status(error: MetaError) -> Status {
     match error {
         MetaError::NotFound(m) => Status::not_found(m),
         MetaError::AlreadyExists(m) => Status::already_exists(m),
         MetaError::FailedPrecondition(m) => Status::failed_precondition(m),
         MetaError::InvalidArgument(m) => Status::invalid_argument(m),
+        MetaError::ResourceExhausted(m) => Status::resource_exhausted(m),
         error @ MetaError::Fenced(_) => Status::aborted(error.to_string()),
         error if error.is_transient() => {
             tracing::warn!(%error, "metadata store unavailable");
@@ -655,7 +656,7 @@ impl Control for ControlService {
             checkpoint_id: record.id,
             placement,
             replicas,
-            chunk_key: self.addressing(&request.job).to_wire(),
+            chunk_key: self.job_addressing(&request.job).to_wire(),
         }))
     }
 
@@ -907,7 +908,7 @@ impl Control for ControlService {
     ) -> Result<Response<pb::ChunkAddressingResponse>, Status> {
         let caller = self.caller(&request)?;
         let job = caller.new_job(&request.into_inner().job)?;
-        Ok(Response::new(pb::ChunkAddressingResponse { chunk_key: self.addressing(&job).to_wire() }))
+        Ok(Response::new(pb::ChunkAddressingResponse { chunk_key: self.job_addressing(&job).to_wire() }))
     }
 
     async fn data_capability(
@@ -1002,6 +1003,32 @@ impl Control for ControlService {
             present: report.present,
             errors: report.errors,
         }))
+    }
+
+    async fn put_draft(&self, request: Request<pb::PutDraftRequest>) -> Result<Response<pb::PutDraftResponse>, Status> {
+        let caller = self.caller(&request)?;
+        self.put_draft_as(&caller, request.into_inner()).await
+    }
+
+    async fn list_drafts(
+        &self,
+        request: Request<pb::ListDraftsRequest>,
+    ) -> Result<Response<pb::ListDraftsResponse>, Status> {
+        let caller = self.caller(&request)?;
+        self.list_drafts_as(&caller, request.into_inner()).await
+    }
+
+    async fn get_draft(&self, request: Request<pb::GetDraftRequest>) -> Result<Response<pb::GetDraftResponse>, Status> {
+        let caller = self.caller(&request)?;
+        self.get_draft_as(&caller, request.into_inner()).await
+    }
+
+    async fn drop_draft(
+        &self,
+        request: Request<pb::DropDraftRequest>,
+    ) -> Result<Response<pb::DropDraftResponse>, Status> {
+        let caller = self.caller(&request)?;
+        self.drop_draft_as(&caller, request.into_inner()).await
     }
 
     async fn tier(&self, request: Request<pb::TierRequest>) -> Result<Response<pb::TierResponse>, Status> {

@@ -46,6 +46,9 @@ pub enum MetaError {
     FailedPrecondition(String),
     #[error("{0}")]
     InvalidArgument(String),
+    /// A bound was reached (drafts of a job or a writer).
+    #[error("{0}")]
+    ResourceExhausted(String),
     /// The caller's run or epoch was superseded by a newer run of the job.
     #[error("fenced: {0}")]
     Fenced(String),
@@ -357,7 +360,21 @@ pub trait MetaStore: Send + Sync + 'static {
     /// Adds (or removes) `tag` on the committed checkpoint (job, step). NotFound if there is none;
     /// removing from a step deleted since (retention, once its last tag went) is done already.
     async fn tag_checkpoint(&self, job: &JobName, step: u64, tag: &str, remove: bool) -> MetaResult<()>;
-    /// Every chunk hash a part of a pending or committed checkpoint names: GC's mark set.
+    /// Records draft (job, name, writer) as `manifest` says, replacing its previous record;
+    /// ResourceExhausted past [`starckpt_proto::draft::MAX_DRAFTS_PER_JOB`] drafts of the job or
+    /// [`starckpt_proto::draft::MAX_DRAFTS_PER_WRITER`] of the writer.
+    async fn put_draft(&self, draft: &DraftKey, manifest: &Manifest, now_ms: u64) -> MetaResult<()>;
+    /// Every draft `writer` recorded, in every job, by job and name.
+    async fn drafts_of(&self, writer: &str) -> MetaResult<Vec<StoredDraft>>;
+    /// One draft's record with its files.
+    async fn get_draft(&self, draft: &DraftKey) -> MetaResult<Option<(StoredDraft, Manifest)>>;
+    /// Forgets a draft's record; whether there was one.
+    async fn drop_draft(&self, draft: &DraftKey) -> MetaResult<bool>;
+    /// Forgets drafts last recorded before `updated_before_ms` (abandoned: their mount is gone);
+    /// those forgotten.
+    async fn expire_drafts(&self, updated_before_ms: u64) -> MetaResult<Vec<StoredDraft>>;
+    /// Every chunk hash a part of a pending or committed checkpoint names, or a draft's record:
+    /// GC's mark set.
     async fn live_chunks(&self) -> MetaResult<HashSet<ChunkHash>>;
     /// Every chunk a committed checkpoint names, with every target a manifest lists for it and
     /// the copies it should have: the highest replication factor among the jobs naming it
@@ -418,6 +435,24 @@ pub trait MetaStore: Send + Sync + 'static {
     /// The database server's clock, where control planes on other hosts share the database
     /// (PostgreSQL); None for SQLite, which one host serves.
     async fn database_clock_ms(&self) -> MetaResult<Option<u64>>;
+}
+
+/// Which draft: its job (as stored, with a tenant's prefix), its name under the job and the
+/// writer (one mount) holding it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DraftKey {
+    pub job: JobName,
+    pub name: String,
+    pub writer: String,
+}
+
+/// A draft's record, without its files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredDraft {
+    pub key: DraftKey,
+    pub file_count: u64,
+    pub total_bytes: u64,
+    pub updated_at_ms: u64,
 }
 
 /// A committed checkpoint from the object-store tier ([`MetaStore::import_checkpoint`]).
@@ -1090,6 +1125,57 @@ pub(crate) mod conformance {
         store.delete_checkpoint(&job("g"), 4, None, 10).await.unwrap();
         let live = store.live_chunks().await.unwrap();
         assert_eq!(live, [ChunkHash([1; 32]), ChunkHash([3; 32])].into_iter().collect());
+    }
+
+    pub async fn drafts(store: &dyn MetaStore) {
+        use starckpt_proto::draft::{MAX_DRAFTS_PER_JOB, MAX_DRAFTS_PER_WRITER};
+        let key = |job_name: &str, name: &str, writer: &str| DraftKey {
+            job: job(job_name),
+            name: name.into(),
+            writer: writer.into(),
+        };
+        let files = |paths: &[&str]| {
+            let mut manifest = part(1, 7, paths[0], 10).manifest;
+            for path in &paths[1..] {
+                let mut more = part(1, 8, path, 5).manifest.files;
+                manifest.files.append(&mut more);
+            }
+            manifest
+        };
+        let (a, b) = (key("dj", "step-1", "host-a:/ckpt"), key("dj", "step-1", "host-b:/ckpt"));
+        assert_eq!(store.get_draft(&a).await.unwrap(), None);
+        store.put_draft(&a, &files(&["x"]), 100).await.unwrap();
+        store.put_draft(&a, &files(&["x", "sub/y"]), 200).await.unwrap();
+        store.put_draft(&b, &files(&["z"]), 150).await.unwrap();
+        let (stored, manifest) = store.get_draft(&a).await.unwrap().expect("recorded");
+        assert_eq!(manifest, files(&["x", "sub/y"]), "the last record replaces the first");
+        assert_eq!((stored.file_count, stored.total_bytes, stored.updated_at_ms), (2, 15, 200));
+        let listed = store.drafts_of("host-a:/ckpt").await.unwrap();
+        assert_eq!(listed, [stored.clone()], "one writer's drafts only");
+        assert!(store.live_chunks().await.unwrap().contains(&ChunkHash([8; 32])), "draft chunks are live");
+        // Forgetting is per writer, once.
+        assert!(store.drop_draft(&a).await.unwrap());
+        assert!(!store.drop_draft(&a).await.unwrap());
+        assert_eq!(store.get_draft(&a).await.unwrap(), None);
+        assert!(store.get_draft(&b).await.unwrap().is_some());
+        // Expiry forgets those not put again since.
+        store.put_draft(&a, &files(&["x"]), 300).await.unwrap();
+        let expired = store.expire_drafts(250).await.unwrap();
+        assert_eq!(expired.iter().map(|d| d.key.clone()).collect::<Vec<_>>(), [b.clone()]);
+        assert!(store.get_draft(&a).await.unwrap().is_some());
+        // Bounds: per job, then per writer; replacing a record is always allowed.
+        for i in 1..MAX_DRAFTS_PER_JOB {
+            store.put_draft(&key("dj", &format!("n{i}"), "many"), &files(&["f"]), 400).await.unwrap();
+        }
+        let full = store.put_draft(&key("dj", "one-more", "host-c"), &files(&["f"]), 400).await.unwrap_err();
+        assert!(matches!(&full, MetaError::ResourceExhausted(m) if m.contains("dj")), "{full}");
+        store.put_draft(&a, &files(&["x", "w"]), 500).await.unwrap();
+        assert_eq!(MAX_DRAFTS_PER_WRITER, MAX_DRAFTS_PER_JOB);
+        store.put_draft(&key("dj2", "n-last", "many"), &files(&["f"]), 400).await.unwrap();
+        let full = store.put_draft(&key("dj3", "n", "many"), &files(&["f"]), 400).await.unwrap_err();
+        assert!(matches!(&full, MetaError::ResourceExhausted(m) if m.contains("many")), "{full}");
+        assert_eq!(store.expire_drafts(450).await.unwrap().len() as u64, MAX_DRAFTS_PER_WRITER);
+        assert_eq!(store.drafts_of("many").await.unwrap(), []);
     }
 
     pub async fn repair_passes(store: &dyn MetaStore) {

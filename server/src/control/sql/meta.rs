@@ -7,7 +7,7 @@ use futures::TryStreamExt;
 use prost::Message;
 use sqlx::Row;
 use starckpt_proto::control as pb;
-use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, TargetRegistration, check_disjoint};
+use starckpt_proto::model::{AcquireLease, BeginCheckpoint, CommitPart, Manifest, TargetRegistration, check_disjoint};
 use starckpt_proto::{Addressing, ChunkHash, JobName};
 
 use super::queries::{
@@ -17,9 +17,9 @@ use super::queries::{
 };
 use super::{CHECKPOINT_COLUMNS, Dialect, SqlStore, role_lock};
 use crate::control::store::{
-    CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, ImportedCheckpoint, JobRecord, Leadership,
-    LeaseGrant, ManifestOf, ManifestPage, MetaError, MetaResult, MetaStore, RetentionPolicy, Role, TargetIds,
-    TargetRecord, TierSweeps, fault,
+    CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, DraftKey, ImportedCheckpoint, JobRecord,
+    Leadership, LeaseGrant, ManifestOf, ManifestPage, MetaError, MetaResult, MetaStore, RetentionPolicy, Role,
+    StoredDraft, TargetIds, TargetRecord, TierSweeps, fault,
 };
 
 #[async_trait]
@@ -654,7 +654,29 @@ impl MetaStore for SqlStore {
             let manifest = decode_manifest(&blob, id, rank)?;
             live.extend(manifest.files.iter().flat_map(|f| f.chunks.iter()).map(|c| c.hash));
         }
+        drop(rows);
+        super::drafts::mark_draft_chunks(&mut tx, &mut live).await?;
         Ok(live)
+    }
+
+    async fn put_draft(&self, draft: &DraftKey, manifest: &Manifest, now_ms: u64) -> MetaResult<()> {
+        self.put_draft_row(draft, manifest, now_ms).await
+    }
+
+    async fn drafts_of(&self, writer: &str) -> MetaResult<Vec<StoredDraft>> {
+        self.drafts_of_writer(writer).await
+    }
+
+    async fn get_draft(&self, draft: &DraftKey) -> MetaResult<Option<(StoredDraft, Manifest)>> {
+        self.draft_row(draft).await
+    }
+
+    async fn drop_draft(&self, draft: &DraftKey) -> MetaResult<bool> {
+        self.drop_draft_row(draft).await
+    }
+
+    async fn expire_drafts(&self, updated_before_ms: u64) -> MetaResult<Vec<StoredDraft>> {
+        self.expire_draft_rows(updated_before_ms).await
     }
 
     async fn committed_chunks(&self, default_replicas: u32) -> MetaResult<HashMap<ChunkHash, CommittedChunk>> {

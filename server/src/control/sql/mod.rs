@@ -34,7 +34,7 @@ const SCHEMA: &str = include_str!("schema.sql");
 /// 2: targets.failure_domain, the replication table. 3: targets.rdma_device. 5:
 /// control_planes.tier. 6: leases.started_at_ms. Older databases are migrated on open
 /// (PostgreSQL support began at 3).
-const SCHEMA_VERSION: i64 = 6;
+const SCHEMA_VERSION: i64 = 7;
 const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
      written_bytes, file_count, created_at_ms, committed_at_ms, \
      (SELECT string_agg(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags, \
@@ -255,7 +255,7 @@ impl SqlStore {
                     .await?;
             }
             Some(SCHEMA_VERSION) => {}
-            Some(old @ (1..=5)) => {
+            Some(old @ (1..=6)) => {
                 if old < 2 {
                     sqlx::query("ALTER TABLE targets ADD COLUMN failure_domain TEXT NOT NULL DEFAULT ''")
                         .execute(&mut *tx)
@@ -280,8 +280,11 @@ impl SqlStore {
                 // Its rows are refreshed every few seconds by the control planes they name: made
                 // again with the current columns (version 3 databases may or may not have it; 5
                 // added one).
-                sqlx::query("DROP TABLE IF EXISTS control_planes").execute(&mut *tx).await?;
-                sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&self.dialect.schema())).await?;
+                if old < 6 {
+                    sqlx::query("DROP TABLE IF EXISTS control_planes").execute(&mut *tx).await?;
+                    sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&self.dialect.schema())).await?;
+                }
+                // Version 7 added the drafts table, which the schema above made.
                 sqlx::query("UPDATE schema_version SET version = $1").bind(SCHEMA_VERSION).execute(&mut *tx).await?;
             }
             Some(other) => {
@@ -295,6 +298,7 @@ impl SqlStore {
     }
 }
 
+mod drafts;
 mod meta;
 mod queries;
 #[cfg(test)]

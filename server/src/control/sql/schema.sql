@@ -129,3 +129,20 @@ CREATE TABLE IF NOT EXISTS tags (
     tag           TEXT NOT NULL,
     PRIMARY KEY (checkpoint_id, tag)
 );
+
+-- Drafts: checkpoints a mount is writing in place, each writer's record of its closed files
+-- (proto/src/draft.rs). Their chunks are live for GC; a record not put again within the draft
+-- TTL is forgotten (gc.rs). (Added in schema version 7.)
+CREATE TABLE IF NOT EXISTS drafts (
+    job           TEXT NOT NULL,
+    name          TEXT NOT NULL,
+    writer        TEXT NOT NULL,
+    -- prost-encoded starckpt.control.v1.Manifest, validated before insertion and after reading.
+    manifest      {BYTES} NOT NULL,
+    file_count    BIGINT NOT NULL,
+    total_bytes   BIGINT NOT NULL,
+    updated_at_ms BIGINT NOT NULL,
+    PRIMARY KEY (job, name, writer)
+);
+CREATE INDEX IF NOT EXISTS drafts_by_writer ON drafts (writer, job, name);
+CREATE INDEX IF NOT EXISTS drafts_by_age ON drafts (updated_at_ms);

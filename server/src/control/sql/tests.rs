@@ -51,6 +51,7 @@ on_both!(
     expired_pending_is_not_joined,
     committed_chunks,
     live_chunks,
+    drafts,
     tiering,
     repair_passes,
     control_plane_settings,

@@ -1,0 +1,105 @@
+//! The control plane's side of drafts (`proto/src/draft.rs`): the PutDraft, ListDrafts,
+//! GetDraft and DropDraft handlers, in the caller's namespace.
+//!
+//! A tenant's writers are its own: the writer name is stored under the tenant's prefix, so two
+//! tenants' mounts of the same name neither see nor crowd out each other's drafts.
+
+use starckpt_proto::control as pb;
+use starckpt_proto::draft::{validate_name, validate_writer};
+use starckpt_proto::model::{Manifest, part_manifest};
+use tonic::{Response, Status};
+
+use super::auth::Caller;
+use super::service::{ControlService, invalid, meta_status};
+use super::store::{DraftKey, StoredDraft, now_ms};
+
+/// The writer `writer` as stored for `caller`.
+fn stored_writer(caller: &Caller, writer: &str) -> Result<String, Status> {
+    validate_writer(writer).map_err(invalid)?;
+    Ok(match caller.namespace() {
+        Some(tenant) => format!("{tenant}/{writer}"),
+        None => writer.to_owned(),
+    })
+}
+
+fn key(caller: &Caller, job: &str, name: &str, writer: &str) -> Result<DraftKey, Status> {
+    validate_name(name).map_err(invalid)?;
+    Ok(DraftKey { job: caller.job(job)?, name: name.to_owned(), writer: stored_writer(caller, writer)? })
+}
+
+fn info(caller: &Caller, writer: &str, draft: &StoredDraft) -> pb::DraftInfo {
+    pb::DraftInfo {
+        job: caller.shown(draft.key.job.as_str()),
+        name: draft.key.name.clone(),
+        writer: writer.to_owned(),
+        file_count: draft.file_count,
+        total_bytes: draft.total_bytes,
+        updated_at_ms: draft.updated_at_ms,
+    }
+}
+
+impl ControlService {
+    pub(super) async fn put_draft_as(
+        &self,
+        caller: &Caller,
+        request: pb::PutDraftRequest,
+    ) -> Result<Response<pb::PutDraftResponse>, Status> {
+        let mut key = key(caller, &request.job, &request.name, &request.writer)?;
+        key.job = caller.new_job(&request.job)?;
+        let manifest: Manifest = part_manifest(request.manifest).map_err(invalid)?;
+        let wanted = self.job_addressing(&key.job);
+        if manifest.addressing != wanted && !manifest.files.iter().all(|f| f.chunks.is_empty()) {
+            return Err(Status::invalid_argument(format!(
+                "draft {} of job {}: its chunks are not addressed as the job's are (ChunkAddressing says how)",
+                key.name, request.job
+            )));
+        }
+        self.store.put_draft(&key, &manifest, now_ms()).await.map_err(|e| caller.told(meta_status(e)))?;
+        Ok(Response::new(pb::PutDraftResponse {}))
+    }
+
+    pub(super) async fn list_drafts_as(
+        &self,
+        caller: &Caller,
+        request: pb::ListDraftsRequest,
+    ) -> Result<Response<pb::ListDraftsResponse>, Status> {
+        let writer = stored_writer(caller, &request.writer)?;
+        let drafts = self.store.drafts_of(&writer).await.map_err(|e| caller.told(meta_status(e)))?;
+        Ok(Response::new(pb::ListDraftsResponse {
+            drafts: drafts
+                .iter()
+                .filter(|d| caller.reaches(d.key.job.as_str()))
+                .map(|d| info(caller, &request.writer, d))
+                .collect(),
+        }))
+    }
+
+    pub(super) async fn get_draft_as(
+        &self,
+        caller: &Caller,
+        request: pb::GetDraftRequest,
+    ) -> Result<Response<pb::GetDraftResponse>, Status> {
+        let key = key(caller, &request.job, &request.name, &request.writer)?;
+        let found = self.store.get_draft(&key).await.map_err(|e| caller.told(meta_status(e)))?;
+        let Some((stored, manifest)) = found else {
+            return Err(Status::not_found(format!(
+                "job {} has no draft {} recorded by {}",
+                request.job, request.name, request.writer
+            )));
+        };
+        Ok(Response::new(pb::GetDraftResponse {
+            draft: Some(info(caller, &request.writer, &stored)),
+            manifest: Some(pb::Manifest::from(&manifest)),
+        }))
+    }
+
+    pub(super) async fn drop_draft_as(
+        &self,
+        caller: &Caller,
+        request: pb::DropDraftRequest,
+    ) -> Result<Response<pb::DropDraftResponse>, Status> {
+        let key = key(caller, &request.job, &request.name, &request.writer)?;
+        let dropped = self.store.drop_draft(&key).await.map_err(|e| caller.told(meta_status(e)))?;
+        Ok(Response::new(pb::DropDraftResponse { dropped }))
+    }
+}
