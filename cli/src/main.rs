@@ -30,6 +30,11 @@ use starckpt_server::target::EngineKind;
 /// from where adding durations or counting them in milliseconds overflows.
 const MAX_SECS: u64 = 10 * 365 * 24 * 3600;
 
+fn parse_draft_writer(text: &str) -> Result<String, String> {
+    starckpt_proto::draft::validate_writer(text).map_err(|e| e.to_string())?;
+    Ok(text.to_owned())
+}
+
 #[derive(Parser)]
 #[command(name = "starckpt", version, about = "Checkpoint storage for large-model training")]
 struct Cli {
@@ -431,11 +436,11 @@ enum Command {
         /// Bytes the spill directory may hold for this mount (e.g. 64GiB).
         #[arg(long, default_value = "64GiB", value_parser = crate::demo::parse_size)]
         spill_limit: u64,
-        /// Local directory journaling drafts (the closed files of checkpoints being written), so
-        /// a mount started again at the same point finds them. Default:
-        /// $TMPDIR/starckpt-drafts/<mount point>.
-        #[arg(long, env = "STARCKPT_DRAFTS_DIR")]
-        drafts_dir: Option<PathBuf>,
+        /// The name this mount records its drafts (the closed files of checkpoints being
+        /// written in place) under at the control plane: a mount started again with the same
+        /// name, on any host, gets them back. Default: <host>:<mount point>.
+        #[arg(long, env = "STARCKPT_DRAFT_WRITER", value_parser = parse_draft_writer)]
+        draft_writer: Option<String>,
     },
     /// Targets, their capacity and health.
     Status,
@@ -677,7 +682,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             read_ahead_budget,
             spill_dir,
             spill_limit,
-            drafts_dir,
+            draft_writer,
         } => {
             let defaults = starckpt_fuse::MountConfig::default();
             let config = starckpt_fuse::MountConfig {
@@ -685,7 +690,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 read_ahead_budget,
                 spill_dir: spill_dir.unwrap_or(defaults.spill_dir.clone()),
                 spill_limit_bytes: spill_limit,
-                drafts_dir,
+                draft_writer,
                 ..defaults
             };
             commands::mount(&remote, &mountpoint, threads, config).await

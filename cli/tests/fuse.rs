@@ -33,10 +33,6 @@ impl Mounted {
         let log = std::fs::File::create(cluster.dir.path().join("mount.log")).unwrap();
         let mut child = Command::new(common::BIN)
             .args(["mount", point.to_str().unwrap()])
-            // The journal of drafts goes with the cluster's directory (a restart at the same point
-            // uses the same one).
-            .arg("--drafts-dir")
-            .arg(cluster.dir.path().join(format!("drafts-{}", point.file_name().unwrap().to_string_lossy())))
             .args(flags)
             .envs(env.iter().copied())
             .env("STARCKPT_SERVER", &cluster.server.address)
@@ -413,13 +409,16 @@ fn killing_the_mount_mid_write_commits_nothing_and_unmount_paths_work() {
 }
 
 /// A mount SIGKILLed in the middle of two saves (a tree being copied for a rename, a DCP step
-/// directory written in place) and started again lists both drafts with every file that was
-/// closed in them, and the saves' last steps (the rename, `.metadata`) commit them whole.
+/// directory written in place) and started again under the same writer name, at another mount
+/// point (as on another host: the drafts are kept at the control plane), lists both drafts with
+/// every file that was closed in them, and the saves' last steps (the rename, `.metadata`)
+/// commit them whole; their records are gone once committed.
 #[test]
 fn a_restarted_mount_finds_its_drafts_and_commits_them() {
     let cluster = Cluster::start(2);
     let point = cluster.dir.path().join("ckpt");
-    let mut mount = Mounted::start(&cluster, &point);
+    let writer = ["--draft-writer", "trainer-7:/ckpt"];
+    let mut mount = Mounted::start_with(&cluster, &point, &writer);
     let m = point.to_str().unwrap().to_owned();
     let source = cluster.dir.path().join("source");
     make_tree(&source);
@@ -431,7 +430,10 @@ fn a_restarted_mount_finds_its_drafts_and_commits_them() {
     sh_ok(&format!("umount -l {m}"));
     assert!(cluster.json(&["ls", "job", "--all"]).as_array().unwrap().is_empty(), "nothing committed yet");
 
-    let _mount = Mounted::start(&cluster, &point);
+    // Another mount point, the same writer: its drafts come back.
+    let point = cluster.dir.path().join("ckpt-moved");
+    let mut mount = Mounted::start_with(&cluster, &point, &writer);
+    let m = point.to_str().unwrap().to_owned();
     let listed = sh_ok(&format!("ls -a {m}/job"));
     assert_eq!(listed.split_whitespace().collect::<Vec<_>>(), [".", "..", "copy.tmp", "step-7"], "{listed}");
     let size = std::fs::metadata(point.join("job/copy.tmp/model/weights.bin")).unwrap().len();
@@ -446,6 +448,47 @@ fn a_restarted_mount_finds_its_drafts_and_commits_them() {
     let steps: Vec<u64> =
         cluster.json(&["ls", "job"]).as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, [3, 7]);
+
+    // Committed, the drafts' records are gone: the writer started once more sees no draft.
+    mount.child.kill().unwrap();
+    mount.child.wait().unwrap();
+    sh_ok(&format!("umount -l {m}"));
+    let _mount = Mounted::start_with(&cluster, &point, &writer);
+    let listed = sh_ok(&format!("ls -a {m}/job"));
+    assert_eq!(listed.split_whitespace().collect::<Vec<_>>(), [".", "..", "step-7", "step_3"], "{listed}");
+}
+
+/// A close in a draft whose record the control plane cannot take fails (`EIO`): the file would
+/// not survive a restart of the mount, and the framework is told its save failed.
+#[test]
+fn a_close_whose_draft_cannot_be_recorded_fails() {
+    let cluster = Cluster::start(1);
+    let point = cluster.dir.path().join("ckpt");
+    let _mount = Mounted::start(&cluster, &point);
+    let m = point.to_str().unwrap().to_owned();
+    sh_ok(&format!("mkdir {m}/job && mkdir {m}/job/step-1 && echo a > {m}/job/step-1/a"));
+    // The job's bound on drafts (1,024) is reached through the SDK, then the mount's next draft
+    // cannot be recorded.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let config = starckpt_client::ClientConfig::new(cluster.server.address.clone());
+        let client = starckpt_client::Client::connect(config).await.unwrap();
+        let empty = starckpt_proto::model::Manifest {
+            files: vec![],
+            directories: vec![],
+            metadata: Default::default(),
+            addressing: starckpt_proto::Addressing::plain(),
+        };
+        for i in 1..starckpt_proto::draft::MAX_DRAFTS_PER_JOB {
+            client.put_draft("job", &format!("other-{i}"), "elsewhere", &empty).await.unwrap();
+        }
+    });
+    sh_ok(&format!("mkdir {m}/job/step-2"));
+    let closed = python_errno(&format!("with open('{m}/job/step-2/b', 'wb') as f:\n    f.write(b'b')"));
+    assert_eq!(closed, "EIO", "the close succeeded without a record");
+    // The draft recorded before the bound was reached is intact, and commits.
+    python(&format!("open('{m}/job/step-1/.metadata', 'wb').write(b'meta')"));
+    assert_eq!(cluster.json(&["ls", "job"]).as_array().unwrap().len(), 1);
 }
 
 /// A chunk read that fails (every copy's target down) is EIO for that read only: the same open

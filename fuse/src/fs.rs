@@ -63,10 +63,10 @@ pub struct MountConfig {
     /// Bytes those copies may hold together. Default 64 GiB: a few ranks' shards of a large
     /// model being written at once; past it files written in order go on without a copy.
     pub spill_limit_bytes: u64,
-    /// Where drafts are journaled so that they survive a restart of the mount (`fs/journal.rs`).
-    /// Default (None): `$TMPDIR/starckpt-drafts/<mount point>`, set by [`crate::mount`], so a
-    /// mount started again at the same point finds its drafts.
-    pub drafts_dir: Option<std::path::PathBuf>,
+    /// The name this mount records its drafts under at the control plane, so that they survive
+    /// a restart of the mount (`fs/journal.rs`): a mount started again with the same name, on
+    /// any host, gets them back. Default (None): `<host>:<mount point>`, set by [`crate::mount`].
+    pub draft_writer: Option<String>,
 }
 
 impl Default for MountConfig {
@@ -80,7 +80,7 @@ impl Default for MountConfig {
             max_write: 16 << 20,
             spill_dir: std::env::temp_dir().join("starckpt-spill"),
             spill_limit_bytes: 64 << 30,
-            drafts_dir: None,
+            draft_writer: None,
         }
     }
 }
@@ -179,7 +179,8 @@ pub struct CkptFs {
     config: MountConfig,
     reads: Reads,
     spills: Arc<spill::Spills>,
-    journal: Option<journal::Journal>,
+    /// Held while a draft's record is put or dropped at the control plane (`fs/journal.rs`).
+    recording: tokio::sync::Mutex<()>,
     state: Mutex<State>,
     uid: u32,
     gid: u32,
@@ -229,26 +230,25 @@ impl CkptFs {
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
         let reads = Reads::new(client.clone(), runtime.clone(), config.read_ahead_chunks, config.read_ahead_budget);
         let spills = spill::Spills::new(config.spill_dir.clone(), config.spill_limit_bytes);
-        let journal = config.drafts_dir.as_ref().and_then(|dir| match journal::Journal::open(dir) {
-            Ok(journal) => Some(journal),
-            Err(e) => {
-                tracing::error!(dir = %dir.display(), "no journal of drafts: they will not survive a restart of the mount: {e}");
-                None
-            }
-        });
         let fs = CkptFs {
             client,
             runtime,
             config,
             reads,
             spills,
-            journal,
+            recording: tokio::sync::Mutex::new(()),
             state: Mutex::new(state),
             uid,
             gid,
             mounted_at: SystemTime::now(),
         };
-        fs.restore_drafts();
+        // On a thread of its own: the caller may be running on the runtime.
+        std::thread::scope(|scope| {
+            let restoring = scope.spawn(|| fs.runtime.block_on(fs.restore_drafts()));
+            if restoring.join().is_err() {
+                tracing::error!("restoring the drafts of an earlier run of this mount failed");
+            }
+        });
         fs
     }
 
@@ -384,7 +384,7 @@ impl Filesystem for CkptFs {
         for d in state.drafts.values().filter(|d| !d.files.is_empty()) {
             tracing::warn!(
                 job = %d.job, draft = %d.name, files = d.files.len(),
-                journal = ?self.config.drafts_dir,
+                writer = ?self.config.draft_writer,
                 "unmounted with a checkpoint still being written: it is NOT committed (a mount started again at the same point lists it, with its closed files)"
             );
         }
@@ -560,7 +560,7 @@ impl Filesystem for CkptFs {
                     d.wrote(req.pid());
                     d.dirs.insert(full.clone());
                     drop(state);
-                    self.journal_draft(draft);
+                    self.journal_draft(draft)?;
                     Ok(Node::DraftDir { draft, path: full })
                 }
                 Node::StepDir { .. } => Err(Errno::EROFS),
@@ -949,7 +949,7 @@ impl Filesystem for CkptFs {
                     state.files.remove(&id);
                     drop(state);
                     if journaled {
-                        self.journal_draft(draft);
+                        self.journal_draft(draft)?;
                     }
                     Ok(())
                 }
@@ -1041,7 +1041,7 @@ impl Filesystem for CkptFs {
                     }
                     d.dirs.remove(&full);
                     drop(state);
-                    self.journal_draft(draft);
+                    self.journal_draft(draft)?;
                     Ok(())
                 }
                 Node::Meta(_) => Err(Errno::EROFS),

@@ -77,11 +77,13 @@
 //! the commit fails with `EIO` rather than commit a hole.
 //!
 //! Drafts survive a restart of the mount: each draft's directories and the chunk lists of its
-//! closed files are journaled on local disk (`--drafts-dir`, default
-//! `$TMPDIR/starckpt-drafts/<mount point>`, `fs/journal.rs`) before the close that changed them
-//! returns, and a mount started again at the same point lists them, so the framework's next step
-//! commits them. Killing the mount commits nothing; a file still open then is lost (it never
-//! ended). The journal is on the mount's host, not yet at the control plane.
+//! closed files are recorded at the control plane under the mount's writer name
+//! (`--draft-writer`, default `<host>:<mount point>`, `fs/journal.rs`) before the close that
+//! changed them returns (a close whose record cannot be made fails, `EIO`), and a mount started
+//! again with the same writer name, on this host or another, lists them, so the framework's next
+//! step commits them. Killing the mount commits nothing; a file still open then is lost (it
+//! never ended). A record nobody puts again for the control plane's draft TTL (7 days by
+//! default) is forgotten, and its chunks collected.
 //!
 //! ## Removing
 //!
@@ -212,11 +214,22 @@ pub fn mount(
     options.clone_fd = true;
     let read_ahead_kb = fs::read_ahead_bytes(&client, &config) / 1024;
     let mut config = config;
-    if config.drafts_dir.is_none() {
-        // By mount point: a mount started again at the same point finds its drafts.
+    if config.draft_writer.is_none() {
+        // By host and mount point: a mount started again at the same point finds its drafts.
         let point = mountpoint.canonicalize().unwrap_or_else(|_| mountpoint.to_path_buf());
-        let name = point.to_string_lossy().replace('/', "_");
-        config.drafts_dir = Some(std::env::temp_dir().join("starckpt-drafts").join(name));
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let host = if host.trim().is_empty() { "localhost" } else { host.trim() };
+        let mut writer = format!("{host}:{}", point.display());
+        // Within the bound on writer names, and unique still when cut (a hash of the whole).
+        if writer.len() > starckpt_proto::draft::MAX_WRITER_BYTES {
+            let hash = blake3::hash(writer.as_bytes()).to_hex();
+            let mut keep = starckpt_proto::draft::MAX_WRITER_BYTES - 17;
+            while !writer.is_char_boundary(keep) {
+                keep -= 1;
+            }
+            writer = format!("{}~{}", &writer[..keep], &hash[..16]);
+        }
+        config.draft_writer = Some(writer);
     }
     let fs = CkptFs::new(client, runtime, config);
     let session = fuser::spawn_mount(fs, mountpoint, &options).map_err(|source| {

@@ -37,7 +37,7 @@ class Mount:
         self.log = point.parent / f"{point.name}.log"
         with open(self.log, "ab") as log:
             self.popen = subprocess.Popen(
-                [starckpt_bin(), "mount", str(point), "--drafts-dir", str(point.parent / f"{point.name}.drafts"), *flags],
+                [starckpt_bin(), "mount", str(point), *flags],
                 stdout=subprocess.PIPE,
                 stderr=log,
                 env={**os.environ, "STARCKPT_SERVER": cluster.address, "RUST_LOG": "info"},

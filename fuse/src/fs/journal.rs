@@ -1,156 +1,56 @@
-//! Drafts kept across restarts of the mount: each draft's directories and the chunk lists of its
-//! closed files, written to a journal file on local disk whenever they change, so that a mount
-//! killed (or upgraded) in the middle of a save comes back with every file that was closed in
-//! it, and the framework's next step (its `.metadata`, its tracker file, the rename) commits them.
+//! Drafts kept across restarts of the mount, at the control plane: each draft's directories and
+//! the chunk lists of its closed files are recorded there (`PutDraft`, `proto/src/draft.rs`)
+//! under this mount's writer name (`--draft-writer`, default `<host>:<mount point>`) before the
+//! close that changed them returns, so that a mount killed, upgraded or moved in the middle of a
+//! save comes back (started again with the same writer name, on any host) with every file that
+//! was closed in it, and the framework's next step (its `.metadata`, its tracker file, the
+//! rename) commits them. The control plane keeps the record's chunks from GC while it lives, and
+//! forgets a record not put again within its draft TTL (7 days by default).
 //!
-//! One file per draft, named by the hash of its job and name, holding a prost-encoded
-//! `starckpt.control.v1.Manifest` (the same message a rank commits, validated the same way when
-//! read back): its files and directories, the job and draft name in its metadata, and the key
-//! the chunks are addressed with. The key is a tenant's secret, so the directory is 0700 and the
-//! files 0600. Each write is durable before the request that caused it is answered: a temporary
-//! file, fsync, rename over the old one, fsync of the directory.
+//! The record is a part's manifest, validated the same way when read back. Records of one mount
+//! are put one at a time, each the whole draft as it is, so the last one the control plane has
+//! is the newest. A close whose record cannot be put (the control plane unreachable past the
+//! client's failover timeout) fails with `EIO`: the file would not survive a restart, and a
+//! framework told its save failed does not rely on it.
 //!
-//! A file still open when the mount died is not in the journal: its bytes up to then are on the
+//! A file still open when the mount died is not in the record: its bytes up to then are on the
 //! targets but it never ended, so it is lost, as it would be on a local disk without a close.
-//! Chunks of a draft are kept by the targets only for the control plane's GC grace period (1 h by
-//! default) from their upload; a draft committed later fails its commit (`EIO`) rather than
-//! commit a hole.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{self, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use prost::Message;
 use starckpt_client::StreamedFile;
-use starckpt_proto::control as pb;
 use starckpt_proto::model::{FileEntry, Manifest};
 use starckpt_proto::{Addressing, RelPath};
 
-const JOB_KEY: &str = "starckpt.fuse.draft.job";
-const NAME_KEY: &str = "starckpt.fuse.draft.name";
-/// Largest journal file read back (a draft of very many files).
-const MAX_JOURNAL_BYTES: u64 = 256 << 20;
+use super::write::{Draft, DraftFile};
+use super::{CkptFs, errno};
+use fuser::Errno;
 
-/// A draft as the journal keeps it.
-#[derive(Debug)]
-pub(super) struct Kept {
-    pub(super) job: String,
-    pub(super) name: String,
-    pub(super) dirs: BTreeSet<String>,
-    pub(super) files: Vec<StreamedFile>,
-}
-
-pub(super) struct Journal {
-    dir: PathBuf,
-    /// One writer at a time, so the last snapshot written is the newest.
-    writing: std::sync::Mutex<()>,
-}
-
-impl Journal {
-    pub(super) fn open(dir: &Path) -> io::Result<Journal> {
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-        Ok(Journal { dir: dir.to_path_buf(), writing: std::sync::Mutex::new(()) })
-    }
-
-    fn path(&self, job: &str, name: &str) -> PathBuf {
-        // Names are any bytes a file name may hold: the journal's file is named by a hash.
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        std::hash::Hash::hash(&(job, name), &mut hasher);
-        let hash = std::hash::Hasher::finish(&hasher);
-        self.dir.join(format!("draft-{hash:016x}.pb"))
-    }
-
-    /// Records draft `name` of `job` as it is now: durable once this returns.
-    pub(super) fn record(
-        &self,
-        job: &str,
-        name: &str,
-        dirs: &BTreeSet<String>,
-        files: &BTreeMap<String, StreamedFile>,
-    ) -> io::Result<()> {
-        let addressing = files.values().next().map(|f| f.addressing).unwrap_or_else(Addressing::plain);
-        let manifest = Manifest {
-            files: files
-                .iter()
-                .filter_map(|(path, file)| {
-                    Some(FileEntry {
-                        path: RelPath::try_from(path.as_str()).ok()?,
-                        size_bytes: file.size,
-                        mode: file.mode,
-                        chunks: file.chunks.clone(),
-                    })
+/// A draft's record: its closed files and its directories.
+fn manifest_of(dirs: &BTreeSet<String>, files: &BTreeMap<String, StreamedFile>) -> Manifest {
+    Manifest {
+        files: files
+            .iter()
+            .filter_map(|(path, file)| {
+                Some(FileEntry {
+                    path: RelPath::try_from(path.as_str()).ok()?,
+                    size_bytes: file.size,
+                    mode: file.mode,
+                    chunks: file.chunks.clone(),
                 })
-                .collect(),
-            directories: dirs
-                .iter()
-                .filter(|d| !d.is_empty())
-                .filter_map(|d| RelPath::try_from(d.as_str()).ok())
-                .collect(),
-            metadata: [(JOB_KEY.to_owned(), job.to_owned()), (NAME_KEY.to_owned(), name.to_owned())]
-                .into_iter()
-                .collect(),
-            addressing,
-        };
-        let bytes = pb::Manifest::from(&manifest).encode_to_vec();
-        let _writing = self.writing.lock().unwrap_or_else(|p| p.into_inner());
-        let path = self.path(job, name);
-        let temporary = path.with_extension("tmp");
-        let mut file =
-            std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&temporary)?;
-        file.write_all(&bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&temporary, &path)?;
-        std::fs::File::open(&self.dir)?.sync_all()
-    }
-
-    /// Forgets draft `name` of `job` (committed, dropped or removed).
-    pub(super) fn forget(&self, job: &str, name: &str) {
-        let _writing = self.writing.lock().unwrap_or_else(|p| p.into_inner());
-        match std::fs::remove_file(self.path(job, name)) {
-            Ok(()) => {
-                let _ = std::fs::File::open(&self.dir).and_then(|d| d.sync_all());
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => tracing::error!(job, draft = name, "forgetting a draft in the journal: {e}"),
-        }
-    }
-
-    /// Every draft kept; a journal file that cannot be read is left where it is and said so.
-    pub(super) fn load(&self) -> Vec<Kept> {
-        let Ok(entries) = std::fs::read_dir(&self.dir) else { return Vec::new() };
-        let mut kept = Vec::new();
-        for entry in entries.flatten() {
-            let path = entry.path();
-            if path.extension().is_none_or(|e| e != "pb") {
-                continue;
-            }
-            match read(&path) {
-                Ok(draft) => kept.push(draft),
-                Err(e) => {
-                    tracing::error!(path = %path.display(), "a draft in the journal cannot be read, and is left out: {e}")
-                }
-            }
-        }
-        kept
+            })
+            .collect(),
+        directories: dirs.iter().filter(|d| !d.is_empty()).filter_map(|d| RelPath::try_from(d.as_str()).ok()).collect(),
+        metadata: Default::default(),
+        addressing: files.values().next().map(|f| f.addressing).unwrap_or_else(Addressing::plain),
     }
 }
 
-fn read(path: &Path) -> Result<Kept, String> {
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    if file.metadata().map_err(|e| e.to_string())?.len() > MAX_JOURNAL_BYTES {
-        return Err(format!("larger than {MAX_JOURNAL_BYTES} bytes"));
-    }
-    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
-    let message = pb::Manifest::decode(&bytes[..]).map_err(|e| e.to_string())?;
-    let manifest = Manifest::try_from(message).map_err(|e| e.to_string())?;
-    let job = manifest.metadata.get(JOB_KEY).cloned().ok_or("no job")?;
-    let name = manifest.metadata.get(NAME_KEY).cloned().ok_or("no draft name")?;
-    starckpt_proto::JobName::try_from(job.as_str()).map_err(|e| e.to_string())?;
-    RelPath::try_from(name.as_str()).map_err(|e| e.to_string())?;
-    let mut dirs: BTreeSet<String> = manifest.directories.iter().map(|d| d.to_string()).collect();
-    dirs.insert(String::new());
-    let files = manifest
+/// The files a record lists, as closed files of a draft.
+fn files_of(manifest: Manifest) -> Vec<StreamedFile> {
+    let addressing = manifest.addressing;
+    manifest
         .files
         .into_iter()
         .map(|f| StreamedFile {
@@ -159,10 +59,118 @@ fn read(path: &Path) -> Result<Kept, String> {
             mode: f.mode,
             chunks: f.chunks,
             written_bytes: 0,
-            addressing: manifest.addressing,
+            addressing,
         })
-        .collect();
-    Ok(Kept { job, name, dirs, files })
+        .collect()
+}
+
+impl CkptFs {
+    /// Records draft `draft` at the control plane as it is now, if this mount has a writer name.
+    pub(super) async fn record_draft(&self, draft: u64) -> Result<(), Errno> {
+        let Some(writer) = &self.config.draft_writer else { return Ok(()) };
+        // One record at a time, snapshot taken under the turn: the last put is the newest state.
+        let _turn = self.recording.lock().await;
+        let Some((job, name, manifest)) = self
+            .state()
+            .drafts
+            .get(&draft)
+            .map(|d| (d.job.clone(), d.name.clone(), manifest_of(&d.dirs, &d.journaled)))
+        else {
+            return Ok(());
+        };
+        self.client.put_draft(&job, &name, writer, &manifest).await.map_err(|e| {
+            tracing::error!(
+                %job, draft = %name, %writer,
+                "the draft could not be recorded at the control plane: it would not survive a restart of the mount: {e}"
+            );
+            errno("record draft", &format!("{job}/{name}"), &e)
+        })
+    }
+
+    /// [`Self::record_draft`] from a request handler (outside the runtime).
+    pub(super) fn journal_draft(&self, draft: u64) -> Result<(), Errno> {
+        self.block_on(self.record_draft(draft))
+    }
+
+    /// Notes that `path` of draft `draft` was closed as `done`, and records the draft.
+    pub(super) async fn journal_closed(&self, draft: u64, path: &str, done: &StreamedFile) -> Result<(), Errno> {
+        if let Some(d) = self.state().drafts.get_mut(&draft) {
+            d.journaled.insert(path.to_owned(), done.clone());
+        }
+        self.record_draft(draft).await
+    }
+
+    /// Forgets this mount's record of draft `name` of `job` (committed, dropped or removed). A
+    /// failure is logged: the record then lives until the control plane's draft TTL.
+    pub(super) async fn forget_draft_async(&self, job: &str, name: &str) {
+        let Some(writer) = &self.config.draft_writer else { return };
+        let _turn = self.recording.lock().await;
+        if let Err(e) = self.client.drop_draft(job, name, writer).await {
+            tracing::error!(%job, draft = %name, %writer, "the draft's record could not be dropped at the control plane (it expires with the draft TTL): {e}");
+        }
+    }
+
+    /// [`Self::forget_draft_async`] from a request handler (outside the runtime).
+    pub(super) fn forget_draft(&self, job: &str, name: &str) {
+        self.block_on(self.forget_draft_async(job, name))
+    }
+
+    /// The drafts this writer recorded in an earlier run, back with their closed files. Called
+    /// before the mount serves requests; a record that cannot be read is left at the control
+    /// plane and said so.
+    pub(super) async fn restore_drafts(&self) {
+        let Some(writer) = &self.config.draft_writer else { return };
+        let listed = match self.client.drafts(writer).await {
+            Ok(listed) => listed,
+            Err(e) => {
+                tracing::error!(%writer, "the drafts of an earlier run of this mount could not be listed: they are not shown: {e}");
+                return;
+            }
+        };
+        for info in listed {
+            let manifest = match self.client.draft(&info.job, &info.name, writer).await {
+                Ok(Some(manifest)) => manifest,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::error!(job = %info.job, draft = %info.name, "a recorded draft cannot be read, and is left out: {e}");
+                    continue;
+                }
+            };
+            let mut dirs: BTreeSet<String> = manifest.directories.iter().map(|d| d.to_string()).collect();
+            dirs.insert(String::new());
+            let mut state = self.state();
+            if state.draft_names.contains_key(&(info.job.clone(), info.name.clone())) {
+                continue;
+            }
+            let id = state.next_draft;
+            state.next_draft += 1;
+            let mut files = BTreeMap::new();
+            let mut journaled = BTreeMap::new();
+            for done in files_of(manifest) {
+                let file_id = state.next_draft;
+                state.next_draft += 1;
+                let path = done.path.to_string();
+                state.files.insert(file_id, Arc::new(DraftFile::closed(&info.job, id, done.clone())));
+                files.insert(path.clone(), file_id);
+                journaled.insert(path, done);
+            }
+            tracing::info!(job = %info.job, draft = %info.name, files = files.len(), "a draft recorded by an earlier run of this mount is back");
+            state.local_jobs.insert(info.job.clone());
+            state.draft_names.insert((info.job.clone(), info.name.clone()), id);
+            state.drafts.insert(
+                id,
+                Draft {
+                    job: info.job,
+                    name: info.name,
+                    dirs,
+                    files,
+                    committing: false,
+                    writers: Vec::new(),
+                    journaled,
+                },
+            );
+        }
+    }
 }
 
 #[cfg(test)]
@@ -190,44 +198,19 @@ mod tests {
     }
 
     #[test]
-    fn drafts_come_back_as_recorded_and_go_when_forgotten() {
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(&dir.path().join("j")).unwrap();
+    fn a_record_gives_back_the_files_and_directories_it_was_made_of() {
         let dirs: BTreeSet<String> = ["".into(), "sub".into(), "sub/empty".into()].into_iter().collect();
         let files: BTreeMap<String, StreamedFile> =
             [("sub/a".to_owned(), streamed("sub/a", 10)), ("b".to_owned(), streamed("b", 3))].into_iter().collect();
-        journal.record("job", "step-5", &dirs, &files).unwrap();
-        journal.record("job", "other-6", &BTreeSet::new(), &BTreeMap::new()).unwrap();
-        let mut kept = journal.load();
-        kept.sort_by(|a, b| a.name.cmp(&b.name));
-        assert_eq!(kept.len(), 2);
-        assert_eq!((kept[1].job.as_str(), kept[1].name.as_str()), ("job", "step-5"));
-        assert_eq!(kept[1].dirs, dirs);
-        let paths: Vec<&str> = kept[1].files.iter().map(|f| f.path.as_str()).collect();
+        let manifest = manifest_of(&dirs, &files);
+        let wire = starckpt_proto::control::Manifest::from(&manifest);
+        let back = Manifest::try_from(wire).unwrap();
+        let dirs_back: Vec<String> = back.directories.iter().map(|d| d.to_string()).collect();
+        assert_eq!(dirs_back, ["sub", "sub/empty"]);
+        let files_back = files_of(back);
+        let paths: Vec<&str> = files_back.iter().map(|f| f.path.as_str()).collect();
         assert_eq!(paths, ["b", "sub/a"]);
-        assert_eq!((kept[1].files[1].size, kept[1].files[1].mode), (10, 0o640));
-        use std::os::unix::fs::PermissionsExt;
-        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode(&dir.path().join("j")), 0o700);
-        assert_eq!(mode(&journal.path("job", "step-5")), 0o600);
-        journal.forget("job", "step-5");
-        assert_eq!(journal.load().len(), 1);
-    }
-
-    #[test]
-    fn a_damaged_journal_file_is_left_out() {
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(dir.path()).unwrap();
-        std::fs::write(dir.path().join("draft-0.pb"), b"\xff\xff not a manifest").unwrap();
-        // A manifest naming a path that escapes its directory.
-        let bad = pb::Manifest {
-            files: vec![pb::FileEntry { path: "../x".into(), ..Default::default() }],
-            metadata: [(JOB_KEY.to_owned(), "j".to_owned()), (NAME_KEY.to_owned(), "n".to_owned())]
-                .into_iter()
-                .collect(),
-            ..Default::default()
-        };
-        std::fs::write(dir.path().join("draft-1.pb"), bad.encode_to_vec()).unwrap();
-        assert!(journal.load().is_empty());
+        assert_eq!((files_back[1].size, files_back[1].mode), (10, 0o640));
+        assert_eq!(files_back[1].chunks, files["sub/a"].chunks);
     }
 }

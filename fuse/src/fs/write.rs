@@ -110,7 +110,7 @@ const UPLOAD_PIECE_BYTES: usize = 4 << 20;
 
 impl DraftFile {
     /// A file closed before the mount restarted: its chunk list, no spill copy.
-    fn closed(job: &str, draft: u64, done: StreamedFile) -> DraftFile {
+    pub(super) fn closed(job: &str, draft: u64, done: StreamedFile) -> DraftFile {
         DraftFile {
             job: job.to_owned(),
             draft: Some(draft),
@@ -457,7 +457,7 @@ impl CkptFs {
             state.files.remove(&old);
         }
         drop(state);
-        self.journal_draft(draft);
+        self.journal_draft(draft)?;
         Ok(if is_dir { None } else { files.into_iter().next() })
     }
 
@@ -481,79 +481,6 @@ impl CkptFs {
         }
         drop(state);
         self.forget_draft(&d.job, &d.name);
-    }
-
-    /// Notes in the journal that `path` of draft `draft` was closed as `done`.
-    pub(super) fn journal_closed(&self, draft: u64, path: &str, done: &StreamedFile) {
-        if let Some(d) = self.state().drafts.get_mut(&draft) {
-            d.journaled.insert(path.to_owned(), done.clone());
-        }
-        self.journal_draft(draft);
-    }
-
-    /// Writes draft `draft` to the journal as it is now. A failure is logged: the draft goes
-    /// on, but would not survive a restart of the mount.
-    pub(super) fn journal_draft(&self, draft: u64) {
-        let Some(journal) = &self.journal else { return };
-        let snapshot = self
-            .state()
-            .drafts
-            .get(&draft)
-            .map(|d| (d.job.clone(), d.name.clone(), d.dirs.clone(), d.journaled.clone()));
-        if let Some((job, name, dirs, files)) = snapshot
-            && let Err(e) = journal.record(&job, &name, &dirs, &files)
-        {
-            tracing::error!(
-                job,
-                draft = name,
-                "the draft could not be journaled; it would not survive a restart of the mount: {e}"
-            );
-        }
-    }
-
-    /// Takes a draft out of the journal.
-    pub(super) fn forget_draft(&self, job: &str, name: &str) {
-        if let Some(journal) = &self.journal {
-            journal.forget(job, name);
-        }
-    }
-
-    /// The drafts a previous run of this mount kept in its journal, back with their closed files.
-    pub(super) fn restore_drafts(&self) {
-        let Some(journal) = &self.journal else { return };
-        for kept in journal.load() {
-            let mut state = self.state();
-            if state.draft_names.contains_key(&(kept.job.clone(), kept.name.clone())) {
-                continue;
-            }
-            let id = state.next_draft;
-            state.next_draft += 1;
-            let mut files = BTreeMap::new();
-            let mut journaled = BTreeMap::new();
-            for done in kept.files {
-                let file_id = state.next_draft;
-                state.next_draft += 1;
-                let path = done.path.to_string();
-                state.files.insert(file_id, Arc::new(DraftFile::closed(&kept.job, id, done.clone())));
-                files.insert(path.clone(), file_id);
-                journaled.insert(path, done);
-            }
-            tracing::info!(job = %kept.job, draft = %kept.name, files = files.len(), "a draft kept across a restart of the mount is back");
-            state.local_jobs.insert(kept.job.clone());
-            state.draft_names.insert((kept.job.clone(), kept.name.clone()), id);
-            state.drafts.insert(
-                id,
-                Draft {
-                    job: kept.job,
-                    name: kept.name,
-                    dirs: kept.dirs,
-                    files,
-                    committing: false,
-                    writers: Vec::new(),
-                    journaled,
-                },
-            );
-        }
     }
 
     /// After a file of a draft ended, or was renamed: a completion marker at the top of a
@@ -601,10 +528,15 @@ impl CkptFs {
                 match self.upload_rest(file, open).await {
                     Ok(stream) => match stream.finish(rel, mode).await {
                         Ok(done) => {
-                            if let Some(draft) = file.draft {
-                                self.journal_closed(draft, &path, &done);
-                            }
-                            *writer = Writer::Done(done);
+                            // Recorded at the control plane before the close returns.
+                            let recorded = match file.draft {
+                                Some(draft) => self.journal_closed(draft, &path, &done).await,
+                                None => Ok(()),
+                            };
+                            *writer = match recorded {
+                                Ok(()) => Writer::Done(done),
+                                Err(code) => Writer::Failed(code),
+                            };
                         }
                         Err(e) => *writer = Writer::Failed(errno("write", &path, &e)),
                     },
@@ -813,12 +745,11 @@ impl CkptFs {
         self.state().trees.remove(&(job.clone(), step));
         let tree = self.tree(&job, step).ok();
         let mut state = self.state();
+        let mut forgotten = None;
         let draft_files: HashMap<u64, String> = match state.drafts.remove(&id) {
             Some(draft) => {
                 state.draft_names.remove(&(draft.job.clone(), draft.name.clone()));
-                if let Some(journal) = &self.journal {
-                    journal.forget(&draft.job, &draft.name);
-                }
+                forgotten = Some((draft.job.clone(), draft.name.clone()));
                 for file in draft.files.values() {
                     state.files.remove(file);
                 }
@@ -852,6 +783,10 @@ impl CkptFs {
         }
         state.jobs = None;
         state.steps.remove(&job);
+        drop(state);
+        if let Some((job, name)) = forgotten {
+            self.forget_draft(&job, &name);
+        }
         Ok(())
     }
 }

@@ -1151,7 +1151,7 @@ pub(crate) mod conformance {
         assert_eq!(manifest, files(&["x", "sub/y"]), "the last record replaces the first");
         assert_eq!((stored.file_count, stored.total_bytes, stored.updated_at_ms), (2, 15, 200));
         let listed = store.drafts_of("host-a:/ckpt").await.unwrap();
-        assert_eq!(listed, [stored.clone()], "one writer's drafts only");
+        assert_eq!(listed, std::slice::from_ref(&stored), "one writer's drafts only");
         assert!(store.live_chunks().await.unwrap().contains(&ChunkHash([8; 32])), "draft chunks are live");
         // Forgetting is per writer, once.
         assert!(store.drop_draft(&a).await.unwrap());
@@ -1161,7 +1161,7 @@ pub(crate) mod conformance {
         // Expiry forgets those not put again since.
         store.put_draft(&a, &files(&["x"]), 300).await.unwrap();
         let expired = store.expire_drafts(250).await.unwrap();
-        assert_eq!(expired.iter().map(|d| d.key.clone()).collect::<Vec<_>>(), [b.clone()]);
+        assert_eq!(expired.iter().map(|d| d.key.clone()).collect::<Vec<_>>(), std::slice::from_ref(&b));
         assert!(store.get_draft(&a).await.unwrap().is_some());
         // Bounds: per job, then per writer; replacing a record is always allowed.
         for i in 1..MAX_DRAFTS_PER_JOB {
