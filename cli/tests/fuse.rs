@@ -735,3 +735,44 @@ fn reads_past_the_budget_fetch_each_chunk_about_once() {
     // 4 chunks; a chunk fetched again where the kernel's requests arrive out of order.
     assert!((4..=8).contains(&fetched), "{fetched} fetches for 4 chunks");
 }
+
+/// Targets that fill up in the middle of a save written in place: the file's write or close
+/// fails with ENOSPC and a log line, its draft's completion marker commits nothing (the draft
+/// holds a failed file), and the checkpoint committed before is still the latest, whole.
+#[test]
+fn targets_that_fill_up_mid_save_fail_it_and_keep_the_last_checkpoint() {
+    let mut cluster = Cluster::start(1);
+    let point = cluster.dir.path().join("ckpt");
+    let _mount = Mounted::start(&cluster, &point);
+    let m = point.to_str().unwrap().to_owned();
+    let data = random_bytes(3 << 20, 11);
+    let shard = cluster.dir.path().join("shard.bin");
+    std::fs::write(&shard, &data).unwrap();
+    let s = shard.to_str().unwrap();
+    sh_ok(&format!("mkdir -p {m}/job/step-1 && cp {s} {m}/job/step-1/__0_0.distcp"));
+    python(&format!("open('{m}/job/step-1/.metadata', 'wb').write(b'meta')"));
+
+    // The only target keeps more in reserve than its disk holds: every put is refused.
+    cluster.targets[0].kill();
+    cluster.targets[0] = cluster.start_target_with(0, &["--reserve-bytes", &u64::MAX.to_string()]);
+    cluster.wait_alive(1);
+    sh_ok(&format!("mkdir {m}/job/step-2"));
+    let other = cluster.dir.path().join("other.bin");
+    std::fs::write(&other, random_bytes(3 << 20, 12)).unwrap();
+    let code = python_errno(&format!(
+        "with open('{m}/job/step-2/__0_0.distcp', 'wb') as f:\n    f.write(open('{}', 'rb').read())",
+        other.display()
+    ));
+    assert_eq!(code, "ENOSPC", "a write to full targets");
+    let marker = python_errno(&format!("with open('{m}/job/step-2/.metadata', 'wb') as f:\n    f.write(b'meta')"));
+    assert!(["ENOSPC", "EIO"].contains(&marker.as_str()), "the marker of a draft with a failed file: {marker}");
+    let log = std::fs::read_to_string(cluster.dir.path().join("mount.log")).unwrap();
+    assert!(log.contains("full") || log.contains("NoSpace"), "no log line says the targets are full");
+
+    let listed: Vec<u64> =
+        cluster.json(&["ls", "job"]).as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
+    assert_eq!(listed, [1], "only the checkpoint committed before");
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "job", "--latest", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("__0_0.distcp")).unwrap(), data);
+}
