@@ -776,3 +776,34 @@ fn targets_that_fill_up_mid_save_fail_it_and_keep_the_last_checkpoint() {
     cluster.ok(&["restore", "--job", "job", "--latest", "--to", restored.to_str().unwrap()]);
     assert_eq!(std::fs::read(restored.join("__0_0.distcp")).unwrap(), data);
 }
+
+/// Two hosts' mounts (two writer names) write one DCP step directory in place, each its rank's
+/// file, as `dcp.save` on two hosts does; the coordinator's `.metadata` on the first commits
+/// the files of both, and the second mount then shows the committed checkpoint, whole.
+#[test]
+fn mounts_of_two_hosts_commit_one_draft_together() {
+    let cluster = Cluster::start(2);
+    let (a, b) = (cluster.dir.path().join("host-a"), cluster.dir.path().join("host-b"));
+    let _mount_a = Mounted::start_with(&cluster, &a, &["--draft-writer", "host-a:/ckpt"]);
+    let _mount_b = Mounted::start_with(&cluster, &b, &["--draft-writer", "host-b:/ckpt"]);
+    let (ma, mb) = (a.to_str().unwrap().to_owned(), b.to_str().unwrap().to_owned());
+    let (rank0, rank1) = (random_bytes((5 << 20) + 3, 21), random_bytes(777_777, 22));
+    let (f0, f1) = (cluster.dir.path().join("r0"), cluster.dir.path().join("r1"));
+    std::fs::write(&f0, &rank0).unwrap();
+    std::fs::write(&f1, &rank1).unwrap();
+    sh_ok(&format!("mkdir -p {ma}/job/step-9 && cp {} {ma}/job/step-9/__0_0.distcp", f0.display()));
+    sh_ok(&format!("mkdir -p {mb}/job/step-9/sub && cp {} {mb}/job/step-9/__1_0.distcp", f1.display()));
+    python(&format!("with open('{ma}/job/step-9/.metadata', 'wb') as f:\n    f.write(b'meta')"));
+
+    let restored = cluster.dir.path().join("restored");
+    cluster.ok(&["restore", "--job", "job", "--step", "9", "--to", restored.to_str().unwrap()]);
+    assert_eq!(std::fs::read(restored.join("__0_0.distcp")).unwrap(), rank0);
+    assert_eq!(std::fs::read(restored.join("__1_0.distcp")).unwrap(), rank1);
+    assert!(restored.join("sub").is_dir(), "the other writer's directory");
+    // The other host's mount: its draft is the committed checkpoint now (after its listing's TTL).
+    std::thread::sleep(Duration::from_millis(1500));
+    sh_ok(&format!("cmp {mb}/job/step-9/__0_0.distcp {}", f0.display()));
+    sh_ok(&format!("cmp {mb}/job/step-9/.metadata - <<< 'meta' || test \"$(cat {mb}/job/step-9/.metadata)\" = meta"));
+    let listed = sh_ok(&format!("ls -a {mb}/job"));
+    assert_eq!(listed.split_whitespace().collect::<Vec<_>>(), [".", "..", "step-9"], "{listed}");
+}

@@ -37,7 +37,18 @@ impl Client {
     /// The drafts `writer` recorded, in every job this client reaches.
     pub async fn drafts(&self, writer: &str) -> Result<Vec<DraftInfo>> {
         validate_writer(writer)?;
-        let request = pb::ListDraftsRequest { writer: writer.to_owned() };
+        let request = pb::ListDraftsRequest { writer: writer.to_owned(), ..Default::default() };
+        let response = self
+            .rpc("list drafts", Resend::Idempotent, request, |mut c, r| async move { c.list_drafts(r).await })
+            .await?;
+        Ok(response.drafts)
+    }
+
+    /// Every writer's record of draft `name` of `job` (the mounts of several hosts writing it).
+    pub async fn draft_writers(&self, job: &str, name: &str) -> Result<Vec<DraftInfo>> {
+        JobName::try_from(job)?;
+        validate_name(name)?;
+        let request = pb::ListDraftsRequest { writer: String::new(), job: job.to_owned(), name: name.to_owned() };
         let response = self
             .rpc("list drafts", Resend::Idempotent, request, |mut c, r| async move { c.list_drafts(r).await })
             .await?;

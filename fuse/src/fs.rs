@@ -187,6 +187,10 @@ pub struct CkptFs {
     mounted_at: SystemTime,
 }
 
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
 fn time_of(unix_ms: u64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(unix_ms)
 }
@@ -540,6 +544,7 @@ impl Filesystem for CkptFs {
                         committing: false,
                         writers: Vec::new(),
                         journaled: BTreeMap::new(),
+                        begun_ms: unix_ms(),
                     };
                     draft.wrote(req.pid());
                     state.drafts.insert(id, draft);

@@ -37,6 +37,13 @@
 //! | Megatron (legacy) | `iter_000000N/mp_rank_00/...`, then `latest_checkpointed_iteration.txt` = `N` | the tracker file naming the draft's step |
 //! | `torch.save(sd, "/ckpt/job/model_5.pt")`, Lightning (a temporary file elsewhere, then `shutil.move`: copy, `copystat`) | one file in the job directory | its close (in `flush`, so `close()` reports a failure) |
 //!
+//! A draft written in place by the mounts of several hosts (DCP on a multi-host job: each rank
+//! writes its files through its host's mount, then the coordinator writes `.metadata`) is
+//! committed by the mount that sees its marker, with the files every other mount recorded for a
+//! draft of that name (their writer names differ: `--draft-writer`, default `<host>:<mount
+//! point>`); two different files at one path are refused (`EIO`). The other mounts then show
+//! the committed checkpoint in place of their draft once none of its files is open there.
+//!
 //! A one-file checkpoint under a temporary name (hidden, or ending `.tmp`, `.temp`, `.part`, `~`:
 //! safetensors' `.tmpXXXXXX`, `os.replace(p + ".tmp", p)`) is committed by the rename to its final
 //! name instead (at once if it was closed first, else at its close).

@@ -115,6 +115,84 @@ impl CkptFs {
         self.block_on(self.forget_draft_async(job, name))
     }
 
+    /// Merges into a draft about to commit (`files`, `dirs`) what other writers recorded of
+    /// draft `name` of `job`: the mounts of other hosts whose ranks wrote into the same directory
+    /// in place (DCP: every rank writes its files, then the coordinator writes `.metadata`).
+    /// Two writers' different files at one path are refused (`EIO`), never one picked. The
+    /// writers merged, whose records go once the commit is done.
+    pub(super) fn other_writers(
+        &self,
+        job: &str,
+        name: &str,
+        files: &mut Vec<StreamedFile>,
+        dirs: &mut BTreeSet<String>,
+    ) -> Result<Vec<String>, Errno> {
+        let Some(writer) = &self.config.draft_writer else { return Ok(Vec::new()) };
+        let what = format!("{job}/{name}");
+        let listed = self.block_on(self.client.draft_writers(job, name)).map_err(|e| errno("commit", &what, &e))?;
+        let mut merged = Vec::new();
+        for other in listed.into_iter().filter(|d| &d.writer != writer) {
+            let Some(manifest) =
+                self.block_on(self.client.draft(job, name, &other.writer)).map_err(|e| errno("commit", &what, &e))?
+            else {
+                continue;
+            };
+            dirs.extend(manifest.directories.iter().map(|d| d.to_string()));
+            for file in files_of(manifest) {
+                match files.iter().find(|f| f.path == file.path) {
+                    Some(mine) if mine.chunks == file.chunks && mine.size == file.size => {}
+                    Some(_) => {
+                        tracing::error!(
+                            %job, draft = %name, path = %file.path, other = %other.writer,
+                            "two writers wrote different files at one path of this checkpoint: it is not committed"
+                        );
+                        return Err(Errno::EIO);
+                    }
+                    None => files.push(file),
+                }
+            }
+            tracing::info!(%job, draft = %name, other = %other.writer, files = other.file_count, "committing with the files another writer recorded");
+            merged.push(other.writer);
+        }
+        Ok(merged)
+    }
+
+    /// Drops the records of draft `name` of `job` that `writers` made (merged into its commit).
+    pub(super) fn drop_other_writers(&self, job: &str, name: &str, writers: &[String]) {
+        for writer in writers {
+            if let Err(e) = self.block_on(self.client.drop_draft(job, name, writer)) {
+                tracing::error!(%job, draft = %name, %writer, "a committed draft's record could not be dropped (it expires with the draft TTL): {e}");
+            }
+        }
+    }
+
+    /// A draft of this mount that another writer's mount committed (`job`'s checkpoint named
+    /// `name`, merging this mount's record): once none of its files is open here, it is the
+    /// committed checkpoint here too. True if it was.
+    pub(super) fn committed_elsewhere(&self, job: &str, name: &str, draft: u64) -> bool {
+        let begun_ms = {
+            let state = self.state();
+            let Some(d) = state.drafts.get(&draft) else { return false };
+            let busy = d.committing
+                || d.files.values().any(|f| {
+                    state.files.get(f).is_some_and(|f| f.open_handles.load(std::sync::atomic::Ordering::Relaxed) > 0)
+                });
+            if busy {
+                return false;
+            }
+            d.begun_ms
+        };
+        // Judged by the cached listing; a job that cannot be listed now leaves the draft as it is.
+        let Ok(Some(named)) = self.named_as(job, name) else { return false };
+        if named.label.file || named.info.committed_at_ms < begun_ms {
+            return false;
+        }
+        tracing::info!(%job, draft = %name, step = named.info.step, "this draft was committed by another writer's mount");
+        self.became_committed(draft, job, named.info.step, named.info.checkpoint_id);
+        self.forget_draft(job, name);
+        true
+    }
+
     /// The drafts this writer recorded in an earlier run, back with their closed files. Called
     /// before the mount serves requests; a record that cannot be read is left at the control
     /// plane and said so.
@@ -167,6 +245,7 @@ impl CkptFs {
                     committing: false,
                     writers: Vec::new(),
                     journaled,
+                    begun_ms: info.updated_at_ms,
                 },
             );
         }

@@ -1,7 +1,7 @@
 //! What the mount shows: the control plane's listings (cached for `listing_ttl`), each node's
 //! attributes, how a name resolves in a directory, and a directory's listing.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
@@ -206,11 +206,14 @@ impl CkptFs {
             }
             Node::Job(job) => {
                 let key = (job.clone(), name.to_owned());
+                let draft = self.state().draft_names.get(&key).copied();
+                if let Some(draft) = draft
+                    && !self.committed_elsewhere(job, name, draft)
+                {
+                    return Ok(Node::DraftDir { draft, path: String::new() });
+                }
                 {
                     let state = self.state();
-                    if let Some(draft) = state.draft_names.get(&key) {
-                        return Ok(Node::DraftDir { draft: *draft, path: String::new() });
-                    }
                     if let Some(file) = state.single_files.get(&key) {
                         return Ok(Node::DraftFile { file: *file });
                     }
@@ -252,16 +255,26 @@ impl CkptFs {
                 }
             }
             Node::DraftDir { draft, path } => {
-                let state = self.state();
-                let draft_state = state.drafts.get(draft).ok_or(Errno::ENOENT)?;
-                let full = join(path, name);
-                if draft_state.dirs.contains(&full) {
-                    Ok(Node::DraftDir { draft: *draft, path: full })
-                } else if let Some(file) = draft_state.files.get(&full) {
-                    Ok(Node::DraftFile { file: *file })
-                } else {
-                    Err(Errno::ENOENT)
+                let (job, draft_name) = {
+                    let state = self.state();
+                    let draft_state = state.drafts.get(draft).ok_or(Errno::ENOENT)?;
+                    let full = join(path, name);
+                    if draft_state.dirs.contains(&full) {
+                        return Ok(Node::DraftDir { draft: *draft, path: full });
+                    } else if let Some(file) = draft_state.files.get(&full) {
+                        return Ok(Node::DraftFile { file: *file });
+                    }
+                    (draft_state.job.clone(), draft_state.name.clone())
+                };
+                // A name this mount did not write: another writer's mount may have committed the
+                // draft with its own files (the kernel still knows the directory as the draft's).
+                if self.committed_elsewhere(&job, &draft_name, *draft)
+                    && let Ok(Some(named)) = self.named_as(&job, &draft_name)
+                {
+                    let (step, checkpoint) = (named.info.step, named.info.checkpoint_id);
+                    return self.resolve(&Node::StepDir { job, step, checkpoint, dir: path.clone() }, name);
                 }
+                Err(Errno::ENOENT)
             }
             Node::Pointer { .. } | Node::JobFile { .. } | Node::StepFile { .. } | Node::DraftFile { .. } => {
                 Err(Errno::ENOTDIR)
@@ -294,7 +307,9 @@ impl CkptFs {
             }
             Node::Job(job) => {
                 let trackers = self.trackers(job)?;
-                for named in self.named(job)? {
+                let named = self.named(job)?;
+                let committed: HashSet<String> = named.iter().map(|n| n.label.name.clone()).collect();
+                for named in named {
                     let (step, checkpoint, job) = (named.info.step, named.info.checkpoint_id, job.clone());
                     let name = named.label.name.clone();
                     if named.label.file {
@@ -318,6 +333,10 @@ impl CkptFs {
                     (drafts, pick(&state.single_files))
                 };
                 for (name, draft) in drafts {
+                    // Committed by another writer's mount: listed above, as committed.
+                    if committed.contains(&name) && self.committed_elsewhere(job, &name, draft) {
+                        continue;
+                    }
                     push(Node::DraftDir { draft, path: String::new() }, FileType::Directory, name);
                 }
                 for (name, file) in singles {

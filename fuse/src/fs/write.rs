@@ -30,8 +30,11 @@ pub(super) struct Draft {
     /// left it; one resuming must see only complete checkpoints), though its name still resolves
     /// (`mv` of a tree `cp` wrote, writing it again).
     pub(super) writers: Vec<super::names::Process>,
-    /// Its closed files as the journal keeps them (`fs/journal.rs`), by path.
+    /// Its closed files as its record at the control plane has them (`fs/journal.rs`), by path.
     pub(super) journaled: BTreeMap<String, StreamedFile>,
+    /// When it was begun (Unix ms): a checkpoint of its name committed since is this draft,
+    /// committed by another writer's mount (`fs/journal.rs` `committed_elsewhere`).
+    pub(super) begun_ms: u64,
 }
 
 impl Draft {
@@ -725,6 +728,10 @@ impl CkptFs {
             }
             writers.push(writer);
         }
+        // The files other hosts' mounts wrote into the same draft (their ranks'), as recorded.
+        let draft_name = self.state().drafts.get(&id).map(|d| d.name.clone()).ok_or(Errno::ENOENT)?;
+        let mut dirs = dirs.clone();
+        let others = self.other_writers(&job, &draft_name, &mut streamed, &mut dirs)?;
         let directories: Vec<RelPath> =
             dirs.iter().filter(|d| !d.is_empty()).filter_map(|d| RelPath::try_from(d.as_str()).ok()).collect();
         metadata.insert(NAME_KEY.to_owned(), name.to_owned());
@@ -741,15 +748,24 @@ impl CkptFs {
         for file in files {
             file.drop_spill();
         }
+        self.became_committed(id, &job, step, checkpoint);
+        self.forget_draft(&job, &draft_name);
+        self.drop_other_writers(&job, &draft_name, &others);
+        Ok(())
+    }
+
+    /// Draft `id` is committed as step `step` of `job` (checkpoint `checkpoint`), here or by
+    /// another writer's mount: it is forgotten, and the inodes the kernel may still hold of it
+    /// each become their committed counterpart.
+    pub(super) fn became_committed(&self, id: u64, job: &str, step: u64, checkpoint: u64) {
+        let job = job.to_owned();
         // The kernel may still hold inodes of the draft: each becomes its committed counterpart.
         self.state().trees.remove(&(job.clone(), step));
         let tree = self.tree(&job, step).ok();
         let mut state = self.state();
-        let mut forgotten = None;
         let draft_files: HashMap<u64, String> = match state.drafts.remove(&id) {
             Some(draft) => {
                 state.draft_names.remove(&(draft.job.clone(), draft.name.clone()));
-                forgotten = Some((draft.job.clone(), draft.name.clone()));
                 for file in draft.files.values() {
                     state.files.remove(file);
                 }
@@ -783,10 +799,5 @@ impl CkptFs {
         }
         state.jobs = None;
         state.steps.remove(&job);
-        drop(state);
-        if let Some((job, name)) = forgotten {
-            self.forget_draft(&job, &name);
-        }
-        Ok(())
     }
 }

@@ -22,6 +22,14 @@ fn stored_writer(caller: &Caller, writer: &str) -> Result<String, Status> {
     })
 }
 
+/// What `caller` calls the writer stored as `stored`.
+fn shown_writer<'a>(caller: &Caller, stored: &'a str) -> &'a str {
+    match caller.namespace() {
+        Some(tenant) => stored.strip_prefix(tenant.as_str()).and_then(|s| s.strip_prefix('/')).unwrap_or(stored),
+        None => stored,
+    }
+}
+
 fn key(caller: &Caller, job: &str, name: &str, writer: &str) -> Result<DraftKey, Status> {
     validate_name(name).map_err(invalid)?;
     Ok(DraftKey { job: caller.job(job)?, name: name.to_owned(), writer: stored_writer(caller, writer)? })
@@ -63,6 +71,14 @@ impl ControlService {
         caller: &Caller,
         request: pb::ListDraftsRequest,
     ) -> Result<Response<pb::ListDraftsResponse>, Status> {
+        if request.writer.is_empty() {
+            validate_name(&request.name).map_err(invalid)?;
+            let job = caller.job(&request.job)?;
+            let drafts = self.store.drafts_named(&job, &request.name).await.map_err(|e| caller.told(meta_status(e)))?;
+            return Ok(Response::new(pb::ListDraftsResponse {
+                drafts: drafts.iter().map(|d| info(caller, shown_writer(caller, &d.key.writer), d)).collect(),
+            }));
+        }
         let writer = stored_writer(caller, &request.writer)?;
         let drafts = self.store.drafts_of(&writer).await.map_err(|e| caller.told(meta_status(e)))?;
         Ok(Response::new(pb::ListDraftsResponse {

@@ -366,6 +366,8 @@ pub trait MetaStore: Send + Sync + 'static {
     async fn put_draft(&self, draft: &DraftKey, manifest: &Manifest, now_ms: u64) -> MetaResult<()>;
     /// Every draft `writer` recorded, in every job, by job and name.
     async fn drafts_of(&self, writer: &str) -> MetaResult<Vec<StoredDraft>>;
+    /// Every writer's record of draft `name` of `job`, by writer.
+    async fn drafts_named(&self, job: &JobName, name: &str) -> MetaResult<Vec<StoredDraft>>;
     /// One draft's record with its files.
     async fn get_draft(&self, draft: &DraftKey) -> MetaResult<Option<(StoredDraft, Manifest)>>;
     /// Forgets a draft's record; whether there was one.
@@ -1152,6 +1154,10 @@ pub(crate) mod conformance {
         assert_eq!((stored.file_count, stored.total_bytes, stored.updated_at_ms), (2, 15, 200));
         let listed = store.drafts_of("host-a:/ckpt").await.unwrap();
         assert_eq!(listed, std::slice::from_ref(&stored), "one writer's drafts only");
+        let writers: Vec<String> =
+            store.drafts_named(&job("dj"), "step-1").await.unwrap().into_iter().map(|d| d.key.writer).collect();
+        assert_eq!(writers, ["host-a:/ckpt", "host-b:/ckpt"], "every writer's record of one draft");
+        assert!(store.drafts_named(&job("dj"), "step-2").await.unwrap().is_empty());
         assert!(store.live_chunks().await.unwrap().contains(&ChunkHash([8; 32])), "draft chunks are live");
         // Forgetting is per writer, once.
         assert!(store.drop_draft(&a).await.unwrap());

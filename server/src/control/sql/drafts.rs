@@ -98,6 +98,15 @@ impl SqlStore {
         rows.iter().map(draft_from_row).collect()
     }
 
+    pub(super) async fn drafts_named_rows(&self, job: &JobName, name: &str) -> MetaResult<Vec<StoredDraft>> {
+        let rows = sqlx::query(&format!("SELECT {COLUMNS} FROM drafts WHERE job = $1 AND name = $2 ORDER BY writer"))
+            .bind(job.as_str())
+            .bind(name)
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter().map(draft_from_row).collect()
+    }
+
     pub(super) async fn draft_row(&self, draft: &DraftKey) -> MetaResult<Option<(StoredDraft, Manifest)>> {
         let row = sqlx::query(&format!(
             "SELECT {COLUMNS}, manifest FROM drafts WHERE job = $1 AND name = $2 AND writer = $3"

@@ -667,6 +667,10 @@ impl MetaStore for SqlStore {
         self.drafts_of_writer(writer).await
     }
 
+    async fn drafts_named(&self, job: &JobName, name: &str) -> MetaResult<Vec<StoredDraft>> {
+        self.drafts_named_rows(job, name).await
+    }
+
     async fn get_draft(&self, draft: &DraftKey) -> MetaResult<Option<(StoredDraft, Manifest)>> {
         self.draft_row(draft).await
     }
