@@ -157,7 +157,7 @@ impl std::fmt::Display for Remote {
 }
 
 async fn connect(server: &Remote, chunk_size: Option<usize>) -> anyhow::Result<Client> {
-    connect_as(server, chunk_size, None, None).await
+    connect_as(server, chunk_size, None, None, false).await
 }
 
 async fn connect_as(
@@ -165,8 +165,13 @@ async fn connect_as(
     chunk_size: Option<usize>,
     run_id: Option<String>,
     compression: Option<starckpt_proto::codec::CompressConfig>,
+    files: bool,
 ) -> anyhow::Result<Client> {
     let mut config = ClientConfig::new(&server.server);
+    // Saving files, no trainer waits for the copy into staging: upload while it runs.
+    if files {
+        config.upload_during_staging = true;
+    }
     config.tls_ca = server.tls_ca.clone();
     config.compression = compression;
     if run_id.is_some() {
@@ -179,7 +184,7 @@ async fn connect_as(
 }
 
 pub async fn save(server: &Remote, args: SaveArgs, out: &Output) -> anyhow::Result<()> {
-    let client = connect_as(server, args.chunk_size, args.run_id, args.compression).await?;
+    let client = connect_as(server, args.chunk_size, args.run_id, args.compression, true).await?;
     let items = starckpt_client::items_from_paths(&args.paths)?;
     let part = SavePart::new(&args.job, args.step).items(items).rank(args.rank, args.world_size);
     let started = Instant::now();
