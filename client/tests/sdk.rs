@@ -1034,7 +1034,7 @@ async fn a_save_while_the_previous_one_uploads_waits_or_skips() {
     let mut config = ClientConfig::new(cluster.control_address.to_string());
     // Long enough that the checks below, made while the first save uploads, come before it
     // gives up on a busy machine.
-    config.tcp.request_timeout = Duration::from_secs(5);
+    config.tcp.deadline.allowance = Duration::from_secs(5);
     let client = Client::connect(config).await.unwrap();
     let part = |step| SavePart::new("bp", step).buffer("f", Bytes::from(random(10_000, step))).unwrap();
 

@@ -9,8 +9,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use prost::Message;
 use starckpt_client::transport::{
-    AutoTransport, ChunkPage, ChunkTransport, Fetched, Payload, RdmaClient, RdmaTransport, ShmConfig, ShmTransport,
-    TcpConfig, TcpTransport, TransportError, ZeroCopyCounts, ZeroCopySend,
+    AutoTransport, ChunkPage, ChunkTransport, Deadline, Fetched, Payload, RdmaClient, RdmaTransport, ShmConfig,
+    ShmTransport, TcpConfig, TcpTransport, TransportError, ZeroCopyCounts, ZeroCopySend,
 };
 use starckpt_proto::codec::{self, Codec, CompressConfig};
 use starckpt_proto::data::ErrorCode;
@@ -396,10 +396,15 @@ async fn silent_target(half_a_payload: bool) -> (std::net::SocketAddr, Arc<Atomi
     (address, accepted)
 }
 
+/// Deadlines short enough for a test to wait them out: 300 ms, and bytes at 1 GiB/s.
+fn short_deadline() -> Deadline {
+    Deadline { allowance: Duration::from_millis(300), floor_bytes_per_sec: 1 << 30 }
+}
+
 #[tokio::test]
 async fn a_silent_target_times_out_instead_of_hanging() {
     let (address, _) = silent_target(false).await;
-    let config = TcpConfig { request_timeout: Duration::from_millis(300), ..TcpConfig::default() };
+    let config = TcpConfig { deadline: short_deadline(), ..TcpConfig::default() };
     let transport = TcpTransport::new(address, config);
     let Err(error) = transport.stat().await else { panic!("a silent target answered") };
     assert!(matches!(error, TransportError::Timeout(_)), "{error}");
@@ -469,8 +474,7 @@ async fn tcp_gets_land_in_the_callers_buffer() {
 #[tokio::test]
 async fn a_payload_that_stops_midway_times_out() {
     let (address, accepted) = silent_target(true).await;
-    let config =
-        TcpConfig { request_timeout: Duration::from_millis(300), connections_per_target: 1, ..TcpConfig::default() };
+    let config = TcpConfig { deadline: short_deadline(), connections_per_target: 1, ..TcpConfig::default() };
     let transport = TcpTransport::new(address, config);
     let mut dest = vec![0u8; 1 << 20];
     let error = transport.get_into(ChunkHash::of(b"x"), &mut dest).await.unwrap_err();
@@ -854,7 +858,7 @@ async fn requests_waiting_for_a_slot_fail_instead_of_hanging_when_its_holder_tim
             });
         }
     });
-    let config = TcpConfig { request_timeout: Duration::from_millis(300), ..TcpConfig::default() };
+    let config = TcpConfig { deadline: short_deadline(), ..TcpConfig::default() };
     let transport = Arc::new(ShmTransport::connect(socket, None, config, 1, 1 << 20, None).await.unwrap());
     // One slot, three GETs: the first holds it and times out; the others must not wait forever
     // for a slot that is never handed back.

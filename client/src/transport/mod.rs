@@ -198,6 +198,56 @@ pub trait ChunkTransport: Send + Sync + 'static {
     async fn settle(&self) {}
 }
 
+/// How long a data-plane request may go unanswered: a fixed allowance plus its bytes, and the
+/// bytes queued ahead of it on its connection, at a floor throughput. A storage host that loses
+/// power or hangs does not close its connections, it stops answering; one idle timeout for all
+/// requests (it was 120 s) either waits minutes for it or fails large chunks on a healthy one.
+///
+/// At the defaults a 4 MiB chunk alone on its connection has 5.25 s, one behind 31 others (the
+/// most a connection carries) 13 s, and a 64 MiB chunk 9 s: against ~10 ms for a durable 4 MiB
+/// write on NVMe, or 40 ms to send it over a 1 Gbit/s link, a host silent that long is treated
+/// as gone and its copies go elsewhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadline {
+    /// The fixed part of every request's deadline. Default 5 s: what a healthy host may spend
+    /// apart from moving the bytes: a device sync (ms), a few TCP retransmissions of a lost
+    /// segment (200 ms minimum RTO, doubled each time: three in a row take 1.4 s), a pause of a
+    /// busy process.
+    pub allowance: Duration,
+    /// The slowest a request's bytes may move. Default 16 MiB/s: 1/60 of one NVMe device, 1/8 of
+    /// a 1 Gbit/s link. A target slower than that for a whole chunk delays a checkpoint more than
+    /// sending the chunk to another target does.
+    pub floor_bytes_per_sec: u64,
+}
+
+impl Default for Deadline {
+    fn default() -> Self {
+        Deadline { allowance: Duration::from_secs(5), floor_bytes_per_sec: 16 << 20 }
+    }
+}
+
+impl Deadline {
+    /// The deadline of a request moving `bytes` (either way) with nothing queued ahead of it.
+    pub fn for_bytes(&self, bytes: u64) -> Duration {
+        self.allowance + self.moving(bytes)
+    }
+
+    /// Time to move `bytes` at the floor throughput.
+    fn moving(&self, bytes: u64) -> Duration {
+        Duration::from_secs_f64(bytes as f64 / self.floor_bytes_per_sec.max(1) as f64)
+    }
+
+    /// The longest a frame of the largest payload may take to go out, and a response's payload
+    /// to come in once begun: past it, the peer stopped reading (or sending) mid-frame.
+    pub fn frame(&self) -> Duration {
+        self.for_bytes(u64::from(frame::MAX_PAYLOAD_BYTES))
+    }
+}
+
+/// The size assumed for a GET whose chunk's length the caller does not know, in its deadline:
+/// the default chunk size.
+pub(crate) const GET_BYTES_ASSUMED: u64 = 4 << 20;
+
 /// Bounds and timeouts of the TCP transport.
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
@@ -208,10 +258,11 @@ pub struct TcpConfig {
     pub max_requests_per_connection: usize,
     /// Time to establish a connection. Default 5 s.
     pub connect_timeout: Duration,
-    /// Time for one request's response. Default 120 s: a 64 MiB chunk behind a queue of others on
-    /// a slow disk, never an indefinite hang. Also the longest a request's frame may take to go
-    /// out: a connection whose target stops reading is given up past it.
-    pub request_timeout: Duration,
+    /// How long each request may take, by its size ([`Deadline`]). A request past it is abandoned
+    /// (the memory it lent the target stays held until the connection ends); a connection that
+    /// answered nothing meanwhile is given up with every request on it, so the caller moves
+    /// their copies to other targets at once.
+    pub deadline: Deadline,
     /// PUT payloads sent zero-copy (io_uring SEND_ZC). Default auto: until the kernel reports it
     /// copied them anyway, as it does over loopback (`starckpt_proto::zerocopy`).
     pub zero_copy_send: ZeroCopySend,
@@ -226,7 +277,7 @@ impl Default for TcpConfig {
             connections_per_target: 2,
             max_requests_per_connection: 32,
             connect_timeout: Duration::from_secs(5),
-            request_timeout: Duration::from_secs(120),
+            deadline: Deadline::default(),
             zero_copy_send: ZeroCopySend::Auto,
             credentials: Credentials::default(),
         }
@@ -333,7 +384,13 @@ fn lock(pending: &Pending) -> std::sync::MutexGuard<'_, PendingState> {
 /// answers none of the others), so the memory they lent the target (shared-memory and RDMA
 /// slots) is still the target's to use until the connection is gone.
 fn fail_all(pending: &Pending, why: String) {
-    let error = TransportError::Connection(why);
+    fail_all_with(pending, TransportError::Connection(why));
+}
+
+/// [`fail_all`] with `error`: [`TransportError::Timeout`] when the target went silent, so that
+/// no request tries it again on a fresh connection (a stopped host accepts connections, and
+/// answers none of them).
+fn fail_all_with(pending: &Pending, error: TransportError) {
     let replies: Vec<Reply> = {
         let mut state = lock(pending);
         let drained = state.map.take().into_iter().flatten().map(|(_, waiting)| waiting);
@@ -358,6 +415,10 @@ struct Connection {
     heard: Arc<AtomicU64>,
     next_id: AtomicU64,
     slots: Arc<Semaphore>,
+    /// Payload bytes (either way) of the requests sent and not yet answered: a request's deadline
+    /// grows by the time those ahead of it take at the floor throughput.
+    queued: Arc<AtomicU64>,
+    deadline: Deadline,
 }
 
 impl Connection {
@@ -397,14 +458,16 @@ impl Connection {
         let closed = Arc::new(tokio::sync::Notify::new());
         // A target that stops reading must not pin the payloads queued to it: a frame whose bytes
         // have not gone out within a request's time fails the connection, and its queue goes.
-        let writer = writer.with_timeout(config.request_timeout);
+        let writer = writer.with_timeout(config.deadline.frame());
         tokio::spawn(write_loop(writer, outgoing, Arc::clone(&pending), Arc::clone(&closed)));
         let heard = Arc::new(AtomicU64::new(0));
         let reading =
             Reading { pending: Arc::clone(&pending), closed: Arc::clone(&closed), heard: Arc::clone(&heard), given_up };
-        tokio::spawn(read_loop(Box::new(reader), reading, config.request_timeout));
+        tokio::spawn(read_loop(Box::new(reader), reading, config.deadline.frame()));
         let slots = Arc::new(Semaphore::new(max_requests));
-        Connection { frames, pending, closed, heard, next_id: AtomicU64::new(1), slots }
+        let queued = Arc::new(AtomicU64::new(0));
+        let deadline = config.deadline;
+        Connection { frames, pending, closed, heard, next_id: AtomicU64::new(1), slots, queued, deadline }
     }
 
     fn is_alive(&self) -> bool {
@@ -452,7 +515,9 @@ impl Connection {
 
     /// Sends a request and waits for its response. `land`: a raw (not encoded) response payload
     /// of exactly this length is left on the stream for the caller ([`Answer::Lent`]). `hold`:
-    /// [`Connection::call_holding`].
+    /// [`Connection::call_holding`]. `timeout`: the request's own deadline
+    /// ([`Deadline::for_bytes`]), to which the time the requests queued ahead of it take at the
+    /// floor throughput is added.
     async fn exchange(
         &self,
         opcode: Opcode,
@@ -463,6 +528,7 @@ impl Connection {
         hold: Option<Bytes>,
     ) -> Result<Answer, TransportError> {
         let _slot = self.slots.acquire().await.map_err(|_| TransportError::Connection("closed".into()))?;
+        let bytes = payload.as_ref().or(hold.as_ref()).map_or(0, |p| p.len() as u64) + land.map_or(0, |l| l as u64);
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
         {
@@ -475,6 +541,9 @@ impl Connection {
         // Removes the pending entry however this call ends, including when its future is dropped
         // (a cancelled upload), so long-lived connections do not accumulate dead entries.
         let mut forget = ForgetOnDrop { pending: &self.pending, request_id, sent: false };
+        let ahead = self.queued.fetch_add(bytes, Ordering::Relaxed);
+        let _queued = Unqueue { queued: &self.queued, bytes };
+        let timeout = timeout + self.deadline.moving(ahead);
         let heard = self.heard.load(Ordering::Relaxed);
         let sent = self.frames.send(OutFrame { opcode, request_id, header, payload }).await;
         forget.sent = sent.is_ok();
@@ -490,11 +559,28 @@ impl Connection {
                 // would otherwise keep taking requests only to time them out one by one. Given
                 // up, it is replaced on next use; a target that is merely slow answered others.
                 if self.heard.load(Ordering::Relaxed) == heard {
-                    self.close(&format!("the target sent nothing for {timeout:?}"));
+                    tracing::debug!(
+                        ?timeout,
+                        "the target sent nothing within a request's deadline; giving its connection up"
+                    );
+                    fail_all_with(&self.pending, TransportError::Timeout(timeout));
+                    self.closed.notify_one();
                 }
                 Err(TransportError::Timeout(timeout))
             }
         }
+    }
+}
+
+/// Takes a request's bytes off its connection's queue however the request ends.
+struct Unqueue<'a> {
+    queued: &'a AtomicU64,
+    bytes: u64,
+}
+
+impl Drop for Unqueue<'_> {
+    fn drop(&mut self) {
+        self.queued.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 
@@ -880,8 +966,8 @@ impl FrameTransport for TcpTransport {
     ) -> Result<(data::Response, Bytes), TransportError> {
         once_more(|| async {
             let connection = self.connection().await?;
-            let (response, payload) =
-                connection.call(opcode, header.clone(), payload.clone(), self.config.request_timeout).await?;
+            let timeout = self.config.deadline.for_bytes(request_bytes(opcode, payload.as_ref()));
+            let (response, payload) = connection.call(opcode, header.clone(), payload.clone(), timeout).await?;
             checked(response, payload)
         })
         .await
@@ -901,7 +987,7 @@ impl FrameTransport for TcpTransport {
     /// A raw chunk of `dest`'s size is read from the socket straight into `dest`, hashed as it
     /// arrives; anything else comes as a payload.
     async fn get_chunk_into(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
-        let timeout = self.config.request_timeout;
+        let timeout = self.config.deadline.for_bytes(dest.len() as u64);
         let mut retried = false;
         loop {
             let attempt = async {
@@ -918,6 +1004,16 @@ impl FrameTransport for TcpTransport {
 
     fn name(&self) -> &'static str {
         "tcp"
+    }
+}
+
+/// The bytes a request moves, either way, for its deadline: a PUT's payload, a GET's chunk
+/// (assumed [`GET_BYTES_ASSUMED`] long), nothing for the rest.
+pub(crate) fn request_bytes(opcode: Opcode, payload: Option<&Bytes>) -> u64 {
+    match (opcode, payload) {
+        (_, Some(payload)) => payload.len() as u64,
+        (Opcode::Get, None) => GET_BYTES_ASSUMED,
+        _ => 0,
     }
 }
 
@@ -1188,7 +1284,7 @@ mod tests {
         let (reader, writer) = tokio::io::split(near);
         let config = TcpConfig {
             max_requests_per_connection: 8,
-            request_timeout: Duration::from_secs(2),
+            deadline: Deadline { allowance: Duration::from_secs(2), ..Deadline::default() },
             ..TcpConfig::default()
         };
         (Connection::start(reader, FrameWriter::new(writer), &config), far)
@@ -1426,7 +1522,8 @@ mod tests {
     async fn a_target_that_stops_reading_gets_its_connection_given_up() {
         let (near, far) = tokio::io::duplex(64 * 1024);
         let (reader, writer) = tokio::io::split(near);
-        let config = TcpConfig { request_timeout: Duration::from_millis(300), ..TcpConfig::default() };
+        let deadline = Deadline { allowance: Duration::from_millis(300), floor_bytes_per_sec: 1 << 30 };
+        let config = TcpConfig { deadline, ..TcpConfig::default() };
         let connection = Connection::start(reader, FrameWriter::new(writer), &config);
         let large = || {
             let released = Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -197,7 +197,7 @@ impl RdmaTransport {
         let probe = RemoteBuffer { addr: region.addr(), rkey: region.rkey(), len: 32 };
         let header = data::ConnectRequest { auth: self.auth().await, endpoint: None, probe: Some(probe.to_wire()) }
             .encode_to_vec();
-        let (response, echoed) = frames.call(Opcode::Connect, header, None, self.config.request_timeout).await?;
+        let (response, echoed) = frames.call(Opcode::Connect, header, None, self.config.deadline.allowance).await?;
         let (_, echoed) = checked(response, echoed).map_err(|e| TransportError::Connect(format!("RDMA probe: {e}")))?;
         drop(region);
         if echoed[..] != nonce.as_ref()[..] {
@@ -303,7 +303,7 @@ impl Dialled for RdmaTransport {
             probe: None,
         }
         .encode_to_vec();
-        let (response, payload) = frames.call(Opcode::Connect, header, None, self.config.request_timeout).await?;
+        let (response, payload) = frames.call(Opcode::Connect, header, None, self.config.deadline.allowance).await?;
         // Any refusal (RDMA no longer served there, setup failing) means: use TCP for now.
         let (response, _) =
             checked(response, payload).map_err(|e| TransportError::Connect(format!("OP_CONNECT: {e}")))?;

@@ -129,7 +129,7 @@ impl ShmTransport {
             let staged = staged.and_then(|r| r.offset_of(payload.bytes.as_ptr(), payload.bytes.len()));
             if let Some(offset) = staged.filter(|_| !payload.bytes.is_empty()) {
                 let header = put_header(self, name, &payload, repair, Place::Staging(offset as u64)).await;
-                let timeout = self.timeouts().request_timeout;
+                let timeout = self.timeouts().deadline.for_bytes(payload.bytes.len() as u64);
                 let memory = payload.bytes.clone();
                 let (response, bytes) = connection.frames.call_holding(Opcode::Put, header, memory, timeout).await?;
                 return checked(response, bytes);
@@ -576,7 +576,7 @@ impl ChunkTransport for AutoTransport {
     }
 
     async fn settle(&self) {
-        let deadline = self.probe.config.connect_timeout + self.probe.config.request_timeout;
+        let deadline = self.probe.config.connect_timeout + self.probe.config.deadline.allowance;
         let _ = tokio::time::timeout(deadline, async {
             loop {
                 let finished = self.probe.finished.notified();

@@ -161,7 +161,8 @@ pub(crate) trait Dialled: FrameTransport + Send + Sync {
             // for a slot would have the target fill it, find the chunk larger, and read it again).
             Some(dest) if dest.len() > connection.slot_pool().slot_bytes() && offset == 0 && length == 0 => {
                 let header = get_header(self, hash, 0, 0, Place::Inline).await;
-                return get_landing(connection.frames(), header, dest, self.timeouts().request_timeout).await;
+                let timeout = self.timeouts().deadline.for_bytes(dest.len() as u64);
+                return get_landing(connection.frames(), header, dest, timeout).await;
             }
             dest => dest,
         };
@@ -209,7 +210,7 @@ pub(crate) trait Dialled: FrameTransport + Send + Sync {
         if let Some(connection) = current.as_ref().filter(|c| c.frames().is_alive()) {
             return Ok(Arc::clone(connection));
         }
-        let deadline = self.timeouts().connect_timeout + self.timeouts().request_timeout;
+        let deadline = self.timeouts().connect_timeout + self.timeouts().deadline.allowance;
         let opened = tokio::time::timeout(deadline, self.open())
             .await
             .map_err(|_| TransportError::Connect(format!("{} timed out after {deadline:?}", self.setup())))??;
@@ -228,7 +229,8 @@ pub(crate) trait Dialled: FrameTransport + Send + Sync {
         payload: Option<Bytes>,
     ) -> Result<(data::Response, Bytes), TransportError> {
         let frames = connection.frames();
-        let (response, payload) = frames.call(opcode, header, payload, self.timeouts().request_timeout).await?;
+        let timeout = self.timeouts().deadline.for_bytes(super::request_bytes(opcode, payload.as_ref()));
+        let (response, payload) = frames.call(opcode, header, payload, timeout).await?;
         match checked(response, payload) {
             Err(TransportError::Remote { code: ErrorCode::TransferFailed, message }) => {
                 frames.close(&message);

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use starckpt_client::transport::{ChunkTransport, Credentials, TcpConfig};
+use starckpt_client::transport::{ChunkTransport, Credentials, Deadline, TcpConfig};
 use starckpt_proto::capability::{ClusterKey, Rights};
 use starckpt_proto::control::control_server::{Control, ControlServer};
 use starckpt_proto::control::{self as pb};
@@ -288,7 +288,7 @@ impl Collector {
         let tcp = TcpConfig {
             connections_per_target: 1,
             connect_timeout: Duration::from_secs(2),
-            request_timeout: Duration::from_secs(10),
+            deadline: Deadline { allowance: Duration::from_secs(2), ..Deadline::default() },
             credentials: self.copying.clone(),
             ..TcpConfig::default()
         };
