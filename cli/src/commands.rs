@@ -57,6 +57,8 @@ pub struct ServerArgs {
     pub gc_deletes_per_sec: u32,
     /// How long a draft's record lives without being put again.
     pub draft_ttl: Duration,
+    /// Heartbeat period asked of targets; a target is dead after five missed.
+    pub heartbeat_interval: Duration,
     pub lost_after: Duration,
     pub repair_interval: Option<Duration>,
     /// The object-store tier's URL.
@@ -84,6 +86,8 @@ pub async fn server(listen: &str, db: &str, args: ServerArgs) -> anyhow::Result<
     // The address line is for scripts and tests that listen on port 0.
     banner(&format!("control plane listening on {}", listener.local_addr()?));
     let config = ControlConfig {
+        heartbeat_interval: args.heartbeat_interval,
+        liveness_timeout: args.heartbeat_interval * 5,
         pending_timeout: args.pending_timeout,
         gc,
         gc_interval: args.gc_interval,

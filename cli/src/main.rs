@@ -189,6 +189,12 @@ enum Command {
         /// this many hours is forgotten, and its chunks collected: the mount is gone.
         #[arg(long, default_value_t = 168, value_parser = clap::value_parser!(u64).range(1..=MAX_SECS / 3600))]
         draft_ttl_hours: u64,
+        /// Seconds between the heartbeats asked of targets. A target silent for two heartbeats
+        /// is suspect, for five dead (placement skips both). Longer periods cost the database
+        /// fewer writes on clusters of many targets, and leave dead targets in new placements
+        /// longer: saves then find them silent themselves and place their copies elsewhere.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=3600))]
+        heartbeat_secs: u64,
         /// A target silent this many seconds is lost: the copies it held are made again on live
         /// targets by the re-replication pass.
         #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(..=MAX_SECS))]
@@ -546,6 +552,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             gc_grace_secs,
             gc_deletes_per_sec,
             draft_ttl_hours,
+            heartbeat_secs,
             lost_after_secs,
             repair_interval_secs,
             tier,
@@ -567,6 +574,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 ),
                 gc_deletes_per_sec,
                 draft_ttl: Duration::from_secs(draft_ttl_hours * 3600),
+                heartbeat_interval: Duration::from_secs(heartbeat_secs),
                 lost_after: Duration::from_secs(lost_after_secs),
                 repair_interval: (repair_interval_secs > 0).then(|| Duration::from_secs(repair_interval_secs)),
                 tier,

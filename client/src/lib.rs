@@ -274,10 +274,13 @@ type KnownTarget = (String, Arc<dyn ChunkTransport>);
 #[derive(Default)]
 struct Targets {
     by_id: Mutex<HashMap<String, KnownTarget>>,
-    /// Targets a read could not reach (no connection, no answer in time), and when: their copies
-    /// are tried last for [`UNREACHABLE_FOR`], so a target that is down costs a reader one
-    /// timeout rather than one per chunk.
+    /// Targets a read or a write could not reach (no connection, no answer in time), and when:
+    /// their copies are tried last, and saves place copies elsewhere first, for
+    /// [`UNREACHABLE_FOR`], so a target that is down costs a reader or a save one deadline rather
+    /// than one per chunk.
     unreachable: Mutex<HashMap<String, std::time::Instant>>,
+    /// This client's usual time to read a chunk, in µs: a moving average of verified reads.
+    read_micros: std::sync::atomic::AtomicU64,
     /// This client's RDMA device and registrations, if it has a device.
     rdma: Option<Arc<RdmaClient>>,
     /// The staging pool's shared region, passed to targets on this host.
@@ -286,9 +289,14 @@ struct Targets {
 
 /// How long a target a read could not reach has its copies tried last.
 const UNREACHABLE_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+/// A read of a chunk with another replica to go to waits this many times the client's usual
+/// read time for its first replica ([`Targets::read_patience`])...
+const READ_PATIENCE_FACTOR: u32 = 4;
+/// ... and at least this long: below it, differences are queueing noise, not a sick target.
+const READ_PATIENCE_MIN: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Targets {
-    /// Notes whether a read reached `target_id`.
+    /// Notes whether a read or a write reached `target_id`.
     fn reached(&self, target_id: &str, reached: bool) {
         let mut unreachable = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
         if reached {
@@ -298,7 +306,24 @@ impl Targets {
         }
     }
 
-    /// Whether a read failed to reach `target_id` within [`UNREACHABLE_FOR`].
+    /// Notes how long a verified chunk read took, for [`Targets::read_patience`].
+    fn read_took(&self, took: std::time::Duration) {
+        use std::sync::atomic::Ordering;
+        let sample = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        // An average over the last ~8 reads: a slow stretch of the disk moves it within a few
+        // chunks, one outlier does not.
+        let _ = self.read_micros.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+            Some(if old == 0 { sample } else { old - old / 8 + sample / 8 })
+        });
+    }
+
+    /// How long a read waits for one replica when another could be read instead.
+    fn read_patience(&self) -> std::time::Duration {
+        let usual = std::time::Duration::from_micros(self.read_micros.load(std::sync::atomic::Ordering::Relaxed));
+        (usual * READ_PATIENCE_FACTOR).max(READ_PATIENCE_MIN)
+    }
+
+    /// Whether a read or a write failed to reach `target_id` within [`UNREACHABLE_FOR`].
     fn unreachable(&self, target_id: &str) -> bool {
         let unreachable = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
         unreachable.get(target_id).is_some_and(|since| since.elapsed() < UNREACHABLE_FOR)

@@ -506,6 +506,7 @@ impl Client {
         // is found.
         let mut damaged: Vec<&TargetInfo> = Vec::new();
         let order = replica_order(&manifest.targets, &chunk.replicas, |id| self.inner.targets.unreachable(id));
+        let copies = order.len();
         for (attempt_index, target_id) in order.into_iter().enumerate() {
             let Some(target) = manifest.targets.get(target_id) else {
                 last = Some(Error::InvalidInput(format!("chunk {} names unknown target {target_id}", chunk.hash)));
@@ -546,8 +547,34 @@ impl Client {
                     address,
                 })
             };
-            match attempt.await {
+            // Another replica is there to read: one that does not answer within a few times
+            // this client's usual read time is left for it (and tried last by the next reads),
+            // rather than waited on for its whole deadline.
+            let started = std::time::Instant::now();
+            let patience = self.inner.targets.read_patience();
+            let outcome = if attempt_index + 1 < copies {
+                match tokio::time::timeout(patience, attempt).await {
+                    Ok(outcome) => outcome,
+                    Err(_) => {
+                        tracing::warn!(
+                            chunk = %chunk.hash, target = %target_id, ?patience,
+                            "a replica did not answer in time; reading the next replica"
+                        );
+                        self.inner.targets.reached(target_id, false);
+                        last = Some(Error::Target {
+                            target_id: target_id.to_owned(),
+                            address: target.data_address.clone(),
+                            source: TransportError::Timeout(patience),
+                        });
+                        continue;
+                    }
+                }
+            } else {
+                attempt.await
+            };
+            match outcome {
                 Ok((data, name)) => {
+                    self.inner.targets.read_took(started.elapsed());
                     let data = settle_chunk(data, dest.as_deref_mut());
                     if !damaged.is_empty() {
                         let good =

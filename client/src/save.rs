@@ -982,6 +982,7 @@ async fn upload_all(
     progress: Arc<SaveProgress>,
     concurrency: usize,
 ) -> Result<ChunkRefs> {
+    let placement = Arc::new(placement);
     // A dropped gate (staging failed) also lets the queue drain. Opened because staging is done
     // (not because it ran out of buffers, which only these uploads give back), the uploads wait
     // for the host's other saves to stage too (`host_staging.rs`).
@@ -996,7 +997,7 @@ async fn upload_all(
     let staged = futures::stream::poll_fn(move |cx| receiver.poll_recv(cx));
     let mut uploads = staged
         .map(|chunk| {
-            let (client, placement, progress) = (client.clone(), placement.clone(), Arc::clone(&progress));
+            let (client, placement, progress) = (client.clone(), Arc::clone(&placement), Arc::clone(&progress));
             async move {
                 let (file, index) = (chunk.file, chunk.index);
                 upload_one(&client, chunk.data, &placement, &progress).await.map(|chunk_ref| ((file, index), chunk_ref))
@@ -1011,14 +1012,30 @@ async fn upload_all(
     Ok(refs)
 }
 
+/// A copy lagging its chunk's first finished copy by this factor of that copy's time gets a
+/// hedge: the same copy started on the next candidate target.
+const HEDGE_FACTOR: u32 = 4;
+/// ... and by at least this long: below it, differences are queueing noise, not a sick target.
+const HEDGE_AFTER_MIN: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// Hashes one staged chunk and makes it durable on `placement.replicas` distinct targets: the
-/// first ones in rendezvous order, skipping targets in a failure domain that already holds a copy
-/// while other domains remain. A target that is unreachable or full is skipped for the next
+/// first ones in rendezvous order (targets this client recently found silent last), skipping
+/// targets in a failure domain that already holds a copy while other domains remain. A target
+/// that is unreachable, full, or misses its request's deadline is skipped for the next
 /// candidate; the manifest records where each copy really is. Fails unless every copy is made.
+///
+/// Hedging: once one copy of the chunk is durable, a copy still running [`HEDGE_FACTOR`] times
+/// longer (at least [`HEDGE_AFTER_MIN`]) is started on the next candidate as well, once per
+/// chunk, and its target is tried last by this client's next chunks for a while (a silent host
+/// would otherwise cost each chunk placed there its full deadline). The extra traffic is at most
+/// one copy per lagging copy, and stops once the lagging target ranks last. Each copy runs in a
+/// task of its own, to its deadline even when the chunk no longer waits for it: a request given
+/// up keeps the memory it lent the target until the target can no longer touch it, and its
+/// outcome still tells this client whether the target answers.
 pub(crate) async fn upload_one(
     client: &Client,
     data: Bytes,
-    placement: &Placement,
+    placement: &Arc<Placement>,
     progress: &SaveProgress,
 ) -> Result<ChunkRef> {
     let length = data.len() as u64;
@@ -1028,69 +1045,100 @@ pub(crate) async fn upload_one(
         .map_err(|e| Error::Cancelled(e.to_string()))?;
     let name = placement.addressing.name(content);
     let hash = name.address;
-    let chunk = ChunkBytes { data, compression: client.config().compression, payload: tokio::sync::OnceCell::new() };
+    let chunk =
+        Arc::new(ChunkBytes { data, compression: client.config().compression, payload: tokio::sync::OnceCell::new() });
     progress.chunks.fetch_add(1, Ordering::Relaxed);
     let ids: Vec<&str> = placement.ids.iter().map(String::as_str).collect();
-    let order = rank_targets(&hash, &ids);
+    // Rendezvous order, but targets this client recently found silent or unreachable last: a
+    // host that stopped answering costs a save one deadline, not one per chunk.
+    let targets = &client.inner.targets;
+    let (mut order, silent): (Vec<usize>, Vec<usize>) =
+        rank_targets(&hash, &ids).into_iter().partition(|&i| !targets.unreachable(&placement.ids[i]));
+    order.extend(silent);
     let wanted = placement.replicas.clamp(1, order.len().max(1));
     let mut stored: Vec<usize> = Vec::with_capacity(wanted);
+    let mut running: Vec<usize> = Vec::with_capacity(wanted);
     let mut tried = vec![false; placement.ids.len()];
+    // The next candidate: untried, in a domain without a copy (made or being made) first.
+    let next = |tried: &[bool], stored: &[usize], running: &[usize]| {
+        let used: std::collections::HashSet<&str> =
+            stored.iter().chain(running).map(|&i| placement.domains[i].as_str()).collect();
+        let untried = || order.iter().copied().filter(|&i| !tried[i]);
+        untried().find(|&i| !used.contains(placement.domains[i].as_str())).or_else(|| untried().next())
+    };
+    let launch = |index: usize| {
+        let (client, placement, chunk) = (client.clone(), Arc::clone(placement), Arc::clone(&chunk));
+        let task = tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let outcome = store_on(&client, &placement, index, &name, &chunk).await;
+            let reached = !matches!(&outcome, Err(Error::Target { source, .. }) if source.is_connection());
+            client.inner.targets.reached(&placement.ids[index], reached);
+            (outcome, started.elapsed())
+        });
+        async move { (index, task.await) }
+    };
+    let mut copies = futures::stream::FuturesUnordered::new();
+    let mut hedge_at: Option<tokio::time::Instant> = None;
+    let mut hedged = false;
     let mut uploaded = false;
     let mut last_error = None;
-    loop {
-        let missing = wanted - stored.len();
-        if missing == 0 {
-            break;
-        }
-        // The next candidates: untried, in domains without a copy first, then any.
-        let used: std::collections::HashSet<&str> = stored.iter().map(|&i| placement.domains[i].as_str()).collect();
-        let mut batch: Vec<usize> = Vec::with_capacity(missing);
-        for prefer_new_domain in [true, false] {
-            for &index in &order {
-                let new_domain = !used.contains(placement.domains[index].as_str())
-                    && !batch.iter().any(|&b| placement.domains[b] == placement.domains[index]);
-                if batch.len() < missing
-                    && !tried[index]
-                    && !batch.contains(&index)
-                    && (new_domain || !prefer_new_domain)
-                {
-                    batch.push(index);
-                }
-            }
-        }
-        if batch.is_empty() {
-            break;
-        }
-        let attempts = batch.iter().map(|&index| {
+    while stored.len() < wanted {
+        while stored.len() + running.len() < wanted {
+            let Some(index) = next(&tried, &stored, &running) else { break };
             tried[index] = true;
-            store_on(client, placement, index, &name, &chunk)
-        });
-        for (index, outcome) in batch.iter().zip(futures::future::join_all(attempts).await) {
-            match outcome {
-                Ok(already_present) => {
-                    uploaded |= !already_present;
-                    stored.push(*index);
-                }
-                Err(error) => {
-                    let Error::Target { source, .. } = &error else { return Err(error) };
-                    let retry_elsewhere = source.is_connection()
-                        || matches!(
-                            source,
-                            TransportError::Remote {
-                                code: starckpt_proto::data::ErrorCode::NoSpace
-                                    | starckpt_proto::data::ErrorCode::Busy
-                                    | starckpt_proto::data::ErrorCode::Internal
-                                    // A target set up with another cluster's key.
-                                    | starckpt_proto::data::ErrorCode::Unauthorized,
-                                ..
-                            }
+            running.push(index);
+            copies.push(launch(index));
+        }
+        let finished = match hedge_at.filter(|_| !hedged && !running.is_empty()) {
+            Some(at) => match tokio::time::timeout_at(at, copies.next()).await {
+                Ok(finished) => finished,
+                Err(_) => {
+                    hedged = true;
+                    for lagging in running.clone() {
+                        let Some(index) = next(&tried, &stored, &running) else { break };
+                        tracing::info!(
+                            chunk = %hash, lagging = %placement.ids[lagging], hedge = %placement.ids[index],
+                            "a copy lags its sibling; starting it on another target too"
                         );
-                    if !retry_elsewhere {
-                        return Err(error);
+                        targets.reached(&placement.ids[lagging], false);
+                        tried[index] = true;
+                        running.push(index);
+                        copies.push(launch(index));
                     }
-                    tracing::warn!(%error, chunk = %hash, "target failed; placing the copy on the next candidate");
-                    last_error = Some(error);
+                    continue;
                 }
+            },
+            None => copies.next().await,
+        };
+        let Some((index, joined)) = finished else { break };
+        running.retain(|&i| i != index);
+        let (outcome, took) = joined.map_err(|e| Error::Cancelled(e.to_string()))?;
+        match outcome {
+            Ok(already_present) => {
+                uploaded |= !already_present;
+                stored.push(index);
+                let lag = (took * HEDGE_FACTOR).max(HEDGE_AFTER_MIN);
+                hedge_at.get_or_insert(tokio::time::Instant::now() + lag);
+            }
+            Err(error) => {
+                let Error::Target { source, .. } = &error else { return Err(error) };
+                let retry_elsewhere = source.is_connection()
+                    || matches!(
+                        source,
+                        TransportError::Remote {
+                            code: starckpt_proto::data::ErrorCode::NoSpace
+                                | starckpt_proto::data::ErrorCode::Busy
+                                | starckpt_proto::data::ErrorCode::Internal
+                                // A target set up with another cluster's key.
+                                | starckpt_proto::data::ErrorCode::Unauthorized,
+                            ..
+                        }
+                    );
+                if !retry_elsewhere {
+                    return Err(error);
+                }
+                tracing::warn!(%error, chunk = %hash, "target failed; placing the copy on the next candidate");
+                last_error = Some(error);
             }
         }
     }
@@ -1102,6 +1150,7 @@ pub(crate) async fn upload_one(
             Error::Underreplicated { hash, stored: stored.len(), wanted, last: Box::new(last) }
         });
     }
+    stored.truncate(wanted);
     // Counted once per chunk, whatever the replication: `done_bytes` compares with the save's size.
     // The stored form, if a copy was sent (a chunk every target had is never encoded).
     let (codec, stored_length) = chunk.payload.get().map_or((Codec::None, length), |p| (p.codec, p.bytes.len() as u64));
@@ -1166,8 +1215,10 @@ async fn store_on(
     };
     let mut address = placement.addresses[index].clone();
     let mut outcome = store(Arc::clone(&placement.transports[index])).await;
+    // A target that did not answer in time has not moved: asking again would wait once more.
     if let Err(error) = &outcome
         && error.is_connection()
+        && !matches!(error, TransportError::Timeout(_))
         && let Some((moved, transport)) = client.refreshed_transport(&placement.ids[index], &address).await
     {
         address = moved;

@@ -1,0 +1,182 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
+//! A storage host that stops answering (SIGSTOP: its sockets stay open, its kernel still accepts
+//! connections, nothing is answered) must not freeze saves or restores: a copy lagging its
+//! sibling is started on another target too (a hedge), a read waits a few times the usual read
+//! time before reading the next replica, every data-plane request has a deadline that scales
+//! with its size, and a target found silent is tried last by the client's next chunks.
+//!
+//! The control plane here asks for heartbeats every 60 s, so it keeps offering the stopped
+//! target in placements: what is tested is the client finding the silence out by itself (with
+//! 1 s heartbeats the control plane marks it suspect within 2 s and new saves avoid it anyway:
+//! `e2e.rs` `a_silent_target_turns_suspect_then_dead_and_gets_no_new_chunks`).
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{Cluster, Proc, random_bytes};
+
+/// Generous bound for what must not hang: before deadlines, one request to a stopped target
+/// waited 120 s, and each chunk placed on it waited its own.
+const HANG: Duration = Duration::from_secs(60);
+
+fn stop(target: &Proc) {
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(target.pid() as i32, libc::SIGSTOP) };
+}
+
+/// Three targets, with shared memory (same host) or TCP only; slow heartbeats.
+fn cluster(tcp_only: bool) -> Cluster {
+    let mut cluster = Cluster::start_with(0, &["--heartbeat-secs", "60"]);
+    for index in 0..3 {
+        let flags: &[&str] = if tcp_only { &["--no-shm"] } else { &[] };
+        let target = cluster.start_target_with(index, flags);
+        cluster.targets.push(target);
+    }
+    cluster.wait_alive(3);
+    cluster
+}
+
+fn target_id(cluster: &Cluster, address: &str) -> String {
+    let status = cluster.json(&["status"]);
+    let targets = status["targets"].as_array().unwrap();
+    let target = targets.iter().find(|t| t["data_address"] == address).expect("the target is registered");
+    target["target_id"].as_str().unwrap().to_owned()
+}
+
+/// `starckpt save` of `file` as `job` `step` in 256 KiB chunks; its JSON outcome (or stderr on
+/// failure) and how long it took.
+fn save(cluster: &Cluster, job: &str, step: u64, file: &Path) -> (Result<serde_json::Value, String>, Duration) {
+    let step = step.to_string();
+    let args = ["--json", "save", "--job", job, "--step", &step, "--chunk-size", "262144", file.to_str().unwrap()];
+    let started = Instant::now();
+    let output = cluster.cli(&args);
+    let elapsed = started.elapsed();
+    if output.status.success() {
+        (Ok(serde_json::from_slice(&output.stdout).unwrap()), elapsed)
+    } else {
+        (Err(String::from_utf8_lossy(&output.stderr).into_owned()), elapsed)
+    }
+}
+
+fn replicas(cluster: &Cluster, job: &str, step: u64) -> Vec<Vec<String>> {
+    let shown = cluster.json(&["show", job, &step.to_string()]);
+    let mut all = Vec::new();
+    for file in shown["files"].as_array().unwrap() {
+        for chunk in file["chunk_refs"].as_array().unwrap() {
+            all.push(chunk["replicas"].as_array().unwrap().iter().map(|r| r.as_str().unwrap().to_owned()).collect());
+        }
+    }
+    all
+}
+
+fn restore_within(cluster: &Cluster, job: &str, step: u64, to: &Path) -> Duration {
+    let started = Instant::now();
+    let output = cluster.cli(&["restore", "--job", job, "--step", &step.to_string(), "--to", to.to_str().unwrap()]);
+    let elapsed = started.elapsed();
+    assert!(output.status.success(), "restore failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(elapsed < HANG, "restore took {elapsed:?}");
+    elapsed
+}
+
+/// With two copies of every chunk and one of three targets stopped before the save begins
+/// (offered in its placement all the same), the save commits with both copies of every chunk on
+/// the two that answer; a restore of an older checkpoint with copies on the stopped target reads
+/// them from the others; the target continued, nothing it missed is in any manifest, and every
+/// checkpoint restores intact.
+fn saves_and_restores_around_a_stopped_target(tcp_only: bool) {
+    let cluster = cluster(tcp_only);
+    let data = |seed| random_bytes(24 << 20, seed);
+    let file = cluster.dir.path().join("state.bin");
+    let first = data(1);
+    std::fs::write(&file, &first).unwrap();
+    let (saved, healthy) = save(&cluster, "hung", 1, &file);
+    assert_eq!(saved.unwrap()["committed"], true);
+    let stopped_id = target_id(&cluster, &cluster.targets[0].address);
+    assert!(
+        replicas(&cluster, "hung", 1).iter().any(|r| r.contains(&stopped_id)),
+        "step 1 should have copies on every target"
+    );
+
+    let restored = cluster.dir.path().join("healthy");
+    let healthy_restore = restore_within(&cluster, "hung", 1, &restored);
+
+    stop(&cluster.targets[0]);
+    let second = data(2);
+    std::fs::write(&file, &second).unwrap();
+    let (saved, stalled) = save(&cluster, "hung", 2, &file);
+    let saved = saved.unwrap_or_else(|stderr| panic!("the save failed with a target stopped: {stderr}"));
+    assert_eq!(saved["committed"], true);
+    assert!(stalled < HANG, "the save took {stalled:?} with a target stopped");
+    for chunk in replicas(&cluster, "hung", 2) {
+        assert_eq!(chunk.len(), 2, "{chunk:?}");
+        assert!(!chunk.contains(&stopped_id), "a copy recorded on the stopped target: {chunk:?}");
+    }
+
+    // Step 1 has copies on the stopped target: read from the other replica.
+    let again = cluster.dir.path().join("stalled");
+    let stalled_restore = restore_within(&cluster, "hung", 1, &again);
+    assert_eq!(std::fs::read(again.join("state.bin")).unwrap(), first);
+    eprintln!(
+        "transport {}: save {healthy:.2?} with all targets answering, {stalled:.2?} with one stopped; \
+         restore {healthy_restore:.2?}, {stalled_restore:.2?}",
+        if tcp_only { "tcp" } else { "shm" }
+    );
+
+    // Continued in the middle of the next save (its copies there lagging, hedged, abandoned):
+    // whatever it answers late is ignored, nothing is committed twice, and nothing is corrupt.
+    let third = data(3);
+    std::fs::write(&file, &third).unwrap();
+    let resumer = {
+        let pid = cluster.targets[0].pid();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+        })
+    };
+    assert_eq!(save(&cluster, "hung", 3, &file).0.unwrap()["committed"], true);
+    resumer.join().unwrap();
+    let listed = cluster.json(&["ls", "hung"]);
+    assert_eq!(listed.as_array().map(Vec::len), Some(3), "{listed}");
+    for (step, bytes) in [(1, &first), (2, &second), (3, &third)] {
+        let to = cluster.dir.path().join(format!("after-{step}"));
+        restore_within(&cluster, "hung", step, &to);
+        assert_eq!(&std::fs::read(to.join("state.bin")).unwrap(), bytes, "step {step}");
+    }
+}
+
+#[test]
+fn a_stopped_target_holds_neither_a_save_nor_a_restore_over_shared_memory() {
+    saves_and_restores_around_a_stopped_target(false);
+}
+
+#[test]
+fn a_stopped_target_holds_neither_a_save_nor_a_restore_over_tcp() {
+    saves_and_restores_around_a_stopped_target(true);
+}
+
+/// One copy, and the only target stopped: the save fails within a bound, naming the target, and
+/// the last committed checkpoint stays the latest.
+#[test]
+fn a_save_whose_only_target_is_stopped_fails_in_time_naming_it() {
+    let mut cluster = Cluster::start_with(0, &["--heartbeat-secs", "60"]);
+    let target = cluster.start_target(0);
+    cluster.targets.push(target);
+    cluster.wait_alive(1);
+    let file = cluster.dir.path().join("state.bin");
+    std::fs::write(&file, random_bytes(4 << 20, 5)).unwrap();
+    assert_eq!(save(&cluster, "alone", 1, &file).0.unwrap()["committed"], true);
+    let id = target_id(&cluster, &cluster.targets[0].address);
+
+    stop(&cluster.targets[0]);
+    std::fs::write(&file, random_bytes(4 << 20, 6)).unwrap();
+    let (failed, took) = save(&cluster, "alone", 2, &file);
+    let stderr = failed.expect_err("a save with its only target stopped committed");
+    assert!(took < HANG, "the failing save took {took:?}");
+    assert!(stderr.contains(&id), "the error does not name the stopped target {id}: {stderr}");
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(cluster.targets[0].pid() as i32, libc::SIGCONT) };
+    assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 1);
+}
