@@ -180,3 +180,37 @@ fn a_save_whose_only_target_is_stopped_fails_in_time_naming_it() {
     unsafe { libc::kill(cluster.targets[0].pid() as i32, libc::SIGCONT) };
     assert_eq!(cluster.json(&["ls"])[0]["latest_step"], 1);
 }
+
+/// The control plane's own passes over the targets (GC's sweep, re-replication's count of
+/// copies) with one target stopped but still listed alive: each finishes within a bound, the
+/// stopped target reported as not done, the others done.
+#[test]
+fn control_plane_passes_with_a_target_stopped_finish_in_time() {
+    let cluster = cluster(true);
+    let file = cluster.dir.path().join("state.bin");
+    std::fs::write(&file, random_bytes(4 << 20, 7)).unwrap();
+    assert_eq!(save(&cluster, "passes", 1, &file).0.unwrap()["committed"], true);
+    let id = target_id(&cluster, &cluster.targets[0].address);
+    stop(&cluster.targets[0]);
+
+    let started = Instant::now();
+    let (succeeded, report) = cluster.json_outcome(&["gc"]);
+    let gc_took = started.elapsed();
+    assert!(gc_took < HANG, "GC took {gc_took:?} with a target stopped");
+    assert!(!succeeded, "a GC pass that could not sweep a target exits non-zero: {report}");
+    assert_eq!(report["targets_swept"], 2, "{report}");
+    let errors = report["target_errors"].as_array().unwrap();
+    assert!(errors.len() == 1 && errors[0].as_str().unwrap().contains(&id), "{report}");
+
+    let started = Instant::now();
+    let _ = cluster.json_outcome(&["repair"]);
+    let repair_took = started.elapsed();
+    assert!(repair_took < HANG, "re-replication took {repair_took:?} with a target stopped");
+    eprintln!("with a target stopped: GC pass {gc_took:.2?}, re-replication pass {repair_took:.2?}");
+
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(cluster.targets[0].pid() as i32, libc::SIGCONT) };
+    let restored = cluster.dir.path().join("restored");
+    restore_within(&cluster, "passes", 1, &restored);
+    assert_eq!(std::fs::read(restored.join("state.bin")).unwrap(), std::fs::read(&file).unwrap());
+}
