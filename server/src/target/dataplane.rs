@@ -238,7 +238,7 @@ pub async fn serve_with(
             info!(
                 "serving shared memory: GETs are copied into the client's slot (shared memory gets no huge pages \
                  here; `echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled` to read them straight \
-                 there, README \"starckpt bench\")"
+                 there, docs/benchmarks.md)"
             );
         }
     }
