@@ -164,6 +164,14 @@ async fn connect(server: &Remote, chunk_size: Option<usize>) -> anyhow::Result<C
     connect_as(server, chunk_size, None, None, false).await
 }
 
+/// Staging memory of `starckpt save`: every buffer is touched for the first time when it is first
+/// filled, and first touches run at ~0.4-0.6 GB/s on these VMs (../shared/MACHINE.md) against
+/// ~13 GB/s into memory touched before, so a 1 GiB pool filled once cost a save of 1 GiB of files
+/// ~0.5 s of page faults. Staging that runs ahead of the uploads gains a command nothing, as no
+/// trainer waits for its copy: twice the uploads in flight (16 chunks of 4 MiB by default) keeps
+/// them fed from buffers that are reused hot.
+const STAGING_AHEAD_BYTES: usize = 128 << 20;
+
 async fn connect_as(
     server: &Remote,
     chunk_size: Option<usize>,
@@ -172,9 +180,11 @@ async fn connect_as(
     files: bool,
 ) -> anyhow::Result<Client> {
     let mut config = ClientConfig::new(&server.server);
-    // Saving files, no trainer waits for the copy into staging: upload while it runs.
+    // Saving files, no trainer waits for the copy into staging: upload while it runs, and stage
+    // only a little ahead of the uploads (STAGING_AHEAD_BYTES).
     if files {
         config.upload_during_staging = true;
+        config.staging_bytes = config.staging_bytes.min(STAGING_AHEAD_BYTES);
     }
     config.tls_ca = server.tls_ca.clone();
     config.compression = compression;
