@@ -114,6 +114,16 @@ fn saves_and_restores_around_a_stopped_target(tcp_only: bool) {
         assert!(!chunk.contains(&stopped_id), "a copy recorded on the stopped target: {chunk:?}");
     }
 
+    // The saving client reported the target it found silent: the control plane, which still
+    // hears nothing amiss (heartbeats 60 s apart), shows it suspect and places no new chunks
+    // there for a while.
+    let state = |cluster: &Cluster| {
+        let status = cluster.json(&["status"]);
+        let targets = status["targets"].as_array().unwrap().clone();
+        targets.into_iter().find(|t| t["target_id"] == stopped_id.as_str()).unwrap()["state"].clone()
+    };
+    assert_eq!(state(&cluster), "suspect", "the silent target was not reported");
+
     // Step 1 has copies on the stopped target: read from the other replica.
     let again = cluster.dir.path().join("stalled");
     let stalled_restore = restore_within(&cluster, "hung", 1, &again);

@@ -296,13 +296,26 @@ const READ_PATIENCE_FACTOR: u32 = 4;
 const READ_PATIENCE_MIN: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Targets {
-    /// Notes whether a read or a write reached `target_id`.
-    fn reached(&self, target_id: &str, reached: bool) {
+    /// Notes whether a read or a write reached `target_id`. True when it newly did not (not
+    /// already within [`UNREACHABLE_FOR`]): [`Client::reached`] reports that.
+    fn reached(&self, target_id: &str, reached: bool) -> bool {
         let mut unreachable = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
         if reached {
             unreachable.remove(target_id);
+            false
         } else {
-            unreachable.insert(target_id.to_owned(), std::time::Instant::now());
+            let before = unreachable.insert(target_id.to_owned(), std::time::Instant::now());
+            before.is_none_or(|since| since.elapsed() >= UNREACHABLE_FOR)
+        }
+    }
+
+    /// Notes what the control plane says of the targets: one it lists suspect or dead is tried
+    /// last, as if this client had found it silent itself.
+    fn heard_of(&self, targets: &[TargetInfo]) {
+        let now = std::time::Instant::now();
+        let mut unreachable = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+        for target in targets.iter().filter(|t| t.state != pb::TargetState::Alive as i32) {
+            unreachable.insert(target.target_id.clone(), now);
         }
     }
 
@@ -647,6 +660,38 @@ impl Client {
 
     pub async fn targets(&self) -> Result<Vec<TargetInfo>> {
         Ok(self.cluster_status().await?.targets)
+    }
+
+    /// Notes whether a request reached `target_id`. One newly found silent (or unreachable) is
+    /// tried last by this client's next chunks, and reported to the control plane in the
+    /// background, so other clients leave it out too (`ReportSilentTargets`); the control
+    /// plane's answer also marks the targets others found silent.
+    pub(crate) fn reached(&self, target_id: &str, reached: bool) {
+        if self.inner.targets.reached(target_id, reached) {
+            let client = self.clone();
+            let reported = vec![target_id.to_owned()];
+            tokio::spawn(async move {
+                let request = pb::ReportSilentTargetsRequest { target_ids: reported };
+                let answer = client
+                    .rpc("report silent targets", Resend::Idempotent, request, |mut c, r| async move {
+                        c.report_silent_targets(r).await
+                    })
+                    .await;
+                match answer {
+                    Ok(answer) => client.inner.targets.heard_of(&answer.targets),
+                    // An older control plane, or none reachable: this client's own evidence stands.
+                    Err(error) => tracing::debug!(%error, "could not report a silent target"),
+                }
+            });
+        }
+    }
+
+    /// Asks the control plane how the targets stand and tries those it lists suspect or dead
+    /// last: saves and restores under way skip targets found silent since they began.
+    pub(crate) async fn refresh_targets(&self) -> Result<()> {
+        let targets = self.targets().await?;
+        self.inner.targets.heard_of(&targets);
+        Ok(())
     }
 
     /// The targets and the last re-replication pass's count of chunks still short of copies.

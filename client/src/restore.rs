@@ -523,7 +523,7 @@ impl Client {
                     (address, transport) = (moved, moved_transport);
                     fetched = fetch_from(&*transport, chunk, dest.as_deref_mut()).await;
                 }
-                self.inner.targets.reached(target_id, !fetched.as_ref().is_err_and(TransportError::is_connection));
+                self.reached(target_id, !fetched.as_ref().is_err_and(TransportError::is_connection));
                 let fetched = fetched.map_err(|source| Error::Target {
                     target_id: target_id.to_owned(),
                     address: address.clone(),
@@ -560,7 +560,7 @@ impl Client {
                             chunk = %chunk.hash, target = %target_id, ?patience,
                             "a replica did not answer in time; reading the next replica"
                         );
-                        self.inner.targets.reached(target_id, false);
+                        self.reached(target_id, false);
                         last = Some(Error::Target {
                             target_id: target_id.to_owned(),
                             address: target.data_address.clone(),

@@ -983,6 +983,24 @@ async fn upload_all(
     concurrency: usize,
 ) -> Result<ChunkRefs> {
     let placement = Arc::new(placement);
+    // A long save hears, every TARGETS_REFRESH, which targets the control plane found silent
+    // since it began (heartbeats stopped, or another client's report), and places no more copies
+    // there while others will do.
+    let watcher = tokio::spawn({
+        let client = client.clone();
+        async move {
+            let mut every = tokio::time::interval(TARGETS_REFRESH);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            every.tick().await;
+            loop {
+                every.tick().await;
+                if let Err(error) = client.refresh_targets().await {
+                    tracing::debug!(%error, "could not refresh the targets' states during a save");
+                }
+            }
+        }
+    });
+    let _watching = AbortOnDrop(watcher.abort_handle());
     // A dropped gate (staging failed) also lets the queue drain. Opened because staging is done
     // (not because it ran out of buffers, which only these uploads give back), the uploads wait
     // for the host's other saves to stage too (`host_staging.rs`).
@@ -1010,6 +1028,19 @@ async fn upload_all(
         refs.insert(key, chunk_ref);
     }
     Ok(refs)
+}
+
+/// How often a save still uploading asks the control plane how the targets stand: one request
+/// per saving client per period, only from saves that take longer than it.
+const TARGETS_REFRESH: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// A copy lagging its chunk's first finished copy by this factor of that copy's time gets a
@@ -1072,7 +1103,7 @@ pub(crate) async fn upload_one(
             let started = std::time::Instant::now();
             let outcome = store_on(&client, &placement, index, &name, &chunk).await;
             let reached = !matches!(&outcome, Err(Error::Target { source, .. }) if source.is_connection());
-            client.inner.targets.reached(&placement.ids[index], reached);
+            client.reached(&placement.ids[index], reached);
             (outcome, started.elapsed())
         });
         async move { (index, task.await) }
@@ -1100,7 +1131,7 @@ pub(crate) async fn upload_one(
                             chunk = %hash, lagging = %placement.ids[lagging], hedge = %placement.ids[index],
                             "a copy lags its sibling; starting it on another target too"
                         );
-                        targets.reached(&placement.ids[lagging], false);
+                        client.reached(&placement.ids[lagging], false);
                         tried[index] = true;
                         running.push(index);
                         copies.push(launch(index));

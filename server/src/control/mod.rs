@@ -6,6 +6,7 @@ mod drafts;
 pub mod gc;
 pub mod repair;
 pub mod service;
+mod silence;
 pub mod sql;
 pub mod store;
 pub mod tier;

@@ -144,6 +144,8 @@ struct Collector {
     /// commit may still name (`gc.rs`).
     gc_paused: std::sync::Mutex<Option<String>>,
     heard: Heard,
+    /// Targets clients reported silent ([`super::silence`]).
+    reports: super::silence::Reports,
 }
 
 /// When this control plane last heard each target it knows registered (ms since the epoch),
@@ -416,6 +418,7 @@ impl ControlService {
             copying: minted(&config, Rights::CLIENT),
             gc_paused: Default::default(),
             heard: Heard::default(),
+            reports: Default::default(),
         });
         ControlService { store, config, collector, chunk_indexes: Default::default() }
     }
@@ -463,7 +466,18 @@ impl ControlService {
         Addressing::of_job(self.config.cluster_key.as_ref(), job)
     }
 
+    /// A target as listed: its state from its heartbeats, suspect also while a client's report
+    /// of its silence stands ([`super::silence`]).
     fn target_info(&self, record: &TargetRecord, now: u64) -> pb::TargetInfo {
+        let mut info = self.target_info_heard(record, now);
+        if info.state == pb::TargetState::Alive as i32 && self.collector.reports.silent(&record.target_id, now) {
+            info.state = pb::TargetState::Suspect as i32;
+        }
+        info
+    }
+
+    /// A target, its state from its heartbeats alone.
+    fn target_info_heard(&self, record: &TargetRecord, now: u64) -> pb::TargetInfo {
         let age = now.saturating_sub(record.last_heartbeat_ms);
         let state = if !is_alive(record, now, self.config.liveness_timeout) {
             pb::TargetState::Dead
@@ -627,20 +641,14 @@ impl Control for ControlService {
         request.job = caller.new_job(request.job.as_str())?;
         let now = now_ms();
         request.begun_after_ms = now.saturating_sub(self.config.pending_timeout.as_millis() as u64);
-        let placement: Vec<pb::TargetInfo> = self
-            .collector
-            .list_targets()
-            .await
-            .map_err(|e| caller.told(meta_status(e)))?
-            .iter()
-            .map(|t| self.target_info(t, now))
-            .filter(|t| t.state == pb::TargetState::Alive as i32)
-            .collect();
+        let listed = self.collector.list_targets().await.map_err(|e| caller.told(meta_status(e)))?;
+        let wanted = self.store.replication(&request.job).await.map_err(|e| caller.told(meta_status(e)))?;
+        let wanted = wanted.unwrap_or(self.config.default_replicas);
+        let heard = listed.iter().map(|t| self.target_info_heard(t, now)).collect();
+        let placement = self.collector.reports.place(heard, wanted as usize, now);
         if placement.is_empty() {
             return Err(Status::failed_precondition("no live storage targets: start one with `starckpt target`"));
         }
-        let wanted = self.store.replication(&request.job).await.map_err(|e| caller.told(meta_status(e)))?;
-        let wanted = wanted.unwrap_or(self.config.default_replicas);
         let replicas = wanted.clamp(1, placement.len() as u32);
         if replicas < wanted {
             tracing::warn!(
@@ -1029,6 +1037,32 @@ impl Control for ControlService {
     ) -> Result<Response<pb::DropDraftResponse>, Status> {
         let caller = self.caller(&request)?;
         self.drop_draft_as(&caller, request.into_inner()).await
+    }
+
+    async fn report_silent_targets(
+        &self,
+        request: Request<pb::ReportSilentTargetsRequest>,
+    ) -> Result<Response<pb::ReportSilentTargetsResponse>, Status> {
+        // Any caller: what a report can do is bounded (`silence.rs`), and every writer meets the
+        // targets it reports.
+        self.caller(&request)?;
+        let reported = request.into_inner().target_ids;
+        if reported.len() > super::silence::MAX_REPORTED {
+            return Err(Status::invalid_argument(format!(
+                "{} targets reported, at most {}",
+                reported.len(),
+                super::silence::MAX_REPORTED
+            )));
+        }
+        let now = now_ms();
+        let targets = self.collector.list_targets().await.map_err(meta_status)?;
+        let registered = targets.iter().map(|t| t.target_id.as_str());
+        for id in self.collector.reports.record(&reported, registered, now) {
+            tracing::warn!(target = %id, "a client reports a target silent: left out of new placements for a while");
+        }
+        Ok(Response::new(pb::ReportSilentTargetsResponse {
+            targets: targets.iter().map(|t| self.target_info(t, now)).collect(),
+        }))
     }
 
     async fn tier(&self, request: Request<pb::TierRequest>) -> Result<Response<pb::TierResponse>, Status> {
