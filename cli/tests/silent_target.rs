@@ -28,7 +28,14 @@ fn stop(target: &Proc) {
 
 /// Three targets, with shared memory (same host) or TCP only; slow heartbeats.
 fn cluster(tcp_only: bool) -> Cluster {
-    let mut cluster = Cluster::start_with(0, &["--heartbeat-secs", "60"]);
+    cluster_with(tcp_only, &[])
+}
+
+/// [`cluster`], the control plane started with `flags` too.
+fn cluster_with(tcp_only: bool, flags: &[&str]) -> Cluster {
+    let mut server_flags = vec!["--heartbeat-secs", "60"];
+    server_flags.extend_from_slice(flags);
+    let mut cluster = Cluster::start_with(0, &server_flags);
     for index in 0..3 {
         let flags: &[&str] = if tcp_only { &["--no-shm"] } else { &[] };
         let target = cluster.start_target_with(index, flags);
@@ -192,11 +199,14 @@ fn a_save_whose_only_target_is_stopped_fails_in_time_naming_it() {
 }
 
 /// The control plane's own passes over the targets (GC's sweep, re-replication's count of
-/// copies) with one target stopped but still listed alive: each finishes within a bound, the
-/// stopped target reported as not done, the others done.
+/// copies, the object-store tier's copy) with one target stopped but still listed alive: each
+/// finishes within a bound, the stopped target reported as not done, the others done; the tier
+/// reads the chunks the stopped target holds from their other copies.
 #[test]
 fn control_plane_passes_with_a_target_stopped_finish_in_time() {
-    let cluster = cluster(true);
+    let tier = tempfile::tempdir().unwrap();
+    let tier_url = format!("file://{}", tier.path().display());
+    let cluster = cluster_with(true, &["--tier", &tier_url, "--tier-interval-secs", "0"]);
     let file = cluster.dir.path().join("state.bin");
     std::fs::write(&file, random_bytes(4 << 20, 7)).unwrap();
     assert_eq!(save(&cluster, "passes", 1, &file).0.unwrap()["committed"], true);
@@ -216,7 +226,15 @@ fn control_plane_passes_with_a_target_stopped_finish_in_time() {
     let _ = cluster.json_outcome(&["repair"]);
     let repair_took = started.elapsed();
     assert!(repair_took < HANG, "re-replication took {repair_took:?} with a target stopped");
-    eprintln!("with a target stopped: GC pass {gc_took:.2?}, re-replication pass {repair_took:.2?}");
+
+    let started = Instant::now();
+    let report = cluster.json(&["tier"]);
+    let tier_took = started.elapsed();
+    assert!(tier_took < HANG, "the tier pass took {tier_took:?} with a target stopped");
+    assert_eq!(report["checkpoints_tiered"], 1, "{report}");
+    eprintln!(
+        "with a target stopped: GC pass {gc_took:.2?}, re-replication pass {repair_took:.2?}, tier pass {tier_took:.2?}"
+    );
 
     // SAFETY: signalling our own child.
     unsafe { libc::kill(cluster.targets[0].pid() as i32, libc::SIGCONT) };

@@ -126,8 +126,11 @@ pub(crate) fn live_targets_with(
 
 /// Why no verified copy came from a target.
 pub(crate) enum CopyError {
-    /// It could not be read (the target is unreachable, or lacks it).
+    /// It could not be read (the target lacks it, or failed).
     Unreadable(String),
+    /// The target did not answer in time, or could not be reached: its other copies are better
+    /// read elsewhere for now.
+    Unanswered(String),
     /// It was read and is not the chunk: the target's copy wants repairing.
     Corrupt(String),
 }
@@ -140,7 +143,10 @@ pub(crate) async fn read_verified(
     hash: ChunkHash,
     length: u64,
 ) -> Result<(Payload, Bytes, ChunkName), CopyError> {
-    let payload = target.transport.get(hash, 0, 0).await.map_err(|e| CopyError::Unreadable(e.to_string()))?;
+    let payload = target.transport.get(hash, 0, 0).await.map_err(|e| match e.is_connection() {
+        true => CopyError::Unanswered(e.to_string()),
+        false => CopyError::Unreadable(e.to_string()),
+    })?;
     let (checked, addressing) = (payload.clone(), *addressing);
     match tokio::task::spawn_blocking(move || checked.verified(&addressing, hash, length)).await {
         Ok(Ok((data, name))) => Ok((payload, data, name)),
@@ -412,7 +418,7 @@ async fn restore_copies(
                 break;
             }
             Err(CopyError::Corrupt(_)) => bad_holders.push(index),
-            Err(CopyError::Unreadable(error)) => {
+            Err(CopyError::Unreadable(error) | CopyError::Unanswered(error)) => {
                 tracing::warn!(chunk = %hash, target = %live[index].id, %error, "a copy could not be read")
             }
         }

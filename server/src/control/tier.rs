@@ -513,6 +513,7 @@ pub async fn pass(
         live: &live,
         pace: tokio::sync::Mutex::new(Pace::new(config.bytes_per_second)),
         present: HashSet::new(),
+        silent: Default::default(),
     };
     let untiered = store.untiered_checkpoints().await?;
     match fence {
@@ -572,6 +573,9 @@ struct Upload<'a> {
     pace: tokio::sync::Mutex<Pace>,
     /// Chunks known to be in the tier, this pass.
     present: HashSet<ChunkHash>,
+    /// Targets that did not answer a read in time this pass: read last, so one silent target
+    /// costs the pass one deadline, not one per chunk it holds.
+    silent: std::sync::Mutex<HashSet<String>>,
 }
 
 impl Upload<'_> {
@@ -666,10 +670,17 @@ impl Upload<'_> {
         let ids: Vec<&str> = self.live.iter().map(|l| l.id.as_str()).collect();
         let mut order: Vec<usize> = (0..self.live.len()).filter(|&i| listed.contains(&self.live[i].id)).collect();
         order.extend(rank_targets(&hash, &ids).into_iter().filter(|i| !listed.contains(&self.live[*i].id)));
+        let silent =
+            |index: &usize| self.silent.lock().unwrap_or_else(|p| p.into_inner()).contains(&self.live[*index].id);
+        let (answering, quiet): (Vec<usize>, Vec<usize>) = order.into_iter().partition(|i| !silent(i));
         let mut failures = Vec::new();
-        for index in order {
+        for index in answering.into_iter().chain(quiet) {
             match read_verified(&self.live[index], addressing, hash, length).await {
                 Ok((_, data, _)) => return Ok(data),
+                Err(CopyError::Unanswered(e)) => {
+                    self.silent.lock().unwrap_or_else(|p| p.into_inner()).insert(self.live[index].id.clone());
+                    failures.push(format!("{}: {e}", self.live[index].id))
+                }
                 Err(CopyError::Unreadable(e) | CopyError::Corrupt(e)) => {
                     failures.push(format!("{}: {e}", self.live[index].id))
                 }
