@@ -242,3 +242,47 @@ fn control_plane_passes_with_a_target_stopped_finish_in_time() {
     restore_within(&cluster, "passes", 1, &restored);
     assert_eq!(std::fs::read(restored.join("state.bin")).unwrap(), std::fs::read(&file).unwrap());
 }
+
+/// A target stopped while a save's uploads are under way (once it has stored some of them):
+/// the save commits in time and restores intact with the target still stopped. Then the same
+/// bytes saved again, whose every chunk is asked for (HAS) at its targets, the stopped one among
+/// them: deduplicated where they answer, in time.
+#[test]
+fn a_target_stopped_during_a_saves_uploads_or_after_them() {
+    let cluster = cluster(false);
+    let file = cluster.dir.path().join("state.bin");
+    let bytes = random_bytes(96 << 20, 11);
+    std::fs::write(&file, &bytes).unwrap();
+    let before = cluster.chunk_files(0).len();
+    let args = ["save", "--job", "during", "--step", "1", "--chunk-size", "262144", file.to_str().unwrap()];
+    let started = Instant::now();
+    let mut saving = cluster.spawn(&args);
+    // Stopped once it holds some of this save's chunks (or once the save is over, on a machine
+    // fast enough to finish first: then the dedup half below still meets it stopped).
+    while cluster.chunk_files(0).len() == before && saving.try_wait().unwrap().is_none() {
+        assert!(started.elapsed() < HANG, "the save stored nothing on target 0");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let mid_save = saving.try_wait().unwrap().is_none();
+    stop(&cluster.targets[0]);
+    let status = loop {
+        if let Some(status) = saving.try_wait().unwrap() {
+            break status;
+        }
+        assert!(started.elapsed() < HANG, "the save took over {HANG:?} with a target stopped mid-upload");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = started.elapsed();
+    assert!(status.success(), "the save failed with a target stopped mid-upload");
+    eprintln!("saved 96 MiB in {took:.2?}, target stopped {}", if mid_save { "mid-upload" } else { "after it" });
+    let restored = cluster.dir.path().join("restored");
+    restore_within(&cluster, "during", 1, &restored);
+    assert!(std::fs::read(restored.join("state.bin")).unwrap() == bytes, "restored bytes differ");
+
+    let (saved, took) = save(&cluster, "during", 2, &file);
+    let saved = saved.unwrap_or_else(|stderr| panic!("the same bytes saved again failed: {stderr}"));
+    assert_eq!(saved["committed"], true);
+    assert!(took < HANG, "saving the same bytes again took {took:?}");
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(cluster.targets[0].pid() as i32, libc::SIGCONT) };
+}
