@@ -26,10 +26,10 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use rand::{RngCore, SeedableRng};
 use starckpt_proto::frame::{FIXED_HEADER_BYTES, FrameHeader, Opcode, read_frame_head, write_frame};
 use starckpt_proto::{Addressing, ChunkHash, TenantName};
-use starckpt_server::target::EngineKind;
-use starckpt_server::target::engine::{FIXED_BUFFERS, IoEngine, UringEngine, open_engine};
-use starckpt_server::target::freepool::FreePoolConfig;
-use starckpt_server::target::store::ChunkStore;
+use starckpt_server::chunkserver::EngineKind;
+use starckpt_server::chunkserver::engine::{FIXED_BUFFERS, IoEngine, UringEngine, open_engine};
+use starckpt_server::chunkserver::freepool::FreePoolConfig;
+use starckpt_server::chunkserver::store::ChunkStore;
 use tokio::io::AsyncReadExt;
 
 const CHUNK: usize = 4 << 20;

@@ -37,8 +37,8 @@ use futures::StreamExt;
 use rand::{RngCore, SeedableRng};
 use serde_json::json;
 use starckpt_client::{Client, ClientConfig, SavePart, SaveProgress};
+use starckpt_server::chunkserver::EngineKind;
 use starckpt_server::dev::DevCluster;
-use starckpt_server::target::EngineKind;
 
 use crate::baseline::{self, Meter, Timed, ratio};
 use crate::demo::parse_size;
@@ -107,13 +107,13 @@ pub struct BenchArgs {
     /// Write every chunk into a new file, as on a target's first checkpoints. Default: the
     /// built-in cluster's targets first fill their free pools (untimed), so chunks overwrite
     /// allocated files as a job's checkpoints do in steady state, once retention deletes old ones
-    /// and GC hands their files back (`server/src/target/freepool.rs`).
+    /// and GC hands their files back (`server/src/chunkserver/freepool.rs`).
     #[arg(long)]
     fresh_files: bool,
     /// Device operations in flight per target of the built-in cluster (1 to 256, or `auto`:
     /// measured per target, `starckpt target --queue-depth`).
     #[arg(long, default_value = "8")]
-    queue_depth: starckpt_server::target::QueueDepth,
+    queue_depth: starckpt_server::chunkserver::QueueDepth,
     /// Profile one phase only: perf's control FIFO (`perf record --control fifo:FIFO -D -1 --
     /// starckpt bench --perf-control FIFO`, likewise `perf stat`), told `enable` when each run's
     /// `--perf-phase` starts and `disable` when it ends, so baselines and data generation stay out
@@ -323,7 +323,7 @@ struct Run {
 }
 
 /// Where the built-in cluster (`dir`, `targets` targets) keeps each of `chunks` (one copy each:
-/// the first target holding it), in order (`server/src/target/store.rs`'s layout).
+/// the first target holding it), in order (`server/src/chunkserver/store.rs`'s layout).
 fn chunk_files(
     dir: &std::path::Path,
     targets: usize,
@@ -470,7 +470,7 @@ pub async fn run(args: BenchArgs, json: bool) -> anyhow::Result<()> {
             let (chunk_size, queue_depth, zero_copy_send) =
                 (args.chunk_size as usize, args.queue_depth, args.zero_copy_send);
             let placed_writes = !args.shm_copy_writes;
-            let configure = |config: &mut starckpt_server::target::TargetConfig| {
+            let configure = |config: &mut starckpt_server::chunkserver::TargetConfig| {
                 config.chunk_size_bytes = chunk_size;
                 config.shm_placed_writes = placed_writes;
                 config.limits.zero_copy_send = zero_copy_send;

@@ -10,9 +10,9 @@ use starckpt_client::{
     CheckpointInfo, CheckpointManifest, CheckpointState, Client, ClientConfig, CommitState, RestoreOptions,
     RetentionPolicy, SavePart, TargetState,
 };
+use starckpt_server::chunkserver::{EngineKind, TargetConfig};
 use starckpt_server::control::ControlConfig;
 use starckpt_server::control::gc::GcConfig;
-use starckpt_server::target::{EngineKind, TargetConfig};
 use tokio::net::TcpListener;
 
 use crate::output::{self, Output};
@@ -109,7 +109,7 @@ pub async fn target(config: TargetConfig, listen: &str) -> anyhow::Result<()> {
     let shutdown = shutdown_signal();
     // The address line is for scripts and tests that start targets on port 0.
     banner(&format!("target data plane listening on {}", listener.local_addr()?));
-    starckpt_server::target::run(config, listener, shutdown).await
+    starckpt_server::chunkserver::run(config, listener, shutdown).await
 }
 
 pub async fn dev(data: &Path, targets: usize, listen: &str, engine: EngineKind) -> anyhow::Result<()> {

@@ -16,8 +16,8 @@ use clap::Args;
 use rand::{RngCore, SeedableRng};
 use serde_json::json;
 use starckpt_client::{Client, ClientConfig, SavePart, TargetState};
+use starckpt_server::chunkserver::EngineKind;
 use starckpt_server::dev::DevCluster;
-use starckpt_server::target::EngineKind;
 
 use crate::baseline::{self, ratio};
 use crate::output;

@@ -24,7 +24,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use starckpt_server::target::EngineKind;
+use starckpt_server::chunkserver::EngineKind;
 
 /// Longest duration a `--*-secs` flag takes: ten years. Far past any useful setting, and far
 /// from where adding durations or counting them in milliseconds overflows.
@@ -86,8 +86,8 @@ fn parse_mtu(text: &str) -> Result<u32, String> {
 }
 
 impl RdmaArgs {
-    fn target(self) -> starckpt_server::target::TargetRdma {
-        use starckpt_server::target::TargetRdma;
+    fn target(self) -> starckpt_server::chunkserver::TargetRdma {
+        use starckpt_server::chunkserver::TargetRdma;
         if self.no_rdma {
             return TargetRdma::Off;
         }
@@ -251,7 +251,7 @@ enum Command {
         /// start (writes ~1.5 GiB of chunk files at depths 1 to 32 and takes the smallest within
         /// 10% of the best) and remembered in DIR/queue-depth (delete it to measure again).
         #[arg(long, default_value = "auto")]
-        queue_depth: starckpt_server::target::QueueDepth,
+        queue_depth: starckpt_server::chunkserver::QueueDepth,
         /// Count chunk ages as if the target had run this many seconds longer. For tests of
         /// garbage collection only.
         #[arg(long, hide = true, default_value_t = 0, value_parser = clap::value_parser!(u64).range(..=MAX_SECS))]
@@ -626,7 +626,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             metrics,
         } => {
             metrics.serve()?;
-            let mut config = starckpt_server::target::TargetConfig::new(dir, cli.server.clone());
+            let mut config = starckpt_server::chunkserver::TargetConfig::new(dir, cli.server.clone());
             config.control_tls = starckpt_proto::tls::ControlTls::from_optional_file(cli.tls_ca.as_deref())
                 .map_err(anyhow::Error::msg)?;
             config.rdma = rdma.target();
@@ -647,7 +647,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             config.preallocate_bytes = preallocate;
             config.cluster_key = key.load()?;
             config.io_stall_timeout = Duration::from_secs(io_stall_timeout_secs);
-            config.scrub = starckpt_server::target::scrub::ScrubConfig {
+            config.scrub = starckpt_server::chunkserver::scrub::ScrubConfig {
                 bytes_per_second: scrub_mib_per_sec.saturating_mul(1 << 20),
                 pause: Duration::from_secs(scrub_pause_secs),
             };

@@ -244,7 +244,7 @@ async fn main() -> anyhow::Result<()> {
     let (server, _cluster) = match &args.server {
         Some(server) => (server.clone(), None),
         None => {
-            let engine = starckpt_server::target::EngineKind::Uring;
+            let engine = starckpt_server::chunkserver::EngineKind::Uring;
             let cluster = starckpt_server::dev::DevCluster::start(scratch_dir.path(), "127.0.0.1:0", 3, engine).await?;
             wait_for_targets(&cluster.control_address.to_string(), 3).await?;
             (cluster.control_address.to_string(), Some(cluster))

@@ -30,7 +30,7 @@ async fn copies_saving(
     placed_writes: bool,
 ) -> (f64, f64) {
     let chunk = 1 << 20;
-    let targets = |target: &mut starckpt_server::target::TargetConfig| target.shm_placed_writes = placed_writes;
+    let targets = |target: &mut starckpt_server::chunkserver::TargetConfig| target.shm_placed_writes = placed_writes;
     let (_dir, _cluster, client) = common::cluster_configured(fabric, 2, targets, |config| {
         config.shm.enabled = shm;
         config.chunk_size_bytes = chunk;

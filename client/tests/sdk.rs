@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use starckpt_client::{Client, ClientConfig, CommitState, Error, Lent, SavePart};
+use starckpt_server::chunkserver::EngineKind;
 use starckpt_server::dev::DevCluster;
-use starckpt_server::target::EngineKind;
 
 mod common;
 use common::{cluster, fabric};
@@ -715,7 +715,7 @@ async fn save_fails_cleanly_when_every_target_is_gone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_and_saves_follow_a_target_that_moved() {
-    use starckpt_server::target::{self, TargetConfig};
+    use starckpt_server::chunkserver::{self, TargetConfig};
     use tokio::net::TcpListener;
 
     let dir = tempfile::tempdir().unwrap();
@@ -727,7 +727,7 @@ async fn reads_and_saves_follow_a_target_that_moved() {
     let start_target = |listener: TcpListener| {
         let config = TargetConfig::new(dir.path().join("t0"), control_address.clone());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(target::run(config, listener, async {
+        let task = tokio::spawn(chunkserver::run(config, listener, async {
             let _ = stopped.await;
         }));
         (stop, task)

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
 
 use starckpt_client::{CheckpointState, Client, ClientConfig};
+use starckpt_server::chunkserver::EngineKind;
 use starckpt_server::dev::DevCluster;
-use starckpt_server::target::EngineKind;
 
 mod common;
 

@@ -17,8 +17,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::chunkserver::{self, EngineKind, TargetConfig};
 use crate::control::{self, ControlConfig};
-use crate::target::{self, EngineKind, TargetConfig};
 use starckpt_proto::capability::ClusterKey;
 
 /// Binds a target's port, reusing the one it had last time (remembered in `DIR/listen.addr`) so
@@ -130,7 +130,7 @@ impl DevCluster {
             configure(&mut config);
             let listener = bind_stable(&config.dir).await?;
             target_addresses.push(listener.local_addr()?);
-            tasks.push(tokio::spawn(target::run(config, listener, wait(stopped.clone()))));
+            tasks.push(tokio::spawn(chunkserver::run(config, listener, wait(stopped.clone()))));
         }
         Ok(DevCluster {
             control_address,

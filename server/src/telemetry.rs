@@ -104,8 +104,8 @@ pub fn answered(target: &str, opcode: starckpt_proto::frame::Opcode, code: i32, 
 /// Publishes a target's counters (`target_id`'s store and scrubber) as its series.
 pub fn publish_target(
     target_id: &str,
-    stats: &crate::target::store::StoreStats,
-    scrub: &crate::target::scrub::ScrubStats,
+    stats: &crate::chunkserver::store::StoreStats,
+    scrub: &crate::chunkserver::scrub::ScrubStats,
 ) {
     use std::sync::atomic::Ordering::Relaxed;
     let target = target_id.to_owned();

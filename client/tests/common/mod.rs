@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use starckpt_client::{Client, ClientConfig, TargetState};
+use starckpt_server::chunkserver::{EngineKind, TargetConfig, TargetRdma};
 use starckpt_server::control::ControlConfig;
 use starckpt_server::dev::DevCluster;
-use starckpt_server::target::{EngineKind, TargetConfig, TargetRdma};
 
 /// What carries this run's data (`STARCKPT_TEST_FABRIC`): `soft`: RDMA over the in-process
 /// software fabric (scripts/test runs this suite that way too); `ibverbs`: RDMA over the host's

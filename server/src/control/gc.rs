@@ -9,7 +9,7 @@
 //!    page through its chunks (data-plane LIST), and delete, in throttled batches, those that are
 //!    not marked and were last used (written, re-put, or reported present by HAS) before
 //!    `M − grace`. The target checks that condition and unlinks under the chunk's use lock, so
-//!    the check cannot race a HAS or PUT of the same chunk (`target/store.rs`).
+//!    the check cannot race a HAS or PUT of the same chunk (`chunkserver/store.rs`).
 //!
 //! ## Why a chunk a checkpoint needs is never deleted
 //!
@@ -41,7 +41,7 @@
 //! - Clocks: only durations cross machines (the guard is "unused for", measured by the target on
 //!   its own clock), so offsets between machines do not matter. A target never counts a chunk as
 //!   older than its own uptime, nor than the time since its wall clock last jumped (`UseClock` in
-//!   `target/store.rs`), so a lost mtime after a power loss or a clock stepped forward cannot make
+//!   `chunkserver/store.rs`), so a lost mtime after a power loss or a clock stepped forward cannot make
 //!   a fresh chunk collectable. A control-plane clock stepped back by more than the pending timeout
 //!   could admit a late commit; run it with a slewing clock (chrony/ntpd), as any database.
 //!

@@ -15,7 +15,7 @@ use starckpt_proto::model::validate_target_id;
 use starckpt_proto::{ChunkHash, ChunkName};
 use tracing::warn;
 
-use crate::target::store::{ChunkStore, ChunkStoreError, PutOutcome};
+use crate::chunkserver::store::{ChunkStore, ChunkStoreError, PutOutcome};
 
 use super::Served;
 
@@ -128,7 +128,7 @@ fn parse_hashes(hashes: &[Bytes]) -> Result<Vec<ChunkHash>, data::Response> {
 pub(super) async fn put(
     store: &ChunkStore,
     request: data::PutRequest,
-    mut chunk: crate::target::store::ChunkWrite,
+    mut chunk: crate::chunkserver::store::ChunkWrite,
 ) -> data::Response {
     let hash = match ChunkHash::try_from(&request.hash[..]) {
         Ok(hash) => hash,

@@ -14,8 +14,8 @@ use starckpt_proto::shm::{self, Attach, Region, StagingFile};
 use tokio::net::UnixListener;
 use tracing::{debug, info};
 
-use crate::target::engine::ExternalBuf;
-use crate::target::store::{ChunkStore, ChunkStoreError};
+use crate::chunkserver::engine::ExternalBuf;
+use crate::chunkserver::store::{ChunkStore, ChunkStoreError};
 
 use super::Served;
 use super::requests::{check_auth, check_capability, store_error};
@@ -92,7 +92,7 @@ impl Slots {
 
     /// A chunk whose whole blocks are `len` bytes at `offset` of the mapped staging region
     /// ([`ChunkStore::placed_write`]); None if the region is not mapped (or the range is unfit).
-    pub(super) fn placed(&self, offset: usize, len: usize) -> Option<crate::target::store::ChunkWrite> {
+    pub(super) fn placed(&self, offset: usize, len: usize) -> Option<crate::chunkserver::store::ChunkWrite> {
         let mapped = self.staging_mapped.as_ref()?;
         let body = len - len % ALIGN;
         if offset.checked_add(len)? > mapped.len() {

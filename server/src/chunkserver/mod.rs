@@ -1,5 +1,6 @@
 //! The storage target: a chunk store on one device, served over the data plane, registered with
-//! the control plane and kept alive there by heartbeats.
+//! the control plane and kept alive there by heartbeats. (The module is named for what it is,
+//! not `target`, which tools that skip Cargo's build directory would skip too.)
 //!
 //! Entry point: [`run`]. The binary (`starckpt target`) only parses flags and calls it.
 

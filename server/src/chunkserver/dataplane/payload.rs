@@ -77,8 +77,8 @@ pub(super) async fn fetch(
     source: PayloadSource,
     slots: Option<Arc<Slots>>,
     rdma: Option<&QpDriver>,
-    mut chunk: crate::target::store::ChunkWrite,
-) -> Result<crate::target::store::ChunkWrite, data::Response> {
+    mut chunk: crate::chunkserver::store::ChunkWrite,
+) -> Result<crate::chunkserver::store::ChunkWrite, data::Response> {
     match (source, slots, rdma) {
         (PayloadSource::Frame, _, _) => Ok(chunk),
         (PayloadSource::Bad(reason), _, _) => Err(error_response(ErrorCode::BadRequest, reason)),
@@ -116,9 +116,9 @@ pub(super) async fn fetch(
 /// goes (`read_at_hashed`: the hash reads the copy from cache, and the store's verification only
 /// compares), off the runtime's workers.
 async fn copy_hashed(
-    mut chunk: crate::target::store::ChunkWrite,
+    mut chunk: crate::chunkserver::store::ChunkWrite,
     copy: impl FnOnce(&mut [u8]) -> std::io::Result<ChunkHash> + Send + 'static,
-) -> Result<crate::target::store::ChunkWrite, data::Response> {
+) -> Result<crate::chunkserver::store::ChunkWrite, data::Response> {
     let copied = tokio::task::spawn_blocking(move || chunk.fill_hashed(copy).map(|()| chunk)).await;
     match copied {
         Ok(Ok(chunk)) => Ok(chunk),

@@ -21,7 +21,7 @@
 //!   tokio's blocking pool, bounded by a semaphore. For systems where io_uring is unavailable,
 //!   such as Docker's default seccomp profile.
 //!
-//! Both run the same conformance suite (`target::store` tests).
+//! Both run the same conformance suite (`chunkserver::store` tests).
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -100,7 +100,7 @@ pub trait IoEngine: Send + Sync + 'static {
 /// [`Watched`] engine, and when one last completed (or the first of a busy spell began). A device
 /// that stops completing (a hung NVMe controller, a stuck mount) leaves the target process up and
 /// answering; this is what lets it tell (`ChunkStore::io_stalled_for`), so the target stops
-/// heartbeating and writers go elsewhere (`target/mod.rs`).
+/// heartbeating and writers go elsewhere (`chunkserver/mod.rs`).
 #[derive(Debug)]
 pub struct IoWatch {
     origin: std::time::Instant,

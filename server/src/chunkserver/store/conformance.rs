@@ -1,6 +1,6 @@
 //! One suite, run against every I/O engine.
 use super::*;
-use crate::target::engine::{EngineKind, open_engine};
+use crate::chunkserver::engine::{EngineKind, open_engine};
 
 async fn store(kind: EngineKind, dir: &Path) -> ChunkStore {
     ChunkStore::open(dir, open_engine(kind, 4).unwrap(), 64 * 1024, 4).await.unwrap()
@@ -724,7 +724,7 @@ suite!(std_io, EngineKind::Std);
 /// the other.
 #[tokio::test]
 async fn uring_opens_files_into_the_ring_where_the_kernel_can() {
-    use crate::target::engine::UringEngine;
+    use crate::chunkserver::engine::UringEngine;
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
     let mut numbers = release.trim().split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().unwrap_or(0));
     let version = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
@@ -738,7 +738,7 @@ async fn uring_opens_files_into_the_ring_where_the_kernel_can() {
 /// 5.19) rather than into the ring's file table: the same round trips, split reads and errors.
 #[tokio::test]
 async fn uring_without_registered_files() {
-    use crate::target::engine::{FIXED_BUFFERS, UringEngine};
+    use crate::chunkserver::engine::{FIXED_BUFFERS, UringEngine};
     let dir = tempfile::tempdir().unwrap();
     let engine = Arc::new(UringEngine::start_with(4, FIXED_BUFFERS, false).unwrap());
     assert!(!engine.registered_files());
