@@ -1181,7 +1181,6 @@ pub(crate) async fn upload_one(
             Error::Underreplicated { hash, stored: stored.len(), wanted, last: Box::new(last) }
         });
     }
-    stored.truncate(wanted);
     // Counted once per chunk, whatever the replication: `done_bytes` compares with the save's size.
     // The stored form, if a copy was sent (a chunk every target had is never encoded).
     let (codec, stored_length) = chunk.payload.get().map_or((Codec::None, length), |p| (p.codec, p.bytes.len() as u64));
