@@ -240,11 +240,6 @@ fn checkpoints_through_the_mount_with_everyday_tools() {
     ));
     assert_eq!(out.split_whitespace().collect::<Vec<_>>(), ["b'xxyxxxxxxx'", "b'xxyxxxxxxx'"], "{out}");
     assert_eq!(python_errno(&format!("os.rename('{m}/llama/rand.tmp', '{m}/llama/no-digits')")), "EINVAL");
-    // A name with no step number in a job directory is a tracker file: small, and kept.
-    assert_eq!(
-        python_errno(&format!("open('{m}/llama/nodigits.bin', 'wb', buffering=0).write(b'x' * (65 << 10))")),
-        "EFBIG"
-    );
     assert_eq!(
         python_errno(&format!("os.mkdir('{m}/llama/dup.tmp')\nos.rename('{m}/llama/dup.tmp', '{m}/llama/step_100')")),
         "EEXIST"
@@ -456,6 +451,74 @@ fn a_restarted_mount_finds_its_drafts_and_commits_them() {
     let _mount = Mounted::start_with(&cluster, &point, &writer);
     let listed = sh_ok(&format!("ls -a {m}/job"));
     assert_eq!(listed.split_whitespace().collect::<Vec<_>>(), [".", "..", "step-7", "step_3"], "{listed}");
+}
+
+/// Files with no step number directly in a job directory (Lightning's `last.ckpt`, a model saved
+/// at the top of HF's output directory, `-v1` copies) are job files: kept at the control plane,
+/// of any size, replaced whole when written again (O_TRUNC, or a rename over them), read back by
+/// every mount, deleted by unlink, never a checkpoint and never `latest`.
+#[test]
+fn job_files_are_kept_replaced_whole_and_seen_by_every_mount() {
+    let cluster = Cluster::start(2);
+    let point = cluster.dir.path().join("ckpt");
+    let mount = Mounted::start(&cluster, &point);
+    let m = point.to_str().unwrap().to_owned();
+    let source = cluster.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    let first = source.join("first.bin");
+    std::fs::write(&first, random_bytes(9 << 20, 1)).unwrap();
+    let second = source.join("second.bin");
+    std::fs::write(&second, random_bytes(3 << 20, 2)).unwrap();
+    sh_ok(&format!("mkdir {m}/job && cp {} {m}/job/epoch=0-step=5.ckpt", first.display()));
+    // Larger than any tracker, written in order: kept, and read back from the targets.
+    sh_ok(&format!("cp {} {m}/job/last.ckpt && cmp {m}/job/last.ckpt {}", first.display(), first.display()));
+    // Written again with O_TRUNC: replaced whole (a shorter file leaves nothing of the longer).
+    sh_ok(&format!("cp {} {m}/job/last.ckpt", second.display()));
+    sh_ok(&format!("cmp {m}/job/last.ckpt {}", second.display()));
+    // Lightning's atomic idiom (a temporary, then a rename over it) and a `-v1` copy of a step
+    // taken under another name, patched at its head as zip writers do.
+    python(&format!(
+        "import os, shutil\nshutil.copyfile('{}', '{m}/job/last.ckpt.tmp')\nos.replace('{m}/job/last.ckpt.tmp', '{m}/job/last.ckpt')\n\
+         f = open('{m}/job/epoch=0-step=5-v1.ckpt', 'wb')\nf.write(b'z' * (2 << 20))\nf.seek(0)\nf.write(b'head')\nf.close()",
+        first.display()
+    ));
+    sh_ok(&format!("cmp {m}/job/last.ckpt {}", first.display()));
+    // Appending to a kept file would need its bytes here: refused.
+    assert_eq!(python_errno(&format!("open('{m}/job/last.ckpt', 'ab').write(b'x')")), "ENOTSUP");
+    // `copystat` after the copy (shutil.move across filesystems) is accepted.
+    sh_ok(&format!("touch -d 2020-01-01 {m}/job/last.ckpt && chmod 600 {m}/job/last.ckpt"));
+    let listed = sh_ok(&format!("ls {m}/job"));
+    assert_eq!(
+        listed.split_whitespace().collect::<Vec<_>>(),
+        ["epoch=0-step=5-v1.ckpt", "epoch=0-step=5.ckpt", "last.ckpt"],
+        "{listed}"
+    );
+    // Job files are no checkpoints: step 5 alone is committed, and it is `latest`.
+    let steps: Vec<u64> =
+        cluster.json(&["ls", "job"]).as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [5]);
+    assert_eq!(std::fs::read_link(point.join("job/.starckpt/latest")).unwrap(), Path::new("../epoch=0-step=5.ckpt"));
+
+    // Another mount (another host, or this one restarted) sees them as written.
+    drop(mount);
+    let other = cluster.dir.path().join("other");
+    let _mount = Mounted::start(&cluster, &other);
+    let o = other.to_str().unwrap().to_owned();
+    sh_ok(&format!("cmp {o}/job/last.ckpt {}", first.display()));
+    let patched = std::fs::read(other.join("job/epoch=0-step=5-v1.ckpt")).unwrap();
+    assert_eq!((patched.len(), &patched[..5]), (2 << 20, &b"headz"[..]));
+    // A collection leaves a kept file's chunks alone (the replaced ones' go after the grace).
+    cluster.ok(&["gc"]);
+    sh_ok(&format!("cmp {o}/job/last.ckpt {}", first.display()));
+    // Deleted by unlink, for every mount; a directory cannot replace one.
+    sh_ok(&format!("rm {o}/job/epoch=0-step=5-v1.ckpt"));
+    assert!(!other.join("job/epoch=0-step=5-v1.ckpt").exists());
+    assert_eq!(
+        python_errno(&format!("os.mkdir('{o}/job/d.tmp')\nos.rename('{o}/job/d.tmp', '{o}/job/last.ckpt')")),
+        "ENOTDIR"
+    );
+    let listed = sh_ok(&format!("ls {o}/job"));
+    assert_eq!(listed.split_whitespace().collect::<Vec<_>>(), ["epoch=0-step=5.ckpt", "last.ckpt"], "{listed}");
 }
 
 /// A close in a draft whose record the control plane cannot take fails (`EIO`): the file would

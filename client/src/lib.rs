@@ -46,7 +46,7 @@ use starckpt_proto::buf::BufPool;
 use starckpt_proto::control::{self as pb};
 
 use control::{Control, ControlPlanes, Resend};
-pub use drafts::DraftInfo;
+pub use drafts::{DraftInfo, JobFileInfo};
 pub use error::{Error, Result};
 pub use manager::{CheckpointManager, CheckpointPolicy, FinalReport, IfBusy, preemption_signal};
 pub use restore::{CheckpointManifest, ChunkSource, RestoreOptions, RestoreOutcome, RestoreProgress, restore_from};

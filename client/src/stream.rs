@@ -192,7 +192,7 @@ impl Client {
     /// it). A copy a target no longer has, or that a target gone or not answering cannot
     /// confirm, is left out of the reference (re-replication makes it again); a chunk left with
     /// none is an error.
-    async fn recheck_chunks(&self, files: &mut [StreamedFile]) -> Result<()> {
+    pub(crate) async fn recheck_chunks(&self, files: &mut [StreamedFile]) -> Result<()> {
         let mut by_target: HashMap<String, Vec<ChunkHash>> = HashMap::new();
         for chunk in files.iter().flat_map(|f| f.chunks.iter()) {
             if chunk.replicas.is_empty() {

@@ -32,8 +32,8 @@ mod view;
 mod write;
 
 use judge::{Requester, opener_of};
-use names::{JobFile, META_DIR, Removal};
 pub use names::{KIND_KEY, TRACKER_KEY_PREFIX};
+use names::{META_DIR, Removal};
 use write::{Draft, DraftFile, Writer};
 
 /// Tunables of a mount.
@@ -101,8 +101,8 @@ enum Node {
         job: String,
         step: Option<u64>,
     },
-    /// A tracker file of a job (`latest`, `latest_checkpointed_iteration.txt`): a name with no
-    /// step number, directly in the job directory (`fs/names.rs`).
+    /// A job file (`last.ckpt`, `latest`): a name with no step number, directly in the job
+    /// directory, kept at the control plane (`fs/names.rs`).
     JobFile {
         job: String,
         name: String,
@@ -145,8 +145,8 @@ enum Handle {
     /// per open, not per page (the kernel asks for ~4 KiB of names at a time, so rebuilding it
     /// for each page made listing N entries cost N²/100 node lookups), and stable while open.
     Dir(Arc<Vec<(u64, FileType, String)>>),
-    /// A tracker file ([`Node::JobFile`]).
-    JobFile(Arc<JobFile>),
+    /// A tracker file's content as a committed checkpoint recorded it ([`names::JobEntry`]).
+    Content(Arc<Vec<u8>>),
 }
 
 #[derive(Default)]
@@ -164,8 +164,8 @@ struct State {
     next_draft: u64,
     /// Committed checkpoints' names and kinds, by checkpoint id (`fs/names.rs`).
     labels: HashMap<u64, Arc<names::Label>>,
-    /// Tracker files written through this mount and not recorded with a checkpoint since.
-    job_files: HashMap<(String, String), Arc<JobFile>>,
+    /// Job files by job, as last listed, and when.
+    job_files: HashMap<String, (Instant, Arc<Vec<starckpt_client::JobFileInfo>>)>,
     /// Committed checkpoints being removed file by file, by checkpoint id.
     removals: HashMap<u64, Removal>,
     trees: HashMap<(String, u64), Arc<StepTree>>,
@@ -375,6 +375,9 @@ impl Filesystem for CkptFs {
             let _ = config.set_max_write(allowed);
             allowed
         });
+        // `open(O_TRUNC)` arrives as one open with the flag, not a truncate and an open: a job
+        // file opened so is replaced by what is written, not cut in place.
+        let _ = config.add_capabilities(fuser::InitFlags::FUSE_ATOMIC_O_TRUNC);
         let read_ahead = read_ahead_bytes(&self.client, &self.config);
         let _ = config.set_max_readahead(read_ahead).or_else(|allowed| config.set_max_readahead(allowed));
         tracing::info!(max_write, "FUSE session initialised");
@@ -440,7 +443,7 @@ impl Filesystem for CkptFs {
         _atime: Option<TimeOrNow>,
         mtime: Option<TimeOrNow>,
         _ctime: Option<SystemTime>,
-        _fh: Option<FileHandle>,
+        fh: Option<FileHandle>,
         _crtime: Option<SystemTime>,
         _chgtime: Option<SystemTime>,
         _bkuptime: Option<SystemTime>,
@@ -448,9 +451,15 @@ impl Filesystem for CkptFs {
         reply: ReplyAttr,
     ) {
         let result = self.node(ino).and_then(|node| {
-            match &node {
-                Node::DraftFile { file } => {
-                    let file = self.state().files.get(file).cloned().ok_or(Errno::ENOENT)?;
+            // A file being written: one of a draft, or a job file being written again through
+            // this handle (opened with O_TRUNC; `ftruncate` on it).
+            let writing = match &node {
+                Node::DraftFile { file } => Some(self.state().files.get(file).cloned().ok_or(Errno::ENOENT)?),
+                Node::JobFile { .. } => fh.and_then(|fh| self.write_handle(fh)),
+                _ => None,
+            };
+            match (&node, writing) {
+                (_, Some(file)) => {
                     let mode = mode.map(|mode| mode & 0o7777);
                     self.block_on(async {
                         let mut writer = file.writer.lock().await;
@@ -474,13 +483,8 @@ impl Filesystem for CkptFs {
                         });
                     }
                 }
-                Node::JobFile { job, name } => {
-                    if let Some(size) = size {
-                        self.truncate_job_file(job, name, size)?;
-                    }
-                }
                 // Times and modes of directories being written are not kept; accept them.
-                Node::DraftDir { .. } | Node::Job(_) | Node::Root => {
+                (Node::DraftDir { .. } | Node::Job(_) | Node::Root, None) => {
                     if size.is_some() {
                         return Err(Errno::EISDIR);
                     }
@@ -489,13 +493,18 @@ impl Filesystem for CkptFs {
                 // and `shutil.copystat` (Lightning's move of a finished file into place) set
                 // after a file is complete (times, owner, permission bits) is accepted and not
                 // kept: the checkpoint was committed as written.
-                Node::StepDir { .. } | Node::StepFile { .. } => {
+                // A kept job file is replaced whole, never cut in place: what `copystat` sets after
+                // `shutil.move` wrote it (Lightning's last.ckpt) is accepted the same way.
+                (Node::StepDir { .. } | Node::StepFile { .. } | Node::JobFile { .. }, None) => {
                     if size.is_some() {
                         return Err(Errno::EROFS);
                     }
-                    tracing::debug!(?node, "times, owner and mode of a committed checkpoint are not kept");
+                    tracing::debug!(
+                        ?node,
+                        "times, owner and mode of a committed checkpoint or a job file are not kept"
+                    );
                 }
-                Node::Meta(_) | Node::Pointer { .. } => return Err(Errno::EROFS),
+                (Node::Meta(_) | Node::Pointer { .. } | Node::DraftFile { .. }, None) => return Err(Errno::EROFS),
             }
             self.node_attr(ino.0, &node)
         });
@@ -588,41 +597,18 @@ impl Filesystem for CkptFs {
         _flags: i32,
         reply: ReplyCreate,
     ) {
-        // A name with no step number in a job directory is a tracker file (`fs/names.rs`).
-        if let (Ok(Node::Job(job)), Some(name)) = (self.node(parent), name.to_str())
-            && step_of(name).is_none()
-            && !crate::tree::temporary(name)
-        {
-            let result = (|| {
-                if name == META_DIR || RelPath::try_from(name).is_err() {
-                    return Err(Errno::EINVAL);
-                }
-                if self.job_name_taken(&job, name)? {
-                    return Err(Errno::EEXIST);
-                }
-                let fh = self.create_job_file(&job, name);
-                let node = Node::JobFile { job: job.clone(), name: name.to_owned() };
-                let ino = self.remember(node.clone());
-                self.node_attr(ino, &node).map(|(attr, ttl)| (fh, attr, ttl))
-            })();
-            return match result {
-                Ok((fh, attr, ttl)) => {
-                    reply.created(&ttl, &attr, Generation(0), FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO)
-                }
-                Err(e) => reply.error(e),
-            };
-        }
         let result = (|| {
             let name = name_str(name)?;
             let opener = opener_of(req.pid())?;
             let mode = mode & !umask & 0o7777;
             match self.node(parent)? {
                 Node::Job(job) => {
-                    // A one-file checkpoint: its step is the name's last number. One with a
-                    // temporary name (`.tmpXXXX`, `model_5.pt.tmp`) waits for the rename to its
-                    // final name instead of its close.
-                    if !crate::tree::temporary(name) {
-                        step_of(name).ok_or(Errno::EINVAL)?;
+                    // A one-file checkpoint (its step is the name's last number), or a job file (a
+                    // name with no step number: `fs/names.rs`). One with a temporary name
+                    // (`.tmpXXXX`, `model_5.pt.tmp`) waits for the rename to its final name
+                    // instead of its close.
+                    if name == META_DIR {
+                        return Err(Errno::EINVAL);
                     }
                     RelPath::try_from(name).map_err(|_| Errno::EINVAL)?;
                     if self.job_name_taken(&job, name)? {
@@ -719,8 +705,32 @@ impl Filesystem for CkptFs {
                 Ok((self.add_handle(Handle::Write(file, opener)), FopenFlags::FOPEN_DIRECT_IO))
             }
             Node::JobFile { job, name } => {
-                let truncate = flags.0 & libc::O_TRUNC != 0;
-                Ok((self.open_job_file(&job, &name, wants_write(flags), truncate)?, FopenFlags::FOPEN_DIRECT_IO))
+                if !wants_write(flags) {
+                    return Ok((self.add_handle(self.open_job_file(&job, &name)?), FopenFlags::empty()));
+                }
+                // Written again: replaced whole by what is written now, when it ends. Writing
+                // into the kept bytes (append, patch) is not supported.
+                if flags.0 & libc::O_TRUNC == 0 {
+                    tracing::warn!(%job, file = %name, "a job file is replaced whole: open it with O_TRUNC to write it");
+                    return Err(Errno::ENOTSUP);
+                }
+                let opener = opener_of(req.pid())?;
+                let file = self.new_draft_file(&job, None, name.clone(), 0o644)?;
+                {
+                    let mut state = self.state();
+                    if state.single_files.contains_key(&(job.clone(), name.clone())) {
+                        // Being written already, by another open (O_CREAT raced it).
+                        drop(state);
+                        self.discard_single(&file);
+                        self.release_write(&file);
+                        return Err(Errno::EBUSY);
+                    }
+                    let id = state.next_draft;
+                    state.next_draft += 1;
+                    state.files.insert(id, Arc::clone(&file));
+                    state.single_files.insert((job, name), id);
+                }
+                Ok((self.add_created(file, opener), FopenFlags::FOPEN_DIRECT_IO))
             }
             Node::Pointer { .. } => Err(Errno::ELOOP),
             _ => Err(Errno::EISDIR),
@@ -751,7 +761,11 @@ impl Filesystem for CkptFs {
                     Err(e) => reply.error(e),
                 };
             }
-            Some(Handle::JobFile(job_file)) => return reply.data(&job_file.read_at(offset, size)),
+            Some(Handle::Content(content)) => {
+                let start = (offset as usize).min(content.len());
+                let end = start.saturating_add(size as usize).min(content.len());
+                return reply.data(&content[start..end]);
+            }
             Some(Handle::Dir(_)) | None => return reply.error(Errno::EBADF),
         };
         match self.reads.read(&reader, offset, size) {
@@ -772,13 +786,6 @@ impl Filesystem for CkptFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        if let Some(Handle::JobFile(job_file)) = self.state().handles.get(&fh.0) {
-            let job_file = Arc::clone(job_file);
-            return match job_file.write_at(offset, data) {
-                Ok(()) => reply.written(data.len() as u32),
-                Err(e) => reply.error(e),
-            };
-        }
         let Some(file) = self.write_handle(fh) else { return reply.error(Errno::EBADF) };
         file.wrote_from(req.pid());
         // A one-file checkpoint written to after its commit, to be taken back.
@@ -821,22 +828,7 @@ impl Filesystem for CkptFs {
         }
     }
 
-    fn flush(&self, req: &Request, ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        let job_file = match self.state().handles.get(&fh.0) {
-            Some(Handle::JobFile(file)) => Some(Arc::clone(file)),
-            _ => None,
-        };
-        if let Some(job_file) = job_file {
-            // A tracker file closed: it may name the checkpoint it completes.
-            let result = match self.node(ino) {
-                Ok(Node::JobFile { job, name }) => self.publish_job_file(&job, &name, &job_file),
-                _ => Ok(()),
-            };
-            return match result {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(e),
-            };
-        }
+    fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
         let Some((file, opener)) = self.write_handle_opened(fh) else { return reply.ok() };
         // close() of a descriptor, which ends the file when its opener closes it with data
         // written. Not when it is closed for a writer killed mid-write (or before writing
@@ -919,11 +911,7 @@ impl Filesystem for CkptFs {
                         // A one-file checkpoint by its name: deleting the file deletes it (that
                         // checkpoint only, never a newer one saved at its step since).
                         Node::StepFile { step, checkpoint, .. } => self.delete_step(&job, step, Some(checkpoint)),
-                        Node::JobFile { .. } => {
-                            // Only a tracker this mount holds unrecorded can go; one recorded with
-                            // checkpoints is theirs.
-                            self.state().job_files.remove(&key).map(|_| ()).ok_or(Errno::EROFS)
-                        }
+                        Node::JobFile { .. } => self.remove_job_file(&job, name),
                         Node::Meta(_) => Err(Errno::EISDIR),
                         _ => Err(Errno::EISDIR),
                     }
@@ -1091,6 +1079,8 @@ impl Filesystem for CkptFs {
                         // The write-to-a-temporary-then-rename idiom (`os.replace(p + ".tmp", p)`,
                         // safetensors' `.tmpXXXXXX`): the rename names the one-file checkpoint.
                         Node::DraftFile { file } => self.rename_single(&job, name, file, newname),
+                        // A kept job file is moved by copying it (`mv` does, on EXDEV).
+                        Node::JobFile { .. } => Err(Errno::EXDEV),
                         _ => Err(Errno::EROFS),
                     }
                 }

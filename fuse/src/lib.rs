@@ -10,8 +10,9 @@
 //!                                    written as (checkpoint-500, global_step500, iter_0000500,
 //!                                    step-500); one saved with the SDK or CLI: its decimal step
 //! /ckpt/<job>/<name>                 a committed one-file checkpoint (epoch=3-step=500.ckpt)
-//! /ckpt/<job>/<tracker>              a tracker file a framework wrote (latest,
-//!                                    latest_checkpointed_iteration.txt): read back as written
+//! /ckpt/<job>/<file>                 a job file: a name with no step number (last.ckpt,
+//!                                    model.safetensors, config.json, DeepSpeed's latest),
+//!                                    kept at the control plane, read back as written
 //! /ckpt/<job>/<anything>/            a checkpoint being written (a draft)
 //! /ckpt/<job>/.starckpt/latest       the mount's own pointers, never listed (so `rm -r`, rsync and
 //! /ckpt/<job>/.starckpt/<step>       framework listings never meet them): symlinks to ../<name>
@@ -36,6 +37,7 @@
 //! | DeepSpeed `save_checkpoint` | `global_stepN/` in place, then writes the file `latest` = `global_stepN` | the tracker file naming the draft |
 //! | Megatron (legacy) | `iter_000000N/mp_rank_00/...`, then `latest_checkpointed_iteration.txt` = `N` | the tracker file naming the draft's step |
 //! | `torch.save(sd, "/ckpt/job/model_5.pt")`, Lightning (a temporary file elsewhere, then `shutil.move`: copy, `copystat`) | one file in the job directory | its close (in `flush`, so `close()` reports a failure) |
+//! | Lightning `save_last` (`last.ckpt`, `last-v1.ckpt`), HF `save_model()` into the output directory | a file with no step number in the job directory | nothing: a job file, kept (and replaced) at its close |
 //!
 //! A draft written in place by the mounts of several hosts (DCP on a multi-host job: each rank
 //! writes its files through its host's mount, then the coordinator writes `.metadata`) is
@@ -48,11 +50,14 @@
 //! safetensors' `.tmpXXXXXX`, `os.replace(p + ".tmp", p)`) is committed by the rename to its final
 //! name instead (at once if it was closed first, else at its close).
 //!
-//! A file created directly in the job directory whose name has **no number** is a tracker file
-//! (at most 64 KiB: `EFBIG`). Closed, its content (trimmed) names a draft, by name or by step,
-//! which is committed with the tracker's content in its metadata; the tracker then reads as the
-//! newest committed checkpoint carrying it recorded it. One naming no draft is kept by this mount
-//! only (in memory), with a warning in the log.
+//! A file written directly in the job directory whose name has **no step number** is a **job
+//! file** (`fs/names.rs`): not a checkpoint, never `latest`, of any size, kept at the control
+//! plane (`PutJobFile`) when it ends, so every mount and every restart reads it back; written
+//! again (opened with `O_TRUNC`, or a rename over it) it is replaced whole at that end; `unlink`
+//! deletes it. So is a file whose name's step is committed under another name (Lightning's
+//! `epoch=0-step=5-v1.ckpt`; a trailing `-v<N>` version is never read as a step). A job file of
+//! at most 64 KiB is also a **tracker** when its content (trimmed) names a draft, by name or by
+//! step: that draft is committed first, with the tracker's content in its metadata.
 //!
 //! A file ends at a close by the process that opened it (or that process's clean exit with it
 //! still open: `prog > /ckpt/job/step_5.out`; exit status 0 is taken at its word, even from a
@@ -107,7 +112,7 @@
 //! |--------------------------------------------------|-----------|
 //! | write, truncate, create, mkdir in a committed checkpoint | `EROFS` |
 //! | a rename to a name without a step number to commit | `EINVAL`  |
-//! | a tracker file over 64 KiB                       | `EFBIG`   |
+//! | writing into a kept job file without `O_TRUNC` (append, patch) | `ENOTSUP` |
 //! | hard links, symlinks                             | `EPERM`   |
 //! | a file directly in `/ckpt/` (outside a job)      | `EPERM`   |
 //! | opening for writing from a process this mount's `/proc` does not show (another pid namespace, `hidepid`): whether it finished its file could not be told | `EACCES` |

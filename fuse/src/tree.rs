@@ -66,14 +66,32 @@ pub fn split(path: &str) -> (&str, &str) {
 }
 
 /// The step a name stands for: its last run of decimal digits (`step_100` → 100,
-/// `step_100.pt` → 100, `000042` → 42). None if it has no digits or they overflow.
+/// `step_100.pt` → 100, `000042` → 42), Lightning's version suffix aside (`ModelCheckpoint`
+/// adds `-v1`, `-v2` when the name it wants exists: `last-v1.ckpt` has no step,
+/// `epoch=0-step=5-v1.ckpt` has 5). None if it has no digits or they overflow.
 pub fn step_of(name: &str) -> Option<u64> {
+    let name = without_version(name);
     // By bytes: a digit is one byte, and the byte after a non-digit's last byte may start
     // nothing (`é5`: an index inside `é` is no character boundary).
     let bytes = name.as_bytes();
     let end = bytes.iter().rposition(u8::is_ascii_digit)? + 1;
     let start = bytes[..end].iter().rposition(|b| !b.is_ascii_digit()).map_or(0, |i| i + 1);
     name[start..end].parse().ok()
+}
+
+/// `name` up to a version suffix `-v<N>` at the end of its stem (before an extension without
+/// digits), or all of it.
+fn without_version(name: &str) -> &str {
+    let stem_end = match name.rfind('.') {
+        Some(dot) if dot > 0 && !name[dot..].bytes().any(|b| b.is_ascii_digit()) => dot,
+        _ => name.len(),
+    };
+    let stem = &name[..stem_end];
+    let digits = stem.bytes().rev().take_while(u8::is_ascii_digit).count();
+    match stem[..stem.len() - digits].strip_suffix("-v") {
+        Some(before) if digits > 0 => before,
+        _ => name,
+    }
 }
 
 /// Whether a file name in a job directory marks a file written to be renamed into place (a
@@ -105,6 +123,12 @@ mod tests {
         assert_eq!(step_of("ckpt-7.tmp"), Some(7));
         assert_eq!(step_of("000042"), Some(42));
         assert_eq!(step_of("weights"), None);
+        // Lightning's version suffix is no step.
+        assert_eq!(step_of("last-v1.ckpt"), None);
+        assert_eq!(step_of("last-v12"), None);
+        assert_eq!(step_of("epoch=0-step=5-v1.ckpt"), Some(5));
+        assert_eq!(step_of("epoch=0-step=5.ckpt"), Some(5));
+        assert_eq!(step_of("model.v2"), Some(2));
         assert!(temporary(".tmpab12cd") && temporary("model_5.pt.tmp") && temporary("x.part"));
         assert!(!temporary("model_5.pt") && !temporary("latest"));
         assert_eq!(step_of("99999999999999999999999"), None);

@@ -1,24 +1,30 @@
 //! What a job directory shows: each committed checkpoint under the name it was written as, the
-//! tracker files frameworks write beside their checkpoints, the mount's own pointers under
+//! job files frameworks write beside their checkpoints, the mount's own pointers under
 //! `.starckpt/`, and checkpoints being removed file by file (`rm -r`, `shutil.rmtree`).
 //!
 //! A checkpoint's name and kind are kept in its manifest's metadata ([`NAME_KEY`], [`KIND_KEY`]),
-//! so every mount, and this one after a restart, lists it as it was written. Tracker files
-//! (`latest`, `latest_checkpointed_iteration.txt`: a name with no step number) are kept the same
-//! way: the content that committed a checkpoint is in that checkpoint's metadata
-//! ([`TRACKER_KEY_PREFIX`]), and a tracker reads as the content recorded by the newest committed
-//! checkpoint that carries it.
+//! so every mount, and this one after a restart, lists it as it was written.
+//!
+//! A file written directly in the job directory whose name has no step number is a **job file**
+//! (Lightning's `last.ckpt`, a model saved at the top of the output directory, DeepSpeed's
+//! `latest`): kept at the control plane (`PutJobFile`), replaced whole when it is written again,
+//! deleted by `unlink`. One of at most [`MAX_TRACKER_BYTES`] is also a **tracker** if its content
+//! names a checkpoint being written (DeepSpeed's `latest` = `global_step500`, Megatron's
+//! `latest_checkpointed_iteration.txt` = `500`): that checkpoint is committed first, with the
+//! tracker's content in its metadata ([`TRACKER_KEY_PREFIX`]). Trackers committed before job files
+//! were kept still read as the newest committed checkpoint carrying one recorded them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::time::Instant;
 
 use fuser::Errno;
 use futures::StreamExt;
-use starckpt_client::CheckpointInfo;
+use starckpt_client::{CheckpointInfo, JobFileInfo};
 
-use super::{CkptFs, Handle, NAME_KEY};
-use crate::tree::{step_name, step_of};
+use super::write::{DraftFile, Writer};
+use super::{CkptFs, Handle, NAME_KEY, errno};
+use crate::tree::{step_name, step_of, temporary};
 
 /// Metadata key: "file" for a one-file checkpoint (a file created in the job directory), "dir"
 /// for a directory.
@@ -29,8 +35,8 @@ pub const TRACKER_KEY_PREFIX: &str = "starckpt.fuse.tracker.";
 /// The mount's own directory in each job: `latest` and `<step>` symlinks. Never listed (so
 /// `rm -r`, `rsync` and framework listings never meet it), always resolvable.
 pub const META_DIR: &str = ".starckpt";
-/// Largest tracker file: they hold a name or a number.
-pub const MAX_JOB_FILE_BYTES: usize = 64 << 10;
+/// Largest job file read as a tracker: they hold a name or a number.
+pub const MAX_TRACKER_BYTES: u64 = 64 << 10;
 /// Checkpoints whose names are kept in memory (a few hundred bytes each).
 const MAX_LABELS: usize = 100_000;
 /// Manifests fetched at once to learn names when a job with many checkpoints is first listed.
@@ -53,43 +59,21 @@ pub(super) struct Named {
     pub(super) label: Arc<Label>,
 }
 
-/// A tracker file written through this mount, not (yet) recorded with a checkpoint.
-#[derive(Default)]
-pub(super) struct JobFile {
-    pub(super) content: Mutex<Vec<u8>>,
-    /// Written since it was last published ([`CkptFs::publish_job_file`]).
-    pub(super) dirty: AtomicBool,
+/// A job file as the job directory shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum JobEntry {
+    /// Kept at the control plane: its size.
+    Kept(JobFileInfo),
+    /// A tracker's content as a committed checkpoint recorded it (before job files were kept).
+    Recorded(Arc<Vec<u8>>),
 }
 
-impl JobFile {
-    fn content(&self) -> std::sync::MutexGuard<'_, Vec<u8>> {
-        self.content.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub(super) fn read_at(&self, offset: u64, len: u32) -> Vec<u8> {
-        let content = self.content();
-        let start = (offset as usize).min(content.len());
-        let end = start.saturating_add(len as usize).min(content.len());
-        content[start..end].to_vec()
-    }
-
-    pub(super) fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), Errno> {
-        let end = offset as usize + data.len();
-        if end > MAX_JOB_FILE_BYTES {
-            tracing::warn!(end, "a file with no step number in a job directory is a tracker file, at most 64 KiB");
-            return Err(Errno::EFBIG);
-        }
-        let mut content = self.content();
-        if content.len() < end {
-            content.resize(end, 0);
-        }
-        content[offset as usize..end].copy_from_slice(data);
-        self.dirty.store(true, Ordering::Relaxed);
-        Ok(())
-    }
-
+impl JobEntry {
     pub(super) fn size(&self) -> u64 {
-        self.content().len() as u64
+        match self {
+            JobEntry::Kept(info) => info.size_bytes,
+            JobEntry::Recorded(content) => content.len() as u64,
+        }
     }
 }
 
@@ -223,74 +207,103 @@ impl CkptFs {
         Ok(self.named(job)?.into_iter().find(|n| n.info.step == step).map(|n| n.label.name.clone()))
     }
 
-    /// Tracker files of `job` and their contents: as written through this mount since, else as
-    /// the newest committed checkpoint carrying each recorded it.
-    pub(super) fn trackers(&self, job: &str) -> Result<BTreeMap<String, Vec<u8>>, Errno> {
+    /// The job files of `job` (cached for `listing_ttl`), with the trackers committed
+    /// checkpoints recorded under names no job file has.
+    pub(super) fn job_files(&self, job: &str) -> Result<BTreeMap<String, JobEntry>, Errno> {
         let mut named = self.named(job)?;
         named.sort_by_key(|n| n.info.step);
-        let mut trackers = BTreeMap::new();
+        let mut files = BTreeMap::new();
         for n in &named {
             for (name, content) in &n.label.trackers {
-                trackers.insert(name.clone(), content.clone().into_bytes());
+                files.insert(name.clone(), JobEntry::Recorded(Arc::new(content.clone().into_bytes())));
             }
         }
-        let state = self.state();
-        for ((j, name), file) in &state.job_files {
-            if j == job {
-                trackers.insert(name.clone(), file.content().clone());
-            }
-        }
-        Ok(trackers)
-    }
-
-    /// Opens tracker file `name` of `job` (created by `create` or already there).
-    pub(super) fn open_job_file(&self, job: &str, name: &str, write: bool, truncate: bool) -> Result<u64, Errno> {
-        let key = (job.to_owned(), name.to_owned());
-        let existing = self.state().job_files.get(&key).cloned();
-        let file = match existing {
-            Some(file) => file,
+        let cached = self.state().job_files.get(job).filter(|(at, _)| at.elapsed() < self.config.listing_ttl).cloned();
+        let kept = match cached {
+            Some((_, kept)) => kept,
             None => {
-                let content = self.trackers(job)?.remove(name).ok_or(Errno::ENOENT)?;
-                let file = Arc::new(JobFile { content: Mutex::new(content), dirty: AtomicBool::new(false) });
-                if !write {
-                    return Ok(self.add_handle(Handle::JobFile(file)));
-                }
-                Arc::clone(self.state().job_files.entry(key).or_insert(file))
+                let kept =
+                    Arc::new(self.block_on(self.client.job_files(job)).map_err(|e| errno("list job files", job, &e))?);
+                self.state().job_files.insert(job.to_owned(), (Instant::now(), Arc::clone(&kept)));
+                kept
             }
         };
-        if truncate {
-            file.content().clear();
-            file.dirty.store(true, Ordering::Relaxed);
+        for info in kept.iter() {
+            files.insert(info.name.clone(), JobEntry::Kept(info.clone()));
         }
-        Ok(self.add_handle(Handle::JobFile(file)))
+        Ok(files)
     }
 
-    /// A new, empty tracker file `name` of `job`.
-    pub(super) fn create_job_file(&self, job: &str, name: &str) -> u64 {
-        let file = Arc::new(JobFile::default());
-        self.state().job_files.insert((job.to_owned(), name.to_owned()), Arc::clone(&file));
-        self.add_handle(Handle::JobFile(file))
+    /// Opens job file `name` of `job` to read it.
+    pub(super) fn open_job_file(&self, job: &str, name: &str) -> Result<Handle, Errno> {
+        match self.job_files(job)?.remove(name).ok_or(Errno::ENOENT)? {
+            JobEntry::Recorded(content) => Ok(Handle::Content(content)),
+            JobEntry::Kept(_) => {
+                let manifest = self
+                    .block_on(self.client.job_file(job, name))
+                    .map_err(|e| errno("get job file", &format!("{job}/{name}"), &e))?
+                    .ok_or(Errno::ENOENT)?;
+                Ok(Handle::Read(self.reads.open(Arc::new(manifest), 0).ok_or(Errno::ENOENT)?))
+            }
+        }
     }
 
-    pub(super) fn truncate_job_file(&self, job: &str, name: &str, size: u64) -> Result<(), Errno> {
-        let file = self.state().job_files.get(&(job.to_owned(), name.to_owned())).cloned().ok_or(Errno::EROFS)?;
-        if size as usize > MAX_JOB_FILE_BYTES {
-            return Err(Errno::EFBIG);
+    /// Deletes job file `name` of `job`. A tracker only a committed checkpoint recorded is that
+    /// checkpoint's (EROFS).
+    pub(super) fn remove_job_file(&self, job: &str, name: &str) -> Result<(), Errno> {
+        let dropped = self
+            .block_on(self.client.drop_job_file(job, name))
+            .map_err(|e| errno("drop job file", &format!("{job}/{name}"), &e))?;
+        self.state().job_files.remove(job);
+        match dropped {
+            true => Ok(()),
+            false if self.job_files(job)?.contains_key(name) => Err(Errno::EROFS),
+            false => Err(Errno::ENOENT),
         }
-        file.content().resize(size as usize, 0);
-        file.dirty.store(true, Ordering::Relaxed);
+    }
+
+    /// A file ended directly in a job directory under a final name that is a job file's
+    /// ([`Self::is_job_file_name`]): kept as a job file, replacing the one of its name. One small
+    /// enough to be a tracker that names a checkpoint being written commits that checkpoint
+    /// first, so a reader that follows the tracker finds it committed. Nothing to do for a file
+    /// of a draft, one unlinked, or one under a temporary name.
+    pub(super) fn keep_job_file(&self, file: &Arc<DraftFile>) -> Result<(), Errno> {
+        let path = file.path();
+        if file.draft.is_some() || file.abandoned.load(std::sync::atomic::Ordering::Relaxed) || temporary(&path) {
+            return Ok(());
+        }
+        let done = self.block_on(async {
+            match &*file.writer.lock().await {
+                Writer::Done(done) => Some(done.clone()),
+                _ => None,
+            }
+        });
+        let Some(done) = done else { return Ok(()) };
+        if done.size <= MAX_TRACKER_BYTES
+            && let Ok(content) = file.read_at(0, done.size as u32)
+        {
+            self.tracker_commits(&file.job, &path, &String::from_utf8_lossy(&content))?;
+        }
+        self.block_on(self.client.put_job_file(&file.job, &path, done))
+            .map_err(|e| errno("put job file", &format!("{}/{path}", file.job), &e))?;
+        self.block_on(async { *file.writer.lock().await = Writer::Committed(None) });
+        file.drop_spill();
+        self.kept_single(file);
         Ok(())
     }
 
-    /// A tracker file closed after a write: its content names the checkpoint it completes (a
-    /// draft's name, DeepSpeed's `latest`, or its step, Megatron's
-    /// `latest_checkpointed_iteration.txt`), which is committed now with the tracker's content
-    /// in its metadata. One that names no draft is kept by this mount only, and said so.
-    pub(super) fn publish_job_file(&self, job: &str, name: &str, file: &Arc<JobFile>) -> Result<(), Errno> {
-        if !file.dirty.swap(false, Ordering::Relaxed) {
-            return Ok(());
-        }
-        let content = String::from_utf8_lossy(&file.content()).into_owned();
+    /// Whether a file ending directly in job directory `job` as `name` is a job file rather
+    /// than a one-file checkpoint: its name has no step number, or its step is committed under
+    /// another name.
+    pub(super) fn is_job_file_name(&self, job: &str, name: &str) -> Result<bool, Errno> {
+        let Some(step) = step_of(name) else { return Ok(true) };
+        Ok(self.name_of_step(job, step)?.is_some_and(|taken| taken != name))
+    }
+
+    /// A tracker file ended: its content names the checkpoint it completes (a draft's name,
+    /// DeepSpeed's `latest`, or its step, Megatron's `latest_checkpointed_iteration.txt`),
+    /// which is committed now with the tracker's content in its metadata.
+    fn tracker_commits(&self, job: &str, name: &str, content: &str) -> Result<(), Errno> {
         let named = content.trim();
         if named.is_empty() {
             return Ok(());
@@ -307,34 +320,11 @@ impl CkptFs {
                 matching.next().is_none().then(|| (*id, d.name.clone()))
             })
         };
-        let Some((draft, draft_name)) = draft else {
-            let known = self.named_as(job, named)?.is_some()
-                || named
-                    .parse::<u64>()
-                    .is_ok_and(|step| self.steps(job).is_ok_and(|s| s.iter().any(|c| c.step == step)));
-            tracing::warn!(
-                job,
-                tracker = name,
-                content = named,
-                "a tracker file names {}: its content is kept by this mount only, until it names a checkpoint being written",
-                if known { "a checkpoint committed already" } else { "no checkpoint of the job" }
-            );
-            return Ok(());
-        };
+        let Some((draft, draft_name)) = draft else { return Ok(()) };
         let step = step_of(&draft_name).ok_or(Errno::EINVAL)?;
-        let metadata = [(format!("{TRACKER_KEY_PREFIX}{name}"), content.clone())].into_iter().collect();
+        let metadata = [(format!("{TRACKER_KEY_PREFIX}{name}"), content.to_owned())].into_iter().collect();
         tracing::info!(job, tracker = name, checkpoint = %draft_name, "a tracker file names a checkpoint being written: committing it");
-        if let Err(e) = self.commit_draft(draft, step, &draft_name, metadata) {
-            file.dirty.store(true, Ordering::Relaxed);
-            return Err(e);
-        }
-        // Recorded with the checkpoint: read from there from now on (every mount sees it).
-        let mut state = self.state();
-        let key = (job.to_owned(), name.to_owned());
-        if state.job_files.get(&key).is_some_and(|f| Arc::ptr_eq(f, file)) && !file.dirty.load(Ordering::Relaxed) {
-            state.job_files.remove(&key);
-        }
-        Ok(())
+        self.commit_draft(draft, step, &draft_name, metadata)
     }
 
     /// Whether `path` (or a directory above it) of committed checkpoint `checkpoint` was removed
@@ -415,16 +405,6 @@ mod tests {
             0,
         );
         assert_eq!(tracked.trackers.get("latest").map(String::as_str), Some("global_step500"));
-    }
-
-    #[test]
-    fn job_files_are_bounded() {
-        let file = JobFile::default();
-        file.write_at(0, b"global_step5").unwrap();
-        file.write_at(6, b"STEP").unwrap();
-        assert_eq!(file.read_at(0, 100), b"globalSTEPp5");
-        assert_eq!(file.read_at(20, 100), b"");
-        assert_eq!(file.write_at(MAX_JOB_FILE_BYTES as u64, b"x"), Err(Errno::EFBIG));
     }
 
     #[test]

@@ -10,11 +10,11 @@ use fuser::{Errno, FileAttr, FileType, Generation, INodeNo, ReplyEntry};
 use starckpt_client::CheckpointInfo;
 use starckpt_proto::JobName;
 
-use super::names::META_DIR;
+use super::names::{JobEntry, META_DIR};
 use super::write::Draft;
 use super::{CkptFs, Node, errno, time_of};
 use crate::read::Reader;
-use crate::tree::{Child, StepTree, join, parse_step_name, split, step_name, step_of};
+use crate::tree::{Child, StepTree, join, parse_step_name, split, step_name};
 
 impl CkptFs {
     // ---- control-plane views, cached for `listing_ttl` ----
@@ -133,12 +133,21 @@ impl CkptFs {
                 (self.attr(ino, FileType::Symlink, target.len() as u64, 0o777, self.mounted_at), dynamic)
             }
             Node::JobFile { job, name } => {
-                let in_memory = self.state().job_files.get(&(job.clone(), name.clone())).map(|f| f.size());
-                let size = match in_memory {
-                    Some(size) => size,
-                    None => self.trackers(job)?.get(name).ok_or(Errno::ENOENT)?.len() as u64,
+                // Being written again through this inode (opened with O_TRUNC): as written so far.
+                let writing = {
+                    let state = self.state();
+                    state.single_files.get(&(job.clone(), name.clone())).and_then(|id| state.files.get(id).cloned())
                 };
-                (self.attr(ino, FileType::RegularFile, size, 0o644, self.mounted_at), Duration::ZERO)
+                if let Some(file) = writing {
+                    let size = file.size.load(Ordering::Relaxed);
+                    return Ok((self.attr(ino, FileType::RegularFile, size, 0o644, file.created), Duration::ZERO));
+                }
+                let entry = self.job_files(job)?.remove(name).ok_or(Errno::ENOENT)?;
+                let time = match &entry {
+                    JobEntry::Kept(info) => time_of(info.updated_at_ms),
+                    JobEntry::Recorded(_) => self.mounted_at,
+                };
+                (self.attr(ino, FileType::RegularFile, entry.size(), 0o644, time), Duration::ZERO)
             }
             Node::StepDir { job, step, checkpoint, dir } => {
                 let info = self.step_info(job, *step)?.ok_or(Errno::ENOENT)?;
@@ -217,9 +226,6 @@ impl CkptFs {
                     if let Some(file) = state.single_files.get(&key) {
                         return Ok(Node::DraftFile { file: *file });
                     }
-                    if state.job_files.contains_key(&key) {
-                        return Ok(Node::JobFile { job: job.clone(), name: name.to_owned() });
-                    }
                 }
                 if name == META_DIR {
                     return Ok(Node::Meta(job.clone()));
@@ -233,7 +239,7 @@ impl CkptFs {
                         Node::StepDir { job, step, checkpoint, dir: String::new() }
                     });
                 }
-                if step_of(name).is_none() && self.trackers(job)?.contains_key(name) {
+                if self.job_files(job)?.contains_key(name) {
                     return Ok(Node::JobFile { job: job.clone(), name: name.to_owned() });
                 }
                 Err(Errno::ENOENT)
@@ -306,7 +312,7 @@ impl CkptFs {
                 }
             }
             Node::Job(job) => {
-                let trackers = self.trackers(job)?;
+                let job_files = self.job_files(job)?;
                 let named = self.named(job)?;
                 let committed: HashSet<String> = named.iter().map(|n| n.label.name.clone()).collect();
                 for named in named {
@@ -317,9 +323,6 @@ impl CkptFs {
                     } else {
                         push(Node::StepDir { job, step, checkpoint, dir: String::new() }, FileType::Directory, name);
                     }
-                }
-                for name in trackers.into_keys() {
-                    push(Node::JobFile { job: job.clone(), name: name.clone() }, FileType::RegularFile, name);
                 }
                 let pick = |map: &HashMap<(String, String), u64>| -> Vec<(String, u64)> {
                     map.iter().filter(|((j, _), _)| j == job).map(|((_, n), id)| (n.clone(), *id)).collect()
@@ -338,6 +341,10 @@ impl CkptFs {
                         continue;
                     }
                     push(Node::DraftDir { draft, path: String::new() }, FileType::Directory, name);
+                }
+                let writing: HashSet<&String> = singles.iter().map(|(name, _)| name).collect();
+                for name in job_files.into_keys().filter(|name| !writing.contains(name)) {
+                    push(Node::JobFile { job: job.clone(), name: name.clone() }, FileType::RegularFile, name);
                 }
                 for (name, file) in singles {
                     push(Node::DraftFile { file }, FileType::RegularFile, name);

@@ -343,6 +343,10 @@ impl CkptFs {
     /// for the writer's next run, as is one whose write failed.
     pub(super) fn release_write(&self, file: &Arc<DraftFile>) {
         file.judged();
+        // Whether it becomes a job file (which may list the job's checkpoints) matters only to
+        // a file not settled yet.
+        let settled = file.writer.try_lock().is_ok_and(|w| matches!(&*w, Writer::Committed(_) | Writer::Failed(_)));
+        let job_file = !settled && self.ends_as_job_file(file).unwrap_or(false);
         let (last, ended, failed) = self.block_on(async {
             let mut writer = file.writer.lock().await;
             if file.open_handles.fetch_sub(1, Ordering::Relaxed) != 1 {
@@ -350,7 +354,7 @@ impl CkptFs {
             }
             // A failed commit stays listed (a rename or a new open may retry it); a failed
             // file is dropped.
-            let ended = self.end(file, &mut writer).await.is_ok();
+            let ended = self.end(file, &mut writer, job_file).await.is_ok();
             (true, ended, matches!(&*writer, Writer::Failed(_)))
         });
         if !last {
@@ -358,6 +362,11 @@ impl CkptFs {
         }
         match file.draft {
             None if failed => self.discard_single(file),
+            None if ended && job_file => {
+                if let Err(e) = self.keep_job_file(file) {
+                    tracing::error!(job = %file.job, path = %file.path(), "could not keep a job file: {e:?}");
+                }
+            }
             Some(draft) if failed && file.killed.load(Ordering::Relaxed) => self.abandon_draft(draft, file),
             Some(_) if ended => {
                 if let Err(e) = self.completes_draft(file) {
@@ -511,13 +520,25 @@ impl CkptFs {
     /// Ends a file's writes: its bytes durable, its chunk list final. A one-file checkpoint is
     /// committed here. Idempotent; a failure is reported again on every later call.
     pub(super) fn finish(&self, file: &Arc<DraftFile>) -> Result<(), Errno> {
-        self.block_on(async { self.end(file, &mut *file.writer.lock().await).await })
+        let job_file = self.ends_as_job_file(file)?;
+        self.block_on(async { self.end(file, &mut *file.writer.lock().await, job_file).await })?;
+        if job_file {
+            self.keep_job_file(file)?;
+        }
+        Ok(())
     }
 
-    /// [`Self::finish`], `writer` (the file's) held. A file given up ([`DraftFile::killed`])
-    /// fails instead: a truncated file is never committed, and the partial chunk's staging
-    /// buffer goes back to the pool now rather than with the mount.
-    pub(super) async fn end(&self, file: &Arc<DraftFile>, writer: &mut Writer) -> Result<(), Errno> {
+    /// Whether `file` is directly in its job directory under a name that makes it a job file
+    /// when it ends, not a one-file checkpoint.
+    pub(super) fn ends_as_job_file(&self, file: &DraftFile) -> Result<bool, Errno> {
+        Ok(file.draft.is_none() && self.is_job_file_name(&file.job, &file.path())?)
+    }
+
+    /// [`Self::finish`], `writer` (the file's) held; a `job_file` is left finished for
+    /// [`Self::keep_job_file`]. A file given up ([`DraftFile::killed`]) fails instead: a
+    /// truncated file is never committed, and the partial chunk's staging buffer goes back to
+    /// the pool now rather than with the mount.
+    pub(super) async fn end(&self, file: &Arc<DraftFile>, writer: &mut Writer, job_file: bool) -> Result<(), Errno> {
         // Read under the writer lock: a rename inside the draft takes that lock too.
         let path = file.path();
         match std::mem::replace(writer, Writer::Failed(Errno::EIO)) {
@@ -549,6 +570,7 @@ impl CkptFs {
             other => *writer = other,
         }
         if file.draft.is_none()
+            && !job_file
             && !file.abandoned.load(Ordering::Relaxed)
             && !crate::tree::temporary(&path)
             && let Writer::Done(done) = &*writer
@@ -609,12 +631,17 @@ impl CkptFs {
     /// A finished file under a final name is committed now; one still open commits at its close.
     pub(super) fn rename_single(&self, job: &str, name: &str, file: u64, new_name: &str) -> Result<(), Errno> {
         RelPath::try_from(new_name).map_err(|_| Errno::EINVAL)?;
-        let final_name = !crate::tree::temporary(new_name);
-        if final_name && step_of(new_name).is_none() {
+        if new_name == super::META_DIR {
             return Err(Errno::EINVAL);
         }
-        if self.job_name_taken(job, new_name)? {
-            return Err(Errno::EEXIST);
+        let final_name = !crate::tree::temporary(new_name);
+        // Over a job file (`os.replace("last.ckpt.tmp", "last.ckpt")`): it replaces that file
+        // when it is kept.
+        match self.resolve(&Node::Job(job.to_owned()), new_name) {
+            Ok(Node::JobFile { .. }) => {}
+            Ok(_) => return Err(Errno::EEXIST),
+            Err(e) if e == Errno::ENOENT => {}
+            Err(e) => return Err(e),
         }
         let file = self.state().files.get(&file).cloned().ok_or(Errno::ENOENT)?;
         let new_path = RelPath::try_from(new_name).map_err(|_| Errno::EINVAL)?;
@@ -646,21 +673,18 @@ impl CkptFs {
     /// file, through the same inode.
     pub(super) fn committed_single(&self, file: &Arc<DraftFile>, step: u64, checkpoint: u64) {
         let mut state = self.state();
-        let key = (file.job.clone(), file.path());
-        let id = state
-            .single_files
-            .get(&key)
-            .copied()
-            .filter(|id| state.files.get(id).is_some_and(|f| Arc::ptr_eq(f, file)));
-        if let Some(id) = id {
-            state.single_files.remove(&key);
-            state.files.remove(&id);
-            let new = Node::StepFile { job: file.job.clone(), step, checkpoint, index: 0 };
-            remap(&mut state, &Node::DraftFile { file: id }, new);
-        }
+        settle_single(&mut state, file, Node::StepFile { job: file.job.clone(), step, checkpoint, index: 0 });
         state.trees.remove(&(file.job.clone(), step));
         state.jobs = None;
         state.steps.remove(&file.job);
+    }
+
+    /// Bookkeeping after a job file was kept: the name now resolves to the kept file, through
+    /// the same inode.
+    pub(super) fn kept_single(&self, file: &Arc<DraftFile>) {
+        let mut state = self.state();
+        settle_single(&mut state, file, Node::JobFile { job: file.job.clone(), name: file.path() });
+        state.job_files.remove(&file.job);
     }
 
     /// Commits draft `id` as step `step` of its job, under `name`.
@@ -799,5 +823,18 @@ impl CkptFs {
         }
         state.jobs = None;
         state.steps.remove(&job);
+    }
+}
+
+/// One-file `file`, ended, is no longer being written: its name resolves to `settled` (a
+/// committed checkpoint's file, a kept job file), through the inode the kernel knows it by.
+fn settle_single(state: &mut super::State, file: &Arc<DraftFile>, settled: Node) {
+    let key = (file.job.clone(), file.path());
+    let id =
+        state.single_files.get(&key).copied().filter(|id| state.files.get(id).is_some_and(|f| Arc::ptr_eq(f, file)));
+    if let Some(id) = id {
+        state.single_files.remove(&key);
+        state.files.remove(&id);
+        remap(state, &Node::DraftFile { file: id }, settled);
     }
 }

@@ -11,7 +11,7 @@ use starckpt_proto::capability::{ClusterKey, Rights};
 use starckpt_proto::control::control_server::{Control, ControlServer};
 use starckpt_proto::control::{self as pb};
 use starckpt_proto::model::{
-    AcquireLease, BeginCheckpoint, CommitPart, ModelError, TargetRegistration, validate_target_id,
+    AcquireLease, BeginCheckpoint, CommitPart, Manifest, ModelError, TargetRegistration, validate_target_id,
 };
 use starckpt_proto::{Addressing, ChunkHash, JobName};
 use tokio::net::TcpListener;
@@ -476,6 +476,22 @@ impl ControlService {
         info
     }
 
+    /// Every target the chunks of `manifests` are on, as listed (a reader's map of where to go).
+    pub(super) async fn targets_named(
+        &self,
+        caller: &Caller,
+        manifests: impl Iterator<Item = &Manifest>,
+    ) -> Result<Vec<pb::TargetInfo>, Status> {
+        let named: HashSet<&str> = manifests
+            .flat_map(|m| m.files.iter())
+            .flat_map(|f| f.chunks.iter())
+            .flat_map(|c| c.replicas.iter().map(String::as_str))
+            .collect();
+        let now = now_ms();
+        let targets = self.collector.list_targets().await.map_err(|e| caller.told(meta_status(e)))?;
+        Ok(targets.iter().filter(|t| named.contains(t.target_id.as_str())).map(|t| self.target_info(t, now)).collect())
+    }
+
     /// A target, its state from its heartbeats alone.
     fn target_info_heard(&self, record: &TargetRecord, now: u64) -> pb::TargetInfo {
         let age = now.saturating_sub(record.last_heartbeat_ms);
@@ -781,25 +797,14 @@ impl Control for ControlService {
             .get_manifest_page(&job, of, request.from_rank.unwrap_or(0), page_bytes)
             .await
             .map_err(|e| caller.told(meta_status(e)))?;
-        let named: HashSet<&str> = parts
-            .iter()
-            .flat_map(|(_, m)| m.files.iter())
-            .flat_map(|f| f.chunks.iter())
-            .flat_map(|c| c.replicas.iter().map(String::as_str))
-            .collect();
-        let now = now_ms();
-        let targets = self.collector.list_targets().await.map_err(|e| caller.told(meta_status(e)))?;
+        let targets = self.targets_named(&caller, parts.iter().map(|(_, m)| m)).await?;
         Ok(Response::new(pb::GetManifestResponse {
             checkpoint: Some(checkpoint_info_for(&caller, &record)),
             parts: parts
                 .iter()
                 .map(|(rank, manifest)| pb::RankManifest { rank: *rank, manifest: Some(pb::Manifest::from(manifest)) })
                 .collect(),
-            targets: targets
-                .iter()
-                .filter(|t| named.contains(t.target_id.as_str()))
-                .map(|t| self.target_info(t, now))
-                .collect(),
+            targets,
             next_rank,
         }))
     }
@@ -1037,6 +1042,38 @@ impl Control for ControlService {
     ) -> Result<Response<pb::DropDraftResponse>, Status> {
         let caller = self.caller(&request)?;
         self.drop_draft_as(&caller, request.into_inner()).await
+    }
+
+    async fn put_job_file(
+        &self,
+        request: Request<pb::PutJobFileRequest>,
+    ) -> Result<Response<pb::PutJobFileResponse>, Status> {
+        let caller = self.caller(&request)?;
+        self.put_job_file_as(&caller, request.into_inner()).await
+    }
+
+    async fn list_job_files(
+        &self,
+        request: Request<pb::ListJobFilesRequest>,
+    ) -> Result<Response<pb::ListJobFilesResponse>, Status> {
+        let caller = self.caller(&request)?;
+        self.list_job_files_as(&caller, request.into_inner()).await
+    }
+
+    async fn get_job_file(
+        &self,
+        request: Request<pb::GetJobFileRequest>,
+    ) -> Result<Response<pb::GetJobFileResponse>, Status> {
+        let caller = self.caller(&request)?;
+        self.get_job_file_as(&caller, request.into_inner()).await
+    }
+
+    async fn drop_job_file(
+        &self,
+        request: Request<pb::DropJobFileRequest>,
+    ) -> Result<Response<pb::DropJobFileResponse>, Status> {
+        let caller = self.caller(&request)?;
+        self.drop_job_file_as(&caller, request.into_inner()).await
     }
 
     async fn report_silent_targets(

@@ -375,8 +375,18 @@ pub trait MetaStore: Send + Sync + 'static {
     /// Forgets drafts last recorded before `updated_before_ms` (abandoned: their mount is gone);
     /// those forgotten.
     async fn expire_drafts(&self, updated_before_ms: u64) -> MetaResult<Vec<StoredDraft>>;
-    /// Every chunk hash a part of a pending or committed checkpoint names, or a draft's record:
-    /// GC's mark set.
+    /// Puts job file `name` of `job` ([`starckpt_proto::draft::validate_job_file`]), replacing
+    /// the one of that name; ResourceExhausted past
+    /// [`starckpt_proto::draft::MAX_JOB_FILES_PER_JOB`] files of the job.
+    async fn put_job_file(&self, job: &JobName, name: &str, manifest: &Manifest, now_ms: u64) -> MetaResult<()>;
+    /// The job files of `job`, by name.
+    async fn job_files(&self, job: &JobName) -> MetaResult<Vec<StoredJobFile>>;
+    /// One job file with its manifest.
+    async fn get_job_file(&self, job: &JobName, name: &str) -> MetaResult<Option<(StoredJobFile, Manifest)>>;
+    /// Drops a job file; whether there was one.
+    async fn drop_job_file(&self, job: &JobName, name: &str) -> MetaResult<bool>;
+    /// Every chunk hash a part of a pending or committed checkpoint names, a draft's record or a
+    /// job file: GC's mark set.
     async fn live_chunks(&self) -> MetaResult<HashSet<ChunkHash>>;
     /// Every chunk a committed checkpoint names, with every target a manifest lists for it and
     /// the copies it should have: the highest replication factor among the jobs naming it
@@ -454,6 +464,14 @@ pub struct StoredDraft {
     pub key: DraftKey,
     pub file_count: u64,
     pub total_bytes: u64,
+    pub updated_at_ms: u64,
+}
+
+/// A job file, without its manifest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredJobFile {
+    pub name: String,
+    pub size_bytes: u64,
     pub updated_at_ms: u64,
 }
 
@@ -1182,6 +1200,41 @@ pub(crate) mod conformance {
         assert!(matches!(&full, MetaError::ResourceExhausted(m) if m.contains("many")), "{full}");
         assert_eq!(store.expire_drafts(450).await.unwrap().len() as u64, MAX_DRAFTS_PER_WRITER);
         assert_eq!(store.drafts_of("many").await.unwrap(), []);
+    }
+
+    pub async fn job_files(store: &dyn MetaStore) {
+        use starckpt_proto::draft::MAX_JOB_FILES_PER_JOB;
+        let file = |name: &str, rank: u32, size: u64| part(1, rank, name, size).manifest;
+        let jf = job("jf");
+        assert_eq!(store.get_job_file(&jf, "last.ckpt").await.unwrap(), None);
+        store.put_job_file(&jf, "last.ckpt", &file("last.ckpt", 21, 10), 100).await.unwrap();
+        store.put_job_file(&jf, "latest", &file("latest", 22, 3), 110).await.unwrap();
+        // A put replaces the file whole; the chunks of both puts' files are live until GC marks
+        // again, and then only the new one's.
+        store.put_job_file(&jf, "last.ckpt", &file("last.ckpt", 23, 20), 120).await.unwrap();
+        let (stored, manifest) = store.get_job_file(&jf, "last.ckpt").await.unwrap().expect("put");
+        assert_eq!(manifest, file("last.ckpt", 23, 20));
+        assert_eq!((stored.name.as_str(), stored.size_bytes, stored.updated_at_ms), ("last.ckpt", 20, 120));
+        let names: Vec<String> = store.job_files(&jf).await.unwrap().into_iter().map(|f| f.name).collect();
+        assert_eq!(names, ["last.ckpt", "latest"]);
+        assert!(store.job_files(&job("other")).await.unwrap().is_empty(), "per job");
+        let live = store.live_chunks().await.unwrap();
+        assert!(
+            live.contains(&ChunkHash([23; 32])) && live.contains(&ChunkHash([22; 32])),
+            "job files' chunks are live"
+        );
+        assert!(!live.contains(&ChunkHash([21; 32])), "a replaced file's chunks are not");
+        assert!(store.drop_job_file(&jf, "latest").await.unwrap());
+        assert!(!store.drop_job_file(&jf, "latest").await.unwrap());
+        assert!(!store.live_chunks().await.unwrap().contains(&ChunkHash([22; 32])));
+        // Bounded per job; replacing one is always allowed.
+        for i in 1..MAX_JOB_FILES_PER_JOB {
+            store.put_job_file(&jf, &format!("f{i}"), &file(&format!("f{i}"), 24, 1), 130).await.unwrap();
+        }
+        let full = store.put_job_file(&jf, "one-more", &file("one-more", 24, 1), 140).await.unwrap_err();
+        assert!(matches!(&full, MetaError::ResourceExhausted(m) if m.contains("jf")), "{full}");
+        store.put_job_file(&jf, "last.ckpt", &file("last.ckpt", 25, 1), 150).await.unwrap();
+        store.put_job_file(&job("jf2"), "last.ckpt", &file("last.ckpt", 25, 1), 150).await.unwrap();
     }
 
     pub async fn repair_passes(store: &dyn MetaStore) {

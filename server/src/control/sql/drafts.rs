@@ -31,8 +31,13 @@ fn draft_from_row(row: &AnyRow) -> MetaResult<StoredDraft> {
 }
 
 fn decode(blob: &[u8], key: &DraftKey) -> MetaResult<Manifest> {
-    let corrupt =
-        |e: String| MetaError::Corrupt(format!("draft {} of job {} by {}: {e}", key.name, key.job, key.writer));
+    decode_record(blob, || format!("draft {} of job {} by {}", key.name, key.job, key.writer))
+}
+
+/// A manifest stored as a record's blob (a draft's, a job file's), validated; `what` names the
+/// record in the error.
+pub(super) fn decode_record(blob: &[u8], what: impl Fn() -> String) -> MetaResult<Manifest> {
+    let corrupt = |e: String| MetaError::Corrupt(format!("{}: {e}", what()));
     let message = pb::Manifest::decode(blob).map_err(|e| corrupt(e.to_string()))?;
     Manifest::try_from(message).map_err(|e| corrupt(e.to_string()))
 }

@@ -19,7 +19,7 @@ use super::{CHECKPOINT_COLUMNS, Dialect, SqlStore, role_lock};
 use crate::control::store::{
     CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, DraftKey, ImportedCheckpoint, JobRecord,
     Leadership, LeaseGrant, ManifestOf, ManifestPage, MetaError, MetaResult, MetaStore, RetentionPolicy, Role,
-    StoredDraft, TargetIds, TargetRecord, TierSweeps, fault,
+    StoredDraft, StoredJobFile, TargetIds, TargetRecord, TierSweeps, fault,
 };
 
 #[async_trait]
@@ -656,7 +656,24 @@ impl MetaStore for SqlStore {
         }
         drop(rows);
         super::drafts::mark_draft_chunks(&mut tx, &mut live).await?;
+        super::job_files::mark_job_file_chunks(&mut tx, &mut live).await?;
         Ok(live)
+    }
+
+    async fn put_job_file(&self, job: &JobName, name: &str, manifest: &Manifest, now_ms: u64) -> MetaResult<()> {
+        self.put_job_file_row(job, name, manifest, now_ms).await
+    }
+
+    async fn job_files(&self, job: &JobName) -> MetaResult<Vec<StoredJobFile>> {
+        self.job_file_rows(job).await
+    }
+
+    async fn get_job_file(&self, job: &JobName, name: &str) -> MetaResult<Option<(StoredJobFile, Manifest)>> {
+        self.job_file_row(job, name).await
+    }
+
+    async fn drop_job_file(&self, job: &JobName, name: &str) -> MetaResult<bool> {
+        self.drop_job_file_row(job, name).await
     }
 
     async fn put_draft(&self, draft: &DraftKey, manifest: &Manifest, now_ms: u64) -> MetaResult<()> {

@@ -32,9 +32,9 @@ use super::store::{MetaError, MetaResult, Role};
 
 const SCHEMA: &str = include_str!("schema.sql");
 /// 2: targets.failure_domain, the replication table. 3: targets.rdma_device. 5:
-/// control_planes.tier. 6: leases.started_at_ms. Older databases are migrated on open
-/// (PostgreSQL support began at 3).
-const SCHEMA_VERSION: i64 = 7;
+/// control_planes.tier. 6: leases.started_at_ms. 7: drafts. 8: job_files. Older databases are
+/// migrated on open (PostgreSQL support began at 3).
+const SCHEMA_VERSION: i64 = 8;
 const CHECKPOINT_COLUMNS: &str = "id, job, step, state, world_size, epoch, parts_committed, total_bytes, \
      written_bytes, file_count, created_at_ms, committed_at_ms, \
      (SELECT string_agg(tag, ',') FROM tags WHERE tags.checkpoint_id = checkpoints.id) AS tags, \
@@ -255,7 +255,7 @@ impl SqlStore {
                     .await?;
             }
             Some(SCHEMA_VERSION) => {}
-            Some(old @ (1..=6)) => {
+            Some(old @ (1..=7)) => {
                 if old < 2 {
                     sqlx::query("ALTER TABLE targets ADD COLUMN failure_domain TEXT NOT NULL DEFAULT ''")
                         .execute(&mut *tx)
@@ -284,7 +284,8 @@ impl SqlStore {
                     sqlx::query("DROP TABLE IF EXISTS control_planes").execute(&mut *tx).await?;
                     sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&self.dialect.schema())).await?;
                 }
-                // Version 7 added the drafts table, which the schema above made.
+                // Version 7 added the drafts table and 8 the job_files table, which the schema
+                // above made.
                 sqlx::query("UPDATE schema_version SET version = $1").bind(SCHEMA_VERSION).execute(&mut *tx).await?;
             }
             Some(other) => {
@@ -299,6 +300,7 @@ impl SqlStore {
 }
 
 mod drafts;
+mod job_files;
 mod meta;
 mod queries;
 #[cfg(test)]

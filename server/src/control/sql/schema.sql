@@ -146,3 +146,16 @@ CREATE TABLE IF NOT EXISTS drafts (
 );
 CREATE INDEX IF NOT EXISTS drafts_by_writer ON drafts (writer, job, name);
 CREATE INDEX IF NOT EXISTS drafts_by_age ON drafts (updated_at_ms);
+
+-- Job files: files directly in a job's directory that are no checkpoint (Lightning's last.ckpt,
+-- DeepSpeed's `latest`), written through a mount (proto/src/draft.rs). One file each, replaced
+-- whole; their chunks are live for GC until the row is dropped. (Added in schema version 8.)
+CREATE TABLE IF NOT EXISTS job_files (
+    job           TEXT NOT NULL,
+    name          TEXT NOT NULL,
+    -- prost-encoded starckpt.control.v1.Manifest of the one file, validated like a draft's.
+    manifest      {BYTES} NOT NULL,
+    size_bytes    BIGINT NOT NULL,
+    updated_at_ms BIGINT NOT NULL,
+    PRIMARY KEY (job, name)
+);

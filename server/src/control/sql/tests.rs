@@ -52,6 +52,7 @@ on_both!(
     committed_chunks,
     live_chunks,
     drafts,
+    job_files,
     tiering,
     repair_passes,
     control_plane_settings,
