@@ -92,10 +92,13 @@ def test_hf_trainer_rotates_and_resumes_after_a_kill_mid_save(cluster, mounted, 
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert sorted(os.listdir(out)) == ["checkpoint-5"]
     assert committed(cluster, job) == {5: "committed"}
-    resumed = run([script, str(out), "20", "--resume"], cluster)
+    resumed = run([script, str(out), "20", "--resume", "--save-model"], cluster)
     assert resumed.returncode == 0, resumed.stderr
-    # save_total_limit=2 removed the older checkpoints with shutil.rmtree.
-    assert sorted(os.listdir(out)) == ["checkpoint-15", "checkpoint-20"]
+    # save_total_limit=2 removed the older checkpoints with shutil.rmtree; save_model() wrote the
+    # model at the top, as job files (no checkpoint of their own).
+    checkpoints = [name for name in sorted(os.listdir(out)) if name.startswith("checkpoint-")]
+    assert checkpoints == ["checkpoint-15", "checkpoint-20"]
+    assert {"model.safetensors", "config.json", "training_args.bin"} <= set(os.listdir(out))
     assert committed(cluster, job) == {5: "deleted", 10: "deleted", 15: "committed", 20: "committed"}
     assert json.loads((out / "checkpoint-20" / "trainer_state.json").read_text())["global_step"] == 20
 
@@ -104,9 +107,12 @@ def test_hf_trainer_rotates_and_resumes_after_a_kill_mid_save(cluster, mounted, 
     local = tmp_path / "local"
     assert run([script, str(local), "12", "--kill-at", "10"], cluster).returncode == -signal.SIGKILL
     shutil.rmtree(local / "checkpoint-10")
-    on_disk = run([script, str(local), "20", "--resume"], cluster)
+    on_disk = run([script, str(local), "20", "--resume", "--save-model"], cluster)
     assert on_disk.returncode == 0, on_disk.stderr
     assert losses(resumed.stdout) == losses(on_disk.stdout)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(local))
+    for name in ("model.safetensors", "config.json"):
+        assert (out / name).read_bytes() == (local / name).read_bytes(), name
     assert sorted(losses(resumed.stdout)) == list(range(6, 21))
     # And close to a run never interrupted (HF's resume itself is not bit-exact on CPU).
     straight = run([script, str(tmp_path / "straight"), "20"], cluster)
@@ -161,6 +167,28 @@ def test_lightning_model_checkpoint_keeps_top_k_and_resumes(cluster, mounted, jo
     assert losses(resumed.stdout) == losses(on_disk.stdout)
     steps = {name: state for name, state in committed(cluster, job).items() if state == "committed"}
     assert sorted(steps) == sorted(int(n.split("step=")[1].split(".")[0]) for n in os.listdir(local))
+
+
+def test_lightning_save_last_is_a_job_file_to_resume_from(cluster, mounted, job, tmp_path):
+    pytest.importorskip("lightning")
+    script = LIGHTNING.replace("every_n_train_steps=5)", "every_n_train_steps=5, save_last=True)")
+    assert script != LIGHTNING
+    out, local = mounted.point / job, tmp_path / "local"
+    assert run(["-c", script, str(out), "20"], cluster).returncode == 0
+    assert run(["-c", script, str(local), "20"], cluster).returncode == 0
+    # last.ckpt is rewritten at every save (moved in over the one before): a job file, no step.
+    assert sorted(os.listdir(out)) == sorted(os.listdir(local))
+    assert "last.ckpt" in os.listdir(out)
+    assert {step for step, state in committed(cluster, job).items() if state == "committed"} == {15, 20}
+    assert os.readlink(out / ".starckpt" / "latest") == "../epoch=0-step=20.ckpt"
+    # Resumed from it, on the mount and on a local disk: the same steps and losses.
+    resumed = run(["-c", script, str(out), "30", str(out / "last.ckpt")], cluster)
+    assert resumed.returncode == 0, resumed.stderr
+    on_disk = run(["-c", script, str(local), "30", str(local / "last.ckpt")], cluster)
+    assert on_disk.returncode == 0, on_disk.stderr
+    assert min(losses(resumed.stdout)) == 20
+    assert losses(resumed.stdout) == losses(on_disk.stdout)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(local))
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -338,7 +366,7 @@ except OSError as e:
             os.rename(out / "checkpoint-1", out / "ckpt-1")
         assert failed.value.errno in (5, 95)
         assert committed(cluster, job) == {}
-        # A tracker naming nothing is kept by the mount alone and commits nothing.
+        # A tracker naming nothing is kept (a job file) and commits nothing.
         (out / "latest").write_text("global_step999")
         assert (out / "latest").read_text() == "global_step999"
         assert committed(cluster, job) == {}

@@ -1,11 +1,13 @@
 """HF Transformers `Trainer` checkpointing into a directory (the mount's job directory), as a
 user runs it: a tiny GPT-2 built from a config (no downloads), `save_steps`, `save_total_limit`.
 
-    python hf_trainer.py OUTPUT_DIR MAX_STEPS [--kill-at STEP] [--resume]
+    python hf_trainer.py OUTPUT_DIR MAX_STEPS [--kill-at STEP] [--resume] [--save-model]
 
 Prints the loss of every step as `loss STEP VALUE`. With --kill-at, SIGKILLs itself in the middle
 of the checkpoint save at that step (after the model is written, before the optimizer is), as a
-preemption would; with --resume, resumes from the latest checkpoint in OUTPUT_DIR.
+preemption would; with --resume, resumes from the latest checkpoint in OUTPUT_DIR; with
+--save-model, ends with `trainer.save_model()` (the model, its config and the training arguments
+written at the top of OUTPUT_DIR).
 """
 
 import os
@@ -69,6 +71,8 @@ def main() -> None:
 
         trainer._save_optimizer_and_scheduler = killed
     trainer.train(resume_from_checkpoint=True if resume else None)
+    if "--save-model" in sys.argv:
+        trainer.save_model()
     print("done", flush=True)
 
 
