@@ -38,7 +38,7 @@ pub fn memcpy(state: &[Bytes]) -> Duration {
 /// what the layout costs (many chunk-sized files, not one contiguous file) from what starckpt adds
 /// (the transport, verification, copies).
 pub fn direct_read_files(files: &[std::path::PathBuf], in_flight: usize) -> anyhow::Result<Duration> {
-    use starckpt_proto::buf::{AlignedBuf, round_up};
+    use starckpt_dataplane::buf::{AlignedBuf, round_up};
     use std::sync::atomic::{AtomicUsize, Ordering};
     let mut largest = 0;
     for file in files {
@@ -101,7 +101,7 @@ pub fn direct_all(total: u64, dir: &Path) -> anyhow::Result<Direct> {
 }
 
 fn direct_from(total: u64, dir: &Path, whole: bool) -> anyhow::Result<Direct> {
-    use starckpt_proto::buf::AlignedBuf;
+    use starckpt_dataplane::buf::AlignedBuf;
     let block = 16 << 20;
     let blocks = (total as usize).div_ceil(block);
     let mut buf = AlignedBuf::new(if whole { blocks * block } else { block });
@@ -238,7 +238,7 @@ fn overlapped(
     mut fill: impl FnMut(usize, &mut [u8]) -> anyhow::Result<()>,
     mut drain: impl FnMut(usize, &[u8]) -> anyhow::Result<()> + Send,
 ) -> anyhow::Result<()> {
-    use starckpt_proto::buf::AlignedBuf;
+    use starckpt_dataplane::buf::AlignedBuf;
     let (full_tx, full) = std::sync::mpsc::sync_channel::<(usize, AlignedBuf)>(1);
     let (free_tx, free) = std::sync::mpsc::sync_channel::<AlignedBuf>(2);
     for _ in 0..2 {

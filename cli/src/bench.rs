@@ -93,7 +93,7 @@ pub struct BenchArgs {
     /// Shared-memory slots each rank's client keeps per target (`ShmConfig::slots`): GETs in
     /// flight to one target at once. Default: the client's.
     #[arg(long, conflicts_with = "no_shm",
-          value_parser = clap::value_parser!(u32).range(1..=starckpt_proto::shm::MAX_SLOTS as i64))]
+          value_parser = clap::value_parser!(u32).range(1..=starckpt_dataplane::shm::MAX_SLOTS as i64))]
     shm_slots: Option<u32>,
     /// Hash and upload chunks while the rest is still being copied into staging (true), or once
     /// the copy is done (false): a shorter time to commit against a longer stall where cores are
@@ -103,7 +103,7 @@ pub struct BenchArgs {
     /// TCP payloads (PUTs, and the built-in cluster's GET results) sent zero-copy: auto, always
     /// or off (`starckpt target --zero-copy-send`). Over loopback the kernel copies them anyway.
     #[arg(long, default_value = "auto")]
-    zero_copy_send: starckpt_proto::zerocopy::ZeroCopySend,
+    zero_copy_send: starckpt_dataplane::zerocopy::ZeroCopySend,
     /// Write every chunk into a new file, as on a target's first checkpoints. Default: the
     /// built-in cluster's targets first fill their free pools (untimed), so chunks overwrite
     /// allocated files as a job's checkpoints do in steady state, once retention deletes old ones

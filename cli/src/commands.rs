@@ -436,7 +436,30 @@ pub async fn restore(
             let manifest = CheckpointManifest::from_response(tier.manifest(&name, step).await?)?;
             // As many chunks in flight as a restore from the cluster.
             let concurrency = ClientConfig::new(&server.server).restore_concurrency;
-            restore_from(&tier, &manifest, to, force, concurrency, out).await
+            restore_from(&TierSource(&tier), &manifest, to, force, concurrency, out).await
+        }
+    }
+}
+
+/// Restoring with no cluster (`starckpt restore --from-tier`): chunks read from the object-store
+/// tier (the restore verifies each against its hash and length).
+struct TierSource<'a>(&'a starckpt_server::control::tier::Tier);
+
+impl starckpt_client::ChunkSource for TierSource<'_> {
+    async fn read_chunk(
+        &self,
+        manifest: &CheckpointManifest,
+        chunk: &starckpt_proto::model::ChunkRef,
+    ) -> starckpt_client::Result<bytes::Bytes> {
+        let failed = |message: String| starckpt_client::Error::Source {
+            hash: chunk.hash,
+            from: format!("the object-store tier {}", self.0.url()),
+            message,
+        };
+        match self.0.get_chunk(&manifest.addressing, chunk.hash, chunk.length_bytes).await {
+            Ok(Some((bytes, _))) => Ok(bytes),
+            Ok(None) => Err(failed("not there".into())),
+            Err(message) => Err(failed(message)),
         }
     }
 }

@@ -291,7 +291,7 @@ enum Command {
         /// Send GET results over TCP zero-copy (io_uring SEND_ZC): auto (on each connection until
         /// the kernel reports it copied anyway, as over loopback), always, or off.
         #[arg(long, default_value = "auto")]
-        zero_copy_send: starckpt_proto::zerocopy::ZeroCopySend,
+        zero_copy_send: starckpt_dataplane::zerocopy::ZeroCopySend,
         #[command(flatten)]
         rdma: RdmaArgs,
         /// Keep up to SIZE of deleted chunks' files for new chunks to overwrite in place (faster

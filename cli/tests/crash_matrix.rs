@@ -5,7 +5,7 @@
 //!
 //! - during the save, at a random moment: the saving client, a target or the control plane is
 //!   SIGKILLed (and restarted, as a supervisor would);
-//! - during the save, a fault point (`starckpt_client::faults`) of the client, a target or the
+//! - during the save, a fault point (`starckpt_dataplane::faults`) of the client, a target or the
 //!   control plane on the put or commit path fails the operation once or kills the process
 //!   there (which is then restarted);
 //! - during the save, one, two or three targets are full (they refuse every put);

@@ -505,8 +505,8 @@ fn a_cluster_key_keeps_peers_without_a_capability_off_the_targets() {
     assert!(answer.message.contains("no capability"), "{answer:?}");
     // Nor does a local process get a shared-memory region mapped (out of the target's budget for
     // them) without one, or with one signed by another key; with the cluster's, it does.
+    use starckpt_dataplane::shm::{ATTACH_OK, ATTACH_UNAUTHORIZED};
     use starckpt_proto::capability::{ClusterKey, Rights};
-    use starckpt_proto::shm::{ATTACH_OK, ATTACH_UNAUTHORIZED};
     let socket = cluster.target_dir(0).join("shm.sock");
     let expires = std::time::SystemTime::now() + Duration::from_secs(600);
     let forged =

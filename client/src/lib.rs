@@ -26,23 +26,20 @@
 mod control;
 mod drafts;
 mod error;
-pub mod faults;
 mod host_staging;
 mod manager;
-pub mod placement;
 mod recovery;
 mod restore;
 mod save;
 mod stream;
-pub mod transport;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use starckpt_dataplane::buf::BufPool;
 use starckpt_proto::JobName;
-use starckpt_proto::buf::BufPool;
 use starckpt_proto::control::{self as pb};
 
 use control::{Control, ControlPlanes, Resend};
@@ -53,6 +50,8 @@ pub use restore::{CheckpointManifest, ChunkSource, RestoreOptions, RestoreOutcom
 pub use save::{
     CommitState, FillFn, Lent, SaveHandle, SaveItem, SaveOutcome, SavePart, SaveProgress, items_from_paths,
 };
+/// The data plane (`starckpt-dataplane`), as the SDK's own modules.
+pub use starckpt_dataplane::{faults, placement, transport};
 pub use starckpt_proto::control::{
     CheckpointInfo, CheckpointState, CollectGarbageResponse as GcReport, JobInfo, RetentionPolicy, TargetInfo,
     TargetState,
@@ -284,7 +283,7 @@ struct Targets {
     /// This client's RDMA device and registrations, if it has a device.
     rdma: Option<Arc<RdmaClient>>,
     /// The staging pool's shared region, passed to targets on this host.
-    staging: Option<Arc<starckpt_proto::shm::Region>>,
+    staging: Option<Arc<starckpt_dataplane::shm::Region>>,
 }
 
 /// How long a target a read could not reach has its copies tried last.

@@ -56,7 +56,7 @@ fn settle_chunk(data: Option<Bytes>, dest: Option<&mut [u8]>) -> Option<Bytes> {
     match (data, dest) {
         (Some(data), Some(dest)) => {
             dest.copy_from_slice(&data);
-            starckpt_proto::buf::copies::record(data.len());
+            starckpt_dataplane::buf::copies::record(data.len());
             None
         }
         (data, _) => data,
@@ -767,7 +767,7 @@ impl Client {
         }
         let data = self.read_chunk(manifest, chunk).await?;
         part.copy_from_slice(&data[from..from + part.len()]);
-        starckpt_proto::buf::copies::record(part.len());
+        starckpt_dataplane::buf::copies::record(part.len());
         Ok(())
     }
 

@@ -36,6 +36,8 @@ use starckpt_proto::{Addressing, ChunkHash, ChunkName, JobName, RelPath};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use starckpt_dataplane::blocking::off_runtime;
+
 use crate::placement::rank_targets;
 use crate::transport::{ChunkTransport, Payload, TransportError};
 use crate::{Client, Error, Result};
@@ -288,7 +290,7 @@ impl UploadGate {
     }
 
     /// A staging buffer; if none is free, lets the uploads start (they return buffers) and waits.
-    async fn buffer(&self, pool: &starckpt_proto::buf::BufPool) -> starckpt_proto::buf::PooledBuf {
+    async fn buffer(&self, pool: &starckpt_dataplane::buf::BufPool) -> starckpt_dataplane::buf::PooledBuf {
         match pool.try_acquire() {
             Some(buf) => buf,
             None => {
@@ -708,7 +710,7 @@ struct Packer<'a> {
 }
 
 struct Packing {
-    buf: starckpt_proto::buf::PooledBuf,
+    buf: starckpt_dataplane::buf::PooledBuf,
     used: usize,
     /// (file, chunk index, start in the buffer, length)
     pieces: Vec<(usize, usize, usize, usize)>,
@@ -717,7 +719,7 @@ struct Packing {
 impl Packer<'_> {
     /// A whole staging buffer for a whole chunk. If none is free, the packed buffer is handed to
     /// the uploaders first: it may be the one this would wait for.
-    async fn buffer(&mut self, pool: &starckpt_proto::buf::BufPool) -> Result<starckpt_proto::buf::PooledBuf> {
+    async fn buffer(&mut self, pool: &starckpt_dataplane::buf::BufPool) -> Result<starckpt_dataplane::buf::PooledBuf> {
         if let Some(buf) = pool.try_acquire() {
             return Ok(buf);
         }
@@ -728,7 +730,7 @@ impl Packer<'_> {
     /// Copies a piece in with `copy`, starting a new buffer when the current one has no room.
     async fn add(
         &mut self,
-        pool: &starckpt_proto::buf::BufPool,
+        pool: &starckpt_dataplane::buf::BufPool,
         chunk_size: usize,
         (file, index, len): (usize, usize, usize),
         copy: impl FnOnce(&mut [u8]) -> std::result::Result<(), String>,
@@ -883,10 +885,10 @@ const MAX_PACKED_PIECES: usize = 16 << 10;
 /// multi-threaded runtime. The first failure of a fill is returned (after every run finished).
 fn copy_blocking(
     source: Lent<'_>,
-    staged: &mut [((usize, usize), starckpt_proto::buf::PooledBuf)],
+    staged: &mut [((usize, usize), starckpt_dataplane::buf::PooledBuf)],
     threads: usize,
 ) -> std::result::Result<(), String> {
-    let copy_run = |run: &mut [((usize, usize), starckpt_proto::buf::PooledBuf)]| {
+    let copy_run = |run: &mut [((usize, usize), starckpt_dataplane::buf::PooledBuf)]| {
         for ((offset, len), buf) in run {
             source.copy_into(*offset, &mut buf.buf_mut().full_mut()[..*len])?;
             buf.buf_mut().set_len(*len);
@@ -908,14 +910,6 @@ fn copy_blocking(
         })
     };
     off_runtime(run)
-}
-
-/// Runs blocking work (a copy) without stalling other tasks of a multi-threaded runtime.
-pub(crate) fn off_runtime<R>(work: impl FnOnce() -> R) -> R {
-    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
-        _ => work(),
-    }
 }
 
 /// Opens a file item's source for staging, refusing anything but a regular file: a path replaced

@@ -31,7 +31,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use starckpt_proto::buf::PooledBuf;
+use starckpt_dataplane::buf::PooledBuf;
 use starckpt_proto::control as pb;
 use starckpt_proto::frame::MAX_BATCH_HASHES;
 use starckpt_proto::model::{ChunkRef, FileEntry, Manifest};

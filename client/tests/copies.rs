@@ -1,7 +1,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
 //! How many times each transport copies payload bytes in user space between the staging buffers
 //! and the target's device buffers, and back from the device into the caller's memory for a
-//! restore, counted by the copy sites themselves (`starckpt_proto::buf::copies`). Its own test
+//! restore, counted by the copy sites themselves (`starckpt_dataplane::buf::copies`). Its own test
 //! binary: the counters are per process.
 //!
 //! Not counted: the staging copy itself (the caller's bytes into staging, which is what a save's
@@ -11,7 +11,7 @@ mod common;
 
 use bytes::Bytes;
 use starckpt_client::SavePart;
-use starckpt_proto::buf::copies;
+use starckpt_dataplane::buf::copies;
 
 /// Payload copies per chunk transfer on the way to the targets and back, for one transport.
 async fn copies_per_transfer(fabric: Option<&str>, shm: bool, expected_kind: &str) -> (f64, f64) {
@@ -78,7 +78,7 @@ async fn payload_copies_per_transport() {
     // (O_DIRECT into the shared memory) and copied out of it, into place, by the client. Where
     // shared memory gets no huge pages, the target reads a GET into its own buffer and copies it
     // into the slot (`ShmListener::placed_reads`): one copy more.
-    let restore = if starckpt_proto::shm::shared_huge_pages() { 1.0 } else { 2.0 };
+    let restore = if starckpt_dataplane::shm::shared_huge_pages() { 1.0 } else { 2.0 };
     assert_eq!(copies_per_transfer(None, true, "shm").await, (0.0, restore));
     // A target told not to trust any client's staging memory (and one serving another user's
     // client) copies a staged chunk out of it first: it must own what it verifies.

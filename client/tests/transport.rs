@@ -638,7 +638,7 @@ async fn shared_memory_regions_are_bounded_per_target() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_shared_memory_attach_is_refused() {
-    use starckpt_proto::shm::{self, Attach, Region};
+    use starckpt_dataplane::shm::{self, Attach, Region};
     use std::os::fd::AsFd;
     use tokio::io::AsyncReadExt;
     let dir = tempfile::tempdir().unwrap();
@@ -776,8 +776,8 @@ async fn a_bad_shared_memory_attach_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_that_refuses_staging_memory_gets_puts_through_slots() {
     use prost::Message;
-    use starckpt_proto::buf::BufPool;
-    use starckpt_proto::shm::{self, Region};
+    use starckpt_dataplane::buf::BufPool;
+    use starckpt_dataplane::shm::{self, Region};
     // A target from before staging regions: it closes a connection whose attach carries one, and
     // serves STAT and slot PUTs (checking each payload's hash).
     let dir = tempfile::tempdir().unwrap();
@@ -835,7 +835,7 @@ async fn a_target_that_refuses_staging_memory_gets_puts_through_slots() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_waiting_for_a_slot_fail_instead_of_hanging_when_its_holder_times_out() {
     use prost::Message;
-    use starckpt_proto::shm::{self, Region};
+    use starckpt_dataplane::shm::{self, Region};
     // A target that attaches every region and answers STAT, but never a GET.
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("silent.sock");
@@ -876,7 +876,7 @@ async fn requests_waiting_for_a_slot_fail_instead_of_hanging_when_its_holder_tim
 
 // ---- RDMA, over the in-process software fabric (starckpt_rdma::soft) ----
 
-use starckpt_proto::buf::BufPool;
+use starckpt_dataplane::buf::BufPool;
 use starckpt_rdma::soft::SoftDevice;
 
 /// A target serving TCP and RDMA on its own software device.
@@ -952,9 +952,9 @@ async fn rdma_registers_staging_buffers_once_and_serves_many_requests_at_once() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rdma_requests_that_lie_are_refused() {
     use prost::Message;
+    use starckpt_dataplane::rdma::{RemoteBuffer, endpoint_from_wire, endpoint_to_wire};
     use starckpt_proto::data::{self, ConnectRequest, Response};
     use starckpt_proto::frame::{read_frame_head, write_frame};
-    use starckpt_proto::rdma::{RemoteBuffer, endpoint_from_wire, endpoint_to_wire};
     use starckpt_rdma::{Access, Verbs};
 
     let dir = tempfile::tempdir().unwrap();

@@ -9,13 +9,8 @@
 //! - [`codec`]: chunk codecs (zstd, zstd over float byte planes) and their stored formats.
 //! - [`frame`]: the data-plane frame format (fixed binary header, prost header, raw payload),
 //!   with hard size limits and async read/write helpers.
-//! - [`rdma`]: the RDMA fields of frames (queue-pair endpoints, client buffers), checked.
-//! - [`shm`]: same-host shared memory for the data plane (sealed memfd regions, the attach
-//!   handshake over a Unix socket).
 //! - [`tls`]: TLS on the control plane's gRPC port, as its clients dial it.
 //! - [`token`]: bearer tokens, how callers of the control plane say who they are.
-//! - [`zerocopy`]: the frame writer both ends use, sending large payloads over TCP zero-copy
-//!   (io_uring SEND_ZC) where that pays.
 //! - [`model`]: domain types validated on receipt (`TryFrom`), so malformed input never reaches
 //!   server or client logic.
 //!
@@ -28,17 +23,13 @@
 //! ```
 
 pub mod address;
-pub mod buf;
 pub mod capability;
 pub mod codec;
 pub mod draft;
 pub mod frame;
 pub mod model;
-pub mod rdma;
-pub mod shm;
 pub mod tls;
 pub mod token;
-pub mod zerocopy;
 
 /// Control-plane gRPC messages and service.
 pub mod control {

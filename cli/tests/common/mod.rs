@@ -484,7 +484,7 @@ pub fn stat_without_capability(address: &str) -> starckpt_proto::data::Response 
 /// The target's answer to a shared-memory attach (one 4 KiB slot) on `socket` carrying
 /// `capability` (empty: none, the older message); None if it closed the connection instead.
 pub fn shm_attach_answer(socket: &Path, capability: &[u8]) -> Option<[u8; 8]> {
-    use starckpt_proto::shm::{self, Attach, Region};
+    use starckpt_dataplane::shm::{self, Attach, Region};
     use tokio::io::AsyncReadExt;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(async {

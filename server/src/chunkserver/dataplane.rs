@@ -7,7 +7,7 @@
 //! reading, so TCP flow control pushes back on the client instead of memory growing.
 //!
 //! Three ways to the same frames: TCP; a Unix socket with a shared-memory region (same host,
-//! `starckpt_proto::shm`); and TCP with an RDMA queue pair set up by OP_CONNECT (`starckpt_rdma`):
+//! `starckpt_dataplane::shm`); and TCP with an RDMA queue pair set up by OP_CONNECT (`starckpt_rdma`):
 //! a PUT then names a client buffer the target RDMA-READs into its own registered buffer (the one
 //! it writes to the device from), a GET one it RDMA-WRITEs the chunk into. RDMA transfers are
 //! admitted per device ([`DataPlaneLimits::rdma_transfers`]) on top of the byte budget; one that
@@ -28,12 +28,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use prost::Message;
+use starckpt_dataplane::rdma::RemoteBuffer;
+use starckpt_dataplane::zerocopy::{FrameWriter, ZeroCopySend, ZeroCopyStats};
 use starckpt_proto::ChunkHash;
 use starckpt_proto::capability::{ClusterKey, Rights};
 use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{self, FrameHeader, Opcode, ReadFrameError};
-use starckpt_proto::rdma::RemoteBuffer;
-use starckpt_proto::zerocopy::{FrameWriter, ZeroCopySend, ZeroCopyStats};
 use starckpt_rdma::{Access, MemoryMap, QpDriver, Verbs};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
@@ -86,7 +86,7 @@ pub struct DataPlaneLimits {
     /// once, across connections; more wait. Default 32 (128 MiB at 4 MiB chunks).
     pub rdma_transfers: usize,
     /// GET payloads sent zero-copy over TCP (io_uring SEND_ZC). Default auto: on each connection
-    /// until the kernel reports it copied them anyway, as over loopback (`starckpt_proto::zerocopy`).
+    /// until the kernel reports it copied them anyway, as over loopback (`starckpt_dataplane::zerocopy`).
     pub zero_copy_send: ZeroCopySend,
     /// Bytes of slot regions same-host clients may share with this target at once (the target
     /// maps them and may fault them in: memory it is charged for). An attach past it is answered
@@ -220,7 +220,7 @@ pub async fn serve_with(
     let connections = Arc::new(Semaphore::new(limits.max_connections));
     // Never below one maximal frame, or a maximal PUT would wait forever.
     let inflight_bytes = Arc::new(Semaphore::new(limits.max_inflight_bytes.max(frame::MAX_PAYLOAD_BYTES) as usize));
-    let advertised = shm.as_ref().map(|s| (starckpt_proto::shm::host_id(), s.path.to_string_lossy().into_owned()));
+    let advertised = shm.as_ref().map(|s| (starckpt_dataplane::shm::host_id(), s.path.to_string_lossy().into_owned()));
     let rdma = rdma.map(|verbs| {
         let pool = store.buffer_pool().clone();
         info!(device = %verbs.name(), "serving RDMA");
@@ -230,7 +230,7 @@ pub async fn serve_with(
         }
     });
     let placed_reads =
-        shm.as_ref().is_some_and(|s| s.placed_reads.unwrap_or_else(starckpt_proto::shm::shared_huge_pages));
+        shm.as_ref().is_some_and(|s| s.placed_reads.unwrap_or_else(starckpt_dataplane::shm::shared_huge_pages));
     if shm.is_some() {
         if placed_reads {
             info!("serving shared memory: GETs are read from the device straight into the client's slot");

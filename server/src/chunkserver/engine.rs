@@ -3,7 +3,7 @@
 //! Two engines implement [`IoEngine`], chosen by config (`--io-engine`):
 //! - [`UringEngine`]: one dedicated thread per device owning an io_uring; writes and reads are
 //!   submitted as O_DIRECT operations, a write is followed by an fdatasync on the same ring.
-//!   Buffers of a [`starckpt_proto::buf::BufPool`] (the store's I/O buffers) are registered with
+//!   Buffers of a [`starckpt_dataplane::buf::BufPool`] (the store's I/O buffers) are registered with
 //!   the ring once, on first use, and then moved with WRITE_FIXED/READ_FIXED: the kernel pins
 //!   their pages once instead of on every operation (fio, 4 MiB O_DIRECT writes at QD8 on these
 //!   VMs: system CPU 1-2% of a core instead of 8-12%). Files are registered too, at no syscall
@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use starckpt_proto::buf::{BoxedBuf, PoolSlot};
+use starckpt_dataplane::buf::{BoxedBuf, PoolSlot};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -175,7 +175,7 @@ impl Watched {
     }
 
     async fn hang_if_told() {
-        if starckpt_client::faults::point("target.io.hang").is_err() {
+        if starckpt_dataplane::faults::point("target.io.hang").is_err() {
             std::future::pending::<()>().await;
         }
     }
@@ -276,13 +276,13 @@ impl ExternalBuf {
     /// # Safety
     /// `len` bytes at `ptr` must stay mapped (writable, if it is read into) while `owner` lives, and no Rust
     /// reference to them may exist (another process may use them too: only raw copies, as
-    /// `starckpt_proto::shm::Region` makes).
+    /// `starckpt_dataplane::shm::Region` makes).
     pub unsafe fn new(
         ptr: *mut u8,
         len: usize,
         owner: Arc<dyn std::any::Any + Send + Sync>,
     ) -> io::Result<ExternalBuf> {
-        let aligned = |n: usize| n.is_multiple_of(starckpt_proto::buf::ALIGN);
+        let aligned = |n: usize| n.is_multiple_of(starckpt_dataplane::buf::ALIGN);
         match std::ptr::NonNull::new(ptr) {
             Some(ptr) if len > 0 && aligned(ptr.as_ptr() as usize) && aligned(len) => {
                 Ok(ExternalBuf { ptr, len, _owner: owner })
@@ -364,7 +364,7 @@ fn transfer_split(
 
 /// Bytes an O_DIRECT write of `buf` transfers: its length rounded up to the alignment.
 fn write_len(buf: &BoxedBuf) -> usize {
-    starckpt_proto::buf::round_up(buf.aligned().len())
+    starckpt_dataplane::buf::round_up(buf.aligned().len())
 }
 
 fn create_direct(path: &Path) -> io::Result<File> {

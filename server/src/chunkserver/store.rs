@@ -75,7 +75,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use starckpt_proto::buf::{ALIGN, AlignedBuf, BoxedBuf, BufPool, boxed_to_bytes, round_up};
+use starckpt_dataplane::buf::{ALIGN, AlignedBuf, BoxedBuf, BufPool, boxed_to_bytes, round_up};
 use starckpt_proto::codec::{self, Codec};
 use starckpt_proto::{ChunkHash, ChunkName};
 use thiserror::Error;
@@ -236,18 +236,18 @@ enum Renamed {
 
 /// A pool buffer lent to a read, with its place in the reads' share of the pool.
 struct SharedRead {
-    buf: starckpt_proto::buf::PooledBuf,
+    buf: starckpt_dataplane::buf::PooledBuf,
     _share: tokio::sync::OwnedSemaphorePermit,
 }
 
-impl starckpt_proto::buf::IoBuf for SharedRead {
+impl starckpt_dataplane::buf::IoBuf for SharedRead {
     fn aligned(&self) -> &AlignedBuf {
         self.buf.aligned()
     }
     fn aligned_mut(&mut self) -> &mut AlignedBuf {
         self.buf.aligned_mut()
     }
-    fn pool_slot(&self) -> Option<starckpt_proto::buf::PoolSlot> {
+    fn pool_slot(&self) -> Option<starckpt_dataplane::buf::PoolSlot> {
         self.buf.pool_slot()
     }
 }
@@ -704,11 +704,11 @@ impl ChunkStore {
             Some(free) => free.path().to_path_buf(),
             None => self.root.join("tmp").join(format!("{}.{}", hash.to_hex(), uuid::Uuid::new_v4().simple())),
         };
-        let written = match starckpt_client::faults::point("target.store.write") {
+        let written = match starckpt_dataplane::faults::point("target.store.write") {
             Err(injected) => Err(injected),
             Ok(()) => match placed {
                 // The header first, then the placed blocks, then the last partial block.
-                Some((body, rehash)) => match starckpt_client::faults::point("target.store.write_placed") {
+                Some((body, rehash)) => match starckpt_dataplane::faults::point("target.store.write_placed") {
                     Err(injected) => Err(injected),
                     Ok(()) => {
                         let create = reused.is_none();
@@ -749,7 +749,7 @@ impl ChunkStore {
             let (from, to, locks) = (temp_path.clone(), final_path.clone(), self.use_locks.clone());
             tokio::task::spawn_blocking(move || {
                 use std::os::unix::fs::MetadataExt;
-                starckpt_client::faults::point("target.store.rename")?;
+                starckpt_dataplane::faults::point("target.store.rename")?;
                 let _guard = locks.lock(&hash);
                 if let Some(inode) = replacing {
                     match std::fs::metadata(&to) {
@@ -801,7 +801,7 @@ impl ChunkStore {
             free.used();
         }
         let dir = self.chunk_dir(&hash);
-        let synced = match starckpt_client::faults::point("target.store.sync_dir") {
+        let synced = match starckpt_dataplane::faults::point("target.store.sync_dir") {
             Ok(()) => self.engine.sync_dir(dir.clone()).await,
             Err(injected) => Err(injected),
         };
@@ -882,7 +882,7 @@ impl ChunkStore {
                 Ok(_) | Err(ChunkStoreError::NotFound { .. }) => return Ok(None),
                 Err(error) => return Err(error),
             }
-            starckpt_client::faults::point("target.remove_bad")
+            starckpt_dataplane::faults::point("target.remove_bad")
                 .and_then(|()| std::fs::remove_file(&path))
                 .map(|()| Some(meta.len()))
                 .map_err(io_error("unlink", &path))
@@ -992,7 +992,7 @@ impl ChunkStore {
         let decoded = tokio::task::spawn_blocking(move || {
             let decoded = codec::decompress(codec, &buf.aligned().as_ref()[stored], chunk_len as usize)?;
             // Only the range is kept while the response waits to be written.
-            starckpt_proto::buf::copies::record((end - offset) as usize);
+            starckpt_dataplane::buf::copies::record((end - offset) as usize);
             Ok::<_, codec::CodecError>(Bytes::copy_from_slice(&decoded[offset as usize..end as usize]))
         })
         .await
@@ -1150,7 +1150,7 @@ impl ChunkStore {
                     }
                 }
                 // Kept for reuse when the pool has room (`freepool.rs`), unlinked otherwise.
-                let unlinked = starckpt_client::faults::point("target.delete.unlink").and_then(|()| {
+                let unlinked = starckpt_dataplane::faults::point("target.delete.unlink").and_then(|()| {
                     match free.recycle(path, meta.len())? {
                         true => Ok(()),
                         false => std::fs::remove_file(path),

@@ -53,7 +53,7 @@ use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use starckpt_client::transport::{ChunkTransport, Credentials, TcpConfig, TcpTransport, TransportError};
+use starckpt_dataplane::transport::{ChunkTransport, Credentials, TcpConfig, TcpTransport, TransportError};
 use starckpt_proto::ChunkHash;
 use starckpt_proto::frame::MAX_LIST_ENTRIES;
 
@@ -235,7 +235,7 @@ async fn delete(
     throttle.admit(doomed.len()).await;
     // The guard is computed after the throttle's wait, so it still means "before M − grace".
     let guard = config.grace + marked_at.elapsed();
-    starckpt_client::faults::point("control.gc.delete").map_err(|e| TransportError::Connection(e.to_string()))?;
+    starckpt_dataplane::faults::point("control.gc.delete").map_err(|e| TransportError::Connection(e.to_string()))?;
     let deleted = transport.delete(doomed, Some(guard)).await?;
     // Chunks used since listing were kept by the target; count them with the recent ones.
     report.chunks_in_grace += doomed.len() as u64 - deleted.min(doomed.len() as u64);

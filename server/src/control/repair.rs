@@ -38,8 +38,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use starckpt_client::placement::rank_targets;
-use starckpt_client::transport::{ChunkTransport, Credentials, Payload, TcpConfig, TcpTransport, TransportError};
+use starckpt_dataplane::placement::rank_targets;
+use starckpt_dataplane::transport::{ChunkTransport, Credentials, Payload, TcpConfig, TcpTransport, TransportError};
 use starckpt_proto::frame::MAX_BATCH_HASHES;
 use starckpt_proto::{Addressing, ChunkHash, ChunkName};
 
@@ -457,7 +457,7 @@ async fn restore_copies(
                 continue;
             }
             pass.admit_copy().await;
-            let put = match starckpt_client::faults::point("control.repair.copy") {
+            let put = match starckpt_dataplane::faults::point("control.repair.copy") {
                 Ok(()) => target.transport.put_named(&name, data.clone(), false).await,
                 Err(injected) => Err(TransportError::Connection(injected.to_string())),
             };

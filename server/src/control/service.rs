@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use starckpt_client::transport::{ChunkTransport, Credentials, Deadline, TcpConfig};
+use starckpt_dataplane::transport::{ChunkTransport, Credentials, Deadline, TcpConfig};
 use starckpt_proto::capability::{ClusterKey, Rights};
 use starckpt_proto::control::control_server::{Control, ControlServer};
 use starckpt_proto::control::{self as pb};
@@ -602,7 +602,7 @@ impl Control for ControlService {
         let now = now_ms();
         let heard = &self.collector.heard;
         heard.arrived(&request.target_id, now);
-        starckpt_client::faults::delay("control.heartbeat.record").await;
+        starckpt_dataplane::faults::delay("control.heartbeat.record").await;
         let written = self
             .store
             .heartbeat(&request.target_id, request.capacity_bytes, request.used_bytes, request.chunk_count, now)
@@ -1365,7 +1365,7 @@ fn host_name() -> String {
 /// Where the boot id or namespace cannot be read, this process's own: nothing is taken for an
 /// earlier run of it.
 fn listener_identity(address: std::net::SocketAddr) -> String {
-    let boot = starckpt_proto::shm::host_id();
+    let boot = starckpt_dataplane::shm::host_id();
     let namespace = std::fs::read_link("/proc/self/ns/net").map(|ns| ns.to_string_lossy().into_owned());
     let place = match namespace {
         Ok(namespace) if !boot.is_empty() => format!("{boot} {namespace}"),

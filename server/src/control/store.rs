@@ -96,10 +96,10 @@ fn transient_sqlstate(code: &str) -> bool {
         || matches!(code, "40001" | "40P01" | "55P03" | "53300" | "57P01" | "57P02" | "57P03" | "25006")
 }
 
-/// A fault point (`starckpt_client::faults`) on the control plane: an injected failure reads as a
+/// A fault point (`starckpt_dataplane::faults`) on the control plane: an injected failure reads as a
 /// database error.
 pub fn fault(name: &'static str) -> MetaResult<()> {
-    starckpt_client::faults::point(name).map_err(|e| MetaError::Backend(sqlx::Error::Io(e)))
+    starckpt_dataplane::faults::point(name).map_err(|e| MetaError::Backend(sqlx::Error::Io(e)))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

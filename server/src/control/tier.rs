@@ -78,8 +78,8 @@ use object_store::path::Path;
 use object_store::prefix::PrefixStore;
 use object_store::{ObjectStore, PutPayload};
 use prost::Message;
-use starckpt_client::placement::rank_targets;
-use starckpt_client::transport::Credentials;
+use starckpt_dataplane::placement::rank_targets;
+use starckpt_dataplane::transport::Credentials;
 use starckpt_proto::control as pb;
 use starckpt_proto::model::{ChunkRef, Manifest};
 use starckpt_proto::{Addressing, ChunkHash, ChunkName, JobName};
@@ -467,27 +467,6 @@ pub async fn import(store: &dyn MetaStore, tier: &Tier, job: Option<JobName>) ->
         }
     }
     Ok(report)
-}
-
-/// Restoring with no cluster (`starckpt restore --from-tier`): chunks read from the tier, each
-/// verified against its hash and length.
-impl starckpt_client::ChunkSource for Tier {
-    async fn read_chunk(
-        &self,
-        manifest: &starckpt_client::CheckpointManifest,
-        chunk: &ChunkRef,
-    ) -> starckpt_client::Result<Bytes> {
-        let failed = |message: String| starckpt_client::Error::Source {
-            hash: chunk.hash,
-            from: format!("the object-store tier {}", self.url),
-            message,
-        };
-        match self.get_chunk(&manifest.addressing, chunk.hash, chunk.length_bytes).await {
-            Ok(Some((bytes, _))) => Ok(bytes),
-            Ok(None) => Err(failed("not there".into())),
-            Err(message) => Err(failed(message)),
-        }
-    }
 }
 
 /// Runs one pass (module docs). `targets`: every registered target with its data address when

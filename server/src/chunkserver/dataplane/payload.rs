@@ -5,9 +5,9 @@
 
 use std::sync::Arc;
 
+use starckpt_dataplane::rdma::RemoteBuffer;
 use starckpt_proto::ChunkHash;
 use starckpt_proto::data::{self, ErrorCode};
-use starckpt_proto::rdma::RemoteBuffer;
 use starckpt_rdma::{Op, QpDriver};
 
 use super::Served;

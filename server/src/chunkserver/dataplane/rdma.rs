@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use starckpt_dataplane::rdma::{RemoteBuffer, endpoint_from_wire, endpoint_to_wire};
 use starckpt_proto::data::{self, ErrorCode};
-use starckpt_proto::rdma::{RemoteBuffer, endpoint_from_wire, endpoint_to_wire};
 use starckpt_rdma::{Access, MemoryMap, Op, QpDriver, WorkRequest};
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
@@ -110,7 +110,7 @@ pub(super) async fn echo_probe(
     let Some(driver) = rdma else {
         return Err(error_response(ErrorCode::BadRequest, "a probe on a connection without RDMA".into()));
     };
-    let mut landing = starckpt_proto::buf::AlignedBuf::new(remote.len as usize);
+    let mut landing = starckpt_dataplane::buf::AlignedBuf::new(remote.len as usize);
     landing.set_len(remote.len as usize);
     let at = landing.as_mut_ptr() as usize;
     let landing = rdma_transfer(served, driver, Op::Read, at, remote.len as usize, remote, landing)

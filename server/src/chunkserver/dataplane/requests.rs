@@ -150,7 +150,7 @@ pub(super) async fn put(
     }
     let stored =
         if request.repair { store.repair_named(&name, chunk).await } else { store.put_named(&name, chunk).await };
-    if let (Ok(_), Err(injected)) = (&stored, starckpt_client::faults::point("target.put.ack")) {
+    if let (Ok(_), Err(injected)) = (&stored, starckpt_dataplane::faults::point("target.put.ack")) {
         return error_response(ErrorCode::Internal, injected.to_string());
     }
     match stored {

@@ -1,16 +1,16 @@
-//! Same-host clients: the shared-memory regions they attach (`starckpt_proto::shm`), whose
+//! Same-host clients: the shared-memory regions they attach (`starckpt_dataplane::shm`), whose
 //! memory the target may read and write in place, and which peers are trusted to have chunks
 //! written straight from their staging memory.
 
 use std::sync::Arc;
 
+use starckpt_dataplane::buf::ALIGN;
+use starckpt_dataplane::shm::{self, Attach, Region, StagingFile};
 use starckpt_proto::ChunkHash;
-use starckpt_proto::buf::ALIGN;
 use starckpt_proto::capability::Rights;
 use starckpt_proto::codec::Codec;
 use starckpt_proto::data;
 use starckpt_proto::frame::{self};
-use starckpt_proto::shm::{self, Attach, Region, StagingFile};
 use tokio::net::UnixListener;
 use tracing::{debug, info};
 
@@ -20,7 +20,7 @@ use crate::chunkserver::store::{ChunkStore, ChunkStoreError};
 use super::Served;
 use super::requests::{check_auth, check_capability, store_error};
 
-/// A Unix socket on which same-host clients attach shared memory ([`starckpt_proto::shm`]).
+/// A Unix socket on which same-host clients attach shared memory ([`starckpt_dataplane::shm`]).
 pub struct ShmListener {
     pub listener: UnixListener,
     /// Its path, as advertised to clients in STAT responses.
@@ -34,7 +34,7 @@ pub struct ShmListener {
     pub placed_reads: Option<bool>,
     /// Whether a PUT of a staged chunk from a client running as this target's user (or as root)
     /// is written to the device straight from the client's staging memory (no copy; the client
-    /// could rewrite the chunk files anyway, `starckpt_proto::shm`'s docs) rather than copied
+    /// could rewrite the chunk files anyway, `starckpt_dataplane::shm`'s docs) rather than copied
     /// out of it first. Default true. Other clients' chunks are always copied.
     pub placed_writes: bool,
 }

@@ -141,7 +141,7 @@ pub(crate) trait Dialled: FrameTransport + Send + Sync {
     /// Bytes the target says it put into the slot (0: they came in the frame).
     fn slot_length(response: &data::Response) -> u64;
     /// Copies `dest.len()` bytes at `offset` of the region out into `dest`, hashing them as it
-    /// goes (`starckpt_proto::buf::fill_hashed`); returns the hash of `dest` as copied.
+    /// goes (`crate::buf::fill_hashed`); returns the hash of `dest` as copied.
     fn copy_out(connection: &Self::Conn, offset: usize, dest: &mut [u8]) -> Result<ChunkHash, TransportError>;
     /// Copies `len` bytes at `offset` of the region into fresh bytes (not zeroed first).
     fn copy_fresh(connection: &Self::Conn, offset: usize, len: usize) -> Result<Bytes, TransportError>;

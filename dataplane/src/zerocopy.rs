@@ -44,7 +44,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter, Interest};
 use tokio::net::tcp::OwnedWriteHalf;
 
-use crate::frame::{self, Opcode};
+use starckpt_proto::frame::{self, Opcode};
 
 /// Payloads at least this large go zero-copy where it is on.
 pub const MIN_ZERO_COPY_BYTES: usize = 64 * 1024;

@@ -1,14 +1,14 @@
 //! The same-host shared-memory transport, and [`AutoTransport`], which picks it or TCP per target.
 //!
 //! A [`ShmTransport`] connection is a Unix-socket connection to the target plus a memfd region
-//! the client creates, seals and passes over it (`starckpt_proto::shm` has the handshake and why
+//! the client creates, seals and passes over it (`crate::shm` has the handshake and why
 //! the target can trust the mapping). The region is split into slots. A PUT of a staged chunk
 //! names where it lies in the client's staging memory, which the client passed at attach too
 //! (its staging pool is carved out of a memfd, `BufPool::shared`); any other PUT copies its
 //! payload into a free slot and names the slot. The target copies the bytes into its aligned
 //! write buffer, verifies and stores them, except a staged chunk of a client running as the
 //! target's user (or root), which it writes to its device straight from the staging memory and
-//! verifies there after the write (`starckpt_proto::shm`): no user-space copy. A GET
+//! verifies there after the write (`crate::shm`): no user-space copy. A GET
 //! names a slot; the target writes the bytes there and answers with their length. So payload
 //! bytes never pass through socket buffers; the frames that carry the requests are the same as on
 //! TCP (HAS, LIST, ... travel on the same socket). A payload that is not staged and is larger
@@ -32,7 +32,7 @@
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use starckpt_proto::shm::{self, Attach, Region};
+use crate::shm::{self, Attach, Region};
 use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 

@@ -3,8 +3,8 @@
 
 pub use starckpt_rdma::Endpoint;
 
-use crate::data;
-use crate::frame::MAX_PAYLOAD_BYTES;
+use starckpt_proto::data;
+use starckpt_proto::frame::MAX_PAYLOAD_BYTES;
 
 pub fn endpoint_to_wire(endpoint: &Endpoint) -> data::RdmaEndpoint {
     data::RdmaEndpoint {

@@ -20,8 +20,8 @@
 
 use std::fmt;
 
-use starckpt_proto::buf::{AlignedBuf, BufPool};
-use starckpt_proto::rdma::{endpoint_from_wire, endpoint_to_wire};
+use crate::buf::{AlignedBuf, BufPool};
+use crate::rdma::{endpoint_from_wire, endpoint_to_wire};
 use starckpt_rdma::{Access, DeviceSettings, MemoryMap, MemoryRegion, QueuePair, Verbs};
 
 use super::slots::{Dialled, Slot, SlotHost, SlotPool};
@@ -83,7 +83,7 @@ impl RdmaClient {
         slots: u32,
         slot_bytes: usize,
     ) -> Result<Arc<RdmaClient>, starckpt_rdma::VerbsError> {
-        let (slots, slot_bytes) = (slots.max(1), starckpt_proto::buf::round_up(slot_bytes));
+        let (slots, slot_bytes) = (slots.max(1), crate::buf::round_up(slot_bytes));
         let mut receive = AlignedBuf::new(slots as usize * slot_bytes);
         let len = receive.capacity();
         // SAFETY: the registration is dropped before `receive` (field order of RdmaClient).
@@ -272,7 +272,7 @@ impl Dialled for RdmaTransport {
     // formed.
     fn copy_out(connection: &RdmaConnection, offset: usize, dest: &mut [u8]) -> Result<ChunkHash, TransportError> {
         let from = receive_range(connection, offset, dest.len())?;
-        starckpt_proto::buf::fill_hashed(dest, |at, piece| {
+        crate::buf::fill_hashed(dest, |at, piece| {
             unsafe { std::ptr::copy_nonoverlapping(from.add(at), piece.as_mut_ptr(), piece.len()) };
             Ok(())
         })
@@ -285,7 +285,7 @@ impl Dialled for RdmaTransport {
             std::ptr::copy_nonoverlapping(from, bytes.spare_capacity_mut().as_mut_ptr().cast::<u8>(), len);
             bytes.set_len(len);
         }
-        starckpt_proto::buf::copies::record(len);
+        crate::buf::copies::record(len);
         Ok(bytes.freeze())
     }
 

@@ -43,14 +43,14 @@ pub mod copies {
 pub fn fill_hashed<E>(
     dst: &mut [u8],
     mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
-) -> Result<crate::ChunkHash, E> {
+) -> Result<starckpt_proto::ChunkHash, E> {
     let mut hasher = blake3::Hasher::new();
     for (index, piece) in dst.chunks_mut(HASHED_PIECE).enumerate() {
         fill(index * HASHED_PIECE, piece)?;
         hasher.update(piece);
     }
     copies::record(dst.len());
-    Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
+    Ok(starckpt_proto::ChunkHash(*hasher.finalize().as_bytes()))
 }
 
 /// Reads `dst.len()` bytes of `reader` (a socket) into `dst` piece by piece, hashing (BLAKE3) each
@@ -61,14 +61,14 @@ pub fn fill_hashed<E>(
 pub async fn read_hashed<R: tokio::io::AsyncRead + Unpin + ?Sized>(
     reader: &mut R,
     dst: &mut [u8],
-) -> std::io::Result<crate::ChunkHash> {
+) -> std::io::Result<starckpt_proto::ChunkHash> {
     use tokio::io::AsyncReadExt;
     let mut hasher = blake3::Hasher::new();
     for piece in dst.chunks_mut(HASHED_PIECE) {
         reader.read_exact(piece).await?;
         hasher.update(piece);
     }
-    Ok(crate::ChunkHash(*hasher.finalize().as_bytes()))
+    Ok(starckpt_proto::ChunkHash(*hasher.finalize().as_bytes()))
 }
 
 /// Bytes [`fill_hashed`] and [`read_hashed`] fill, then hash while they are still in a core's L2

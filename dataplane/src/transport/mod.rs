@@ -19,6 +19,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::rdma::RemoteBuffer;
+pub use crate::zerocopy::{FrameWriter, ZeroCopyCounts, ZeroCopySend, ZeroCopyStats};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use prost::Message;
@@ -26,8 +28,6 @@ pub use starckpt_proto::capability::Credentials;
 use starckpt_proto::codec::Codec;
 use starckpt_proto::data::{self, ErrorCode};
 use starckpt_proto::frame::{self, LIST_ENTRY_BYTES, MAX_BATCH_HASHES, Opcode, ReadFrameError};
-use starckpt_proto::rdma::RemoteBuffer;
-pub use starckpt_proto::zerocopy::{FrameWriter, ZeroCopyCounts, ZeroCopySend, ZeroCopyStats};
 use starckpt_proto::{Addressing, ChunkHash, ChunkName};
 use thiserror::Error;
 
@@ -103,7 +103,7 @@ pub struct TargetStat {
 /// A target's shared-memory endpoint, from its STAT response.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ShmEndpoint {
-    /// The target's host ([`starckpt_proto::shm::host_id`]): shared memory only works on the same one.
+    /// The target's host ([`crate::shm::host_id`]): shared memory only works on the same one.
     pub host_id: String,
     pub socket: std::path::PathBuf,
 }
@@ -217,7 +217,7 @@ pub struct TcpConfig {
     /// their copies to other targets at once.
     pub deadline: Deadline,
     /// PUT payloads sent zero-copy (io_uring SEND_ZC). Default auto: until the kernel reports it
-    /// copied them anyway, as it does over loopback (`starckpt_proto::zerocopy`).
+    /// copied them anyway, as it does over loopback (`crate::zerocopy`).
     pub zero_copy_send: ZeroCopySend,
     /// The capability every request carries (`starckpt_proto::capability`): the client's comes
     /// from the control plane; none where the cluster has no key.
@@ -285,7 +285,7 @@ impl LentReader {
             )));
         }
         self.broken = true;
-        let hash = starckpt_proto::buf::read_hashed(reader, dest)
+        let hash = crate::buf::read_hashed(reader, dest)
             .await
             .map_err(|e| TransportError::Connection(format!("reading a payload: {e}")))?;
         (self.broken, self.left) = (false, 0);
@@ -1070,7 +1070,7 @@ pub(crate) fn land_slot(
         Some(dest) if response.codec == Codec::None.to_wire() && dest.len() == len => {
             let copy_and_hash = || read_into(dest);
             // A large copy (~0.1 ms and more) hands the worker's other tasks over meanwhile.
-            if len >= BLOCK_IN_PLACE_BYTES { crate::save::off_runtime(copy_and_hash) } else { copy_and_hash() }
+            if len >= BLOCK_IN_PLACE_BYTES { crate::blocking::off_runtime(copy_and_hash) } else { copy_and_hash() }
                 .map(Fetched::Placed)
         }
         _ => get_payload(response, read_fresh()?).map(Fetched::Payload),

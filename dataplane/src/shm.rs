@@ -157,7 +157,7 @@ impl Attach {
                 attach.staging_bytes
             ));
         }
-        let max_slot = crate::frame::MAX_PAYLOAD_BYTES as usize;
+        let max_slot = starckpt_proto::frame::MAX_PAYLOAD_BYTES as usize;
         if attach.slots == 0 || attach.slots > MAX_SLOTS {
             return Err(format!("{} slots is outside 1..={MAX_SLOTS}", attach.slots));
         }
@@ -310,7 +310,7 @@ impl Region {
     /// after it is copied, while it is still in the CPU's cache, so the hash does not read the
     /// bytes from memory a second time. The hash is of `dst` as copied (never of the region,
     /// which another process may change meanwhile).
-    pub fn read_at_hashed(&self, offset: usize, dst: &mut [u8]) -> io::Result<crate::ChunkHash> {
+    pub fn read_at_hashed(&self, offset: usize, dst: &mut [u8]) -> io::Result<starckpt_proto::ChunkHash> {
         self.check(offset, dst.len())?;
         crate::buf::fill_hashed(dst, |at, piece| {
             // SAFETY: in bounds (checked for the whole range); the region never overlaps Rust-owned
@@ -427,7 +427,7 @@ impl StagingFile {
     /// Reads `dst.len()` bytes at `offset` into `dst`, hashing each piece (BLAKE3) right after it
     /// arrives, while it is in the CPU's cache: the hash is of `dst` as read. The client may be
     /// changing the bytes meanwhile: the caller's hash check then refuses them.
-    pub fn read_at_hashed(&self, offset: u64, dst: &mut [u8]) -> io::Result<crate::ChunkHash> {
+    pub fn read_at_hashed(&self, offset: u64, dst: &mut [u8]) -> io::Result<starckpt_proto::ChunkHash> {
         match offset.checked_add(dst.len() as u64) {
             Some(end) if end <= self.len => {}
             _ => {
@@ -626,7 +626,7 @@ mod tests {
         let data: Vec<u8> = (0..300_000u32).map(|i| (i * 31 % 251) as u8).collect();
         big.write_at(8192, &data).unwrap();
         let mut copy = vec![0u8; data.len()];
-        assert_eq!(big.read_at_hashed(8192, &mut copy).unwrap(), crate::ChunkHash::of(&data));
+        assert_eq!(big.read_at_hashed(8192, &mut copy).unwrap(), starckpt_proto::ChunkHash::of(&data));
         assert_eq!(copy, data);
         assert!(big.read_at_hashed(300_000, &mut copy).is_err());
     }
@@ -642,7 +642,7 @@ mod tests {
         assert!(Region::attach(received(), 1 << 20).is_err(), "a writable mapping of a write-sealed memfd");
         let file = StagingFile::attach(received(), 1 << 20).unwrap();
         let mut copy = vec![0u8; data.len()];
-        assert_eq!(file.read_at_hashed(4096, &mut copy).unwrap(), crate::ChunkHash::of(&data));
+        assert_eq!(file.read_at_hashed(4096, &mut copy).unwrap(), starckpt_proto::ChunkHash::of(&data));
         assert_eq!(copy, data);
         assert!(file.read_at_hashed((1 << 20) - 4096, &mut copy).is_err(), "past the end");
         assert!(file.read_at_hashed(u64::MAX - 10, &mut copy).is_err(), "overflowing");
