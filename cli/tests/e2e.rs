@@ -733,6 +733,9 @@ fn the_demo_runs_and_verifies() {
     assert_eq!(report["verified"], true);
     assert_eq!(report["steps"].as_array().unwrap().len(), 2);
     assert!(report["steps"][1]["deduplicated_chunks"].as_u64().unwrap() > 0, "the frozen tensor deduplicates");
+    // The commit is held to a write of what it wrote: two copies of every chunk of the first step.
+    assert_eq!(report["steps"][0]["copies"], 2);
+    assert_eq!(report["steps"][0]["written_bytes"].as_u64(), Some(2 * (48 << 20)));
 }
 
 #[test]

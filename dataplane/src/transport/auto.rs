@@ -12,9 +12,12 @@ use super::*;
 
 /// Shared memory to a target on this host, TCP otherwise (module docs).
 ///
-/// Whether the target is local is found out in the background, so no request waits for it: until
-/// the target has answered and the region is attached, requests go over TCP. A probe that fails
-/// (the target is down or slow) is tried again after [`PROBE_RETRY`].
+/// Whether the target is local is found out in the background. The first requests wait for that
+/// answer (a STAT's round trip, and the attach of a region on the same host) for at most
+/// [`FIRST_PROBE_WAIT`]: a client started after a preemption otherwise sends its first
+/// restore's chunks over TCP while shared memory comes up, queued on one connection long enough
+/// to look like a sick target to the read's patience. Past that wait, and after a probe failed
+/// (the target is down or slow; asked again after [`PROBE_RETRY`]), requests go over TCP.
 pub struct AutoTransport {
     tcp: Arc<TcpTransport>,
     probe: Arc<Probe>,
@@ -23,6 +26,10 @@ pub struct AutoTransport {
 /// How long after a failed probe (the target did not answer, or the attach failed) the next one
 /// may start.
 const PROBE_RETRY: Duration = Duration::from_secs(10);
+
+/// How long requests wait for a transport's first probe to decide: a few round trips on a
+/// network, well under a second; a target that does not answer STAT that fast is not waited for.
+const FIRST_PROBE_WAIT: Duration = Duration::from_millis(250);
 
 struct Probe {
     tcp: Arc<TcpTransport>,
@@ -37,6 +44,9 @@ struct Probe {
     /// the faster transport fails (the target changed, the link broke): asked again later.
     decided: Mutex<Option<Option<Arc<dyn ChunkTransport>>>>,
     running: std::sync::atomic::AtomicBool,
+    /// When the transport was made: requests wait for the first probe until [`FIRST_PROBE_WAIT`]
+    /// after it.
+    created: std::time::Instant,
     retry_at: Mutex<Option<std::time::Instant>>,
     finished: tokio::sync::Notify,
 }
@@ -170,14 +180,20 @@ impl AutoTransport {
             rdma,
             decided: Mutex::new(None),
             running: std::sync::atomic::AtomicBool::new(false),
+            created: std::time::Instant::now(),
             retry_at: Mutex::new(None),
             finished: tokio::sync::Notify::new(),
         });
         AutoTransport { tcp, probe }
     }
 
-    /// The transport to use now (module docs); starts a probe if the answer is not known yet.
-    fn chosen(&self) -> Arc<dyn ChunkTransport> {
+    /// The transport to use now (module docs); starts a probe if the answer is not known yet, and
+    /// waits for the first one ([`FIRST_PROBE_WAIT`]).
+    async fn chosen(&self) -> Arc<dyn ChunkTransport> {
+        let waited = self.probe.created.elapsed();
+        if self.probe.decision().is_none() && waited < FIRST_PROBE_WAIT {
+            let _ = tokio::time::timeout(FIRST_PROBE_WAIT - waited, self.settle()).await;
+        }
         match self.probe.decision() {
             Some(Some(fast)) => fast,
             Some(None) => Arc::clone(&self.tcp) as Arc<dyn ChunkTransport>,
@@ -211,7 +227,7 @@ impl AutoTransport {
 
     /// [`ChunkTransport::get_into`] on the chosen transport, on TCP if that fails to connect.
     async fn get_into_once(&self, hash: ChunkHash, dest: &mut [u8]) -> Result<Fetched, TransportError> {
-        let chosen = self.chosen();
+        let chosen = self.chosen().await;
         match chosen.get_into(hash, dest).await {
             Err(error) if self.falls_back(&chosen, &error) => self.tcp.get_into(hash, dest).await,
             other => other,
@@ -222,7 +238,7 @@ impl AutoTransport {
     where
         F: std::future::Future<Output = Result<T, TransportError>>,
     {
-        let chosen = self.chosen();
+        let chosen = self.chosen().await;
         match op(Arc::clone(&chosen)).await {
             Err(error) if self.falls_back(&chosen, &error) => {
                 op(Arc::clone(&self.tcp) as Arc<dyn ChunkTransport>).await
