@@ -33,6 +33,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
+use crate::sync::LockExt;
 use crate::{ClientConfig, Error, Result};
 
 /// Largest control-plane message either way (a checkpoint's manifests).
@@ -226,14 +227,14 @@ impl ControlPlanes {
     }
 
     fn in_use(&self) -> (usize, Control) {
-        let current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let current = self.current.lock_unpoisoned();
         (current.0, current.1.clone())
     }
 
     /// Moves from control plane `failed` to the next one (unless another call already moved on)
     /// and returns the one now in use. Its connection is made by the first call sent on it.
     fn fail_over(&self, failed: usize) -> usize {
-        let mut current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut current = self.current.lock_unpoisoned();
         if current.0 == failed {
             let next = (failed + 1) % self.endpoints.len();
             *current = (next, client(self.endpoints[next].1.connect_lazy(), &self.bearer));

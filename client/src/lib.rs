@@ -42,6 +42,7 @@ use starckpt_dataplane::buf::BufPool;
 use starckpt_proto::JobName;
 use starckpt_proto::control::{self as pb};
 
+use crate::sync::LockExt;
 use control::{Control, ControlPlanes, Resend};
 pub use drafts::{DraftInfo, JobFileInfo};
 pub use error::{Error, Result};
@@ -51,7 +52,7 @@ pub use save::{
     CommitState, FillFn, Lent, SaveHandle, SaveItem, SaveOutcome, SavePart, SaveProgress, items_from_paths,
 };
 /// The data plane (`starckpt-dataplane`), as the SDK's own modules.
-pub use starckpt_dataplane::{faults, placement, transport};
+pub use starckpt_dataplane::{faults, placement, sync, transport};
 pub use starckpt_proto::control::{
     CheckpointInfo, CheckpointState, CollectGarbageResponse as GcReport, JobInfo, RetentionPolicy, TargetInfo,
     TargetState,
@@ -298,7 +299,7 @@ impl Targets {
     /// Notes whether a read or a write reached `target_id`. True when it newly did not (not
     /// already within [`UNREACHABLE_FOR`]): [`Client::reached`] reports that.
     fn reached(&self, target_id: &str, reached: bool) -> bool {
-        let mut unreachable = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+        let mut unreachable = self.unreachable.lock_unpoisoned();
         if reached {
             unreachable.remove(target_id);
             false
@@ -312,7 +313,7 @@ impl Targets {
     /// last, as if this client had found it silent itself.
     fn heard_of(&self, targets: &[TargetInfo]) {
         let now = std::time::Instant::now();
-        let mut unreachable = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+        let mut unreachable = self.unreachable.lock_unpoisoned();
         for target in targets.iter().filter(|t| t.state != pb::TargetState::Alive as i32) {
             unreachable.insert(target.target_id.clone(), now);
         }
@@ -337,12 +338,12 @@ impl Targets {
 
     /// Whether a read or a write failed to reach `target_id` within [`UNREACHABLE_FOR`].
     fn unreachable(&self, target_id: &str) -> bool {
-        let unreachable = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+        let unreachable = self.unreachable.lock_unpoisoned();
         unreachable.get(target_id).is_some_and(|since| since.elapsed() < UNREACHABLE_FOR)
     }
 
     fn transport(&self, target_id: &str, address: &str, config: &ClientConfig) -> Result<Arc<dyn ChunkTransport>> {
-        let mut map = self.by_id.lock().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.by_id.lock_unpoisoned();
         if let Some((known, transport)) = map.get(target_id)
             && known == address
         {

@@ -20,6 +20,7 @@ use starckpt_proto::ChunkHash;
 use starckpt_proto::control::MAX_RECOVER_CHUNKS;
 use tokio::sync::oneshot;
 
+use crate::sync::LockExt;
 use crate::{CheckpointManifest, Client, Error};
 
 /// Times a batch is asked again of a control plane busy recovering other readers' chunks.
@@ -62,7 +63,7 @@ struct Queue {
 
 impl Recoveries {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Checkpoint, Queue>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.lock_unpoisoned()
     }
 
     /// The next batch of `checkpoint`'s queue (readers that gave up skipped), or None, the queue

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::shm::Region;
+use crate::sync::LockExt;
 
 /// Payload bytes copied in user space on the data path, between a client's staging buffers (or
 /// the reader's) and a target's device buffers: every such copy site records itself here, so a
@@ -258,7 +259,7 @@ impl PoolInner {
             Some(arena) => AlignedBuf::carve(arena, index as usize * self.buf_bytes, self.buf_bytes),
             None => AlignedBuf::new(self.buf_bytes),
         };
-        let mut bases = self.bases.lock().unwrap_or_else(|p| p.into_inner());
+        let mut bases = self.bases.lock_unpoisoned();
         let at = bases.partition_point(|&b| b < buf.as_ptr() as usize);
         bases.insert(at, buf.as_ptr() as usize);
         (buf, index)
@@ -349,7 +350,7 @@ impl BufPool {
     /// allocated (lent out or free) until the last handle of the pool is dropped.
     pub fn buffer_containing(&self, ptr: *const u8) -> Option<(usize, usize)> {
         let at = ptr as usize;
-        let bases = self.inner.bases.lock().unwrap_or_else(|p| p.into_inner());
+        let bases = self.inner.bases.lock_unpoisoned();
         let index = bases.partition_point(|&b| b <= at).checked_sub(1)?;
         let base = bases[index];
         (at < base + self.inner.buf_bytes).then_some((base, self.inner.buf_bytes))
@@ -357,7 +358,7 @@ impl BufPool {
 
     fn lock_free(&self) -> std::sync::MutexGuard<'_, Vec<(AlignedBuf, u32)>> {
         // A panic while holding this lock cannot leave the Vec inconsistent; keep going.
-        self.inner.free.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.inner.free.lock_unpoisoned()
     }
 
     pub async fn acquire(&self) -> PooledBuf {
@@ -416,7 +417,7 @@ impl Drop for PooledBuf {
     fn drop(&mut self) {
         if let Some(mut buf) = self.buf.take() {
             buf.set_len(0);
-            self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).push((buf, self.index));
+            self.pool.free.lock_unpoisoned().push((buf, self.index));
         }
     }
 }

@@ -12,6 +12,7 @@
 //! - [`placement`]: which targets hold a chunk's copies.
 //! - [`faults`]: fault points for the crash matrix (the `testing` feature).
 //! - [`blocking`]: blocking work run from async code.
+//! - [`sync`]: locks whose holder panicked, used as they are.
 
 pub mod blocking;
 pub mod buf;
@@ -19,5 +20,6 @@ pub mod faults;
 pub mod placement;
 pub mod rdma;
 pub mod shm;
+pub mod sync;
 pub mod transport;
 pub mod zerocopy;

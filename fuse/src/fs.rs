@@ -23,6 +23,7 @@ use starckpt_proto::{JobName, RelPath};
 
 use crate::read::{Reader, Reads};
 use crate::tree::{StepTree, join, step_of};
+use starckpt_client::sync::LockExt;
 
 mod journal;
 mod judge;
@@ -258,7 +259,7 @@ impl CkptFs {
 
     fn state(&self) -> MutexGuard<'_, State> {
         // Every update leaves the maps consistent; a panicked request does not poison the mount.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock_unpoisoned()
     }
 
     fn node(&self, ino: INodeNo) -> Result<Node, Errno> {
@@ -477,7 +478,7 @@ impl Filesystem for CkptFs {
                         file.mode.store(u64::from(mode), Ordering::Relaxed);
                     }
                     if let Some(mtime) = mtime {
-                        *file.mtime.lock().unwrap_or_else(|p| p.into_inner()) = Some(match mtime {
+                        *file.mtime.lock_unpoisoned() = Some(match mtime {
                             TimeOrNow::SpecificTime(time) => time,
                             TimeOrNow::Now => SystemTime::now(),
                         });
@@ -688,7 +689,7 @@ impl Filesystem for CkptFs {
                 // What was written is read from its spill copy, which the kernel must not cache
                 // past a write through another handle.
                 if !wants_write(flags) {
-                    if file.spill.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+                    if file.spill.lock_unpoisoned().is_none() {
                         return Err(Errno::ENOTSUP);
                     }
                     return Ok((self.add_handle(Handle::DraftRead(file)), FopenFlags::FOPEN_DIRECT_IO));

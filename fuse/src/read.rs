@@ -19,6 +19,7 @@ use bytes::{Bytes, BytesMut};
 use fuser::Errno;
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
+use starckpt_client::sync::LockExt;
 use starckpt_client::{CheckpointManifest, Client};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -102,7 +103,7 @@ impl Reads {
             last_read: AtomicUsize::new(usize::MAX),
             touched: AtomicU64::new(self.now_ms()),
         });
-        let mut readers = self.readers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut readers = self.readers.lock_unpoisoned();
         readers.retain(|r| r.strong_count() > 0);
         readers.push(Arc::downgrade(&reader));
         Some(reader)
@@ -126,7 +127,7 @@ impl Reads {
         let previous = reader.last_read.swap(last, Ordering::Relaxed);
         reader.touched.store(self.now_ms(), Ordering::Relaxed);
         let wanted: Vec<(usize, ChunkFuture)> = {
-            let mut window = reader.window.lock().unwrap_or_else(|p| p.into_inner());
+            let mut window = reader.window.lock_unpoisoned();
             let sequential = offset == 0
                 || first == previous
                 || Some(first) == previous.checked_add(1)
@@ -156,7 +157,7 @@ impl Reads {
         // next sequential read starts there); one that failed is not kept either, so the next
         // read of it on this handle tries again.
         let ends_inside = end < reader.starts[last + 1];
-        let mut window = reader.window.lock().unwrap_or_else(|p| p.into_inner());
+        let mut window = reader.window.lock_unpoisoned();
         for (index, chunk) in &wanted {
             let keep = window.get(index).is_some_and(|slot| {
                 !slot.chunk.ptr_eq(chunk)
@@ -191,7 +192,7 @@ impl Reads {
             return;
         }
         let idle = IDLE.as_millis() as u64;
-        let readers = self.readers.lock().unwrap_or_else(|p| p.into_inner());
+        let readers = self.readers.lock_unpoisoned();
         for reader in readers.iter().filter_map(Weak::upgrade) {
             if std::ptr::eq(Arc::as_ptr(&reader), asking) || now < reader.touched.load(Ordering::Relaxed) + idle {
                 continue;

@@ -20,6 +20,7 @@ use pyo3::exceptions::{PyBufferError, PyTimeoutError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyType};
 use starckpt_client as sdk;
+use starckpt_client::sync::LockExt;
 use starckpt_proto::codec;
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
@@ -34,7 +35,7 @@ static RUNTIME: Mutex<Option<(u32, &'static Runtime)>> = Mutex::new(None);
 /// thread holds `RUNTIME`'s lock, and a child never inherits it held.
 fn runtime(_gil: Python<'_>) -> PyResult<&'static Runtime> {
     let pid = std::process::id();
-    let mut slot = RUNTIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut slot = RUNTIME.lock_unpoisoned();
     if let Some((owner, runtime)) = *slot
         && owner == pid
     {
@@ -469,7 +470,7 @@ impl NativeClient {
                 Box::new(move |offset: u64, out: &mut [u8]| {
                     Python::attach(|py| call_fill(py, fill, offset, out)).map_err(|e| {
                         let message = e.to_string();
-                        fill_error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                        fill_error.lock_unpoisoned().get_or_insert(e);
                         message
                     })
                 }) as Box<sdk::FillFn<'_>>

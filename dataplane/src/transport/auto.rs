@@ -9,6 +9,7 @@ use std::sync::Mutex;
 use crate::shm::{self, Region};
 
 use super::*;
+use crate::sync::LockExt;
 
 /// Shared memory to a target on this host, TCP otherwise (module docs).
 ///
@@ -53,18 +54,18 @@ struct Probe {
 
 impl Probe {
     fn decision(&self) -> Option<Option<Arc<dyn ChunkTransport>>> {
-        self.decided.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.decided.lock_unpoisoned().clone()
     }
 
     /// The faster transport failed: back to TCP, and ask the target again after [`PROBE_RETRY`]
     /// (not at once: a broken path must not cost every request a failed attempt).
     fn demote(&self, failed: &Arc<dyn ChunkTransport>) {
-        let mut decided = self.decided.lock().unwrap_or_else(|p| p.into_inner());
+        let mut decided = self.decided.lock_unpoisoned();
         if let Some(Some(current)) = decided.as_ref()
             && Arc::ptr_eq(current, failed)
         {
             *decided = None;
-            *self.retry_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now() + PROBE_RETRY);
+            *self.retry_at.lock_unpoisoned() = Some(std::time::Instant::now() + PROBE_RETRY);
         }
     }
 
@@ -73,7 +74,7 @@ impl Probe {
         if !(self.shm_config.enabled || self.rdma.is_some()) || self.decision().is_some() {
             return;
         }
-        if self.retry_at.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|at| std::time::Instant::now() < at) {
+        if self.retry_at.lock_unpoisoned().is_some_and(|at| std::time::Instant::now() < at) {
             return;
         }
         if self.running.swap(true, Ordering::AcqRel) {
@@ -81,8 +82,7 @@ impl Probe {
         }
         // A probe may have finished (or the transport been demoted) between the checks above and
         // winning `running`: check again, now that no other probe can start.
-        let retry_later =
-            self.retry_at.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|at| std::time::Instant::now() < at);
+        let retry_later = self.retry_at.lock_unpoisoned().is_some_and(|at| std::time::Instant::now() < at);
         if self.decision().is_some() || retry_later {
             self.running.store(false, Ordering::Release);
             self.finished.notify_waiters();
@@ -92,12 +92,11 @@ impl Probe {
         tokio::spawn(async move {
             match probe.ask().await {
                 Ok(decision) => {
-                    *probe.decided.lock().unwrap_or_else(|p| p.into_inner()) = Some(decision);
+                    *probe.decided.lock_unpoisoned() = Some(decision);
                 }
                 Err(error) => {
                     tracing::debug!(target = %probe.target_id, %error, "no shared memory with the target yet");
-                    *probe.retry_at.lock().unwrap_or_else(|p| p.into_inner()) =
-                        Some(std::time::Instant::now() + PROBE_RETRY);
+                    *probe.retry_at.lock_unpoisoned() = Some(std::time::Instant::now() + PROBE_RETRY);
                 }
             }
             probe.running.store(false, Ordering::Release);

@@ -26,6 +26,7 @@ use starckpt_rdma::{Access, DeviceSettings, MemoryMap, MemoryRegion, QueuePair, 
 
 use super::slots::{Dialled, Slot, SlotHost, SlotPool};
 use super::*;
+use crate::sync::LockExt;
 
 /// RDMA settings of a client.
 #[derive(Clone)]
@@ -129,7 +130,7 @@ impl SlotHost for RdmaConnection {
     }
 
     fn abandon(&self, index: u32) {
-        self.quarantined.lock().unwrap_or_else(|p| p.into_inner()).push(index);
+        self.quarantined.lock_unpoisoned().push(index);
         self.frames.close("a request was abandoned while the target may still write its slot");
         // The slot is shared with every target's connection: free it now, not when this
         // connection is next looked at (which may be never).
@@ -141,8 +142,8 @@ impl RdmaConnection {
     /// Destroys the queue pair (no peer can write through it after this) and returns the slots
     /// abandoned on it.
     fn destroy_queue_pair(&self) {
-        drop(self.queue_pair.lock().unwrap_or_else(|p| p.into_inner()).take());
-        for index in self.quarantined.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        drop(self.queue_pair.lock_unpoisoned().take());
+        for index in self.quarantined.lock_unpoisoned().drain(..) {
             self.client.receive_slots.release(index);
         }
     }

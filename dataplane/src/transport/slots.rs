@@ -20,6 +20,7 @@ use super::{
     Connection, Fetched, FrameTransport, Place, TcpConfig, TransportError, checked, get_header, get_landing,
     get_payload, land_slot, once_more,
 };
+use crate::sync::LockExt;
 
 pub(crate) struct SlotPool {
     slot_bytes: usize,
@@ -38,7 +39,7 @@ impl SlotPool {
 
     /// Returns a slot no peer can touch any more.
     pub(crate) fn release(&self, index: u32) {
-        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(index);
+        self.free.lock_unpoisoned().push(index);
         self.available.add_permits(1);
     }
 }
@@ -93,7 +94,7 @@ impl<H: SlotHost> Slot<H> {
             .await
             .map_err(|_| TransportError::Connection("the connection holding the slots closed".into()))?;
         permit.forget();
-        let index = pool.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let index = pool.free.lock_unpoisoned().pop();
         let index = index.ok_or_else(|| TransportError::Protocol("no free slot behind a permit".into()))?;
         Ok(Slot { host: Arc::clone(host), index, answered: false })
     }

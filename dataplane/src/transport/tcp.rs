@@ -2,6 +2,7 @@
 //! answers read by another and matched by id), its configuration and deadlines.
 
 use super::*;
+use crate::sync::LockExt;
 
 /// Bounds and timeouts of the TCP transport.
 #[derive(Clone, Debug)]
@@ -131,7 +132,7 @@ pub(super) struct PendingState {
 pub(super) type Pending = Arc<Mutex<PendingState>>;
 
 pub(super) fn lock(pending: &Pending) -> std::sync::MutexGuard<'_, PendingState> {
-    pending.lock().unwrap_or_else(|p| p.into_inner())
+    pending.lock_unpoisoned()
 }
 
 /// Fails every request still waiting on the connection with [`TransportError::Connection`]: none

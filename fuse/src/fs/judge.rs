@@ -11,6 +11,7 @@ use std::time::Duration;
 use fuser::Errno;
 
 use super::DraftFile;
+use starckpt_client::sync::LockExt;
 
 impl DraftFile {
     /// Whether a flush of this file by thread `tid` is its opener's, and how that thread
@@ -28,7 +29,7 @@ impl DraftFile {
     /// committed truncated, unless only the opener wrote to it and is still running (then the
     /// thread closed the file and ended on its own).
     pub(super) fn judge(self: &Arc<Self>, opener: u32, tid: u32) -> Option<(bool, Requester)> {
-        *self.judging.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        *self.judging.0.lock_unpoisoned() += 1;
         let (sender, told) = std::sync::mpsc::sync_channel(1);
         let judged = Arc::clone(self);
         let judge = move || {
@@ -36,7 +37,7 @@ impl DraftFile {
             if requester == Requester::Died && (by_opener || judged.written_by(tid)) {
                 judged.killed.store(true, Ordering::Relaxed);
             }
-            *judged.judging.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+            *judged.judging.0.lock_unpoisoned() -= 1;
             judged.judging.1.notify_all();
             let _ = sender.send((by_opener, requester));
         };
@@ -44,7 +45,7 @@ impl DraftFile {
             // Whether its writer died cannot be told: never commit what may be a truncated file.
             tracing::error!(job = %self.job, path = %self.path(), "cannot judge a close ({e}): the file is given up");
             self.killed.store(true, Ordering::Relaxed);
-            *self.judging.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+            *self.judging.0.lock_unpoisoned() -= 1;
             return Some((true, Requester::Died));
         }
         told.recv_timeout(JUDGE_WAIT).ok()
@@ -55,7 +56,7 @@ impl DraftFile {
     /// in the shell and writes it in `prog`, which may be killed mid-write while the shell closes
     /// the file as usual.
     pub(super) fn wrote_from(&self, tid: u32) {
-        let mut writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut writers = self.writers.lock_unpoisoned();
         if writers.last_tid == Some(tid) {
             return;
         }
@@ -70,13 +71,13 @@ impl DraftFile {
 
     /// Whether no process but `opener` wrote to this file (as far as can be told).
     fn written_only_by(&self, opener: u32) -> bool {
-        let writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        let writers = self.writers.lock_unpoisoned();
         !writers.any && writers.processes.iter().all(|&p| p == opener)
     }
 
     /// Whether the process of thread `tid` wrote to this file (or whether it did cannot be told).
     fn written_by(&self, tid: u32) -> bool {
-        let writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        let writers = self.writers.lock_unpoisoned();
         writers.any || tgid_of(tid).is_none_or(|tgid| writers.processes.contains(&tgid))
     }
 
@@ -84,7 +85,7 @@ impl DraftFile {
     /// past [`JUDGED_WAIT`] gives the file up (whether its writer died cannot be told).
     pub(super) fn judged(&self) {
         let (count, done) = &self.judging;
-        let pending = count.lock().unwrap_or_else(|p| p.into_inner());
+        let pending = count.lock_unpoisoned();
         let (pending, waited) =
             done.wait_timeout_while(pending, JUDGED_WAIT, |n| *n > 0).unwrap_or_else(|p| p.into_inner());
         if waited.timed_out() && *pending > 0 {

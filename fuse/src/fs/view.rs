@@ -15,6 +15,7 @@ use super::write::Draft;
 use super::{CkptFs, Node, errno, time_of};
 use crate::read::Reader;
 use crate::tree::{Child, StepTree, join, parse_step_name, split, step_name};
+use starckpt_client::sync::LockExt;
 
 impl CkptFs {
     // ---- control-plane views, cached for `listing_ttl` ----
@@ -179,7 +180,7 @@ impl CkptFs {
             Node::DraftFile { file } => {
                 let file = self.state().files.get(file).cloned().ok_or(Errno::ENOENT)?;
                 let mode = file.mode.load(Ordering::Relaxed) as u16;
-                let mtime = file.mtime.lock().unwrap_or_else(|p| p.into_inner()).unwrap_or(file.created);
+                let mtime = file.mtime.lock_unpoisoned().unwrap_or(file.created);
                 let mut attr =
                     self.attr(ino, FileType::RegularFile, file.size.load(Ordering::Relaxed), mode, file.created);
                 attr.mtime = mtime;

@@ -14,6 +14,7 @@ use starckpt_proto::RelPath;
 use super::spill::{Spill, SpillError};
 use super::{CkptFs, KIND_KEY, NAME_KEY, Node, errno, remap};
 use crate::tree::step_of;
+use starckpt_client::sync::LockExt;
 
 /// A directory tree being written, committed by renaming its top.
 pub(super) struct Draft {
@@ -133,11 +134,11 @@ impl DraftFile {
     }
 
     pub(super) fn path(&self) -> String {
-        self.path.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.path.lock_unpoisoned().clone()
     }
 
     fn spill(&self) -> std::sync::MutexGuard<'_, Option<Spill>> {
-        self.spill.lock().unwrap_or_else(|p| p.into_inner())
+        self.spill.lock_unpoisoned()
     }
 
     /// Lets its spill copy go (its bytes are a committed checkpoint's now, or it is given up).
@@ -435,7 +436,7 @@ impl CkptFs {
             if let Writer::Done(done) = &mut **writer {
                 done.path = RelPath::try_from(new_path.as_str()).map_err(|_| Errno::EINVAL)?;
             }
-            *file.path.lock().unwrap_or_else(|p| p.into_inner()) = new_path.clone();
+            *file.path.lock_unpoisoned() = new_path.clone();
         }
         drop(writers);
         let d = state.drafts.get_mut(&draft).ok_or(Errno::ENOENT)?;
@@ -659,7 +660,7 @@ impl CkptFs {
                 let id = state.single_files.remove(&key).ok_or(Errno::ENOENT)?;
                 state.single_files.insert((job.to_owned(), new_name.to_owned()), id);
             }
-            *file.path.lock().unwrap_or_else(|p| p.into_inner()) = new_name.to_owned();
+            *file.path.lock_unpoisoned() = new_name.to_owned();
             Ok(matches!(&*writer, Writer::Done(_)))
         })?;
         if done && final_name {

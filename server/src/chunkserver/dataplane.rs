@@ -43,6 +43,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use super::store::ChunkStore;
+use starckpt_dataplane::sync::LockExt;
 
 mod payload;
 mod rdma;
@@ -357,7 +358,7 @@ struct PeerSlot {
 impl PeerConnections {
     /// A slot for another connection of `ip`, if it holds fewer than `max`.
     fn take(self: &Arc<Self>, ip: std::net::IpAddr, max: usize) -> Option<PeerSlot> {
-        let mut open = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut open = self.0.lock_unpoisoned();
         let count = open.entry(ip).or_insert(0);
         if *count >= max.max(1) {
             return None;
@@ -369,7 +370,7 @@ impl PeerConnections {
 
 impl Drop for PeerSlot {
     fn drop(&mut self) {
-        let mut open = self.peers.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut open = self.peers.0.lock_unpoisoned();
         if let Some(count) = open.get_mut(&self.ip) {
             *count -= 1;
             if *count == 0 {

@@ -24,6 +24,7 @@
 //! - Copies found corrupt are unlinked, never recycled: the blocks under them may be bad.
 //! - Under space pressure (a put that would eat into the reserve) free files are unlinked first.
 
+use starckpt_dataplane::sync::LockExt;
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -125,7 +126,7 @@ impl FreePool {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Files> {
-        self.files.lock().unwrap_or_else(|p| p.into_inner())
+        self.files.lock_unpoisoned()
     }
 
     /// Bytes of free files.

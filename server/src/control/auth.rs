@@ -38,6 +38,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use starckpt_dataplane::sync::RwLockExt;
 use starckpt_proto::{JobName, TenantName, token};
 use tonic::Status;
 use tonic::metadata::MetadataMap;
@@ -229,7 +230,7 @@ impl Tokens {
     /// logged once and changes nothing: the tokens read before stay in force.
     pub fn reload_if_changed(&self) {
         let text = std::fs::read(&self.path);
-        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state.write_unpoisoned();
         let text = match text {
             Ok(text) => text,
             Err(error) => {
@@ -278,7 +279,7 @@ impl Tokens {
             .filter(|(scheme, _)| scheme.eq_ignore_ascii_case(token::BEARER.trim()))
             .map(|(_, token)| token.trim())
             .ok_or_else(|| Status::unauthenticated("the authorization header is not `Bearer <token>`"))?;
-        let table = Arc::clone(&self.state.read().unwrap_or_else(|p| p.into_inner()).table);
+        let table = Arc::clone(&self.state.read_unpoisoned().table);
         table.caller(token).cloned().ok_or_else(|| {
             Status::unauthenticated(
                 "the bearer token is not one this control plane knows (revoked, or another cluster's)",

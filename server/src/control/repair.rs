@@ -45,6 +45,7 @@ use starckpt_proto::{Addressing, ChunkHash, ChunkName};
 
 use super::store::{CommittedChunk, MetaResult, MetaStore, TargetRecord};
 use super::tier::Tier;
+use starckpt_dataplane::sync::LockExt;
 
 #[derive(Clone, Debug)]
 pub struct RepairConfig {
@@ -264,10 +265,7 @@ pub(crate) async fn recover(
 ) -> Recovered {
     let live_ids: Vec<&str> = live.iter().map(|l| l.id.as_str()).collect();
     let pass = Pass::new(live, &live_ids, config, tier);
-    pass.unreachable
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .extend((0..live.len()).filter(|&i| skip.contains(&live[i].id)));
+    pass.unreachable.lock_unpoisoned().extend((0..live.len()).filter(|&i| skip.contains(&live[i].id)));
     // Not trusting the manifest's list: the reader found none of those copies. In the order
     // asked: the answer is per chunk.
     let empty = BTreeSet::new();
@@ -344,15 +342,15 @@ impl<'a> Pass<'a> {
     }
 
     fn unreachable(&self) -> HashSet<usize> {
-        self.unreachable.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.unreachable.lock_unpoisoned().clone()
     }
 
     fn is_unreachable(&self, index: usize) -> bool {
-        self.unreachable.lock().unwrap_or_else(|p| p.into_inner()).contains(&index)
+        self.unreachable.lock_unpoisoned().contains(&index)
     }
 
     fn mark_unreachable(&self, index: usize) {
-        self.unreachable.lock().unwrap_or_else(|p| p.into_inner()).insert(index);
+        self.unreachable.lock_unpoisoned().insert(index);
     }
 
     /// Waits for the next copy's turn under `copies_per_second`, and counts it.

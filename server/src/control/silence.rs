@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use starckpt_dataplane::sync::LockExt;
 use starckpt_proto::control as pb;
 
 /// How long a reported target shows suspect after its last report. Long enough to cover a save
@@ -31,7 +32,7 @@ pub(super) struct Reports(std::sync::Mutex<HashMap<String, u64>>);
 
 impl Reports {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.0.lock_unpoisoned()
     }
 
     /// Records `reported` (those of them in `registered`) as silent at `now`. Returns those not

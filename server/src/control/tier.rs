@@ -88,6 +88,7 @@ use super::repair::{CopyError, Live, Pace, live_targets, read_verified};
 use super::store::{
     CheckpointRecord, ImportedCheckpoint, MetaError, MetaResult, MetaStore, Role, TargetRecord, now_ms,
 };
+use starckpt_dataplane::sync::LockExt;
 
 const CHUNKS: &str = "chunks";
 const CHECKPOINTS: &str = "checkpoints";
@@ -649,15 +650,14 @@ impl Upload<'_> {
         let ids: Vec<&str> = self.live.iter().map(|l| l.id.as_str()).collect();
         let mut order: Vec<usize> = (0..self.live.len()).filter(|&i| listed.contains(&self.live[i].id)).collect();
         order.extend(rank_targets(&hash, &ids).into_iter().filter(|i| !listed.contains(&self.live[*i].id)));
-        let silent =
-            |index: &usize| self.silent.lock().unwrap_or_else(|p| p.into_inner()).contains(&self.live[*index].id);
+        let silent = |index: &usize| self.silent.lock_unpoisoned().contains(&self.live[*index].id);
         let (answering, quiet): (Vec<usize>, Vec<usize>) = order.into_iter().partition(|i| !silent(i));
         let mut failures = Vec::new();
         for index in answering.into_iter().chain(quiet) {
             match read_verified(&self.live[index], addressing, hash, length).await {
                 Ok((_, data, _)) => return Ok(data),
                 Err(CopyError::Unanswered(e)) => {
-                    self.silent.lock().unwrap_or_else(|p| p.into_inner()).insert(self.live[index].id.clone());
+                    self.silent.lock_unpoisoned().insert(self.live[index].id.clone());
                     failures.push(format!("{}: {e}", self.live[index].id))
                 }
                 Err(CopyError::Unreadable(e) | CopyError::Corrupt(e)) => {

@@ -26,6 +26,7 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use starckpt_dataplane::sync::{LockExt, RwLockExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
@@ -67,7 +68,7 @@ struct Current(RwLock<Arc<CertifiedKey>>);
 
 impl ResolvesServerCert for Current {
     fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(Arc::clone(&self.0.read().unwrap_or_else(|p| p.into_inner())))
+        Some(Arc::clone(&self.0.read_unpoisoned()))
     }
 }
 
@@ -96,14 +97,14 @@ impl ServerTls {
             // A file that cannot be read or parsed: the error names what changed.
             Err(error) => blake3::hash(error.as_bytes()),
         };
-        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let mut seen = self.seen.lock_unpoisoned();
         if *seen == hash {
             return;
         }
         *seen = hash;
         match read {
             Ok((_, certified)) => {
-                *self.current.0.write().unwrap_or_else(|p| p.into_inner()) = certified;
+                *self.current.0.write_unpoisoned() = certified;
                 tracing::info!(cert = %self.files.cert.display(), "serving the control plane's renewed TLS certificate");
             }
             Err(error) => {

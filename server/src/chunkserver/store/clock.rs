@@ -1,6 +1,7 @@
 //! When chunks were last used: striped locks per chunk, and a clock that survives restarts.
 
 use super::*;
+use starckpt_dataplane::sync::LockExt;
 
 /// Stripes of the per-chunk "last use" lock (see the module docs).
 pub(crate) const USE_LOCK_STRIPES: usize = 64;
@@ -15,7 +16,7 @@ impl UseLocks {
 
     pub(crate) fn lock(&self, hash: &ChunkHash) -> MutexGuard<'_, ()> {
         // The guarded data is (); a poisoned stripe is still a valid lock.
-        self.0[hash.0[1] as usize % USE_LOCK_STRIPES].lock().unwrap_or_else(|p| p.into_inner())
+        self.0[hash.0[1] as usize % USE_LOCK_STRIPES].lock_unpoisoned()
     }
 }
 
@@ -36,7 +37,7 @@ impl UseClock {
 
     /// Moves the baseline `by` into the past (`TargetConfig::assumed_uptime`).
     pub(crate) fn backdate(&self, by: Duration) {
-        let mut baseline = self.baseline.lock().unwrap_or_else(|p| p.into_inner());
+        let mut baseline = self.baseline.lock_unpoisoned();
         if let (Some(monotonic), Some(wall)) = (baseline.0.checked_sub(by), baseline.1.checked_sub(by)) {
             *baseline = (monotonic, wall);
         }
@@ -44,7 +45,7 @@ impl UseClock {
 
     /// The longest a chunk can have gone unused as far as this process can tell.
     pub fn age_cap(&self) -> Duration {
-        let mut baseline = self.baseline.lock().unwrap_or_else(|p| p.into_inner());
+        let mut baseline = self.baseline.lock_unpoisoned();
         let monotonic = baseline.0.elapsed();
         let wall = SystemTime::now().duration_since(baseline.1).unwrap_or(Duration::ZERO);
         let drift = wall.abs_diff(monotonic);

@@ -2,6 +2,7 @@
 //! at a time ([`Collector`]), and when targets were last heard ([`Heard`]).
 
 use super::*;
+use starckpt_dataplane::sync::LockExt;
 
 /// Runs GC passes one at a time, for the RPC and the background task.
 pub(super) struct Collector {
@@ -42,7 +43,7 @@ pub(super) struct Heard(std::sync::Mutex<HashMap<String, u64>>);
 
 impl Heard {
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.0.lock_unpoisoned()
     }
 
     /// A heartbeat of `target` arrived at `at`: counted now if the target is known here.
@@ -106,7 +107,7 @@ impl Collector {
     /// another control plane is running one and `wait` is false.
     pub(super) async fn run(&self, wait: bool) -> Result<Option<GcReport>, MetaError> {
         let _one_at_a_time = self.running.lock().await;
-        if let Some(why) = self.gc_paused.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+        if let Some(why) = self.gc_paused.lock_unpoisoned().clone() {
             return Err(MetaError::FailedPrecondition(format!(
                 "garbage collection is paused until control planes agree again: {why}"
             )));
@@ -182,7 +183,7 @@ impl Collector {
             ..TcpConfig::default()
         };
         let live = {
-            let mut cached = self.transports.lock().unwrap_or_else(|p| p.into_inner());
+            let mut cached = self.transports.lock_unpoisoned();
             let live = repair::live_targets_with(&targets, |id, address| {
                 let transport = cached
                     .entry((id.to_owned(), address))
@@ -194,12 +195,12 @@ impl Collector {
             live
         };
         let skip: HashSet<String> = {
-            let mut silent = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+            let mut silent = self.unreachable.lock_unpoisoned();
             silent.retain(|_, since| since.elapsed() < UNREACHABLE_SKIPPED_FOR);
             silent.keys().cloned().collect()
         };
         let recovered = repair::recover(chunks, &live, self.config.tier.as_deref(), &self.config.repair, &skip).await;
-        let mut silent = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+        let mut silent = self.unreachable.lock_unpoisoned();
         for id in &recovered.unreachable {
             silent.insert(id.clone(), std::time::Instant::now());
         }

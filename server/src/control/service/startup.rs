@@ -2,6 +2,7 @@
 //! it, the clock check, and the periodic passes.
 
 use super::*;
+use starckpt_dataplane::sync::LockExt;
 
 /// Opens the metadata store named by `url`: a SQLite path or `sqlite://` URL, or a
 /// `postgres://` URL ([`crate::control::sql::SqlStore::open`]).
@@ -166,7 +167,7 @@ pub(super) async fn refresh_membership(collector: &Collector, member: &ControlPl
     let conflict = join(&*collector.store, member, false).await?;
     let skew = clock_check(&*collector.store).await?.and_then(Result::err);
     let why = conflict.or(skew);
-    let mut paused = collector.gc_paused.lock().unwrap_or_else(|p| p.into_inner());
+    let mut paused = collector.gc_paused.lock_unpoisoned();
     match (&*paused, &why) {
         (None, Some(why)) => {
             tracing::error!(%why, "control planes sharing this database disagree: garbage collection paused")
