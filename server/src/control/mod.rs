@@ -2,7 +2,8 @@
 //!
 //! Entry point: [`service::run`]. The binary (`starckpt server`) only parses flags and calls it.
 pub mod auth;
-mod drafts;
+mod convert;
+mod copying;
 pub mod gc;
 pub mod repair;
 pub mod service;

@@ -11,7 +11,7 @@ use starckpt_proto::capability::{ClusterKey, Rights};
 use starckpt_proto::control::control_server::{Control, ControlServer};
 use starckpt_proto::control::{self as pb};
 use starckpt_proto::model::{
-    AcquireLease, BeginCheckpoint, CommitPart, Manifest, ModelError, TargetRegistration, validate_target_id,
+    AcquireLease, BeginCheckpoint, CommitPart, Manifest, TargetRegistration, validate_target_id,
 };
 use starckpt_proto::{Addressing, ChunkHash, JobName};
 use tokio::net::TcpListener;
@@ -21,8 +21,8 @@ use super::auth::{Caller, Tokens};
 use super::gc::{self, GcConfig, GcReport};
 use super::repair::{self, RepairConfig, RepairReport};
 use super::store::{
-    CheckpointRecord, CheckpointState, CommittedChunk, ControlPlaneMember, Leadership, ManifestOf, ManifestPage,
-    MetaError, MetaStore, RetentionPolicy, Role, TargetIds, TargetRecord, fault, now_ms,
+    CheckpointState, CommittedChunk, ControlPlaneMember, Leadership, ManifestOf, ManifestPage, MetaError, MetaStore,
+    RetentionPolicy, Role, TargetIds, TargetRecord, fault, now_ms,
 };
 use super::tier::{self, Tier, TierConfig, TierReport};
 use super::tls::ServerTls;
@@ -31,14 +31,14 @@ pub use starckpt_proto::control::MAX_RECOVER_CHUNKS;
 
 mod collector;
 mod config;
-mod convert;
+mod drafts;
 mod startup;
 
+pub use super::convert::checkpoint_info;
+use super::convert::*;
+pub(crate) use super::convert::{invalid, meta_status};
 use collector::*;
 pub use config::{ControlConfig, MAX_MESSAGE_BYTES};
-pub use convert::checkpoint_info;
-use convert::*;
-pub(crate) use convert::{invalid, meta_status};
 pub use startup::{MAX_CLOCK_SKEW, open_store, redact_password, run};
 
 pub struct ControlService {

@@ -84,7 +84,7 @@ use starckpt_proto::control as pb;
 use starckpt_proto::model::{ChunkRef, Manifest};
 use starckpt_proto::{Addressing, ChunkHash, ChunkName, JobName};
 
-use super::repair::{CopyError, Live, Pace, live_targets, read_verified};
+use super::copying::{CopyError, Live, Pace, live_targets, read_verified};
 use super::store::{
     CheckpointRecord, ImportedCheckpoint, MetaError, MetaResult, MetaStore, Role, TargetRecord, now_ms,
 };
@@ -607,7 +607,7 @@ impl Upload<'_> {
                 .map_err(|e| format!("manifest of rank {rank}: {e}"))?;
         }
         // Last: its presence says the rest is there (module docs).
-        let info = pb::CheckpointInfo { tiered_at_ms: now_ms(), ..super::service::checkpoint_info(checkpoint) };
+        let info = pb::CheckpointInfo { tiered_at_ms: now_ms(), ..super::convert::checkpoint_info(checkpoint) };
         let info = info.encode_to_vec();
         self.tier
             .store

@@ -184,10 +184,10 @@ impl Collector {
         };
         let live = {
             let mut cached = self.transports.lock_unpoisoned();
-            let live = repair::live_targets_with(&targets, |id, address| {
+            let live = crate::control::copying::live_targets_with(&targets, |id, address| {
                 let transport = cached
                     .entry((id.to_owned(), address))
-                    .or_insert_with(|| repair::tcp_with(id, address, tcp.clone()));
+                    .or_insert_with(|| crate::control::copying::tcp_with(id, address, tcp.clone()));
                 Arc::clone(transport)
             });
             // Only live targets' transports are kept.

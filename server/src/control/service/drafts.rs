@@ -10,9 +10,10 @@ use starckpt_proto::draft::{validate_job_file, validate_job_file_name, validate_
 use starckpt_proto::model::{Manifest, part_manifest};
 use tonic::{Response, Status};
 
-use super::auth::Caller;
-use super::service::{ControlService, invalid, meta_status};
-use super::store::{DraftKey, StoredDraft, StoredJobFile, now_ms};
+use super::ControlService;
+use crate::control::auth::Caller;
+use crate::control::convert::{invalid, meta_status};
+use crate::control::store::{DraftKey, StoredDraft, StoredJobFile, now_ms};
 
 /// The writer `writer` as stored for `caller`.
 fn stored_writer(caller: &Caller, writer: &str) -> Result<String, Status> {

@@ -1,7 +1,12 @@
 //! Domain values as the gRPC service answers them: errors as status codes, checkpoint records
 //! as `CheckpointInfo`.
 
-use super::*;
+use starckpt_proto::control as pb;
+use starckpt_proto::model::ModelError;
+use tonic::Status;
+
+use super::auth::Caller;
+use super::store::{CheckpointRecord, CheckpointState, MetaError};
 
 pub(crate) fn invalid(error: ModelError) -> Status {
     Status::invalid_argument(error.to_string())
@@ -26,7 +31,7 @@ pub(crate) fn meta_status(error: MetaError) -> Status {
     }
 }
 
-pub(super) fn state_pb(state: CheckpointState) -> pb::CheckpointState {
+pub(crate) fn state_pb(state: CheckpointState) -> pb::CheckpointState {
     match state {
         CheckpointState::Pending => pb::CheckpointState::Pending,
         CheckpointState::Committed => pb::CheckpointState::Committed,
@@ -41,7 +46,7 @@ pub fn checkpoint_info(record: &CheckpointRecord) -> pb::CheckpointInfo {
 }
 
 /// `record` as `caller` sees it: under the name the caller calls the job.
-pub(super) fn checkpoint_info_for(caller: &Caller, record: &CheckpointRecord) -> pb::CheckpointInfo {
+pub(crate) fn checkpoint_info_for(caller: &Caller, record: &CheckpointRecord) -> pb::CheckpointInfo {
     pb::CheckpointInfo {
         checkpoint_id: record.id,
         job: caller.shown(&record.job),
